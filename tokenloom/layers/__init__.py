@@ -1,0 +1,1 @@
+"""Model building blocks, written for tensor parallelism (plain at tp_size 1)."""

@@ -1,0 +1,1 @@
+"""Attention backends behind one interface (see base.py)."""

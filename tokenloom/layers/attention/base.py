@@ -1,0 +1,34 @@
+"""The `AttentionBackend` interface every attention kernel family implements.
+
+Per forward: `init_forward_metadata(batch)` once (index building, masks), then `forward(...)` once per
+layer. Invariants every backend keeps:
+- `forward` first stores the new tokens' K and V into the KV pool at `batch.out_cache_loc`, then attends
+  each new query to the request's KV positions [0, seq_len), causally (query at position p sees <= p);
+- outputs come back in the token order of `batch.input_ids`, shape [T, num_heads * head_dim];
+- no Python loop over requests on the per-step path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.req_to_token import ReqToTokenPool
+from tokenloom.executor.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Precompute what every layer of this step needs; store it on `batch.attn_metadata`."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens -> attention output [T, Hq * D]."""

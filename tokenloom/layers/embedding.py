@@ -1,0 +1,71 @@
+"""Vocab-parallel token embedding and LM head.
+
+The vocabulary is padded to a multiple of `tp_size * 64` and split in contiguous ranges. The embedding masks
+ids outside the local range and all-reduces; the LM head computes local logits and all-gathers them, then
+drops the padding. At tp_size 1 both are a plain lookup / matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.distributed.parallel_state import ParallelContext
+from tokenloom.layers.linear import _copy_checked
+
+
+def _padded_vocab(vocab_size: int, tp_size: int) -> int:
+    if tp_size == 1:
+        return vocab_size
+    multiple = 64 * tp_size
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        padded = _padded_vocab(vocab_size, ctx.tp_size)
+        self.local_vocab = padded // ctx.tp_size
+        self.vocab_start = ctx.tp_rank * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.ctx.all_reduce(out)
+
+    def load_full(self, name: str, tensor: torch.Tensor) -> None:
+        rows = max(0, min(self.local_vocab, self.vocab_size - self.vocab_start))
+        if tensor.shape[0] != self.vocab_size:
+            _copy_checked(self.weight, tensor, name)  # raises with the mismatch
+        _copy_checked(self.weight[:rows], tensor.narrow(0, self.vocab_start, rows), name)
+
+
+class ParallelLMHead(nn.Module):
+    """hidden -> logits over the full vocabulary. May share its weight with the embedding (tied)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, tied: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = embedding.vocab_size
+        self.vocab_start = embedding.vocab_start
+        self.local_vocab = embedding.local_vocab
+        if tied:
+            self.weight = embedding.weight
+        else:
+            shape = embedding.weight.shape
+            self.weight = nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.ctx.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]
+
+    load_full = VocabParallelEmbedding.load_full

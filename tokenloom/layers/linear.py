@@ -1,0 +1,122 @@
+"""Linear layers sharded for tensor parallelism; at tp_size 1 they are plain `F.linear`.
+
+Column-parallel layers split output features (no communication); row-parallel layers split input features
+and all-reduce their output. Each layer knows how to take its shard from a full checkpoint tensor
+(`load_full`), so the loader never needs to know the sharding scheme. Merged layers (QKV, gate/up) keep one
+weight so the forward runs one matmul instead of several.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.distributed.parallel_state import ParallelContext, divide
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not fit the parameter built from the config."""
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise WeightShapeError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's rows (output features) split across TP ranks; output stays split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.out_local = divide(out_features, ctx.tp_size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_local, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_local, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        shard = tensor.narrow(0, self.ctx.tp_rank * self.out_local, self.out_local)
+        _copy_checked(self.bias if is_bias else self.weight, shard, name)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input stored as one weight (gate_up_proj).
+
+    Local layout: [shard of part 0 | shard of part 1 | ...], so each rank's output splits into the parts
+    with `torch.split(sizes_local)`.
+    """
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.local_sizes = [divide(s, ctx.tp_size, "output features") for s in part_sizes]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(part_sizes))]
+        total = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(total, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_part(self, name: str, part: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        size = self.local_sizes[part]
+        shard = tensor.narrow(0, self.ctx.tp_rank * size, size)
+        dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], size)
+        _copy_checked(dst, shard, name)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Q, K and V projections in one weight, split by heads. KV heads are replicated when tp > kv heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 ctx: ParallelContext, dtype: torch.dtype) -> None:
+        self.num_heads_local = divide(num_heads, ctx.tp_size, "attention heads")
+        if num_kv_heads >= ctx.tp_size:
+            self.num_kv_heads_local = divide(num_kv_heads, ctx.tp_size, "kv heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads_local = 1
+            self.kv_replicas = divide(ctx.tp_size, num_kv_heads, "tp_size over kv heads")
+        self.head_dim = head_dim
+        q_size = self.num_heads_local * head_dim
+        kv_size = self.num_kv_heads_local * head_dim
+        # MergedColumnParallelLinear divides by tp; pass the global sizes of what each rank holds.
+        tp = ctx.tp_size
+        super().__init__(hidden_size, [q_size * tp, kv_size * tp, kv_size * tp], bias, ctx, dtype)
+
+    def load_part(self, name: str, part: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        if part == 0 or self.kv_replicas == 1:
+            super().load_part(name, part, tensor, is_bias)
+            return
+        size = self.local_sizes[part]
+        kv_head = self.ctx.tp_rank // self.kv_replicas
+        dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], size)
+        _copy_checked(dst, tensor.narrow(0, kv_head * size, size), name)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b, with W's columns (input features) split across TP ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.in_local = divide(in_features, ctx.tp_size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        if is_bias:
+            _copy_checked(self.bias, tensor, name)
+            return
+        _copy_checked(self.weight, tensor.narrow(1, self.ctx.tp_rank * self.in_local, self.in_local), name)

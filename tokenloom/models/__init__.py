@@ -1,0 +1,1 @@
+"""Model architectures, configuration and weight loading."""

@@ -1,0 +1,153 @@
+"""Reading a llama.cpp GGUF file: model config from its metadata, HF-named float tensors from its data.
+
+Quantized tensors (Q4_0/Q4_1/Q8_0/k-quants, whatever the `gguf` package can dequantize) become float32;
+llama.cpp names are mapped to Hugging Face names; the Q/K row permutation llama.cpp's converter applies to
+Llama-architecture checkpoints is undone so RoPE sees the HF (rotate-half) layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenloom.models.model_config import ModelConfig, ModelConfigError
+
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute).
+_PERMUTED_QK = {"llama", "mistral"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF this loader can read; the message names the file and the problem."""
+
+
+def _reader(path: str) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises bare ValueError/struct errors on corrupt files
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+class GGUFFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.reader = _reader(path)
+        self.arch = self.field("general.architecture")
+        if self.arch not in _GGUF_ARCH:
+            raise ModelConfigError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
+                                   f"supported: {', '.join(_GGUF_ARCH)}")
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        value = f.contents()
+        return value
+
+    def model_config(self) -> ModelConfig:
+        a = self.arch
+
+        def need(key: str) -> Any:
+            value = self.field(f"{a}.{key}")
+            if value is None:
+                raise ModelConfigError(f"{self.path}: GGUF metadata lacks {a}.{key}")
+            return value
+
+        heads = int(need("attention.head_count"))
+        hidden = int(need("embedding_length"))
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = int(self.field(f"{a}.vocab_size") or (len(tokens) if tokens else 0))
+        names = {t.name for t in self.reader.tensors}
+        scaling = None
+        scaling_type = self.field(f"{a}.rope.scaling.type")
+        if scaling_type and scaling_type != "none":
+            scaling = {"rope_type": scaling_type, "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0))}
+            orig = self.field(f"{a}.rope.scaling.original_context_length")
+            if orig:
+                scaling["original_max_position_embeddings"] = int(orig)
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        cfg = ModelConfig(
+            architecture=_GGUF_ARCH[a],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_hidden_layers=int(need("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv") or heads),
+            head_dim=int(self.field(f"{a}.attention.key_length") or hidden // heads),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+            source=self.path,
+        )
+        cfg.check()
+        return cfg
+
+    def chat_template(self) -> str | None:
+        return self.field("tokenizer.chat_template")
+
+    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+        import gguf
+
+        for t in self.reader.tensors:
+            name = self._hf_name(t.name)
+            try:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise GGUFError(f"{self.path}: tensor {t.name} has unsupported type "
+                                f"{t.tensor_type.name}: {e}") from None
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            try:
+                array = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+            except ValueError as e:
+                raise GGUFError(f"{self.path}: tensor {t.name} data does not fit shape {shape}: {e}") from None
+            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+            if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                tensor = unpermute_qk(tensor, heads)
+            yield name, tensor
+
+    def _hf_name(self, name: str) -> str:
+        if name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[name]
+        m = _BLOCK_RE.match(name)
+        if not m or m.group(2) not in _BLOCK_NAMES:
+            raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute: rows (head, dim/2, 2) -> (head, 2, dim/2)."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))

@@ -1,0 +1,1 @@
+"""Sampling parameters and their per-batch tensor form."""

@@ -1,0 +1,99 @@
+"""`SamplingBatchInfo`: the sampling parameters of a batch as device tensors, one row per request.
+
+Built from each request's `SamplingParams`, prompt ids and output ids so far. Holds only what the sampler
+reads; penalty state (output token counts, prompt-token mask) is materialised only when some request in the
+batch uses a penalty, logit bias only when some request sets one.
+Invariant: row i of every tensor belongs to the i-th request of the batch, in batch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    is_greedy: torch.Tensor  # [B] bool
+    seeds: torch.Tensor  # [B] int64 (0 where has_seed is False)
+    has_seed: torch.Tensor  # [B] bool
+    output_lens: torch.Tensor  # [B] int64, tokens generated so far (the seeded stream's position)
+    all_greedy: bool
+    vocab_size: int
+    # Penalties (None when no request in the batch uses them).
+    frequency_penalties: torch.Tensor | None = None  # [B]
+    presence_penalties: torch.Tensor | None = None  # [B]
+    repetition_penalties: torch.Tensor | None = None  # [B]
+    output_counts: torch.Tensor | None = None  # [B, V] float32 occurrences in the output
+    seen_mask: torch.Tensor | None = None  # [B, V] bool: in the prompt or the output
+    logit_bias: torch.Tensor | None = None  # [B, V] float32
+    eos_mask_rows: torch.Tensor | None = None  # [B] bool: min_new_tokens not reached yet
+    eos_token_ids: torch.Tensor | None = None  # [E] ids masked for those rows
+    top_logprobs_num: int = 0
+    return_logprob: bool = False
+
+    @classmethod
+    def from_requests(cls, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
+                      output_ids: Sequence[Sequence[int]], vocab_size: int, eos_token_ids: Sequence[int],
+                      device: torch.device, return_logprob: bool = False, top_logprobs_num: int = 0
+                      ) -> SamplingBatchInfo:
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        out_lens = [len(o) for o in output_ids]
+        info = cls(
+            temperatures=t([p.temperature for p in params], torch.float32),
+            top_ks=t([min(p.top_k if p.top_k > 0 else vocab_size, vocab_size) for p in params], torch.int64),
+            top_ps=t([p.top_p for p in params], torch.float32),
+            min_ps=t([p.min_p for p in params], torch.float32),
+            is_greedy=t(greedy, torch.bool),
+            seeds=t([p.sampling_seed if p.sampling_seed is not None else 0 for p in params], torch.int64),
+            has_seed=t([p.sampling_seed is not None for p in params], torch.bool),
+            output_lens=t(out_lens, torch.int64),
+            all_greedy=all(greedy),
+            vocab_size=vocab_size,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+        )
+        if any(p.uses_penalties for p in params):
+            info.frequency_penalties = t([p.frequency_penalty for p in params], torch.float32)
+            info.presence_penalties = t([p.presence_penalty for p in params], torch.float32)
+            info.repetition_penalties = t([p.repetition_penalty for p in params], torch.float32)
+            info.output_counts = _token_counts(output_ids, vocab_size, device)
+            info.seen_mask = (_token_counts(prompt_ids, vocab_size, device) + info.output_counts) > 0
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+            for row, p in enumerate(params):
+                for token, value in (p.logit_bias or {}).items():
+                    bias[row, int(token)] = float(value)
+            info.logit_bias = bias
+        need_eos_mask = [not p.ignore_eos and n < p.min_new_tokens for p, n in zip(params, out_lens, strict=True)]
+        if any(need_eos_mask):
+            stop_ids = set(eos_token_ids)
+            for p, need in zip(params, need_eos_mask, strict=True):
+                if need:
+                    stop_ids.update(p.stop_token_ids or [])
+            info.eos_mask_rows = t(need_eos_mask, torch.bool)
+            info.eos_token_ids = t(sorted(stop_ids), torch.int64)
+        return info
+
+
+def _token_counts(ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 histogram of each row's token ids, built with one scatter-add."""
+    counts = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
+    lens = torch.tensor([len(x) for x in ids], dtype=torch.int64)
+    if int(lens.sum()) == 0:
+        return counts
+    flat = torch.tensor([tok for row in ids for tok in row], dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(ids)), lens).to(device)
+    counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts

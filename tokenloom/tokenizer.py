@@ -1,0 +1,70 @@
+"""Tokenizer, chat template and generation defaults through `transformers`.
+
+From a Hugging Face folder the tokenizer loads directly. From a GGUF file transformers rebuilds it from the
+metadata, which takes seconds; the result is saved under the cache folder (`$TOKENLOOM_CACHE_DIR`, default
+~/.cache/tokenloom) keyed by the file's path, size and mtime, so later loads are fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from tokenloom.models.loader import ModelSource
+
+
+def cache_dir() -> str:
+    return os.environ.get("TOKENLOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tokenloom"))
+
+
+def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    if tokenizer_path:
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    if source.kind == "hf":
+        return AutoTokenizer.from_pretrained(source.path)
+    st = os.stat(source.path)
+    key = hashlib.sha1(f"{os.path.abspath(source.path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(cache_dir(), "tokenizers", key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(source.path),
+                                              gguf_file=os.path.basename(source.path))
+    tmp = f"{cached}.tmp{os.getpid()}"
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    try:
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # another process won the race; its copy is identical
+    return tokenizer
+
+
+def generation_defaults(source: ModelSource) -> dict[str, Any]:
+    """The model's preferred sampling defaults (generation_config.json), as sampling-param keys."""
+    if source.kind != "hf":
+        return {}
+    path = os.path.join(source.path, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: raw[k] for k in keys if k in raw}
+
+
+def eos_token_ids(source: ModelSource, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids: the config's, the generation config's, and the tokenizer's, deduplicated."""
+    ids = list(source.config.eos_token_ids)
+    if source.kind == "hf":
+        path = os.path.join(source.path, "generation_config.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
