@@ -7,6 +7,7 @@ metadata, which takes seconds; the result is saved under the cache folder (`$TOK
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,10 +37,8 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     tmp = f"{cached}.tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(cached), exist_ok=True)
-    try:
+    with contextlib.suppress(OSError):  # another process won the race; its copy is identical
         os.replace(tmp, cached)
-    except OSError:
-        pass  # another process won the race; its copy is identical
     return tokenizer
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext
-from tokenloom.layers.linear import _copy_checked
+from tokenloom.layers.linear import _check_full_shape, _copy_checked
 
 
 def _padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -43,8 +43,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def load_full(self, name: str, tensor: torch.Tensor) -> None:
         rows = max(0, min(self.local_vocab, self.vocab_size - self.vocab_start))
-        if tensor.shape[0] != self.vocab_size:
-            _copy_checked(self.weight, tensor, name)  # raises with the mismatch
+        _check_full_shape(name, tensor, (self.vocab_size, self.weight.shape[1]))
         _copy_checked(self.weight[:rows], tensor.narrow(0, self.vocab_start, rows), name)
 
 

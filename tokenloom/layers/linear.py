@@ -19,6 +19,12 @@ class WeightShapeError(ValueError):
     """A checkpoint tensor does not fit the parameter built from the config."""
 
 
+def _check_full_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Check a whole checkpoint tensor before taking a shard of it (a shard could fit by accident)."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise WeightShapeError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(expected)}")
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightShapeError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
@@ -40,6 +46,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        full = (self.out_local * self.ctx.tp_size, *self.weight.shape[1:])
+        _check_full_shape(name, tensor, full[:1] if is_bias else full)
         shard = tensor.narrow(0, self.ctx.tp_rank * self.out_local, self.out_local)
         _copy_checked(self.bias if is_bias else self.weight, shard, name)
 
@@ -64,8 +72,13 @@ class MergedColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def full_part_rows(self, part: int) -> int:
+        return self.local_sizes[part] * self.ctx.tp_size
+
     def load_part(self, name: str, part: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
         size = self.local_sizes[part]
+        full = (self.full_part_rows(part), *self.weight.shape[1:])
+        _check_full_shape(name, tensor, full[:1] if is_bias else full)
         shard = tensor.narrow(0, self.ctx.tp_rank * size, size)
         dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], size)
         _copy_checked(dst, shard, name)
@@ -95,6 +108,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             super().load_part(name, part, tensor, is_bias)
             return
         size = self.local_sizes[part]
+        full = (size * self.ctx.tp_size // self.kv_replicas, *self.weight.shape[1:])
+        _check_full_shape(name, tensor, full[:1] if is_bias else full)
         kv_head = self.ctx.tp_rank // self.kv_replicas
         dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], size)
         _copy_checked(dst, tensor.narrow(0, kv_head * size, size), name)
@@ -119,4 +134,5 @@ class RowParallelLinear(nn.Module):
         if is_bias:
             _copy_checked(self.bias, tensor, name)
             return
+        _check_full_shape(name, tensor, (self.weight.shape[0], self.in_local * self.ctx.tp_size))
         _copy_checked(self.weight, tensor.narrow(1, self.ctx.tp_rank * self.in_local, self.in_local), name)

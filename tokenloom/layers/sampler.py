@@ -42,10 +42,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         raw = logits
         logits = apply_logit_processors(logits.float(), info)
-        if info.all_greedy:
-            next_ids = torch.argmax(logits, dim=-1)
-        else:
-            next_ids = self._sample(logits, info)
+        next_ids = torch.argmax(logits, dim=-1) if info.all_greedy else self._sample(logits, info)
         out = SampleOutput(next_token_ids=next_ids)
         if info.return_logprob or info.top_logprobs_num:
             logprobs = torch.log_softmax(raw.float(), dim=-1)

@@ -70,7 +70,7 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             rope = cfg.get("rope_parameters") or {}
-            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             scaling = cfg.get("rope_scaling") or (
                 {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
             if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
@@ -86,12 +86,13 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=dict(scaling) if scaling else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=bool(arch == "Qwen2ForCausalLM" if cfg.get("attention_bias") is None
+                                    else cfg["attention_bias"]),
                 hidden_act="silu",
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 bos_token_id=cfg.get("bos_token_id"),

@@ -1,0 +1,600 @@
+"""Forward-pass benchmark: tokenloom's `ModelRunner` vs transformers on the same model, in one run.
+
+Measures, side by side and interleaved step by step:
+
+* decode-step time for a grid of batch sizes x context lengths (tokenloom: `ModelRunner.forward` on a
+  `ForwardBatch` built directly, request rows and KV slots filled without a prefill; transformers: one-token
+  forwards on a `DynamicCache` pre-filled to the same context),
+* prefill throughput (e.g. 8 x 256 and 1 x 1024 tokens),
+* tokenloom in float32 vs bfloat16 at batch 1 and 64,
+* the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul, memory bandwidth.
+
+KV contents do not change the timing, but untouched (calloc'ed) pages would: reads of never-written memory
+all hit the kernel's shared zero page and stay in cache. Every KV slot a point reads is therefore written
+with random data first, for both engines.
+
+Usage:
+    python bench/forward.py --quick          # ~1-2 minutes: batch 1 and 64 at context 256
+    python bench/forward.py                  # full grid (several minutes)
+    python bench/forward.py --skip-transformers --batch-sizes 1,64 --context-lens 256,1024
+
+The last line of stdout is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloom.config import ServerArgs
+from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.models.default_model import default_model_file
+from tokenloom.models.loader import resolve_model_source
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+GB = 1e9
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _fill_random(t: torch.Tensor, tile_elems: int = 1 << 22) -> None:
+    """Write pseudo-random values into every element of `t` (memcpy speed: one random tile, copied)."""
+    flat = t.view(-1)
+    n = flat.numel()
+    tile = torch.randn(min(n, tile_elems), dtype=torch.float32).to(t.dtype)
+    for start in range(0, n, tile.numel()):
+        stop = min(n, start + tile.numel())
+        flat[start:stop].copy_(tile[: stop - start])
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _fmt(x: float | None, spec: str = ".1f", width: int = 8) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return f"{'-':>{width}}"
+    return f"{x:>{width}{spec}}"
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@dataclass
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights that take part in a matmul per token (every layer's projections and the LM head)."""
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (qkv + o + mlp) + self.vocab * self.hidden
+
+    @property
+    def streamed_params(self) -> int:
+        """Weights a decode step reads: matmul weights plus norms (the embedding row is negligible)."""
+        return self.matmul_params + (2 * self.layers + 1) * self.hidden
+
+    def decode_flops(self, batch: int, context: int) -> float:
+        attn = 4 * self.layers * self.heads * self.head_dim * context * batch
+        return 2.0 * self.matmul_params * batch + attn
+
+    def prefill_flops(self, batch: int, length: int) -> float:
+        # Every token goes through the layers; only the last token of each prompt through the LM head.
+        layer_params = self.matmul_params - self.vocab * self.hidden
+        attn = 4 * self.layers * self.heads * self.head_dim * batch * length * (length + 1) / 2
+        return 2.0 * layer_params * batch * length + 2.0 * self.vocab * self.hidden * batch + attn
+
+    def kv_bytes(self, batch: int, context: int, elem: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * batch * context * elem
+
+
+# --------------------------------------------------------------------------------------------------------
+# roofline
+
+
+def measure_roofline(quick: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    n = 2048
+    for name, dtype, reps in (("bf16", torch.bfloat16, 4 if quick else 8), ("fp32", torch.float32,
+                                                                         3 if quick else 5)):
+        a = torch.randn(n, n, dtype=torch.float32).to(dtype)
+        b = torch.randn(n, n, dtype=torch.float32).to(dtype)
+        c = torch.empty(n, n, dtype=dtype)
+        torch.matmul(a, b, out=c)  # warmup (oneDNN primitive creation)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.matmul(a, b, out=c)
+            best = min(best, time.perf_counter() - t0)
+        out[f"{name}_gflops"] = 2 * n**3 / best / 1e9
+        del a, b, c
+    # Memory bandwidth over 1 GB of float32 (far larger than any cache).
+    elems = (1 << 30) // 4
+    src = torch.empty(elems, dtype=torch.float32)
+    _fill_random(src)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    reps = 3 if quick else 6
+    best_sum, best_copy = float("inf"), float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        src.sum()
+        best_sum = min(best_sum, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - t0)
+    nbytes = elems * 4
+    out["read_gbps"] = nbytes / best_sum / GB  # read-only stream, what weight streaming needs
+    out["copy_gbps"] = 2 * nbytes / best_copy / GB  # read + write traffic of a copy
+    del src, dst
+    gc.collect()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# tokenloom
+
+
+class TokenloomEngine:
+    """ModelRunner driven with hand-built ForwardBatches; KV slots filled directly (no prefill)."""
+
+    def __init__(self, dtype: str, max_total_tokens: int, max_requests: int, threads: int) -> None:
+        args = ServerArgs(dtype=dtype, max_total_tokens=max_total_tokens, max_running_requests=max_requests,
+                          num_threads=threads)
+        self.runner = ModelRunner(args)
+        torch.set_num_threads(threads)
+        self.dtype = self.runner.dtype
+        self.vocab = self.runner.vocab_size
+        self._filled_rows = 1  # KV pool rows [0, _filled_rows) hold written (non-zero-page) data
+        self._gen = torch.Generator().manual_seed(0)
+        self._state: dict | None = None
+
+    def _touch_kv(self, hi: int) -> None:
+        """Write random data into pool rows below `hi` (each row once over the engine's life)."""
+        if hi <= self._filled_rows:
+            return
+        pool = self.runner.kv_pool
+        for buf in pool.k_buffers + pool.v_buffers:
+            _fill_random(buf[self._filled_rows: hi])
+        self._filled_rows = hi
+
+    def _reset(self) -> None:
+        self.runner.token_allocator.clear()
+        self.runner.req_to_token_pool.clear()
+
+    # decode ------------------------------------------------------------------------------------------
+    def setup_decode(self, batch: int, context: int, extra_steps: int) -> None:
+        """`batch` requests with `context` tokens already in the KV pool, room for `extra_steps` more."""
+        self._reset()
+        runner = self.runner
+        rows = runner.req_to_token_pool.alloc(batch)
+        total = context + extra_steps
+        if total > runner.context_len:
+            raise ValueError(f"context {total} exceeds the model's {runner.context_len}")
+        slots = runner.token_allocator.alloc(batch * total)
+        if rows is None or slots is None:
+            raise RuntimeError(f"KV pool too small for batch {batch} x {total}")
+        slots = slots.view(batch, total)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        runner.req_to_token_pool.req_to_token[rows_t, :context] = slots[:, :context].to(torch.int32)
+        self._touch_kv(int(slots.max()) + 1)
+        self._state = {"rows": rows_t, "slots": slots, "context": context, "step": 0, "batch": batch}
+
+    def decode_step(self) -> None:
+        st = self._state
+        pos = st["context"] + st["step"]
+        batch = st["batch"]
+        ids = torch.randint(0, self.vocab, (batch,), generator=self._gen)
+        seq_lens = torch.full((batch,), pos + 1, dtype=torch.int64)
+        fb = ForwardBatch.build(ForwardMode.DECODE, ids, st["rows"], seq_lens - 1, seq_lens,
+                                st["slots"][:, pos].contiguous())
+        self.runner.forward(fb)
+        st["step"] += 1
+
+    def teardown(self) -> None:
+        self._state = None
+        self._reset()
+
+    # prefill -----------------------------------------------------------------------------------------
+    def prefill(self, batch: int, length: int) -> None:
+        self._reset()
+        runner = self.runner
+        rows = runner.req_to_token_pool.alloc(batch)
+        slots = runner.token_allocator.alloc(batch * length)
+        if rows is None or slots is None:
+            raise RuntimeError(f"KV pool too small for prefill {batch} x {length}")
+        ids = torch.randint(0, self.vocab, (batch * length,), generator=self._gen)
+        seq_lens = torch.full((batch,), length, dtype=torch.int64)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, torch.tensor(rows, dtype=torch.int64),
+                                torch.zeros(batch, dtype=torch.int64), seq_lens, slots)
+        runner.forward(fb)
+        self._reset()
+
+
+# --------------------------------------------------------------------------------------------------------
+# transformers
+
+
+class HFEngine:
+    def __init__(self, dtype: torch.dtype, threads: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        path = default_model_file()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
+        torch.set_num_threads(threads)
+        cfg = self.model.config
+        self.cfg = cfg
+        self.dtype = dtype
+        self.vocab = cfg.vocab_size
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = cfg.num_hidden_layers
+        self._gen = torch.Generator().manual_seed(1)
+        self._state: dict | None = None
+
+    def setup_decode(self, batch: int, context: int) -> None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.cfg)
+        for layer in range(self.layers):
+            k = torch.empty(batch, self.kv_heads, context, self.head_dim, dtype=self.dtype)
+            v = torch.empty_like(k)
+            _fill_random(k)
+            _fill_random(v)
+            cache.update(k, v, layer)
+        self._state = {"cache": cache, "batch": batch}
+
+    @torch.inference_mode()
+    def decode_step(self) -> None:
+        st = self._state
+        ids = torch.randint(0, self.vocab, (st["batch"], 1), generator=self._gen)
+        self.model(input_ids=ids, past_key_values=st["cache"], use_cache=True)
+
+    def teardown(self) -> None:
+        self._state = None
+        gc.collect()
+
+    @torch.inference_mode()
+    def prefill(self, batch: int, length: int) -> None:
+        ids = torch.randint(0, self.vocab, (batch, length), generator=self._gen)
+        # logits_to_keep=1: the LM head on the last token only, as generate() and tokenloom do.
+        self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# timing
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_interleaved(engines: dict[str, Callable[[], None]], warmup: int, steps: int, min_steps: int,
+                    budget_s: float) -> dict[str, list[float]]:
+    """Warm every engine up, then alternate single timed steps between them (ABAB...), so drift in the
+    machine's speed hits all engines alike. The step count shrinks (down to `min_steps`) when one round of
+    all engines would blow `budget_s`."""
+    last: dict[str, float] = {}
+    for name, fn in engines.items():
+        for _ in range(warmup):
+            last[name] = _timed(fn)
+    round_s = sum(last.values()) or 1e-9
+    n = max(min_steps, min(steps, int(budget_s / round_s)))
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(n):
+        for name, fn in engines.items():
+            times[name].append(_timed(fn))
+    return times
+
+
+@dataclass
+class DecodePoint:
+    batch: int
+    context: int
+    tl: list[float] = field(default_factory=list)
+    hf: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def tl_ms(self) -> float:
+        return _median(self.tl) * 1e3
+
+    @property
+    def hf_ms(self) -> float:
+        return _median(self.hf) * 1e3
+
+
+# --------------------------------------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="reduced run (~1-2 min): batch 1,64 at context 256")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="comma list (default 1,8,64,256)")
+    p.add_argument("--context-lens", type=_ints, default=None, help="comma list (default 256,1024,2048)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps/point (default 10; quick 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point and engine")
+    p.add_argument("--point-budget", type=float, default=20.0,
+                   help="seconds of timed decode per point; fewer steps (min 3) for slow points")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both engines)")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-dtype-compare", action="store_true", help="skip tokenloom fp32 vs bf16")
+    p.add_argument("--prefill", default=None,
+                   help="prefill shapes as BxL comma list (default 8x256,1x1024; quick 8x256)")
+    p.add_argument("--prefill-reps", type=int, default=None, help="timed prefill reps (default 3; quick 2)")
+    p.add_argument("--hf-max-kv-gb", type=float, default=8.0,
+                   help="skip transformers at points whose KV cache exceeds this")
+    p.add_argument("--max-kv-gb", type=float, default=13.0,
+                   help="skip a point entirely when tokenloom's KV for it exceeds this")
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler op tables for tokenloom decode at batch 1 and 64, ctx 256")
+    args = p.parse_args(argv)
+    args.batch_sizes = args.batch_sizes or ([1, 64] if args.quick else [1, 8, 64, 256])
+    args.context_lens = args.context_lens or ([256] if args.quick else [256, 1024, 2048])
+    args.steps = args.steps or (5 if args.quick else 10)
+    args.prefill_reps = args.prefill_reps or (2 if args.quick else 3)
+    prefill = args.prefill or ("8x256" if args.quick else "8x256,1x1024")
+    args.prefill_shapes = [tuple(int(v) for v in s.lower().split("x")) for s in prefill.split(",") if s]
+    if args.quick:
+        args.point_budget = min(args.point_budget, 8.0)
+    return args
+
+
+def _profile_tokenloom(engine: TokenloomEngine, batch: int, context: int, steps: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.setup_decode(batch, context, steps + 2)
+    engine.decode_step()
+    engine.decode_step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.decode_step()
+    engine.teardown()
+    _log(f"\n## torch.profiler: tokenloom decode, batch {batch}, context {context}, {steps} steps "
+         f"(times are totals over the steps)")
+    _log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = _DTYPES[args.dtype]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    t_start = time.perf_counter()
+
+    _log(f"# tokenloom forward benchmark  (torch {torch.__version__}, {args.threads} threads, "
+         f"dtype {args.dtype}, cpu: {_cpu_name()})")
+
+    # Roofline first, on a quiet process.
+    roof = measure_roofline(args.quick)
+    _log(f"roofline: bf16 matmul {roof['bf16_gflops']:.0f} GFLOP/s, fp32 matmul {roof['fp32_gflops']:.0f} "
+         f"GFLOP/s (2048^3, best of several); memory: read {roof['read_gbps']:.1f} GB/s (sum over 1 GB), "
+         f"copy {roof['copy_gbps']:.1f} GB/s (read+write)")
+    mem_gbps = roof["read_gbps"]
+    peak_gflops = roof["fp32_gflops"] if dtype == torch.float32 else roof["bf16_gflops"]
+    peak_name = "fp32" if dtype == torch.float32 else "bf16"
+
+    # Which decode points run, for whom.
+    extra = args.warmup + args.steps + 2
+    points: list[DecodePoint] = []
+    hf_budget = args.hf_max_kv_gb * GB
+    tl_budget = args.max_kv_gb * GB
+
+    # tokenloom engine sized to the largest point it runs (pages are only touched per point, smallest first).
+    cfg = resolve_model_source(ServerArgs()).config
+    shape = ModelShape(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    for b in sorted(args.batch_sizes):
+        for c in sorted(args.context_lens):
+            pt = DecodePoint(b, c)
+            if shape.kv_bytes(b, c, elem) > tl_budget:
+                pt.note = f"skipped: KV {shape.kv_bytes(b, c, elem) / GB:.1f} GB > --max-kv-gb"
+            points.append(pt)
+    runnable = [p for p in points if not p.note]
+    pool_tokens = max([p.batch * (p.context + extra) for p in runnable]
+                      + [b * n for b, n in args.prefill_shapes] + [64 * (256 + extra)]) + 64
+    max_reqs = max([p.batch for p in runnable] + [b for b, _ in args.prefill_shapes] + [64])
+
+    t0 = time.perf_counter()
+    tl = TokenloomEngine(args.dtype, pool_tokens, max_reqs, args.threads)
+    _log(f"tokenloom: loaded in {time.perf_counter() - t0:.1f} s; KV pool {pool_tokens} tokens "
+         f"({tl.runner.kv_pool.nbytes() / GB:.2f} GB reserved, touched per point), {max_reqs} request rows")
+    hf: HFEngine | None = None
+    if not args.skip_transformers:
+        t0 = time.perf_counter()
+        hf = HFEngine(dtype, args.threads)
+        _log(f"transformers: loaded in {time.perf_counter() - t0:.1f} s "
+             f"(attn_implementation={hf.model.config._attn_implementation})")
+    torch.set_num_threads(args.threads)
+
+    results: dict[str, float | None] = {k: roof[k] for k in ("bf16_gflops", "fp32_gflops")}
+    results["mem_gbps"] = mem_gbps
+    results["copy_gbps"] = roof["copy_gbps"]
+
+    # ---- fp32 vs bf16 (tokenloom only) ----------------------------------------------------------------
+    if not args.skip_dtype_compare:
+        other = "float32" if args.dtype != "float32" else "bfloat16"
+        t0 = time.perf_counter()
+        tl_other = TokenloomEngine(other, 64 * (256 + extra) + 64, 64, args.threads)
+        _log(f"\n## tokenloom {args.dtype} vs {other} (context 256; other loaded in "
+             f"{time.perf_counter() - t0:.1f} s)")
+        _log(f"{'batch':>5} {args.dtype + ' ms':>14} {other + ' ms':>14} {'speedup':>8}")
+        for b in (1, 64):
+            tl.setup_decode(b, 256, extra)
+            tl_other.setup_decode(b, 256, extra)
+            times = run_interleaved({"main": tl.decode_step, "other": tl_other.decode_step}, args.warmup,
+                                    args.steps, 3, args.point_budget)
+            tl.teardown()
+            tl_other.teardown()
+            main_ms, other_ms = _median(times["main"]) * 1e3, _median(times["other"]) * 1e3
+            _log(f"{b:>5} {main_ms:>14.2f} {other_ms:>14.2f} {other_ms / main_ms:>7.2f}x")
+            results[f"dtype_b{b}_{args.dtype}_ms"] = main_ms
+            results[f"dtype_b{b}_{other}_ms"] = other_ms
+        del tl_other
+        gc.collect()
+
+    # ---- prefill ----------------------------------------------------------------------------------------
+    _log("\n## prefill (median of reps after 1 warmup; transformers with logits_to_keep=1)")
+    _log(f"{'shape':>9} {'TL ms':>9} {'TL tok/s':>9} {'TL GF/s':>8} {'HF ms':>9} {'HF tok/s':>9} "
+         f"{'TL/HF':>6}")
+    for b, n in args.prefill_shapes:
+        engines: dict[str, Callable[[], None]] = {"tl": lambda b=b, n=n: tl.prefill(b, n)}
+        if hf is not None:
+            engines["hf"] = lambda b=b, n=n: hf.prefill(b, n)
+        times = run_interleaved(engines, 1, args.prefill_reps, args.prefill_reps, 1e9)
+        tl_s = _median(times["tl"])
+        hf_s = _median(times["hf"]) if hf is not None else float("nan")
+        tokens = b * n
+        gfs = shape.prefill_flops(b, n) / tl_s / 1e9
+        _log(f"{f'{b}x{n}':>9} {tl_s * 1e3:>9.1f} {tokens / tl_s:>9.0f} {gfs:>8.0f} "
+             f"{_fmt(hf_s * 1e3, '.1f', 9)} {_fmt(tokens / hf_s, '.0f', 9)} {_fmt(hf_s / tl_s, '.2f', 6)}")
+        results[f"prefill_{b}x{n}_tok_s"] = tokens / tl_s
+        results[f"prefill_{b}x{n}_hf_tok_s"] = tokens / hf_s if hf is not None else None
+
+    # ---- decode grid ------------------------------------------------------------------------------------
+    _log(f"\n## decode (ms/step = median over timed steps after {args.warmup} warmup; steps alternate "
+         f"tokenloom/transformers)")
+    for pt in points:
+        if pt.note:
+            _log(f"  b={pt.batch} ctx={pt.context}: {pt.note}")
+            continue
+        hf_here = hf is not None and shape.kv_bytes(pt.batch, pt.context, elem) <= hf_budget
+        if hf is not None and not hf_here:
+            kv_gb = shape.kv_bytes(pt.batch, pt.context, elem) / GB
+            pt.note = f"HF skipped: KV {kv_gb:.1f} GB > --hf-max-kv-gb"
+        t0 = time.perf_counter()
+        tl.setup_decode(pt.batch, pt.context, extra)
+        engines = {"tl": tl.decode_step}
+        if hf_here:
+            hf.setup_decode(pt.batch, pt.context)
+            engines["hf"] = hf.decode_step
+        setup_s = time.perf_counter() - t0
+        times = run_interleaved(engines, args.warmup, args.steps, 3, args.point_budget)
+        pt.tl = times["tl"]
+        pt.hf = times.get("hf", [])
+        tl.teardown()
+        if hf_here:
+            hf.teardown()
+        _log(f"  b={pt.batch:<4} ctx={pt.context:<5} TL {pt.tl_ms:8.2f} ms  HF {_fmt(pt.hf_ms, '.2f')} ms  "
+             f"({len(pt.tl)} steps, setup {setup_s:.1f} s) {pt.note}")
+
+    # ---- table ------------------------------------------------------------------------------------------
+    weight_bytes_bf16 = shape.streamed_params * 2
+    bw_bound_ms = weight_bytes_bf16 / (mem_gbps * GB) * 1e3
+    _log(f"\n## decode summary ({args.dtype}); roofline: {peak_name} matmul {peak_gflops:.0f} GFLOP/s, "
+         f"read bandwidth {mem_gbps:.1f} GB/s")
+    _log(f"   model: {shape.matmul_params / 1e6:.1f} M matmul params ({shape.decode_flops(1, 0) / 1e6:.0f} "
+         f"MFLOP/token + attention), bf16 weights {weight_bytes_bf16 / 1e6:.0f} MB -> weight-bandwidth "
+         f"bound {bw_bound_ms:.2f} ms/step")
+    header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} {'TL tok/s':>9} {'GFLOP/s':>8} {'%roof':>6} | "
+              f"{'HF ms':>8} {'HF tok/s':>9} | {'TL/HF':>6} | {'bw-bound':>8} {'TL/bound':>8}")
+    _log(header)
+    _log("-" * len(header))
+    for pt in points:
+        if not pt.tl:
+            _log(f"{pt.batch:>5} {pt.context:>5} | {pt.note}")
+            continue
+        tl_s = pt.tl_ms / 1e3
+        gfs = shape.decode_flops(pt.batch, pt.context) / tl_s / 1e9
+        frac = gfs / peak_gflops
+        hf_ms = pt.hf_ms if pt.hf else float("nan")
+        ratio = hf_ms / pt.tl_ms if pt.hf else float("nan")
+        bound = bw_bound_ms if pt.batch == 1 else float("nan")
+        _log(f"{pt.batch:>5} {pt.context:>5} | {pt.tl_ms:>8.2f} {pt.batch / tl_s:>9.0f} {gfs:>8.0f} "
+             f"{frac * 100:>5.1f}% | {_fmt(hf_ms, '.2f')} {_fmt(pt.batch / (hf_ms / 1e3), '.0f', 9)} | "
+             f"{_fmt(ratio, '.2f', 6)} | {_fmt(bound, '.2f')} {_fmt(pt.tl_ms / bound, '.2f')}"
+             + (f"   ({pt.note})" if pt.note else ""))
+        key = f"decode_b{pt.batch}_ctx{pt.context}"
+        results[f"{key}_ms"] = pt.tl_ms
+        results[f"{key}_tok_s"] = pt.batch / tl_s
+        results[f"{key}_hf_ms"] = hf_ms if pt.hf else None
+        results[f"{key}_ratio_vs_hf"] = ratio if pt.hf else None
+        results[f"{key}_roofline_frac"] = frac
+
+    if args.profile:
+        for b in (1, 64):
+            _profile_tokenloom(tl, b, 256, 10)
+
+    # ---- headline JSON ----------------------------------------------------------------------------------
+    ctx0 = 256 if 256 in args.context_lens else min(args.context_lens)
+
+    def pick(key: str) -> float | None:
+        v = results.get(key)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else round(v, 4)
+
+    b1 = results.get(f"decode_b1_ctx{ctx0}_ms")
+    headline = {
+        f"decode_b64_ctx{ctx0}_tok_s": pick(f"decode_b64_ctx{ctx0}_tok_s"),
+        "decode_b64_ratio_vs_hf": pick(f"decode_b64_ctx{ctx0}_ratio_vs_hf"),
+        "decode_b64_roofline_frac": pick(f"decode_b64_ctx{ctx0}_roofline_frac"),
+        "decode_b1_ms": pick(f"decode_b1_ctx{ctx0}_ms"),
+        "decode_b1_hf_ms": pick(f"decode_b1_ctx{ctx0}_hf_ms"),
+        "decode_b1_bw_bound_ms": round(bw_bound_ms, 4),
+        "decode_b1_vs_bw_bound": round(b1 / bw_bound_ms, 4) if b1 else None,
+        "bf16_gflops": pick("bf16_gflops"),
+        "fp32_gflops": pick("fp32_gflops"),
+        "mem_gbps": pick("mem_gbps"),
+        "copy_gbps": pick("copy_gbps"),
+        "context": ctx0,
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
+    for k in results:
+        if (k.startswith("prefill_") or k.startswith("dtype_")) and k not in headline:
+            headline[k] = pick(k)
+    for pt in points:
+        if pt.tl and not (pt.context == ctx0 and pt.batch in (1, 64)):
+            key = f"decode_b{pt.batch}_ctx{pt.context}"
+            headline[f"{key}_ms"] = pick(f"{key}_ms")
+            headline[f"{key}_ratio_vs_hf"] = pick(f"{key}_ratio_vs_hf")
+    headline["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(headline), flush=True)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random checkpoints, and the SmolLM2 reference loaded once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.model_factory import make_hf_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """factory(variant) -> (folder, transformers model), cached per variant for the session."""
+    cache: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def get(variant: str = "llama"):
+        if variant not in cache:
+            folder = str(tmp_path_factory.mktemp(f"tiny_{variant}"))
+            cache[variant] = (folder, make_hf_model(variant, folder))
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> str:
+    from tokenloom.models.default_model import default_model_file
+
+    return default_model_file()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_reference(smollm2_file):
+    """transformers' own GGUF loader on the same file, float32 (~25 s on 2 cores; loaded once)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_file),
+                                                gguf_file=os.path.basename(smollm2_file),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner_fp32():
+    from tokenloom.config import ServerArgs
+    from tokenloom.executor.model_runner import ModelRunner
+
+    return ModelRunner(ServerArgs(dtype="float32", max_total_tokens=8192, max_running_requests=16))
