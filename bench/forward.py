@@ -244,8 +244,13 @@ class TokenloomEngine:
 
 class HFEngine:
     def __init__(self, dtype: torch.dtype, threads: int) -> None:
+        import inspect
+
+        import transformers
         from transformers import AutoModelForCausalLM
 
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
         path = default_model_file()
         self.model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
@@ -259,6 +264,13 @@ class HFEngine:
         self.layers = cfg.num_hidden_layers
         self._gen = torch.Generator().manual_seed(1)
         self._state: dict | None = None
+        # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        linears = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        self.describe = (f"{len(linears)} x {type(linears[0]).__module__}.{type(linears[0]).__name__}, "
+                         f"weights {linears[0].weight.dtype}, attn_implementation="
+                         f"{self.model.config._attn_implementation}")
 
     def setup_decode(self, batch: int, context: int) -> None:
         from transformers import DynamicCache
@@ -276,7 +288,7 @@ class HFEngine:
     def decode_step(self) -> None:
         st = self._state
         ids = torch.randint(0, self.vocab, (st["batch"], 1), generator=self._gen)
-        self.model(input_ids=ids, past_key_values=st["cache"], use_cache=True)
+        self.model(input_ids=ids, use_cache=True, **{self._cache_kw: st["cache"]})
 
     def teardown(self) -> None:
         self._state = None
@@ -373,6 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _profile_tokenloom(engine: TokenloomEngine, batch: int, context: int, steps: int) -> None:
+    """Op table over `steps` decode steps (the engine's pool must hold context + steps + 2 per request)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine.setup_decode(batch, context, steps + 2)
@@ -395,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = _DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     t_start = time.perf_counter()
+    monitor = CpuMonitor()
 
     _log(f"# tokenloom forward benchmark  (torch {torch.__version__}, {args.threads} threads, "
          f"dtype {args.dtype}, cpu: {_cpu_name()})")
@@ -409,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     peak_name = "fp32" if dtype == torch.float32 else "bf16"
 
     # Which decode points run, for whom.
-    extra = args.warmup + args.steps + 2
+    extra = max(args.warmup, 2) + args.steps + 2
     points: list[DecodePoint] = []
     hf_budget = args.hf_max_kv_gb * GB
     tl_budget = args.max_kv_gb * GB
@@ -437,8 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_transformers:
         t0 = time.perf_counter()
         hf = HFEngine(dtype, args.threads)
-        _log(f"transformers: loaded in {time.perf_counter() - t0:.1f} s "
-             f"(attn_implementation={hf.model.config._attn_implementation})")
+        _log(f"transformers: loaded in {time.perf_counter() - t0:.1f} s ({hf.describe})")
     torch.set_num_threads(args.threads)
 
     results: dict[str, float | None] = {k: roof[k] for k in ("bf16_gflops", "fp32_gflops")}
@@ -547,7 +560,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.profile:
         for b in (1, 64):
-            _profile_tokenloom(tl, b, 256, 10)
+            if b <= max_reqs and b * (256 + extra) <= pool_tokens:
+                _profile_tokenloom(tl, b, 256, args.steps)
 
     # ---- headline JSON ----------------------------------------------------------------------------------
     ctx0 = 256 if 256 in args.context_lens else min(args.context_lens)
@@ -581,8 +595,45 @@ def main(argv: list[str] | None = None) -> None:
             key = f"decode_b{pt.batch}_ctx{pt.context}"
             headline[f"{key}_ms"] = pick(f"{key}_ms")
             headline[f"{key}_ratio_vs_hf"] = pick(f"{key}_ratio_vs_hf")
+    other = monitor.other_fraction()
+    headline["other_cpu_frac"] = round(other, 3)
     headline["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if other > 0.05:
+        _log(f"\nWARNING: other processes used {other * 100:.0f}% of the machine's CPU time during this run "
+             f"(load average now {os.getloadavg()[0]:.1f}); with {args.threads} threads on "
+             f"{os.cpu_count()} cores the timings are inflated and noisy. Rerun on a quiet machine.")
+    else:
+        _log(f"\nmachine was quiet: other processes used {other * 100:.1f}% of the CPU time")
     print(json.dumps(headline), flush=True)
+
+
+class CpuMonitor:
+    """How much of the machine's CPU time went to *other* processes between two points (noise check)."""
+
+    def __init__(self) -> None:
+        self.start = self._snap()
+
+    @staticmethod
+    def _snap() -> tuple[float, float, float]:
+        import resource
+
+        busy = 0.0
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+            # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+            busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+
+    def other_fraction(self) -> float:
+        """Share of all CPUs' time used by other processes since construction (0 = quiet machine)."""
+        t1, busy1, own1 = self._snap()
+        t0, busy0, own0 = self.start
+        wall = (t1 - t0) * (os.cpu_count() or 1)
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / wall if wall > 0 else 0.0
 
 
 def _cpu_name() -> str:

@@ -17,6 +17,8 @@ from typing import Any
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch_native",)
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(ValueError):
@@ -52,6 +54,17 @@ class ServerArgs:
     attention_backend: str = _flag("torch_native", "Attention kernel family.", ATTENTION_BACKENDS)
     tp_size: int = _flag(1, "Tensor-parallel ranks.", aliases=("--tensor-parallel-size",))
     num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
+    # Scheduling
+    chunked_prefill_size: int = _flag(2048, "Max new prompt tokens per prefill batch; longer prompts are "
+                                      "prefilled in chunks. -1 disables chunking.")
+    max_prefill_tokens: int = _flag(16384, "Max new prompt tokens in one prefill batch.")
+    schedule_policy: str = _flag("fcfs", "Waiting-queue order.", SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _flag(1.0, "Higher admits fewer requests (less retraction).")
+    disable_radix_cache: bool = _flag(False, "Disable prefix sharing (radix cache).")
+    max_queued_requests: int | None = _flag(None, "Reject new requests with 503 beyond this many waiting.")
+    stream_interval: int = _flag(1, "Stream every N tokens.")
+    decode_log_interval: int = _flag(40, "Log a decode statistics line every N decode steps.")
+    log_level: str = _flag("info", "Logging level.", LOG_LEVELS)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +85,18 @@ class ServerArgs:
             raise ConfigError(f"--max-running-requests must be >= 1; got {self.max_running_requests}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"--context-length must be >= 2; got {self.context_length}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ConfigError(f"--chunked-prefill-size must be positive or -1; got {self.chunked_prefill_size}")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ConfigError("--chunked-prefill-size must be at least --page-size")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError(f"--max-prefill-tokens must be >= 1; got {self.max_prefill_tokens}")
+        if self.schedule_conservativeness <= 0:
+            raise ConfigError(f"--schedule-conservativeness must be > 0; got {self.schedule_conservativeness}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ConfigError(f"--max-queued-requests must be >= 1; got {self.max_queued_requests}")
+        if self.stream_interval < 1 or self.decode_log_interval < 1:
+            raise ConfigError("--stream-interval and --decode-log-interval must be >= 1")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -67,7 +67,8 @@ class Sampler:
 
 
 def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Bias, penalties and min_new_tokens masking; returns a new float32 tensor."""
+    """Bias, penalties and min_new_tokens masking. Never modifies `logits` in place (returns it unchanged when
+    no processor applies)."""
     if info.logit_bias is not None:
         logits = logits + info.logit_bias
     if info.repetition_penalties is not None:
@@ -76,38 +77,59 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
         logits = torch.where(info.seen_mask, penalized, logits)
         logits = logits - info.frequency_penalties[:, None] * info.output_counts
         logits = logits - info.presence_penalties[:, None] * (info.output_counts > 0).float()
-    if info.eos_mask_rows is not None:
+    if info.min_tokens_mask is not None:
         logits = logits.clone()  # may still alias the caller's raw logits
-        rows = info.eos_mask_rows.nonzero().squeeze(1)
-        logits[rows[:, None], info.eos_token_ids[None, :]] = float("-inf")
+        rows, tokens = info.min_tokens_mask
+        logits[rows, tokens] = float("-inf")
     return logits
 
 
 def _sample_filtered(probs: torch.Tensor, info: SamplingBatchInfo, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample from `probs` restricted by top-k, top-p and min-p, one uniform per row."""
+    """Inverse-CDF sample from `probs` restricted by top-k, top-p and min-p, one uniform per row.
+
+    Rows with a rank-based filter (top-k below the vocabulary or top-p below 1) walk their distribution in
+    descending order; the others walk it in vocabulary order, without sorting. The choice depends only on
+    the row's own parameters, so a seeded row samples the same token whatever shares its batch.
+    """
     vocab = probs.shape[1]
-    k_max = int(info.top_ks.max())
-    if k_max >= vocab and bool((info.top_ps >= 1).all()):
-        # No rank-based filter: sample in vocabulary order, no sort needed.
-        keep = probs >= info.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
-        cdf = torch.cumsum(torch.where(keep, probs, torch.zeros_like(probs)).double(), dim=-1)
-        pick = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
-        return pick.squeeze(1)
+    ranked = (info.top_ks < vocab) | (info.top_ps < 1)
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    plain = (~ranked).nonzero().squeeze(1)
+    if plain.numel():
+        out[plain] = _sample_vocab_order(probs[plain], info.min_ps[plain], u[plain])
+    rows = ranked.nonzero().squeeze(1)
+    if rows.numel():
+        out[rows] = _sample_ranked(probs[rows], info.top_ks[rows], info.top_ps[rows], info.min_ps[rows], u[rows])
+    return out
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first position whose cumulative weight exceeds u * total (zero weights never chosen)."""
+    cdf = torch.cumsum(weights.double(), dim=-1)
+    target = (u.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[1] - 1).squeeze(1)
+
+
+def _sample_vocab_order(probs: torch.Tensor, min_ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    keep = probs >= min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+    return _inverse_cdf(torch.where(keep, probs, torch.zeros_like(probs)), u)
+
+
+def _sample_ranked(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                   u: torch.Tensor) -> torch.Tensor:
+    k_max = int(top_ks.max()) if bool((top_ps >= 1).all()) else probs.shape[1]
     if k_max <= _TOPK_FAST_LIMIT:
         sorted_probs, sorted_ids = probs.topk(k_max, dim=-1)
     else:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(sorted_probs.shape[1], device=probs.device)[None, :]
-    keep = ranks < info.top_ks[:, None]
+    keep = ranks < top_ks[:, None]
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly ahead of each token
-    keep &= before < info.top_ps[:, None]
-    keep &= sorted_probs >= info.min_ps[:, None] * sorted_probs[:, :1]
+    keep &= before < top_ps[:, None]
+    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
     keep[:, 0] = True  # the most likely token always survives
-    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).double()
-    cdf = torch.cumsum(kept, dim=-1)
-    target = (u.double() * cdf[:, -1])[:, None]
-    pick = torch.searchsorted(cdf, target).clamp(max=min(vocab, sorted_probs.shape[1]) - 1)
-    return sorted_ids.gather(1, pick).squeeze(1)
+    pick = _inverse_cdf(torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)), u)
+    return sorted_ids.gather(1, pick[:, None]).squeeze(1)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

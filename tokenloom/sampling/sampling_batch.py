@@ -35,8 +35,8 @@ class SamplingBatchInfo:
     output_counts: torch.Tensor | None = None  # [B, V] float32 occurrences in the output
     seen_mask: torch.Tensor | None = None  # [B, V] bool: in the prompt or the output
     logit_bias: torch.Tensor | None = None  # [B, V] float32
-    eos_mask_rows: torch.Tensor | None = None  # [B] bool: min_new_tokens not reached yet
-    eos_token_ids: torch.Tensor | None = None  # [E] ids masked for those rows
+    # (rows, token ids) to mask while min_new_tokens is not reached: EOS and each row's own stop ids.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     top_logprobs_num: int = 0
     return_logprob: bool = False
 
@@ -56,7 +56,8 @@ class SamplingBatchInfo:
             top_ps=t([p.top_p for p in params], torch.float32),
             min_ps=t([p.min_p for p in params], torch.float32),
             is_greedy=t(greedy, torch.bool),
-            seeds=t([p.sampling_seed if p.sampling_seed is not None else 0 for p in params], torch.int64),
+            seeds=t([p.sampling_seed % (1 << 63) if p.sampling_seed is not None else 0 for p in params],
+                    torch.int64),
             has_seed=t([p.sampling_seed is not None for p in params], torch.bool),
             output_lens=t(out_lens, torch.int64),
             all_greedy=all(greedy),
@@ -76,14 +77,14 @@ class SamplingBatchInfo:
                 for token, value in (p.logit_bias or {}).items():
                     bias[row, int(token)] = float(value)
             info.logit_bias = bias
-        need_eos_mask = [not p.ignore_eos and n < p.min_new_tokens for p, n in zip(params, out_lens, strict=True)]
-        if any(need_eos_mask):
-            stop_ids = set(eos_token_ids)
-            for p, need in zip(params, need_eos_mask, strict=True):
-                if need:
-                    stop_ids.update(p.stop_token_ids or [])
-            info.eos_mask_rows = t(need_eos_mask, torch.bool)
-            info.eos_token_ids = t(sorted(stop_ids), torch.int64)
+        rows, tokens = [], []
+        for row, (p, n) in enumerate(zip(params, out_lens, strict=True)):
+            if not p.ignore_eos and n < p.min_new_tokens:
+                masked = sorted(set(eos_token_ids) | set(p.stop_token_ids or []))
+                rows += [row] * len(masked)
+                tokens += masked
+        if rows:
+            info.min_tokens_mask = (t(rows, torch.int64), t(tokens, torch.int64))
         return info
 
 

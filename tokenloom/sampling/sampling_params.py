@@ -8,6 +8,7 @@ with a `SamplingParamsError` (a ValueError, so the HTTP layer answers 400 with t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +63,9 @@ class SamplingParams:
 
     def verify(self, vocab_size: int | None = None) -> None:
         def num(name: str, value: Any, integer: bool = False) -> None:
-            ok = isinstance(value, int) if integer else isinstance(value, int | float)
+            ok = isinstance(value, int) if integer else isinstance(value, int | float) and math.isfinite(value)
             if not ok or isinstance(value, bool):
-                kind = "an integer" if integer else "a number"
+                kind = "an integer" if integer else "a finite number"
                 raise SamplingParamsError(f"{name} must be {kind}, got {value!r}")
 
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
@@ -83,8 +84,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 <= self.repetition_penalty <= 2:
-            raise SamplingParamsError(f"repetition_penalty must be in [0, 2], got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.max_new_tokens is not None:
             num("max_new_tokens", self.max_new_tokens, integer=True)
             if self.max_new_tokens < 0:
@@ -94,8 +95,8 @@ class SamplingParams:
                 f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.n < 1:
             raise SamplingParamsError(f"n must be at least 1, got {self.n}")
-        if self.stream_interval is not None and (not isinstance(self.stream_interval, int)
-                                                 or self.stream_interval < 1):
+        if self.stream_interval is not None and (not isinstance(self.stream_interval, int) or isinstance(
+                self.stream_interval, bool) or self.stream_interval < 1):
             raise SamplingParamsError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
         if self.sampling_seed is not None and (not isinstance(self.sampling_seed, int)
                                                or isinstance(self.sampling_seed, bool)):

@@ -1,0 +1,145 @@
+"""build_kv_indices / padded_kv_indices and ForwardBatch.build against per-request Python loops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.layers.kv_indices import build_kv_indices, padded_kv_indices
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP wake-up costs that dominate on 2 cores."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def random_case(rng: random.Random, with_start: bool):
+    rows, cols = rng.randint(1, 12), rng.randint(1, 48)
+    table = torch.tensor([[rng.randrange(1, 10**6) for _ in range(cols)] for _ in range(rows)], dtype=torch.int32)
+    b = rng.randint(1, 8)
+    req = [rng.randrange(rows) for _ in range(b)]  # repeats allowed
+    starts, lens = [], []
+    for _ in range(b):
+        s = rng.randint(0, cols) if with_start else 0
+        starts.append(s)
+        lens.append(rng.choice([0, rng.randint(0, cols - s)]))
+    return table, req, starts, lens
+
+
+def ref_indices(table, req, starts, lens):
+    indptr, flat = [0], []
+    for r, s, n in zip(req, starts, lens, strict=True):
+        flat.extend(int(table[r, c]) for c in range(s, s + n))
+        indptr.append(indptr[-1] + n)
+    return indptr, flat
+
+
+@pytest.mark.parametrize("with_start", [False, True])
+@pytest.mark.parametrize("seed", range(30))
+def test_build_kv_indices_matches_loop(seed, with_start):
+    rng = random.Random(seed)
+    table, req, starts, lens = random_case(rng, with_start)
+    want_ptr, want = ref_indices(table, req, starts, lens)
+    kv_start = t(starts) if with_start else None
+    for total in (None, sum(lens)):
+        ptr, idx = build_kv_indices(table, t(req).int(), t(lens).int(), kv_start, total=total)
+        assert ptr.dtype == torch.int64 and idx.dtype == torch.int64
+        assert ptr.tolist() == want_ptr
+        assert idx.tolist() == want
+
+    max_len = max(lens) + rng.randint(0, 3)
+    padded, valid = padded_kv_indices(ptr, idx, t(lens), max_len)
+    assert padded.shape == (len(req), max_len) and valid.shape == (len(req), max_len)
+    for i, (r, s, n) in enumerate(zip(req, starts, lens, strict=True)):
+        assert padded[i].tolist() == [int(table[r, s + j]) for j in range(n)] + [0] * (max_len - n)
+        assert valid[i].tolist() == [True] * n + [False] * (max_len - n)
+
+
+def test_build_kv_indices_all_empty():
+    table = torch.arange(20, dtype=torch.int32).reshape(2, 10)
+    ptr, idx = build_kv_indices(table, t([1, 0]), t([0, 0]))
+    assert ptr.tolist() == [0, 0, 0] and idx.numel() == 0
+    padded, valid = padded_kv_indices(ptr, idx, t([0, 0]), 3)
+    assert padded.tolist() == [[0] * 3] * 2 and not valid.any()
+
+
+def test_build_kv_indices_small_example():
+    table = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]], dtype=torch.int32)
+    ptr, idx = build_kv_indices(table, t([2, 0, 2]), t([2, 3, 1]), kv_start=t([1, 0, 3]))
+    assert ptr.tolist() == [0, 2, 5, 6]
+    assert idx.tolist() == [31, 32, 10, 11, 12, 33]
+
+
+# -------------------------------------------------------------------------------------- ForwardBatch
+
+def ref_extend(prefix, seq):
+    positions, token_req, starts = [], [], []
+    for i, (a, s) in enumerate(zip(prefix, seq, strict=True)):
+        starts.append(len(positions))
+        positions.extend(range(a, s))
+        token_req.extend([i] * (s - a))
+    return positions, token_req, starts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_forward_batch_extend_matches_loop(seed):
+    rng = random.Random(seed)
+    b = rng.randint(1, 7)
+    prefix = [rng.choice([0, rng.randint(0, 30)]) for _ in range(b)]
+    seq = [a + rng.choice([1, rng.randint(0, 20)]) for a in prefix]
+    total = sum(s - a for a, s in zip(prefix, seq, strict=True))
+    ids = torch.randint(0, 1000, (total,), dtype=torch.int32)
+    rows = t([rng.randrange(64) for _ in range(b)]).int()
+    loc = torch.randint(1, 5000, (total,), dtype=torch.int32)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, t(prefix).int(), t(seq).int(), loc)
+    positions, token_req, starts = ref_extend(prefix, seq)
+    assert fb.forward_mode is ForwardMode.EXTEND and fb.forward_mode.is_extend()
+    assert fb.positions.tolist() == positions
+    assert fb.token_req_index.tolist() == token_req
+    assert fb.extend_start_loc.tolist() == starts
+    assert fb.extend_seq_lens.tolist() == [s - a for a, s in zip(prefix, seq, strict=True)]
+    assert fb.extend_prefix_lens.tolist() == prefix and fb.seq_lens.tolist() == seq
+    assert fb.max_seq_len == max(seq) and fb.max_extend_len == max(s - a for a, s in zip(prefix, seq,
+                                                                                       strict=True))
+    assert fb.input_ids.tolist() == ids.tolist() and fb.out_cache_loc.tolist() == loc.tolist()
+    assert fb.req_pool_indices.tolist() == rows.tolist() and fb.batch_size == b
+    for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc",
+                 "extend_prefix_lens", "extend_seq_lens", "extend_start_loc", "token_req_index"):
+        assert getattr(fb, name).dtype == torch.int64, name
+    # The documented layout: request i's tokens are input_ids[start_i : start_i + extend_i].
+    for i in range(b):
+        sl = slice(starts[i], starts[i] + seq[i] - prefix[i])
+        assert (fb.token_req_index[sl] == i).all()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_forward_batch_decode_matches_loop(seed):
+    rng = random.Random(seed)
+    b = rng.randint(1, 9)
+    seq = [rng.randint(1, 100) for _ in range(b)]
+    prefix = [s - 1 for s in seq]
+    fb = ForwardBatch.build(ForwardMode.DECODE, torch.randint(0, 50, (b,)), t(list(range(b))),
+                            t(prefix), t(seq), torch.arange(b))
+    assert fb.forward_mode.is_decode() and not fb.forward_mode.is_extend()
+    assert fb.positions.tolist() == prefix
+    assert fb.token_req_index.tolist() == list(range(b))
+    assert fb.extend_start_loc.tolist() == list(range(b))
+    assert fb.extend_seq_lens.tolist() == [1] * b
+    assert fb.extend_prefix_lens.tolist() == prefix
+    assert fb.max_seq_len == max(seq) and fb.max_extend_len == 1
+
+
+def test_forward_batch_decode_rejects_wrong_token_count():
+    with pytest.raises(ValueError, match="one token per request"):
+        ForwardBatch.build(ForwardMode.DECODE, t([1, 2, 3]), t([0, 1]), t([3, 4]), t([4, 5]), t([1, 2, 3]))

@@ -1,0 +1,140 @@
+"""`Engine`: the in-process API. Same runtime as the server (scheduler and detokenizer subprocesses over
+ZMQ) without HTTP.
+
+    with tokenloom.Engine(dtype="float32", chunked_prefill_size=64) as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        outs = engine.generate(["a", "b"], [{"temperature": 0}, {"temperature": 0.7}])
+        for chunk in engine.generate("Hi", stream=True): ...
+
+Keyword arguments are the server flags in snake_case. `generate` returns the `/generate` response shape
+(a dict, or a list for a batch): {"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens,
+completion_tokens, cached_tokens, total_retractions, e2e_latency}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from tokenloom.config import ServerArgs
+from tokenloom.frontend.tokenizer_manager import TokenizerManager
+from tokenloom.protocol import TokenizedRequest
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        self.tokenizer_manager = TokenizerManager(self.server_args)
+        self.tokenizer = self.tokenizer_manager.tokenizer
+        self._loop = asyncio.new_event_loop()
+        self._loop_lock = threading.Lock()
+        self._closed = False
+
+    # --- request building ---------------------------------------------------------------------------
+    def _requests(self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any, stream: bool,
+                  return_logprob: bool, top_logprobs_num: int) -> tuple[list[TokenizedRequest], bool]:
+        """Normalise single/batch inputs into tokenized requests (n > 1 expands each prompt n times)."""
+        if prompt is not None:
+            batch = isinstance(prompt, list)
+            texts, ids = (prompt if batch else [prompt]), None
+        elif input_ids is not None:
+            batch = bool(input_ids) and isinstance(input_ids[0], list)
+            ids, texts = (input_ids if batch else [input_ids]), None
+        else:
+            raise ValueError("Either text, input_ids or input_embeds should be provided.")
+        count = len(texts if texts is not None else ids)
+        if count == 0:
+            raise ValueError("the prompt list is empty")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+        rids = rid if isinstance(rid, list) else [rid] * count
+        ns = {(p or {}).get("n", 1) for p in params}
+        if len(ns) > 1:
+            raise ValueError("all requests in a batch must use the same n")
+        n = ns.pop()
+        reqs = []
+        for i in range(count):
+            for copy in range(n if isinstance(n, int) and n > 0 else 1):
+                this_rid = rids[i] if n == 1 else (f"{rids[i]}-{copy}" if rids[i] else None)
+                reqs.append(self.tokenizer_manager.tokenize_request(
+                    texts[i] if texts is not None else None, ids[i] if ids is not None else None,
+                    {**(params[i] or {}), "n": 1} if n != 1 else params[i], rid=this_rid, stream=stream,
+                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num))
+        return reqs, batch or n != 1
+
+    # --- public API ---------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, rid: str | list[str] | None = None,
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0) -> Any:
+        """Blocking generate; with stream=True an iterator of cumulative outputs (single prompt only)."""
+        reqs, batch = self._requests(prompt, sampling_params, input_ids, rid, stream, return_logprob,
+                                     top_logprobs_num)
+        if stream:
+            if batch:
+                raise ValueError("stream=True supports a single prompt")
+            return self._sync_stream(reqs[0])
+        results = self._run(self._collect(reqs))
+        return results if batch else results[0]
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
+                             input_ids: Any = None, rid: Any = None, stream: bool = False,
+                             return_logprob: bool = False, top_logprobs_num: int = 0) -> Any:
+        """Like `generate`, in the caller's event loop; with stream=True an async iterator."""
+        reqs, batch = self._requests(prompt, sampling_params, input_ids, rid, stream, return_logprob,
+                                     top_logprobs_num)
+        if stream:
+            if batch:
+                raise ValueError("stream=True supports a single prompt")
+            return self.tokenizer_manager.generate_request(reqs[0])
+        results = await self._collect(reqs)
+        return results if batch else results[0]
+
+    def abort(self, rid: str) -> None:
+        self.tokenizer_manager.abort(rid)
+
+    def flush_cache(self) -> dict[str, Any]:
+        reply = self._run(self.tokenizer_manager.flush_cache())
+        return {"success": reply.success, "message": reply.message}
+
+    def get_server_info(self) -> dict[str, Any]:
+        state = self._run(self.tokenizer_manager.get_internal_state())
+        return {**vars(self.server_args), **state}
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.tokenizer_manager.shutdown()
+            self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # --- plumbing -----------------------------------------------------------------------------------
+    async def _collect(self, reqs: list[TokenizedRequest]) -> list[dict[str, Any]]:
+        async def one(req: TokenizedRequest) -> dict[str, Any]:
+            async for out in self.tokenizer_manager.generate_request(req):
+                last = out
+            return last
+
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    def _run(self, coro: Any) -> Any:
+        with self._loop_lock:
+            return self._loop.run_until_complete(coro)
+
+    def _sync_stream(self, req: TokenizedRequest) -> Iterator[dict[str, Any]]:
+        agen: AsyncIterator = self.tokenizer_manager.generate_request(req)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())

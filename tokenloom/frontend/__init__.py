@@ -1,0 +1,1 @@
+"""Front-end processes: tokenizer manager (engine/server process) and detokenizer."""

@@ -1,0 +1,1 @@
+"""Scheduling: requests, batches, admission policy, event loops."""

@@ -1,0 +1,129 @@
+"""Applying a `ForwardOutput` to the requests of a batch, releasing finished ones, and emitting
+`BatchTokenOutput`s for the detokenizer.
+
+After an extend step: a request in a non-final chunk discards its token and caches its KV so far; others
+take their first token, cache their prompt KV (so later requests can share it) and either finish or start
+running. After a decode step: every request takes its token and may finish. A finished request's KV goes to
+the prefix cache and its row is freed before anything else runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokenloom.cache.prefix_cache import PrefixCache
+from tokenloom.cache.req_to_token import ReqToTokenPool
+from tokenloom.executor.worker import ForwardOutput
+from tokenloom.protocol import BatchTokenOutput
+from tokenloom.scheduler.req import Req
+from tokenloom.scheduler.schedule_batch import ScheduleBatch
+
+
+class OutputProcessor:
+    def __init__(self, tree_cache: PrefixCache, req_to_token_pool: ReqToTokenPool, tokenizer: Any,
+                 send: Callable[[Any], None], stream_interval: int) -> None:
+        self.tree_cache = tree_cache
+        self.req_to_token_pool = req_to_token_pool
+        self.tokenizer = tokenizer
+        self.send = send
+        self.stream_interval = stream_interval
+
+    # --- memory ------------------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Give a finished (or aborted) request's KV to the cache and free its row."""
+        if req.req_pool_idx is None:
+            return
+        self.tree_cache.cache_finished(req.req_pool_idx, req.all_ids(), req.kv_len, req.prefix_len, req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def cache_progress(self, req: Req) -> None:
+        """Insert the KV a still-running request has computed, re-pointing its row at the cached slots."""
+        req.prefix_indices, req.last_node = self.tree_cache.cache_unfinished(
+            req.req_pool_idx, req.fill_ids, req.prefix_len, req.last_node)
+
+    # --- results -----------------------------------------------------------------------------------
+    def process_extend(self, batch: ScheduleBatch, out: ForwardOutput) -> list[Req]:
+        """Returns the requests that should start (or keep) decoding."""
+        to_run = []
+        for i, req in enumerate(batch.reqs):
+            req.kv_len = len(req.fill_ids)
+            if req.is_chunked > 0:
+                req.is_chunked -= 1
+                self.cache_progress(req)
+                continue
+            if req.finished:  # aborted while in flight
+                self.release(req)
+                continue
+            self._append(req, i, out)
+            if req.finished:
+                self.release(req)
+            else:
+                self.cache_progress(req)
+                to_run.append(req)
+        self.emit(batch.reqs)
+        return to_run
+
+    def process_decode(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += 1
+            if req.finished:
+                self.release(req)
+                continue
+            self._append(req, i, out)
+            if req.finished:
+                self.release(req)
+        self.emit(batch.reqs)
+
+    def _append(self, req: Req, i: int, out: ForwardOutput) -> None:
+        req.output_ids.append(out.next_token_ids[i])
+        if req.return_logprob and out.logprobs is not None:
+            req.output_token_logprobs.append((out.logprobs[i], out.next_token_ids[i]))
+            if req.top_logprobs_num and out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[i][: req.top_logprobs_num])
+        tail = None
+        if req.sampling_params.stop:
+            def tail(n: int, r: Req = req) -> str:
+                return self.tokenizer.decode(r.output_ids[-n:], skip_special_tokens=False)
+        req.check_finished(tail)
+
+    # --- streaming ---------------------------------------------------------------------------------
+    def emit(self, reqs: list[Req]) -> None:
+        """Send new tokens of finished requests, and of streaming ones every `stream_interval` tokens."""
+        picked = []
+        for req in reqs:
+            if req.is_chunked > 0:
+                continue
+            new = len(req.output_ids) - req.sent_len
+            interval = req.sampling_params.stream_interval or self.stream_interval
+            if req.finished or (req.stream and new >= interval):
+                picked.append(req)
+        if picked:
+            self.send(make_token_output(picked))
+
+
+def make_token_output(reqs: list[Req]) -> BatchTokenOutput:
+    out = BatchTokenOutput(rids=[], new_token_ids=[], finished_reasons=[], meta=[])
+    for req in reqs:
+        start = req.sent_len
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "total_retractions": req.retraction_count,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = req.output_token_logprobs[start:]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = req.output_top_logprobs[start:]
+        out.rids.append(req.rid)
+        out.new_token_ids.append(req.output_ids[start:])
+        out.finished_reasons.append(req.finished_reason)
+        out.meta.append(meta)
+        out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
+        out.stop_strings.append(req.sampling_params.stop_strings)
+        out.no_stop_trim.append(req.sampling_params.no_stop_trim)
+        req.sent_len = len(req.output_ids)
+    return out

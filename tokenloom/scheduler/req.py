@@ -1,0 +1,131 @@
+"""`Req`: the scheduler's state for one request, from arrival to finish.
+
+Lifecycle: waiting (no request row, maybe a matched prefix) → admitted into a prefill batch (row allocated,
+prefix locked) → possibly several chunks (`is_chunked` counts outstanding non-final chunks) → running
+(decoded one token per step) → finished (KV cached/freed, row freed). Retraction sends a running request
+back to waiting with its KV freed; it is recomputed from `origin_input_ids + output_ids` later.
+
+Invariants while the request holds a row:
+- `kv_len` tokens of `all_ids()` have KV at `req_to_token[req_pool_idx, :kv_len]`;
+- the first `prefix_len` of those are the cached prefix locked at `last_node`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from tokenloom.protocol import finish_abort, finish_length, finish_stop
+from tokenloom.sampling.sampling_params import SamplingParams
+
+# Clip used when estimating how many tokens a request may still generate (SGLang's default).
+CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
+                 input_text: str | None = None, stream: bool = False, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1, arrival_time: float | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.rid = rid
+        self.input_text = input_text
+        self.origin_input_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.stream = stream
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.logprob_start_len = logprob_start_len
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.eos_token_ids = eos_token_ids
+        # Memory state
+        self.req_pool_idx: int | None = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.kv_len = 0
+        # Scheduling state
+        self.fill_ids: list[int] = []
+        self.extend_input_len = 0
+        self.is_chunked = 0
+        self.finished_reason: dict[str, Any] | None = None
+        self.cached_tokens = 0
+        self.retraction_count = 0
+        self.sent_len = 0  # output tokens already handed to the detokenizer
+        # Logprobs of output tokens: (logprob, token id) and per position top-k lists.
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+
+    # --- token views -------------------------------------------------------------------------------
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def prefix_len(self) -> int:
+        return int(self.prefix_indices.numel())
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens  # clamped to the context by the scheduler on arrival
+
+    def remaining_new_tokens_estimate(self) -> int:
+        return min(self.max_new_tokens - len(self.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATION)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    # --- scheduling ----------------------------------------------------------------------------------
+    def init_next_round_input(self, match_prefix: Any) -> None:
+        """Set `fill_ids` to everything known and match the cache on all but the last token (so at least
+        one token is computed and produces logits)."""
+        self.fill_ids = self.all_ids()
+        if self.req_pool_idx is None:
+            result = match_prefix(self.fill_ids[:-1])
+            self.prefix_indices, self.last_node = result.indices, result.last_node
+        self.extend_input_len = len(self.fill_ids) - self.prefix_len
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.kv_len = 0
+        self.is_chunked = 0
+        self.fill_ids = []
+        self.extend_input_len = 0
+        self.retraction_count += 1
+
+    # --- stopping ------------------------------------------------------------------------------------
+    def check_finished(self, tail_text: Any = None) -> None:
+        """Set `finished_reason` after a new output token. `tail_text(n)` decodes the last n output tokens
+        (given when the request has stop strings)."""
+        if self.finished:
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = finish_length(self.max_new_tokens)
+            # A stop token/string on the very last allowed token still counts as a stop.
+        token = self.output_ids[-1]
+        if len(self.output_ids) < params.min_new_tokens:
+            return
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.finished_reason = finish_stop(token)
+            return
+        if params.stop_token_ids and token in params.stop_token_ids:
+            self.finished_reason = finish_stop(token)
+            return
+        if params.stop and tail_text is not None:
+            longest = max(len(s) for s in params.stop)
+            text = tail_text(min(len(self.output_ids), longest + 2))
+            for stop in params.stop:
+                if stop in text:
+                    self.finished_reason = finish_stop(stop)
+                    return
+
+    def abort(self, message: str, status_code: int = 400) -> None:
+        if not self.finished:
+            self.finished_reason = finish_abort(message, status_code)
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -1,0 +1,114 @@
+"""`ScheduleBatch`: the scheduler's plan for one step (a list of `Req`s and a mode), and the memory
+bookkeeping that turns it into a `ForwardBatch`.
+
+`prepare_for_extend` gives admitted requests a row, writes their cached prefix into it and allocates KV
+slots for their new tokens; `prepare_for_decode` allocates one slot per running request. Both evict from
+the prefix cache first when the allocator is short. Per-request tensors are built in request order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloom.cache.prefix_cache import PrefixCache
+from tokenloom.cache.req_to_token import ReqToTokenPool
+from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.scheduler.req import Req
+
+
+class KVCacheOOM(RuntimeError):
+    """The KV pool cannot hold what the scheduler admitted (a budgeting bug, never expected)."""
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor | None = None
+    req_pool_indices: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    out_cache_loc: torch.Tensor | None = None
+    # Reqs whose logits/sampled token belong to a non-final chunk (token is discarded).
+    chunked_rids: set[str] = field(default_factory=set)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def to_forward_batch(self, return_all_logits: bool = False) -> ForwardBatch:
+        return ForwardBatch.build(self.forward_mode, self.input_ids, self.req_pool_indices, self.prefix_lens,
+                                  self.seq_lens, self.out_cache_loc, return_all_logits)
+
+
+class BatchMemory:
+    """Allocates request rows and KV slots for batches, evicting from the prefix cache when short."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator, tree_cache: PrefixCache,
+                 device: torch.device) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.device = device
+
+    def available_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def _ensure(self, tokens: int) -> None:
+        short = tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+
+    def prepare_for_extend(self, reqs: list[Req]) -> ScheduleBatch:
+        device = self.device
+        need_rows = [r for r in reqs if r.req_pool_idx is None]
+        rows = self.req_to_token_pool.alloc(len(need_rows))
+        if rows is None:
+            raise KVCacheOOM("no free request rows for an admitted batch")
+        for req, row in zip(need_rows, rows, strict=True):
+            req.req_pool_idx = row
+            if req.prefix_len:  # a fresh match: point the row at the tree's slots
+                self.req_to_token_pool.req_to_token[row, : req.prefix_len] = req.prefix_indices.to(torch.int32)
+        prefix = torch.tensor([r.prefix_len for r in reqs], dtype=torch.int64, device=device)
+        seq = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64, device=device)
+        row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
+        page = self.allocator.page_size
+        self._ensure(int((seq - prefix).sum()) + len(reqs) * (page - 1))
+        last = self._last_slots(row_t, prefix)
+        slots = self.allocator.alloc_extend(prefix, seq, last)
+        if slots is None:
+            raise KVCacheOOM(f"KV pool cannot hold an admitted prefill of {int((seq - prefix).sum())} tokens")
+        ids = [t for r in reqs for t in r.fill_ids[r.prefix_len:]]
+        return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND,
+                             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+                             req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
+
+    def decode_tokens_needed(self, reqs: list[Req]) -> int:
+        """Free slots a decode step of `reqs` needs (a new page only where the last one is full)."""
+        page = self.allocator.page_size
+        if page == 1:
+            return len(reqs)
+        return sum(page for r in reqs if r.kv_len % page == 0)
+
+    def prepare_for_decode(self, reqs: list[Req]) -> ScheduleBatch:
+        device = self.device
+        self._ensure(self.decode_tokens_needed(reqs))
+        row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
+        kv = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+        seq = kv + 1
+        slots = self.allocator.alloc_decode(seq, self._last_slots(row_t, kv))
+        if slots is None:
+            raise KVCacheOOM("KV pool cannot hold a decode step (retraction should have prevented this)")
+        ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
+        return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.DECODE, input_ids=ids, req_pool_indices=row_t,
+                             prefix_lens=kv, seq_lens=seq, out_cache_loc=slots)
+
+    def _last_slots(self, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Slot of position len-1 of each row (0 where len is 0): where a partial page continues."""
+        pos = (lens - 1).clamp(min=0)
+        return self.req_to_token_pool.req_to_token[rows, pos].to(torch.int64)

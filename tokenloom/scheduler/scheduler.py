@@ -1,0 +1,240 @@
+"""`Scheduler`: owns the waiting queue, the running requests, the prefix cache and the worker, and turns
+them into one batch per step. It does no I/O itself: requests arrive through `handle(msg)`, outputs leave
+through the `send` callable, and an event loop (loops.py) decides when to call what.
+
+Per step (normal loop): `get_next_batch_to_run()` → `run_batch(batch)` → `process_batch_result(batch, out)`.
+Prefill has priority: a new prefill batch is built whenever waiting requests fit; otherwise all running
+requests decode one token. Before a decode step that would not fit in KV memory, cached KV is evicted, then
+requests are retracted (fewest output tokens first) and re-queued; they are recomputed later. Nothing is
+dropped: every request ends with a finish reason sent to the detokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tokenloom.cache.chunk_cache import ChunkCache
+from tokenloom.cache.radix_cache import RadixCache
+from tokenloom.config import ServerArgs
+from tokenloom.executor.worker import ForwardOutput, ModelWorker
+from tokenloom.protocol import (
+    AbortRequest,
+    FlushCacheReply,
+    FlushCacheRequest,
+    GetInternalStateRequest,
+    InternalStateReply,
+    TokenizedRequest,
+)
+from tokenloom.scheduler.output_processor import OutputProcessor
+from tokenloom.scheduler.policy import order_waiting_queue
+from tokenloom.scheduler.prefill_adder import AddResult, PrefillAdder
+from tokenloom.scheduler.req import Req
+from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
+from tokenloom.scheduler.stats import NewTokenRatio, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, worker: ModelWorker, tokenizer: Any, send: Callable[[Any], None]) -> None:
+        self.args = args
+        self.worker = worker
+        runner = worker.runner
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.token_allocator
+        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, args.page_size)
+        self.memory = BatchMemory(self.req_to_token_pool, self.allocator, self.tree_cache, runner.device)
+        self.output = OutputProcessor(self.tree_cache, self.req_to_token_pool, tokenizer, send, args.stream_interval)
+        self.send = send
+        self.max_total_num_tokens = runner.max_total_num_tokens
+        self.context_len = runner.context_len
+        self.max_req_input_len = min(self.context_len - 1, self.max_total_num_tokens - 1) - 1
+        self.max_running_requests = min(self.req_to_token_pool.size,
+                                        args.max_running_requests or max(self.max_total_num_tokens // 2, 1))
+        self.chunked_prefill_size = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.ratio = NewTokenRatio(args.schedule_conservativeness)
+        self.stats = StepStats(args.decode_log_interval)
+        self.eos_token_ids = worker.eos_token_ids
+
+    # --- inputs --------------------------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self.add_request(msg)
+        elif isinstance(msg, AbortRequest):
+            self.abort_request(msg.rid, msg.message)
+        elif isinstance(msg, FlushCacheRequest):
+            self.send(self.flush_cache())
+        elif isinstance(msg, GetInternalStateRequest):
+            self.send(InternalStateReply(self.internal_state()))
+        else:
+            raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
+
+    def add_request(self, tr: TokenizedRequest) -> None:
+        req = Req(tr.rid, tr.input_ids, tr.sampling_params, input_text=tr.input_text, stream=tr.stream,
+                  return_logprob=tr.return_logprob, top_logprobs_num=tr.top_logprobs_num,
+                  logprob_start_len=tr.logprob_start_len, arrival_time=tr.arrival_time,
+                  eos_token_ids=self.eos_token_ids)
+        error = self._validate(req)
+        if error is not None:
+            req.abort(*error)
+            self.output.emit([req])
+            return
+        self.waiting_queue.append(req)
+
+    def _validate(self, req: Req) -> tuple[str, int] | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "input_ids cannot be empty.", 400
+        if n > self.max_req_input_len:
+            return (f"The input ({n} tokens) is longer than the model's context length or KV pool "
+                    f"({self.max_req_input_len} tokens).", 400)
+        if self.args.max_queued_requests is not None and len(self.waiting_queue) >= self.args.max_queued_requests:
+            return "The request queue is full.", 503
+        limit = self.context_len - n - 1
+        params = req.sampling_params
+        params.max_new_tokens = limit if params.max_new_tokens is None else min(params.max_new_tokens, limit)
+        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+        return None
+
+    def abort_request(self, rid: str, message: str = "Aborted by the client.") -> None:
+        """Finish `rid` wherever it is, freeing its KV now (no batch is in flight between steps)."""
+        for req in self.waiting_queue:
+            if req.rid == rid:
+                self.waiting_queue.remove(req)
+                self._finish_aborted(req, message)
+                return
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            req.is_chunked = 0
+            self._finish_aborted(req, message)
+            return
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self._finish_aborted(req, message)
+                return
+
+    def _finish_aborted(self, req: Req, message: str) -> None:
+        req.abort(message)
+        self.output.release(req)
+        self.output.emit([req])
+
+    # --- batch selection -----------------------------------------------------------------------------
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self._get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running:
+            return self._update_running_batch()
+        return None
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        running_slots = self.max_running_requests - len(self.running)
+        if self.chunked_req is None and (not self.waiting_queue or running_slots <= 0):
+            return None
+        match = self.tree_cache.match_prefix
+        order_waiting_queue(self.waiting_queue, self.args.schedule_policy, match, not self.args.disable_radix_cache)
+        adder = PrefillAdder(self.args.page_size, self.memory.available_tokens, self.tree_cache.inc_lock_ref,
+                             self.tree_cache.dec_lock_ref, self.running, self.ratio.value, self.args.max_prefill_tokens,
+                             self.chunked_prefill_size, running_slots)
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input(match)
+            adder.add_chunked_req(self.chunked_req)
+            if self.chunked_req not in adder.can_run_list:
+                return None  # no room to continue it yet; let running requests decode (or retract) first
+        for req in list(self.waiting_queue):
+            req.init_next_round_input(match)
+            if adder.add_one_req(req) is not AddResult.CONTINUE:
+                break
+        if not adder.can_run_list:
+            return None
+        for req in adder.can_run_list:
+            if req.retraction_count == 0 and req.req_pool_idx is None:
+                req.cached_tokens = req.prefix_len
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        batch = self.memory.prepare_for_extend(adder.can_run_list)
+        self.stats.on_prefill(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
+        return batch
+
+    def _update_running_batch(self) -> ScheduleBatch:
+        if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
+            self._retract()
+        else:
+            self.ratio.decay()
+        return self.memory.prepare_for_decode(self.running)
+
+    def _retract(self) -> None:
+        """Free KV by re-queueing the requests with the fewest outputs (then the longest prompts)."""
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted = []
+        while self.memory.available_tokens() < self.memory.decode_tokens_needed(order):
+            if len(order) == 1:
+                raise RuntimeError("Out of memory even after retracting every other request; "
+                                   "raise --max-total-tokens")
+            req = order.pop()
+            self.tree_cache.release_unfinished(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
+            self.req_to_token_pool.free(req.req_pool_idx)
+            req.reset_for_retract()
+            retracted.append(req)
+        self.running = [r for r in self.running if r in order]
+        self.waiting_queue[:0] = reversed(retracted)  # retracted requests go first, oldest first
+        self.ratio.after_retract(self.running)
+        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
+                       len(retracted), self.ratio.value)
+
+    # --- running ------------------------------------------------------------------------------------
+    def run_batch(self, batch: ScheduleBatch) -> ForwardOutput:
+        return self.worker.forward_batch_generation(batch)
+
+    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+        if batch.forward_mode.is_extend():
+            self.running.extend(self.output.process_extend(batch, out))
+        else:
+            self.output.process_decode(batch, out)
+            self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
+        self.running = [r for r in self.running if not r.finished]
+
+    # --- control ------------------------------------------------------------------------------------
+    def is_idle(self) -> bool:
+        return not self.waiting_queue and not self.running and self.chunked_req is None
+
+    def check_idle_integrity(self) -> None:
+        if self.is_idle():
+            self.tree_cache.check_integrity()
+            free_rows = self.req_to_token_pool.available_size()
+            if free_rows != self.req_to_token_pool.size:
+                raise AssertionError(f"request-row leak: {free_rows} free of {self.req_to_token_pool.size}")
+
+    def flush_cache(self) -> FlushCacheReply:
+        if not self.is_idle():
+            return FlushCacheReply(False, "Cache not flushed: there are running or waiting requests.")
+        self.tree_cache.reset()
+        return FlushCacheReply(True, "Cache flushed.")
+
+    def internal_state(self) -> dict[str, Any]:
+        used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "max_running_requests": self.max_running_requests,
+            "available_kv_tokens": self.allocator.available_size(),
+            "evictable_kv_tokens": self.tree_cache.evictable_size(),
+            "kv_tokens_in_use": used,
+            "free_request_slots": self.req_to_token_pool.available_size(),
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "last_gen_throughput": self.stats.last_gen_throughput,
+            "cache_hit_rate": self.stats.cache_hit_rate(),
+            "time": time.time(),
+        }
