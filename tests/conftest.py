@@ -47,3 +47,11 @@ def smollm2_runner_fp32():
     from tokenloom.executor.model_runner import ModelRunner
 
     return ModelRunner(ServerArgs(dtype="float32", max_total_tokens=8192, max_running_requests=16))
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime_model(tmp_path_factory) -> str:
+    """Folder with a tiny random Llama (SmolLM2 vocabulary) and SmolLM2's tokenizer."""
+    from tests.model_factory import make_tiny_with_smollm2_tokenizer
+
+    return make_tiny_with_smollm2_tokenizer(str(tmp_path_factory.mktemp("tiny_runtime")))

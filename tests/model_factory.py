@@ -52,3 +52,23 @@ def make_hf_model(variant: str, folder: str, seed: int = 0) -> torch.nn.Module:
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0) -> str:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer saved beside it, so the full runtime
+    (tokenizer, detokenizer, stop strings) runs in seconds."""
+    import transformers
+
+    from tokenloom.config import ServerArgs
+    from tokenloom.models.loader import resolve_model_source
+    from tokenloom.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_source(ServerArgs()))
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 49152, "max_position_embeddings": 2048,
+                                         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True})
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
