@@ -16,7 +16,7 @@ from typing import Any
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch_native",)
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -51,7 +51,8 @@ class ServerArgs:
     max_running_requests: int | None = _flag(None, "Request slots in the req-to-token pool.")
     # Execution
     device: str = _flag("cpu", "Device to run on: cpu or cuda.")
-    attention_backend: str = _flag("torch_native", "Attention kernel family.", ATTENTION_BACKENDS)
+    attention_backend: str = _flag("auto", "Attention kernels: torch_native (pure torch), cpu (native paged "
+                                   "decode kernel), auto (cpu when it builds here).", ATTENTION_BACKENDS)
     tp_size: int = _flag(1, "Tensor-parallel ranks.", aliases=("--tensor-parallel-size",))
     num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
     # Scheduling
@@ -65,6 +66,12 @@ class ServerArgs:
     stream_interval: int = _flag(1, "Stream every N tokens.")
     decode_log_interval: int = _flag(40, "Log a decode statistics line every N decode steps.")
     log_level: str = _flag("info", "Logging level.", LOG_LEVELS)
+    # HTTP server
+    host: str = _flag("127.0.0.1", "Address the HTTP server listens on.")
+    port: int = _flag(30000, "Port the HTTP server listens on.")
+    api_key: str | None = _flag(None, "Require `Authorization: Bearer <key>` on every route but /health and "
+                                "/metrics.")
+    enable_metrics: bool = _flag(False, "Serve Prometheus metrics at /metrics.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +106,12 @@ class ServerArgs:
             raise ConfigError("--stream-interval and --decode-log-interval must be >= 1")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [1, 65535]; got {self.port}")
+        if not self.host:
+            raise ConfigError("--host must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda; got {self.device!r}")
 

@@ -13,11 +13,15 @@ from tokenloom.executor.sequence_driver import SequenceDriver
 TOL = 2e-5
 
 
-@pytest.fixture(scope="module", params=[1, 16], ids=["page1", "page16"])
+@pytest.fixture(scope="module", params=[(1, "torch_native"), (16, "torch_native"), (1, "cpu"), (16, "cpu")],
+                ids=["page1-torch", "page16-torch", "page1-cpu", "page16-cpu"])
 def driver(request, tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
-    runner = ModelRunner(ServerArgs(model_path=folder, dtype="float32", page_size=request.param,
+    page, backend = request.param
+    runner = ModelRunner(ServerArgs(model_path=folder, dtype="float32", page_size=page, attention_backend=backend,
                                     max_total_tokens=4096, max_running_requests=16))
+    assert type(runner.attn_backend).__name__ == {"cpu": "CpuPagedBackend", "torch_native": "TorchNativeBackend"}[
+        backend]
     d = SequenceDriver(runner)
     yield d
     assert runner.token_allocator.available_size() == runner.max_total_num_tokens

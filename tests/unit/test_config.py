@@ -59,7 +59,7 @@ def test_good_values_accepted(kwargs):
 def test_defaults():
     a = ServerArgs()
     assert (a.dtype, a.page_size, a.device, a.attention_backend, a.load_format, a.tp_size) == \
-        ("auto", 1, "cpu", "torch_native", "auto", 1)
+        ("auto", 1, "cpu", "auto", "auto", 1)
     assert a.model_path is None and a.max_total_tokens is None and a.random_seed == 0
 
 

@@ -1,7 +1,8 @@
 """`KVPool`: per-layer K and V tensors indexed by KV slot id, for the layers this process owns.
 
-Shape per layer: [size + page_size, kv_heads_local, head_dim]; slot 0 is the dummy slot padded tokens write
-to, and the pool is allocated for layers [start_layer, end_layer) only (a pipeline stage holds its own).
+Shape per layer: [kv_heads_local, size + page_size, head_dim] (head-major, so gathering a batch's slots
+gives [heads, tokens, dim] that batched matmuls use without copies); slot 0 is the dummy slot padded tokens
+write to, and the pool is allocated for layers [start_layer, end_layer) only (a pipeline stage holds its own).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ class KVPool:
         self.end_layer = end_layer
         rows = size + page_size
         n = end_layer - start_layer
-        self.k_buffers = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n)]
-        self.v_buffers = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n)]
+        self.k_buffers = [torch.zeros(num_kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(n)]
+        self.v_buffers = [torch.zeros(num_kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(n)]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, kv_heads, head_dim] for tokens stored at `slots`."""
         i = layer_id - self.start_layer
-        self.k_buffers[i][slots] = k.to(self.dtype)
-        self.v_buffers[i][slots] = v.to(self.dtype)
+        self.k_buffers[i].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
+        self.v_buffers[i].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = layer_id - self.start_layer

@@ -50,7 +50,9 @@ class ModelRunner:
                                 seed=args.random_seed)
         self.context_len = self.model_config.context_length
         self._init_memory(start_layer, self.model.end_layer)
-        self.attn_backend = create_attention_backend(args.attention_backend, self.req_to_token_pool, self.kv_pool)
+        heads = max(1, self.model_config.num_attention_heads // parallel.tp_size)
+        self.attn_backend = create_attention_backend(args.attention_backend, self.req_to_token_pool, self.kv_pool,
+                                                     heads)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
 
     def _init_memory(self, start_layer: int, end_layer: int) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext
+from tokenloom.layers import cpu_gemm
 from tokenloom.layers.linear import _check_full_shape, _copy_checked
 
 
@@ -63,8 +64,13 @@ class ParallelLMHead(nn.Module):
             shape = embedding.weight.shape
             self.weight = nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
+    packed: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        self.packed = cpu_gemm.pack_weight(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ctx.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.ctx.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, self.packed))
         return logits[..., : self.vocab_size]
 
     load_full = VocabParallelEmbedding.load_full

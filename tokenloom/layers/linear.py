@@ -9,10 +9,10 @@ weight so the forward runs one matmul instead of several.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext, divide
+from tokenloom.layers import cpu_gemm
 
 
 class WeightShapeError(ValueError):
@@ -31,7 +31,19 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src.to(dst.dtype))
 
 
-class ColumnParallelLinear(nn.Module):
+class _PackedLinear(nn.Module):
+    """Shared forward plumbing: `prepare_for_inference` packs the loaded weight for the CPU kernel."""
+
+    packed: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        self.packed = cpu_gemm.pack_weight(self.weight)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.packed, bias)
+
+
+class ColumnParallelLinear(_PackedLinear):
     """y = x W^T (+ b) with W's rows (output features) split across TP ranks; output stays split."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
@@ -43,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_local, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
         full = (self.out_local * self.ctx.tp_size, *self.weight.shape[1:])
@@ -52,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(self.bias if is_bias else self.weight, shard, name)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(_PackedLinear):
     """Several column-parallel projections of the same input stored as one weight (gate_up_proj).
 
     Local layout: [shard of part 0 | shard of part 1 | ...], so each rank's output splits into the parts
@@ -70,7 +82,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(total, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def full_part_rows(self, part: int) -> int:
         return self.local_sizes[part] * self.ctx.tp_size
@@ -115,7 +127,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         _copy_checked(dst, tensor.narrow(0, kv_head * size, size), name)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PackedLinear):
     """y = all_reduce(x_shard W_shard^T) + b, with W's columns (input features) split across TP ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
@@ -127,7 +139,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y
 
     def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:

@@ -41,24 +41,27 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tu
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table; `lookup` once per forward, `apply` per layer to the packed q|k heads."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq, position_scale = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32) * position_scale
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Full-width tables so rotation is x * cos + roll(x, D/2) * sin_signed (the "rotate half" layout).
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
         self.head_dim = head_dim
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies (same dtype as the inputs)."""
-        cos = self.cos.index_select(0, positions).to(q.dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(q.dtype).unsqueeze(1)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed for the given positions: [T, 1, D] each, in the compute dtype."""
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
 
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [T, H, D] (any number of heads at once, q and k together)."""
+        cos, sin = cos_sin
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

@@ -38,21 +38,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, cfg.attention_bias, ctx, dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, ctx, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.num_heads = self.qkv_proj.num_heads_local
         self.num_kv_heads = self.qkv_proj.num_kv_heads_local
         self.head_dim = cfg.head_dim
         self.scaling = cfg.head_dim ** -0.5
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split(self.qkv_proj.local_sizes, dim=-1)
-        t = hidden.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
-        return self.o_proj(attn.forward(q, k, v, self.layer_id, self.scaling, batch))
+        t, h, kv = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qk = qkv[:, : (h + kv) * self.head_dim].view(t, h + kv, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos_sin)  # q and k heads rotated in one pass
+        v = qkv[:, (h + kv) * self.head_dim:].view(t, kv, self.head_dim)
+        return self.o_proj(attn.forward(qk[:, :h], qk[:, h:], v, self.layer_id, self.scaling, batch))
 
 
 class LlamaMLP(nn.Module):
@@ -76,13 +74,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, ctx, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                attn: AttentionBackend, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch, attn)
+        hidden = self.self_attn(hidden, batch, attn, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -101,6 +100,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) \
             if self.is_first or (self.is_last and cfg.tie_word_embeddings) else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, dtype) for i in range(start_layer, end_layer))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.dtype = dtype
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(self.embed_tokens or VocabParallelEmbedding(
@@ -113,8 +114,9 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(batch.input_ids), None
         else:
             hidden, residual = batch.pp_proxy["hidden_states"], batch.pp_proxy["residual"]
+        cos_sin = self.rotary.lookup(batch.positions, self.dtype)  # shared by every layer of this step
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, attn)
+            hidden, residual = layer(hidden, residual, batch, attn, cos_sin)
         if not self.is_last:
             return {"hidden_states": hidden, "residual": residual}
         hidden = hidden.index_select(0, select_logit_rows(batch))

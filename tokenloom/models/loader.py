@@ -99,7 +99,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
         model.load_weights((source.gguf or GGUFFile(source.path)).tensors(source.config))
     else:
         model.load_weights(_safetensors_tensors(source.path))
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    for module in model.modules():
+        if hasattr(module, "prepare_for_inference"):
+            module.prepare_for_inference()
+    return model
 
 
 def _safetensors_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
