@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import ModelShape, measure_roofline  # noqa: E402
-
 from tokenloom import Engine  # noqa: E402
 
 

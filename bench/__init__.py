@@ -1,0 +1,1 @@
+"""Benchmarks that compare tokenloom against its peers; results go to docs/benchmarks.md."""
