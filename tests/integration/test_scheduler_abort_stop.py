@@ -119,3 +119,16 @@ def test_queue_full_gets_503(folder):
     assert statuses[3]["type"] == "abort" and statuses[3]["status_code"] == 503
     assert statuses[3]["message"] == "The request queue is full."
     assert all(s["type"] == "length" for s in statuses[:2])
+
+
+def test_decode_log_line_every_n_steps(folder, caplog):
+    import logging
+
+    h = Harness(folder, decode_log_interval=5)
+    with caplog.at_level(logging.INFO, logger="tokenloom.scheduler"):
+        h.submit("a", list(range(1, 30)), dict(GREEDY, max_new_tokens=21))
+        h.run()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert len(lines) == 4  # 20 decode steps after the prefill token
+    assert "#running-req: 1" in lines[0] and "token usage:" in lines[0] and "cache hit rate:" in lines[0]
+    assert "gen throughput (token/s):" in lines[0] and "#queue-req: 0" in lines[0]
