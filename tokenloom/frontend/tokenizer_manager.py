@@ -5,11 +5,15 @@ from the detokenizer to the waiting caller (one `ReqState` per request id).
 Threads: a receiver thread owns the incoming socket and hands each output to the caller's asyncio loop
 (`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user or
 server loop (async_generate, the HTTP server). It also watches the children: if one dies, every pending
-request fails with a clear error and new requests are refused.
+request fails with a clear error, new requests are refused, and `on_dead` (if set; the HTTP server sets it
+to exit non-zero) is called once from the receiver thread.
 
 Request lifecycle: `generate_request` registers a `ReqState`, sends the `TokenizedRequest`, yields outputs
 until one carries a finish reason, and removes the state. If the caller goes away first (cancelled task,
-closed stream), the request is aborted so its KV is freed.
+closed stream), the request is aborted so its KV is freed. Output logprobs arrive per message and are
+accumulated per request, so every output carries them from the first token ([logprob, token_id, null]
+triples, SGLang's shape). An abort the client asked for (`abort`) finishes with a finish reason without a
+status code, so callers return it as a normal response; scheduler-side aborts keep theirs (400/503/500).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900
 CHILD_CHECK_S = 0.5
+LOGPROB_FLOOR = -9999.0
 
 
 class EngineDeadError(RuntimeError):
@@ -62,6 +68,33 @@ class ReqState:
     queue: asyncio.Queue
     created: float = field(default_factory=time.perf_counter)
     finished: bool = False
+    aborted_by_client: bool = False
+    output_token_logprobs: list[list[Any]] = field(default_factory=list)
+    output_top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+
+
+@dataclass
+class ServingCounters:
+    """Totals over finished requests (read by /metrics), updated by `generate_request` in the caller's
+    event loop. A request whose caller went away counts as aborted, with no tokens."""
+
+    num_requests: int = 0
+    num_aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_latency_sum: float = 0.0
+
+    def on_finished(self, meta: dict[str, Any] | None) -> None:
+        self.num_requests += 1
+        if meta is None:
+            self.num_aborted += 1
+            return
+        self.num_aborted += meta["finish_reason"].get("type") == "abort"
+        self.prompt_tokens += meta.get("prompt_tokens", 0)
+        self.generation_tokens += meta.get("completion_tokens", 0)
+        self.cached_tokens += meta.get("cached_tokens", 0)
+        self.e2e_latency_sum += meta.get("e2e_latency", 0.0)
 
 
 class TokenizerManager:
@@ -82,6 +115,9 @@ class TokenizerManager:
         self._stopping = threading.Event()
         self.processes: dict[str, mp.Process] = {}
         self.scheduler_info: dict[str, Any] = {}
+        self.on_dead: Callable[[str], None] | None = None
+        self.last_output_time = 0.0  # time.monotonic() of the last output from the runtime
+        self.counters = ServingCounters()
         self._launch()
         self._thread = threading.Thread(target=self._receive_loop, name="tokenloom-receiver", daemon=True)
         self._thread.start()
@@ -132,6 +168,9 @@ class TokenizerManager:
         raise RuntimeError(f"{name} process did not start in {STARTUP_TIMEOUT_S} s")
 
     def shutdown(self) -> None:
+        """Stop the children and close the sockets; idempotent."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         for proc in self.processes.values():
             if proc.is_alive():
@@ -165,6 +204,7 @@ class TokenizerManager:
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOutput):
+            self.last_output_time = time.monotonic()
             for i, rid in enumerate(msg.rids):
                 state = self.rid_to_state.get(rid)
                 if state is None:
@@ -183,10 +223,13 @@ class TokenizerManager:
                 loop.call_soon_threadsafe(_resolve, future, msg)
 
     def _mark_dead(self, reason: str) -> None:
-        if self.dead_error is None:
+        first = self.dead_error is None
+        if first:
             self.dead_error = reason
             logger.error("tokenloom engine is dead: %s", reason)
         self._fail_all(reason)
+        if first and self.on_dead is not None:
+            self.on_dead(reason)
 
     def _fail_all(self, reason: str) -> None:
         for state in list(self.rid_to_state.values()):
@@ -232,6 +275,72 @@ class TokenizerManager:
                                 logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                 arrival_time=time.time())
 
+    def tokenize_batch(self, text: Any, input_ids: Any, sampling_params: Any = None, rid: Any = None, *,
+                       stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                       logprob_start_len: int = -1) -> tuple[list[TokenizedRequest], bool]:
+        """Validate and tokenize a `/generate`-shaped input (one prompt or a batch; text wins over
+        input_ids). `n > 1` expands each prompt n times, prompt-major. Returns the requests and whether
+        the answer is a list. Raises ValueError with a client-facing message before anything is sent."""
+        if text is not None:
+            is_batch = isinstance(text, list)
+            texts, ids_list = (text if is_batch else [text]), None
+        elif input_ids is not None:
+            if not isinstance(input_ids, list):
+                raise ValueError("input_ids must be a list of token ids, or a list of such lists for a batch")
+            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+            ids_list, texts = (input_ids if is_batch else [input_ids]), None
+        else:
+            raise ValueError("Either text, input_ids or input_embeds should be provided.")
+        count = len(texts if texts is not None else ids_list)
+        if count == 0:
+            raise ValueError("The prompt list is empty.")
+        params = self._batch_params(sampling_params, count, is_batch)
+        rids = _batch_rids(rid, count, is_batch)
+        n = _common_n(params)
+        if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
+            raise ValueError(f"logprob_start_len must be an integer, got {logprob_start_len!r}")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {self.vocab_size}], "
+                             f"got {top_logprobs_num!r}")
+        reqs = []
+        for i in range(count):
+            for copy in range(n):
+                this_rid = rids[i] if n == 1 or rids[i] is None else f"{rids[i]}-{copy}"
+                reqs.append(self.tokenize_request(
+                    texts[i] if texts is not None else None, ids_list[i] if ids_list is not None else None,
+                    {**params[i], "n": 1}, rid=this_rid, stream=stream, return_logprob=bool(return_logprob),
+                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len))
+        given = [r for r in rids if r is not None]
+        duplicate = next((r.rid for r in reqs if r.rid in self.rid_to_state), None)
+        if len(set(given)) != len(given) or duplicate is not None:
+            raise ValueError(f"Duplicate request id {duplicate or given!r}")
+        return reqs, is_batch or n > 1
+
+    def _batch_params(self, sampling_params: Any, count: int, is_batch: bool) -> list[dict[str, Any]]:
+        if isinstance(sampling_params, list):
+            if not is_batch:
+                raise ValueError("sampling_params must be an object for a single prompt")
+            if len(sampling_params) != count:
+                raise ValueError(f"Got {len(sampling_params)} sampling_params for {count} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params] * count
+        if not all(p is None or isinstance(p, dict) for p in params):
+            raise ValueError("sampling_params must be an object (or a list of objects, one per prompt)")
+        return [dict(p or {}) for p in params]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The model's chat template with the generation prompt appended: (prompt text, token ids)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - template errors (no template, bad roles) are client-facing
+            raise ValueError(f"Cannot apply the model's chat template: {e}") from None
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded on its own (the token strings of logprob listings)."""
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
     def _check_length(self, n: int, params: SamplingParams) -> None:
         if n >= self.context_len:
             raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
@@ -259,17 +368,27 @@ class TokenizerManager:
                 item = await state.queue.get()
                 if isinstance(item, Exception):
                     raise item
-                if req.stream or item["meta_info"]["finish_reason"] is not None:
-                    yield item
                 if item["meta_info"]["finish_reason"] is not None:
+                    self.counters.on_finished(item["meta_info"])
+                    yield item
                     return
+                if req.stream:
+                    yield item
         finally:
             if not state.finished and self.rid_to_state.pop(req.rid, None) is not None:
+                self.counters.on_finished(None)
                 self.abort(req.rid)
 
     def abort(self, rid: str, message: str = "Aborted by the client.") -> None:
+        state = self.rid_to_state.get(rid)
+        if state is not None:
+            state.aborted_by_client = True
         if self.dead_error is None:
             self._send(AbortRequest(rid, message))
+
+    def abort_all(self, message: str = "Aborted by the client.") -> None:
+        for rid in list(self.rid_to_state):
+            self.abort(rid, message)
 
     async def _control(self, request: Any, reply_type: type) -> Any:
         loop = asyncio.get_running_loop()
@@ -287,10 +406,49 @@ class TokenizerManager:
 
 def _response(msg: BatchStrOutput, i: int, state: ReqState) -> dict[str, Any]:
     meta = dict(msg.meta[i])
-    meta["finish_reason"] = msg.finished_reasons[i]
-    if msg.finished_reasons[i] is not None:
+    finish = msg.finished_reasons[i]
+    if finish is not None and finish.get("type") == "abort" and state.aborted_by_client:
+        finish = {"type": "abort", "message": finish.get("message")}  # no status: not an error to report
+    meta["finish_reason"] = finish
+    if finish is not None:
         meta["e2e_latency"] = time.perf_counter() - state.created
+    if "output_token_logprobs" in meta:
+        state.output_token_logprobs.extend(_triple(lp, tid) for lp, tid in meta["output_token_logprobs"])
+        meta["output_token_logprobs"] = list(state.output_token_logprobs)
+    if "output_top_logprobs" in meta:
+        state.output_top_logprobs.extend([_triple(lp, tid) for lp, tid in pos] for pos in meta["output_top_logprobs"])
+        meta["output_top_logprobs"] = list(state.output_top_logprobs)
     return {"text": msg.texts[i], "output_ids": msg.output_ids[i], "meta_info": meta}
+
+
+def _batch_rids(rid: Any, count: int, is_batch: bool) -> list[str | None]:
+    if rid is None:
+        return [None] * count
+    rids = rid if isinstance(rid, list) else [rid]
+    if isinstance(rid, list) and not is_batch:
+        raise ValueError("rid must be a string for a single prompt")
+    if len(rids) != count:
+        raise ValueError(f"rid must be a list with one id per prompt ({count}) for a batch")
+    if not all(isinstance(r, str) and r for r in rids):
+        raise ValueError("rid must be a non-empty string")
+    return rids
+
+
+def _common_n(params: list[dict[str, Any]]) -> int:
+    ns = [p.get("n", 1) for p in params]
+    for n in ns:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+    if len(set(ns)) > 1:
+        raise ValueError(f"All requests in a batch must use the same n; got n values {sorted(set(ns))}")
+    return ns[0]
+
+
+def _triple(logprob: float, token_id: int) -> list[Any]:
+    """SGLang's [logprob, token_id, text] entry; -inf (a token that cannot be sampled) becomes a finite
+    floor so the response stays valid JSON."""
+    value = float(logprob)
+    return [value if math.isfinite(value) else LOGPROB_FLOOR, int(token_id), None]
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
