@@ -1,4 +1,5 @@
-"""`tokenloom` console script: dispatches to subcommands (`generate`; `serve` arrives with the server)."""
+"""`tokenloom` console script: dispatches to subcommands (`serve`: the HTTP server; `generate`: one-shot
+generation)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": "tokenloom.entrypoints.generate"}
+    commands = {"serve": "tokenloom.entrypoints.launch_server", "generate": "tokenloom.entrypoints.generate"}
     if not argv or argv[0] not in commands:
-        print(f"usage: tokenloom {{{','.join(commands)}}} ...", file=sys.stderr)
+        print(f"usage: tokenloom {{{','.join(commands)}}} ...  (tokenloom <command> --help for its flags)",
+              file=sys.stderr)
         return 2
     import importlib
 

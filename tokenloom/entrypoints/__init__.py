@@ -1,1 +1,1 @@
-"""User-facing entry points (CLI, later the Engine and HTTP server)."""
+"""User-facing entry points: the one-shot CLI, the in-process Engine, and the HTTP server."""

@@ -1,0 +1,115 @@
+"""Launching the HTTP server: `tokenloom serve [flags]` or `python -m tokenloom.launch_server [flags]`.
+
+    tokenloom serve                                  # SmolLM2-135M-Instruct on http://127.0.0.1:30000
+    tokenloom serve --model-path /path/to/hf-folder --port 8000 --api-key secret
+
+Every server flag (SGLang's names: --model-path, --host, --port, --dtype, --context-length, ...) is
+accepted; an unknown flag or a value that cannot work is a usage error (exit 2). Order of events: check
+that host:port can be listened on (exit 1 at once if not), load the model (scheduler and detokenizer
+processes), bind, warm up, report healthy. SIGINT/SIGTERM stop the server and its processes (exit 0 after
+SIGINT; SIGTERM is re-raised, as uvicorn does). If a child process dies, or the warm-up fails, the server
+stops and exits 1 with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+from tokenloom.config import ConfigError, ServerArgs
+
+if TYPE_CHECKING:
+    from tokenloom.frontend.tokenizer_manager import TokenizerManager
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def build_parser(prog: str = "tokenloom serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None, prog: str = "tokenloom serve") -> ServerArgs:
+    """Flags → ServerArgs; exits with a usage error (status 2) on anything invalid."""
+    parser = build_parser(prog)
+    ns = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_namespace(ns)
+    except ConfigError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: list[str] | None = None, prog: str = "tokenloom serve") -> int:
+    args = parse_args(argv, prog)
+    from tokenloom.frontend.process_utils import configure_logging
+
+    configure_logging(args.log_level, "server")
+    problem = check_listen_address(args.host, args.port)
+    if problem is not None:  # fail before the model load, not after it
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    from tokenloom.frontend.tokenizer_manager import TokenizerManager
+
+    try:
+        tm = TokenizerManager(args)
+    except (ValueError, RuntimeError, OSError) as e:  # bad model path/config, a child that failed to start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return serve(tm, args)
+
+
+def check_listen_address(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (port taken, unknown host), or None."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind(address)
+    except OSError as e:
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def serve(tm: TokenizerManager, args: ServerArgs) -> int:
+    """Run uvicorn until a signal or a fatal error; returns the exit status."""
+    import uvicorn
+
+    from tokenloom.entrypoints.http_server import create_app
+
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:  # may run on the TokenizerManager's receiver thread
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(tm, args, on_fatal)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    server = uvicorn.Server(config)
+    tm.on_dead = on_fatal
+    if tm.dead_error is not None:  # died before the callback was in place
+        fatal.append(tm.dead_error)
+    try:
+        if not fatal:
+            server.run()
+    except SystemExit as e:  # uvicorn exits 1 when it cannot bind the port (already logged)
+        fatal.append(f"the HTTP server could not start on {args.host}:{args.port} (exit status {e.code})")
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown is complete
+        pass
+    finally:
+        tm.shutdown()
+    if fatal:
+        print(f"error: {fatal[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m tokenloom.entrypoints.launch_server"))

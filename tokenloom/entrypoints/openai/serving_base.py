@@ -1,0 +1,181 @@
+"""What /v1/completions and /v1/chat/completions share: body parsing, OpenAI request → sampling params,
+running the requests (non-streaming with disconnect detection, or streaming with per-choice deltas),
+usage, finish reasons, and errors in the OpenAI shape.
+
+A subclass says how a request becomes `TokenizedRequest`s (`tokenize`) and how outputs become a response
+(`make_response`) or stream chunks (`first_chunks`, `delta_chunks`). Outputs are ordered prompt-major: choice
+index = prompt index * n + copy, and usage counts each prompt's tokens once however large n is.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenloom.entrypoints.openai.protocol import SamplingExtras, UsageInfo
+from tokenloom.entrypoints.serving_utils import (
+    SSE_DONE,
+    ClientDisconnected,
+    DisconnectAwareStream,
+    abort_error,
+    body_error,
+    cancel_on_disconnect,
+    format_validation_errors,
+    gather_or_cancel,
+    merge_streams,
+    openai_error,
+    openai_error_body,
+    read_json_body,
+    require_object,
+    sse,
+)
+from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
+from tokenloom.protocol import TokenizedRequest
+
+
+class OpenAIServingBase:
+    request_model: type[SamplingExtras] = SamplingExtras
+    id_prefix = "cmpl"
+
+    def __init__(self, tokenizer_manager: TokenizerManager, model_name: str) -> None:
+        self.tm = tokenizer_manager
+        self.model_name = model_name
+
+    # --- subclass hooks ------------------------------------------------------------------------------
+    def tokenize(self, req: Any) -> list[TokenizedRequest]:
+        raise NotImplementedError
+
+    def make_response(self, req: Any, outs: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def first_chunks(self, req: Any, rid: str, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunks(self, req: Any, rid: str, index: int, delta: str, offset: int,
+                     logprobs: list[list[Any]] | None, top: list[list[list[Any]]] | None,
+                     finish: dict[str, Any] | None, usage: UsageInfo | None) -> list[dict[str, Any]]:
+        """Chunks for new text `delta` of choice `index` (`offset`: characters streamed before it)."""
+        raise NotImplementedError
+
+    def usage_chunk(self, req: Any, rid: str, usage: UsageInfo) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # --- request handling ----------------------------------------------------------------------------
+    async def handle(self, request: Request) -> Response:
+        body = require_object(await read_json_body(request, require_json_type=True))
+        try:
+            req = self.request_model.model_validate(body)
+        except ValidationError as e:
+            return body_error(format_validation_errors(e.errors()))
+        try:
+            reqs = self.tokenize(req)
+        except ValueError as e:
+            return openai_error(str(e))
+        if req.stream:
+            return DisconnectAwareStream(self._stream(req, reqs))
+        try:
+            outs = await cancel_on_disconnect(request, gather_or_cancel([self._last(r) for r in reqs]))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            return openai_error(str(e), 500)
+        for out in outs:
+            error = abort_error(out)
+            if error is not None:
+                return openai_error(error[1], error[0])
+        return JSONResponse(self.make_response(req, outs, usage_of(enumerate(outs), req.n)).model_dump())
+
+    async def _last(self, req: TokenizedRequest) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async for out in self.tm.generate_request(req):  # noqa: B007 - only the final output matters
+            pass
+        return out
+
+    async def _stream(self, req: Any, reqs: list[TokenizedRequest]) -> AsyncIterator[str]:
+        rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        text_len: dict[int, int] = {}
+        logprob_len: dict[int, int] = {}
+        last: dict[int, dict[str, Any]] = {}
+        try:
+            async for i, out in merge_streams([self.tm.generate_request(r) for r in reqs]):
+                error = abort_error(out)
+                if error is not None:
+                    yield sse({"error": openai_error_body(error[1], error[0])})
+                    break
+                meta = out["meta_info"]
+                if i not in text_len:
+                    text_len[i], logprob_len[i] = 0, 0
+                    for chunk in self.first_chunks(req, rid, i, out):
+                        yield sse(chunk)
+                last[i] = out
+                offset = text_len[i]
+                delta = out["text"][offset:]
+                text_len[i] = max(offset, len(out["text"]))
+                lps = meta.get("output_token_logprobs")
+                new_lps = tops = None
+                if lps is not None:
+                    new_lps = lps[logprob_len[i]:]
+                    if "output_top_logprobs" in meta:
+                        tops = meta["output_top_logprobs"][logprob_len[i]:]
+                    logprob_len[i] = len(lps)
+                finish = meta["finish_reason"]
+                if not delta and not new_lps and finish is None:
+                    continue
+                usage = usage_of(last.items(), req.n) if continuous else None
+                for chunk in self.delta_chunks(req, rid, i, delta, offset, new_lps, tops, finish, usage):
+                    yield sse(chunk)
+            else:
+                if include_usage:
+                    yield sse(self.usage_chunk(req, rid, usage_of(last.items(), req.n)))
+        except (ValueError, EngineDeadError) as e:
+            yield sse({"error": openai_error_body(str(e), 500 if isinstance(e, EngineDeadError) else 400)})
+        yield SSE_DONE
+
+    # --- shared translation --------------------------------------------------------------------------
+    def sampling_params(self, req: SamplingExtras, max_new_tokens: int | None,
+                        defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """OpenAI/SGLang request fields → a sampling-params dict; unset knobs take `defaults` (the model's
+        generation config for chat), then SGLang's defaults."""
+        defaults = defaults or {}
+        knobs = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        params: dict[str, Any] = {
+            **{k: (v if v is not None else defaults.get(k)) for k, v in knobs.items()},
+            "max_new_tokens": max_new_tokens, "min_new_tokens": req.min_tokens,
+            "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+            "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+            "no_stop_trim": req.no_stop_trim, "skip_special_tokens": req.skip_special_tokens, "n": req.n,
+            "logit_bias": req.logit_bias, "sampling_seed": req.seed, "regex": req.regex,
+            "json_schema": req.json_schema, "ebnf": req.ebnf,
+        }
+        return {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
+
+    def response_model_name(self, req: SamplingExtras) -> str:
+        return req.model or self.model_name
+
+
+def usage_of(outputs: Iterable[tuple[int, dict[str, Any]]], n: int) -> UsageInfo:
+    """Usage of (choice index, output) pairs: prompt tokens once per prompt (choice i belongs to prompt
+    i // n), completion tokens of every choice."""
+    prompts: dict[int, int] = {}
+    completion = 0
+    for i, out in outputs:
+        prompts.setdefault(i // max(n, 1), out["meta_info"]["prompt_tokens"])
+        completion += out["meta_info"]["completion_tokens"]
+    prompt = sum(prompts.values())
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def finish_reason_of(finish: dict[str, Any] | None) -> tuple[str | None, int | str | None]:
+    """SGLang finish reason → OpenAI's ("stop" | "length" | "abort" | None) and the matched stop."""
+    if finish is None:
+        return None, None
+    kind = finish.get("type")
+    return kind, finish.get("matched") if kind == "stop" else None

@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions: messages → the model's chat template → `chat.completion` objects.
+
+`max_completion_tokens` (or the deprecated `max_tokens`; neither = until the context limit) becomes
+max_new_tokens; unset temperature/top_p/top_k/min_p/repetition_penalty take the model's generation config,
+then OpenAI's defaults. Streams send, per choice, a role chunk, content deltas and a finish chunk. Text
+content parts are joined; other part types, tools and structured response formats are refused (tokenloom
+has no multimodal input, function calling or constrained decoding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenloom.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from tokenloom.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_of
+from tokenloom.frontend.tokenizer_manager import TokenizerManager
+from tokenloom.protocol import TokenizedRequest
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+
+
+class ChatServing(OpenAIServingBase):
+    request_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    def __init__(self, tokenizer_manager: TokenizerManager, model_name: str,
+                 generation_defaults: dict[str, Any]) -> None:
+        super().__init__(tokenizer_manager, model_name)
+        self.generation_defaults = generation_defaults
+
+    def tokenize(self, req: ChatCompletionRequest) -> list[TokenizedRequest]:
+        messages = self._messages(req)
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_new is not None and max_new <= 0:
+            name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise ValueError(f"{name} must be positive, got {max_new}")
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+            if not req.logprobs:
+                raise ValueError("top_logprobs requires logprobs to be true")
+        if req.tools and req.tool_choice != "none":
+            raise ValueError("tools are not supported by tokenloom (no function calling)")
+        kind = (req.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported by tokenloom (no constrained decoding)")
+        prompt, ids = self.tm.apply_chat_template(messages)
+        reqs, _ = self.tm.tokenize_batch(None, ids, self.sampling_params(req, max_new, self.generation_defaults),
+                                         req.rid, stream=req.stream, return_logprob=req.logprobs,
+                                         top_logprobs_num=req.top_logprobs or 0)
+        for r in reqs:
+            r.input_text = prompt
+        return reqs
+
+    @staticmethod
+    def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        if not req.messages:
+            raise ValueError("Messages cannot be empty.")
+        messages = []
+        for i, message in enumerate(req.messages):
+            content = message.content
+            if isinstance(content, list):
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise ValueError(f"messages[{i}]: content parts of type {part.type!r} are not supported "
+                                         "(text only)")
+                content = "\n".join(part.text or "" for part in content)
+            entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+            if message.name:
+                entry["name"] = message.name
+            messages.append(entry)
+        return messages
+
+    def _logprobs(self, lps: list[list[Any]] | None, tops: list[list[list[Any]]] | None) -> ChatLogprobs | None:
+        if lps is None:
+            return None
+        tokens = self.tm.token_texts([t[1] for t in lps])
+        content = []
+        for k, (entry, token) in enumerate(zip(lps, tokens, strict=True)):
+            top = []
+            if tops is not None:
+                texts = self.tm.token_texts([t[1] for t in tops[k]])
+                top = [TopLogprob(token=s, logprob=t[0], bytes=list(s.encode())) for t, s in zip(tops[k], texts,
+                                                                                                   strict=True)]
+            content.append(ChatTokenLogprob(token=token, logprob=entry[0], bytes=list(token.encode()),
+                                            top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def make_response(self, req: ChatCompletionRequest, outs: list[dict[str, Any]],
+                      usage: UsageInfo) -> ChatCompletionResponse:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            reason, matched = finish_reason_of(meta["finish_reason"])
+            choices.append(ChatChoice(index=i, message=ChatMessageOut(content=out["text"]), finish_reason=reason,
+                                      matched_stop=matched,
+                                      logprobs=self._logprobs(meta.get("output_token_logprobs"),
+                                                              meta.get("output_top_logprobs"))))
+        return ChatCompletionResponse(model=self.response_model_name(req), choices=choices, usage=usage)
+
+    def first_chunks(self, req: ChatCompletionRequest, rid: str, index: int,
+                     out: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self._chunk(req, rid, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                                       content="")), None)]
+
+    def delta_chunks(self, req: ChatCompletionRequest, rid: str, index: int, delta: str, offset: int,
+                     logprobs: list[list[Any]] | None, top: list[list[list[Any]]] | None,
+                     finish: dict[str, Any] | None, usage: UsageInfo | None) -> list[dict[str, Any]]:
+        chunks = []
+        if delta or logprobs:
+            choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=delta),
+                                      logprobs=self._logprobs(logprobs, top))
+            chunks.append(self._chunk(req, rid, choice, usage if finish is None else None))
+        if finish is not None:
+            reason, matched = finish_reason_of(finish)
+            choice = ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason, matched_stop=matched)
+            chunks.append(self._chunk(req, rid, choice, usage))
+        return chunks
+
+    def usage_chunk(self, req: ChatCompletionRequest, rid: str, usage: UsageInfo) -> dict[str, Any]:
+        return ChatCompletionChunk(id=rid, model=self.response_model_name(req), choices=[], usage=usage).model_dump()
+
+    def _chunk(self, req: ChatCompletionRequest, rid: str, choice: ChatStreamChoice,
+               usage: UsageInfo | None) -> dict[str, Any]:
+        chunk = ChatCompletionChunk(id=rid, model=self.response_model_name(req), choices=[choice], usage=usage)
+        data = chunk.model_dump()
+        data["choices"][0]["delta"] = choice.delta.model_dump(exclude_none=True)
+        return data
