@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
     ({"context_length": 1}, "--context-length"),
     ({"tp_size": 0}, "--tp-size"),
     ({"device": "tpu"}, "--device"),
+    ({"port": 0}, "--port"),
+    ({"port": 65536}, "--port"),
+    ({"host": ""}, "--host"),
+    ({"api_key": "  "}, "--api-key"),
 ])
 def test_bad_values_raise_config_error_naming_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -49,6 +53,7 @@ def test_config_error_is_value_error():
     {}, {"dtype": "float32"}, {"dtype": "bfloat16"}, {"page_size": 16, "max_total_tokens": 32},
     {"mem_fraction_static": 0.5}, {"device": "cuda"}, {"device": "cuda:1"}, {"load_format": "dummy"},
     {"max_running_requests": 1}, {"context_length": 2}, {"tp_size": 2},
+    {"port": 1}, {"port": 65535}, {"host": "0.0.0.0"}, {"api_key": "k"}, {"enable_metrics": True},
 ])
 def test_good_values_accepted(kwargs):
     args = ServerArgs.from_kwargs(**kwargs)

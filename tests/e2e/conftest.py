@@ -1,0 +1,26 @@
+"""The shared end-to-end server: the tiny random Llama with SmolLM2's tokenizer (fast), started once per
+session as a real `python -m tokenloom.launch_server` subprocess. Stopping it with SIGTERM at the end
+checks that the server exits cleanly and takes its child processes with it."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.e2e.server_process import ServerProcess
+
+TINY_FLAGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--max-running-requests", "16",
+              "--chunked-prefill-size", "64", "--num-threads", "1", "--enable-metrics")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_runtime_model):
+    server = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS).wait_healthy()
+    yield server
+    children = server.children()
+    assert children, "the server should have child processes while running"
+    code = server.stop(signal.SIGTERM)
+    assert code in (0, -signal.SIGTERM), f"exit status {code}:\n{server.logs()}"
+    assert not server.children(), "child processes survived the server"
+    assert "Traceback" not in server.logs(), server.logs()

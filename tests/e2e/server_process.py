@@ -1,0 +1,118 @@
+"""A tokenloom HTTP server run as a real subprocess on a free port, for the end-to-end tests, plus small
+stdlib HTTP helpers (so the tests need no client beyond aiohttp and openai)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STARTUP_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+         raw: bytes | None = None, timeout: float = 60) -> tuple[int, Any]:
+    """(status, parsed JSON body or text). `body` is sent as JSON; `raw` as given."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    hdrs = {"Content-Type": "application/json"} if body is not None else {}
+    hdrs.update(headers or {})
+    request = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+class ServerProcess:
+    def __init__(self, *flags: str, module: str = "tokenloom.launch_server") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+            "w+", prefix="tokenloom-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", module, *flags, "--port", str(self.port)]
+        if "--log-level" not in flags:
+            cmd += ["--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.logs()}")
+            try:
+                if http("GET", self.url + "/health", timeout=30)[0] == 200:
+                    return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def children(self) -> list[int]:
+        """Live processes whose parent is the server (scheduler, detokenizer, resource tracker)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
+                found.append(int(entry))
+        return found
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def server_info(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        status, info = http("GET", self.url + "/get_server_info", headers=headers)
+        assert status == 200, info
+        return info
+
+    def wait_idle_and_pool_full(self, headers: dict[str, str] | None = None, timeout: float = 30) -> dict[str, Any]:
+        """Poll /get_server_info until no request runs or waits; then the KV pool must be back to full."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info(headers)
+            if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+                break
+            assert time.monotonic() < deadline, f"requests still running: {info}"
+            time.sleep(0.05)
+        assert info["kv_tokens_in_use"] == 0, info
+        assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"], info
+        return info

@@ -1,0 +1,131 @@
+"""A server with --api-key, one running slot and a one-request queue: 401s without the key (but not on
+/health and /metrics), 503 when the queue is full, and — last, since it ends the server — a scheduler
+that dies makes pending requests fail and the server exit non-zero with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from tests.e2e.server_process import ServerProcess, http
+
+KEY = "s3cret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = {"max_new_tokens": None, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_runtime_model):
+    server = ServerProcess("--model-path", tiny_runtime_model, "--dtype", "float32", "--max-total-tokens", "4096",
+                           "--max-running-requests", "1", "--max-queued-requests", "1", "--num-threads", "1",
+                           "--api-key", KEY, "--enable-metrics").wait_healthy()
+    yield server
+    server.stop()
+
+
+ROUTES = [("GET", "/v1/models", None), ("GET", "/v1/models/x", None), ("GET", "/get_server_info", None),
+          ("GET", "/server_info", None), ("GET", "/get_model_info", None), ("GET", "/health_generate", None),
+          ("POST", "/flush_cache", None), ("POST", "/abort_request", {"rid": "x"}),
+          ("POST", "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}),
+          ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})]
+
+
+@pytest.mark.parametrize("method, route, body", ROUTES, ids=[r[1] for r in ROUTES])
+def test_api_key_required(guarded, method, route, body):
+    status, out = http(method, guarded.url + route, body)
+    assert status == 401 and "Authorization: Bearer" in out["error"]["message"]
+    assert http(method, guarded.url + route, body, headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert http(method, guarded.url + route, body, headers={"Authorization": KEY})[0] == 401  # no scheme
+    assert http(method, guarded.url + route, body, headers=AUTH)[0] != 401
+
+
+def test_health_and_metrics_need_no_key(guarded):
+    assert http("GET", guarded.url + "/health")[0] == 200
+    status, text = http("GET", guarded.url + "/metrics")
+    assert status == 200 and "tokenloom:num_running_reqs" in text
+
+
+def test_openai_client_with_and_without_key(guarded):
+    with openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0) as bad, \
+            pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0) as good:
+        out = good.completions.create(model="any", prompt="Hi", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+
+
+async def _first_event(resp: aiohttp.ClientResponse) -> dict:
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            return json.loads(line[6:])
+    raise AssertionError("stream ended without events")
+
+
+async def _wait_info(session: aiohttp.ClientSession, url: str, key: str, value: int) -> None:
+    for _ in range(600):
+        async with session.get(url + "/get_server_info", headers=AUTH) as resp:
+            if (await resp.json())[key] == value:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{key} never reached {value}")
+
+
+def test_full_queue_answers_503(guarded):
+    async def scenario():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            running = await s.post(guarded.url + "/generate", json={"text": "A", "sampling_params": LONG,
+                                                                    "stream": True})
+            await _first_event(running)  # holds the only running slot
+            waiting = await s.post(guarded.url + "/generate", json={"text": "B", "sampling_params": LONG,
+                                                                    "stream": True})
+            await _wait_info(s, guarded.url, "num_waiting_reqs", 1)  # fills the queue
+            results = []
+            for route, body in (("/generate", {"text": "C"}), ("/v1/completions", {"prompt": "C"})):
+                async with s.post(guarded.url + route, json=body) as resp:
+                    results.append((resp.status, await resp.json()))
+            async with s.post(guarded.url + "/generate", json={"text": "C", "stream": True}) as resp:
+                events = [line async for line in resp.content if line.startswith(b"data: ")]
+            running.close()
+            waiting.close()
+            return results, events
+
+    (native, oai), events = asyncio.run(scenario())
+    assert native == (503, {"error": {"message": "The request queue is full."}})
+    assert oai[0] == 503 and oai[1]["message"] == "The request queue is full." and oai[1]["code"] == 503
+    finish = json.loads(events[0][6:])["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 503 and events[-1].strip() == b"data: [DONE]"
+    guarded.wait_idle_and_pool_full(headers=AUTH)
+    status, out = http("POST", guarded.url + "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
+                       headers=AUTH)
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 2
+
+
+def test_zz_scheduler_death_fails_requests_and_exits_nonzero(guarded):
+    """Runs last in this module: it ends the server."""
+    scheduler = guarded.server_info(AUTH)["process_ids"]["scheduler"]
+
+    async def scenario():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            pending = asyncio.ensure_future(s.post(guarded.url + "/generate",
+                                                   json={"text": "A", "sampling_params": LONG}))
+            await _wait_info(s, guarded.url, "num_running_reqs", 1)
+            os.kill(scheduler, signal.SIGKILL)
+            resp = await asyncio.wait_for(pending, timeout=30)
+            return resp.status, await resp.json()
+
+    start = time.monotonic()
+    status, body = asyncio.run(scenario())
+    assert status == 500 and "scheduler process died" in body["error"]["message"]
+    code = guarded.wait_exit(timeout=60)
+    assert code == 1
+    assert "error: the scheduler process died" in guarded.logs()
+    assert time.monotonic() - start < 30
+    assert not guarded.children()

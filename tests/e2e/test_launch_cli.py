@@ -1,0 +1,60 @@
+"""The launch commands: bad flags are usage errors (exit 2, no traceback), a bad model path is a clear
+error (exit 1), and `tokenloom serve` / `python -m tokenloom.launch_server` are the same command."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.server_process import REPO
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--port", "70000"], "--port must be in [1, 65535]"),
+    (["--port", "http"], "argument --port: invalid int value"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice"),
+    (["--max-queued-requests", "0"], "--max-queued-requests must be >= 1"),
+    (["--api-key", " "], "--api-key must not be empty"),
+], ids=["unknown", "port_range", "port_type", "dtype", "queue", "api_key"])
+def test_bad_flags_are_usage_errors(flags, fragment):
+    result = run("-m", "tokenloom.launch_server", *flags)
+    assert result.returncode == 2, result.stderr
+    assert "usage: python -m tokenloom.launch_server" in result.stderr and fragment in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_subcommand_and_help():
+    result = run("-m", "tokenloom.cli", "serve", "--help")
+    assert result.returncode == 0 and "usage: tokenloom serve" in result.stdout
+    for flag in ("--model-path", "--host", "--port", "--api-key", "--served-model-name", "--max-queued-requests",
+                 "--enable-metrics", "--stream-interval", "--context-length"):
+        assert flag in result.stdout
+    result = run("-m", "tokenloom.cli")
+    assert result.returncode == 2 and "serve" in result.stderr
+
+
+def test_missing_model_is_a_clear_error():
+    result = run("-m", "tokenloom.cli", "serve", "--model-path", "/no/such/model")
+    assert result.returncode == 1
+    assert "error: model path '/no/such/model' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_busy_port_fails_before_loading_the_model():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("-m", "tokenloom.launch_server", "--port", str(port))
+    assert result.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    result = run("-m", "tokenloom.launch_server", "--host", "no-such-host.invalid")
+    assert result.returncode == 1 and "cannot listen on no-such-host.invalid:30000" in result.stderr
