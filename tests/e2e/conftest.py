@@ -10,7 +10,10 @@ import pytest
 
 from tests.e2e.server_process import ServerProcess
 
-TINY_FLAGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--max-running-requests", "16",
+# A context far beyond the model's 2048 positions (RoPE is sized from it) so that a request "until the context
+# limit" runs for many seconds: the abort and disconnect tests need it still running when they act.
+TINY_FLAGS = ("--dtype", "float32", "--context-length", "8192", "--max-total-tokens", "16384",
+              "--max-running-requests", "16",
               "--chunked-prefill-size", "64", "--num-threads", "1", "--enable-metrics")
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.e2e.server_process import http
 
-LONG_TEXT = "word " * 3000  # > 2048-token context of the tiny model
+LONG_TEXT = "word " * 9000  # > the 8192-token context the tiny server runs with
 OK_PARAMS = {"max_new_tokens": 2, "temperature": 0}
 
 
@@ -25,8 +25,8 @@ GENERATE_CASES = [
     ("ids_not_ints", {"input_ids": [1, "two"]}, "input_ids must be a list of integers"),
     ("id_over_vocab", {"input_ids": [1, 49152]}, "token id 49152 outside the vocabulary"),
     ("negative_id", {"input_ids": [-1, 5]}, "token id -1 outside the vocabulary"),
-    ("prompt_over_context", {"text": LONG_TEXT}, "longer than the model's context length (2048 tokens)"),
-    ("prompt_plus_new_over_context", sp(max_new_tokens=2047), "exceeds the model's maximum context length"),
+    ("prompt_over_context", {"text": LONG_TEXT}, "longer than the model's context length (8192 tokens)"),
+    ("prompt_plus_new_over_context", sp(max_new_tokens=8191), "exceeds the model's maximum context length"),
     ("temperature_negative", sp(temperature=-0.1), "temperature must be non-negative"),
     ("temperature_not_number", sp(temperature="hot"), "temperature must be a finite number"),
     ("top_p_zero", sp(top_p=0), "top_p must be in (0, 1]"),
@@ -89,7 +89,7 @@ OPENAI_CASES = [
     ("empty_prompt_list", "/v1/completions", {"prompt": []}, "Prompt cannot be empty"),
     ("max_tokens_zero", "/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens must be positive"),
     ("prompt_over_context", "/v1/completions", {"prompt": LONG_TEXT}, "longer than the model's context length"),
-    ("max_tokens_over_context", "/v1/completions", {"prompt": "Hi", "max_tokens": 4000},
+    ("max_tokens_over_context", "/v1/completions", {"prompt": "Hi", "max_tokens": 9000},
      "exceeds the model's maximum context length"),
     ("token_prompt_outside_vocab", "/v1/completions", {"prompt": [1, 10**7]}, "outside the vocabulary"),
     ("completion_temperature", "/v1/completions", {"prompt": "Hi", "temperature": -1},

@@ -12,7 +12,7 @@ import pytest
 
 from tests.e2e.server_process import http
 
-LONG = {"max_new_tokens": None, "ignore_eos": True}  # until the context limit: far longer than the tests wait
+LONG = {"max_new_tokens": None, "ignore_eos": True}  # until the 8192-token context limit: far longer than we wait
 
 
 def aborted_total(url: str) -> float:
@@ -48,7 +48,7 @@ async def post_with_timeout(url: str, route: str, body: dict, seconds: float) ->
     ("/generate", {"text": ["One", "Two", "Three"], "sampling_params": LONG, "stream": True}, 3),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True,
                               "ignore_eos": True}, 1),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2000, "stream": True, "ignore_eos": True}, 1),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 8000, "stream": True, "ignore_eos": True}, 1),
 ], ids=["generate", "generate_batch", "chat", "completions"])
 def test_disconnect_mid_stream_aborts_and_frees_kv(tiny_server, route, body, expected_aborts):
     before = aborted_total(tiny_server.url)
@@ -61,10 +61,10 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(tiny_server, route, body, exp
 
 @pytest.mark.parametrize("route, body", [
     ("/generate", {"text": "Tell me a story", "sampling_params": LONG}),
-    ("/v1/completions", {"prompt": "Tell me a story", "max_tokens": 2000, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "Tell me a story", "max_tokens": 8000, "ignore_eos": True}),
 ], ids=["generate", "completions"])
 def test_disconnect_while_waiting_non_stream_aborts(tiny_server, route, body):
     before = aborted_total(tiny_server.url)
-    asyncio.run(post_with_timeout(tiny_server.url, route, body, seconds=0.5))
+    asyncio.run(post_with_timeout(tiny_server.url, route, body, seconds=1.0))
     tiny_server.wait_idle_and_pool_full()
     assert aborted_total(tiny_server.url) - before == 1

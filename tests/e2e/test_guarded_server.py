@@ -23,9 +23,10 @@ LONG = {"max_new_tokens": None, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def guarded(tiny_runtime_model):
-    server = ServerProcess("--model-path", tiny_runtime_model, "--dtype", "float32", "--max-total-tokens", "4096",
-                           "--max-running-requests", "1", "--max-queued-requests", "1", "--num-threads", "1",
-                           "--api-key", KEY, "--enable-metrics").wait_healthy()
+    # --context-length far beyond the model's 2048 positions: the long requests below must keep running.
+    server = ServerProcess("--model-path", tiny_runtime_model, "--dtype", "float32", "--context-length", "16384",
+                           "--max-total-tokens", "32768", "--max-running-requests", "1", "--max-queued-requests", "1",
+                           "--num-threads", "1", "--api-key", KEY, "--enable-metrics").wait_healthy()
     yield server
     server.stop()
 

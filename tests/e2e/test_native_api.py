@@ -183,9 +183,9 @@ def test_abort_request_by_rid(url, tiny_server):
 def test_info_routes(url, tiny_server):
     status, info = http("GET", url + "/get_server_info")
     assert status == 200
-    assert info["max_total_num_tokens"] == 8192 and info["dtype"] == "float32" and info["port"] == tiny_server.port
+    assert info["max_total_num_tokens"] == 16384 and info["dtype"] == "float32" and info["port"] == tiny_server.port
     assert {"kv_tokens_in_use", "available_kv_tokens", "free_request_slots", "last_gen_throughput"} <= set(info)
-    assert info["internal_states"][0]["max_total_num_tokens"] == 8192
+    assert info["internal_states"][0]["max_total_num_tokens"] == 16384
     assert http("GET", url + "/server_info")[0] == 200
     status, model = http("GET", url + "/get_model_info")
     assert status == 200 and model["is_generation"] and model["architectures"] == ["LlamaForCausalLM"]

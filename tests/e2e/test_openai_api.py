@@ -33,7 +33,7 @@ def generate(tiny_server, **body):
 def test_models(client, tiny_server, tiny_runtime_model):
     models = client.models.list().data
     assert [m.id for m in models] == [tiny_runtime_model]
-    assert models[0].owned_by == "tokenloom" and models[0].max_model_len == 2048
+    assert models[0].owned_by == "tokenloom" and models[0].max_model_len == 8192
     assert client.models.retrieve(tiny_runtime_model).id == tiny_runtime_model
     status, body = http("GET", tiny_server.url + "/v1/models/no-such-model")
     assert status == 404
