@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -27,6 +28,7 @@ def guarded(tiny_runtime_model):
     server = ServerProcess("--model-path", tiny_runtime_model, "--dtype", "float32", "--context-length", "16384",
                            "--max-total-tokens", "32768", "--max-running-requests", "1", "--max-queued-requests", "1",
                            "--num-threads", "1", "--api-key", KEY, "--enable-metrics").wait_healthy()
+    server.metrics_when_healthy = http("GET", server.url + "/metrics")[1]
     yield server
     server.stop()
 
@@ -46,6 +48,17 @@ def test_api_key_required(guarded, method, route, body):
     assert http(method, guarded.url + route, body, headers={"Authorization": "Bearer wrong"})[0] == 401
     assert http(method, guarded.url + route, body, headers={"Authorization": KEY})[0] == 401  # no scheme
     assert http(method, guarded.url + route, body, headers=AUTH)[0] != 401
+
+
+def metric(text: str, name: str) -> float:
+    return float(re.search(rf"^tokenloom:{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+def test_healthy_only_after_the_warm_up_generation(guarded):
+    # The warm-up ("The capital city of France is", 6 tokens, max_new_tokens 8) had finished when /health
+    # first answered 200; a health check alone is a 1-token prompt and at most 1 new token.
+    text = guarded.metrics_when_healthy
+    assert metric(text, "prompt_tokens_total") >= 6 and metric(text, "generation_tokens_total") >= 8
 
 
 def test_health_and_metrics_need_no_key(guarded):
