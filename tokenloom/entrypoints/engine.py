@@ -32,46 +32,14 @@ class Engine:
         self._loop_lock = threading.Lock()
         self._closed = False
 
-    # --- request building ---------------------------------------------------------------------------
-    def _requests(self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any, stream: bool,
-                  return_logprob: bool, top_logprobs_num: int) -> tuple[list[TokenizedRequest], bool]:
-        """Normalise single/batch inputs into tokenized requests (n > 1 expands each prompt n times)."""
-        if prompt is not None:
-            batch = isinstance(prompt, list)
-            texts, ids = (prompt if batch else [prompt]), None
-        elif input_ids is not None:
-            batch = bool(input_ids) and isinstance(input_ids[0], list)
-            ids, texts = (input_ids if batch else [input_ids]), None
-        else:
-            raise ValueError("Either text, input_ids or input_embeds should be provided.")
-        count = len(texts if texts is not None else ids)
-        if count == 0:
-            raise ValueError("the prompt list is empty")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
-        if len(params) != count:
-            raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
-        rids = rid if isinstance(rid, list) else [rid] * count
-        ns = {(p or {}).get("n", 1) for p in params}
-        if len(ns) > 1:
-            raise ValueError("all requests in a batch must use the same n")
-        n = ns.pop()
-        reqs = []
-        for i in range(count):
-            for copy in range(n if isinstance(n, int) and n > 0 else 1):
-                this_rid = rids[i] if n == 1 else (f"{rids[i]}-{copy}" if rids[i] else None)
-                reqs.append(self.tokenizer_manager.tokenize_request(
-                    texts[i] if texts is not None else None, ids[i] if ids is not None else None,
-                    {**(params[i] or {}), "n": 1} if n != 1 else params[i], rid=this_rid, stream=stream,
-                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num))
-        return reqs, batch or n != 1
-
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, rid: str | list[str] | None = None,
                  stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0) -> Any:
         """Blocking generate; with stream=True an iterator of cumulative outputs (single prompt only)."""
-        reqs, batch = self._requests(prompt, sampling_params, input_ids, rid, stream, return_logprob,
-                                     top_logprobs_num)
+        reqs, batch = self.tokenizer_manager.tokenize_batch(
+            prompt, input_ids, sampling_params, rid, stream=stream, return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num)
         if stream:
             if batch:
                 raise ValueError("stream=True supports a single prompt")
@@ -83,8 +51,9 @@ class Engine:
                              input_ids: Any = None, rid: Any = None, stream: bool = False,
                              return_logprob: bool = False, top_logprobs_num: int = 0) -> Any:
         """Like `generate`, in the caller's event loop; with stream=True an async iterator."""
-        reqs, batch = self._requests(prompt, sampling_params, input_ids, rid, stream, return_logprob,
-                                     top_logprobs_num)
+        reqs, batch = self.tokenizer_manager.tokenize_batch(
+            prompt, input_ids, sampling_params, rid, stream=stream, return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num)
         if stream:
             if batch:
                 raise ValueError("stream=True supports a single prompt")

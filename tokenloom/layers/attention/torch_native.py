@@ -7,8 +7,8 @@ indexing).
 
 - Decode: one query per request; scores = q·K in float32 with padding masked, softmax, weighted sum of V
   (matmul/softmax/matmul; measured faster than the masked SDPA kernel at this shape).
-- Extend: queries are scattered into [B, Qmax]; with no cached prefix and a single request (the common
-  prefill), SDPA runs with `is_causal`; otherwise with an explicit causal-with-prefix mask.
+- Extend: queries are scattered into [B, Qmax]; when no request has a cached prefix (plain prefill), SDPA
+  runs with `is_causal`; otherwise with an explicit causal-with-prefix mask.
 
 GQA without copying K/V per query head: the query heads of one KV group are folded into the query axis.
 """
@@ -58,7 +58,9 @@ class TorchNativeBackend(AttentionBackend):
             offset_in_req = torch.arange(batch.input_ids.numel(), device=device) - batch.extend_start_loc[
                 batch.token_req_index]
             query_slot = batch.token_req_index * q_max + offset_in_req
-            if bsz == 1 and int(batch.extend_prefix_lens[0]) == 0:
+            if int(batch.extend_prefix_lens.max()) == 0:
+                # No cached prefix anywhere: query and key positions coincide, padding sits at the end of
+                # each row, so plain causal attention is exact for every real token.
                 mask = None
             else:  # query i of request b sits at position prefix_b + i and sees kv positions <= it
                 q_pos = batch.extend_prefix_lens[:, None] + torch.arange(q_max, device=device)[None, :]
@@ -88,10 +90,10 @@ class TorchNativeBackend(AttentionBackend):
         num_heads = q.shape[1]
         q_pad = q.new_zeros(bsz * md.q_max, num_heads, head_dim)
         q_pad[md.query_slot] = q
-        if md.mask is None:  # one request, no prefix: plain causal attention, GQA handled by SDPA
-            out = F.scaled_dot_product_attention(q_pad.view(1, md.q_max, num_heads, head_dim).transpose(1, 2),
-                                                 k_pad, v_pad, is_causal=True, scale=scaling, enable_gqa=True)
-            return out.transpose(1, 2).reshape(md.q_max, num_heads * head_dim)
+        if md.mask is None:  # no prefix: plain causal attention, GQA handled by SDPA
+            q4 = q_pad.view(bsz, md.q_max, num_heads, head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q4, k_pad, v_pad, is_causal=True, scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).reshape(bsz * md.q_max, num_heads * head_dim)[md.query_slot]
         # [B, Qmax, Hkv, G, D] -> [B, Hkv, Qmax * G, D]
         q_pad = q_pad.view(bsz, md.q_max, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q_pad = q_pad.reshape(bsz, num_kv_heads, md.q_max * group, head_dim)
