@@ -11,15 +11,6 @@ from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.layers.kv_indices import build_kv_indices, padded_kv_indices
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP wake-up costs that dominate on 2 cores."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 

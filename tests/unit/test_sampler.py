@@ -23,14 +23,6 @@ N = 20000
 TOL = 0.015
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP wake-up costs that dominate on 2 cores."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 def fixed_row(vocab: int = V, seed: int = 0, scale: float = 1.3) -> torch.Tensor:
     """Distinct logits in a shuffled order, so vocabulary order differs from probability order."""
