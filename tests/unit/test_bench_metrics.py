@@ -134,6 +134,8 @@ async def oai_stream(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     chat = "messages" in body
     assert body["max_tokens"] == 5 and body["stream_options"] == {"include_usage": True}
+    # ignore_eos is an extension: sent only when wanted (strict OpenAI servers reject unknown fields)
+    assert body.get("ignore_eos") is (None if body["model"] == "strict" else True)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     pieces = ["", "Hel", "lo", " you"]
@@ -194,8 +196,10 @@ def test_native_stream_spreads_chunk_gaps():
 
 @pytest.mark.parametrize("func,path", [(request_completions, "/v1/completions"),
                                        (request_chat, "/v1/chat/completions")])
-def test_openai_stream_raw_gaps_and_usage(func, path):
-    out = with_server(lambda session, url: func(session, RequestInput("hi", 7, 5, url + path, model="m")))
+@pytest.mark.parametrize("model,ignore_eos", [("m", True), ("strict", False)])
+def test_openai_stream_raw_gaps_and_usage(func, path, model, ignore_eos):
+    out = with_server(lambda session, url: func(session, RequestInput("hi", 7, 5, url + path, model=model,
+                                                                      ignore_eos=ignore_eos)))
     assert out.success, out.error
     assert out.generated_text == "Hello you"
     assert out.output_len == 4  # from usage, not the requested 5

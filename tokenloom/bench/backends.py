@@ -219,7 +219,9 @@ def _usage(out: RequestOutput, usage: Any) -> int | None:
 def _openai_request(chat: bool) -> RequestFunc:
     async def request(session: aiohttp.ClientSession, req: RequestInput) -> RequestOutput:
         payload: dict[str, Any] = {"model": req.model, "max_tokens": req.output_len, "temperature": 0.0,
-                                   "stream": req.stream, "ignore_eos": req.ignore_eos}
+                                   "stream": req.stream}
+        if req.ignore_eos:  # an extension: sent only when wanted, as strict OpenAI servers reject it
+            payload["ignore_eos"] = True
         if chat:
             payload["messages"] = [{"role": "user", "content": req.prompt}]
         else:
