@@ -37,7 +37,13 @@ def _histogram(ax: Any, values_ms: list[float], title: str, color: str) -> None:
         ax.set_title(f"{title} (no data)")
         return
     data = np.asarray(values_ms)
-    ax.hist(data, bins=min(60, max(10, int(math.sqrt(len(data))))), color=color, alpha=0.8)
+    nbins = min(60, max(10, int(math.sqrt(len(data)))))
+    low, median = float(data.min()), float(np.median(data))
+    if low > 0 and data.max() > 20 * median:  # a long tail (prefill stalls): log bins keep the body visible
+        ax.hist(data, bins=np.geomspace(low, float(data.max()), nbins), color=color, alpha=0.8)
+        ax.set_xscale("log")
+    else:
+        ax.hist(data, bins=nbins, color=color, alpha=0.8)
     for q, style in ((50, "--"), (99, ":")):
         v = float(np.percentile(data, q))
         ax.axvline(v, color="black", linestyle=style, linewidth=1, label=f"P{q} {v:.1f} ms")
