@@ -71,9 +71,11 @@ def save_plot(outputs: list[RequestOutput], metrics: BenchmarkMetrics, path: str
     twin = ax.twinx()
     twin.plot(seconds, alive, color="tab:gray", alpha=0.6, label="running requests")
     twin.set_ylabel("requests alive")
+    twin.set_ylim(0, max(1.0, float(alive.max(initial=0))) * 1.15)
+    ax.set_ylim(0, max(1.0, float(tokens.max(initial=0))) * 1.15)
     lines = ax.get_legend_handles_labels()
     more = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper right")
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower right")
     done = [o for o in outputs if o.success]
     _histogram(axes[1], [o.ttft * 1000 for o in done], "Time to first token", "tab:orange")
     _histogram(axes[2], [g * 1000 for o in done for g in o.itl], "Inter-token latency", "tab:green")
