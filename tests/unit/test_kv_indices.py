@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
 from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.layers import kv_indices as kv_indices_module
 from tokenloom.layers.kv_indices import build_kv_indices, padded_kv_indices
 
 
@@ -70,6 +72,67 @@ def test_build_kv_indices_small_example():
     ptr, idx = build_kv_indices(table, t([2, 0, 2]), t([2, 3, 1]), kv_start=t([1, 0, 3]))
     assert ptr.tolist() == [0, 2, 5, 6]
     assert idx.tolist() == [31, 32, 10, 11, 12, 33]
+
+
+@pytest.mark.parametrize("with_start", [False, True])
+@pytest.mark.parametrize("seed", range(20))
+def test_build_kv_indices_large_batches_match_loop(seed, with_start):
+    """Batches of 1..64 requests, lengths 0..300 with runs of empty requests at the front, middle and end."""
+    rng = random.Random(1000 + seed)
+    rows, width = rng.randint(1, 80), 320
+    table = torch.randint(0, 2**31 - 1, (rows, width), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(seed))
+    b = rng.randint(1, 64)
+    req = [rng.randrange(rows) for _ in range(b)]
+    lens = [rng.choice([0, rng.randint(0, 300)]) for _ in range(b)]
+    for i in range(rng.randint(0, b)):  # an empty prefix or suffix of the batch
+        lens[i if seed % 2 else b - 1 - i] = 0
+    starts = [rng.randint(0, width - n) if with_start else 0 for n in lens]
+    want_ptr, want = ref_indices(table, req, starts, lens)
+    dtype = torch.int32 if seed % 3 else torch.int64
+    ptr, idx = build_kv_indices(table, torch.tensor(req, dtype=dtype), torch.tensor(lens, dtype=dtype),
+                                torch.tensor(starts, dtype=dtype) if with_start else None)
+    assert ptr.tolist() == want_ptr and idx.tolist() == want
+
+
+def test_build_kv_indices_strided_table_and_empty_batch():
+    table = torch.arange(6 * 16, dtype=torch.int32).reshape(6, 16)[:, 4:12]  # row stride 16, width 8
+    ptr, idx = build_kv_indices(table, t([5, 0]), t([3, 8]), kv_start=t([5, 0]))
+    assert ptr.tolist() == [0, 3, 11]
+    assert idx.tolist() == [89, 90, 91] + list(range(4, 12))
+    ptr, idx = build_kv_indices(table, t([]), t([]))
+    assert ptr.tolist() == [0] and idx.numel() == 0
+
+
+@pytest.mark.parametrize("rows, lens, starts", [([0], [9], None), ([0], [3], [6]), ([2], [1], None),
+                                                ([-1], [1], None), ([0], [-1], None)])
+def test_build_kv_indices_rejects_reads_outside_the_table(rows, lens, starts):
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(IndexError, match="outside req_to_token"):
+        build_kv_indices(table, t(rows), t(lens), None if starts is None else t(starts))
+
+
+def test_build_kv_indices_rejects_wrong_total():
+    with pytest.raises(ValueError, match="total=3"):
+        build_kv_indices(torch.zeros(2, 8, dtype=torch.int32), t([0, 1]), t([1, 1]), total=3)
+
+
+def test_build_kv_indices_backends(monkeypatch):
+    table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    args = (table, t([3, 1]), t([2, 4]), t([1, 0]))
+    want = build_kv_indices(*args, backend="torch")
+    assert want[1].tolist() == [31, 32, 10, 11, 12, 13]
+    # "auto" on CPU tensors is the torch path and never looks for triton.
+    monkeypatch.setattr(kv_indices_module, "triton_kv_index_builder", lambda: pytest.fail("looked for triton"))
+    got = build_kv_indices(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    monkeypatch.undo()
+    # "triton" on CPU tensors outside the interpreter (tests/unit/test_kv_indices_triton.py runs it inside).
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises((ValueError, RuntimeError), match="CUDA tensors|triton package"):
+            build_kv_indices(*args, backend="triton")
+    with pytest.raises(ValueError, match="unknown KV-index backend 'cuda'"):
+        build_kv_indices(*args, backend="cuda")
 
 
 # -------------------------------------------------------------------------------------- ForwardBatch
