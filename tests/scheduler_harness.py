@@ -1,4 +1,5 @@
-"""Runs the real `Scheduler` + `NormalLoop` in-process over in-memory channels (no subprocesses), so the
+"""Runs the real `Scheduler` + its event loop (`--overlap-schedule`, off unless given) in-process over
+in-memory channels (no subprocesses), so the
 scheduling matrix (radix on/off, chunk sizes, page sizes, retraction, aborts) runs in seconds."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from tokenloom.executor.worker import ModelWorker
 from tokenloom.ipc import LocalChannel
 from tokenloom.protocol import AbortRequest, TokenizedRequest
 from tokenloom.sampling.sampling_params import SamplingParams
-from tokenloom.scheduler.loops import NormalLoop
+from tokenloom.scheduler.loops import make_event_loop
 from tokenloom.scheduler.scheduler import Scheduler
 
 
@@ -26,12 +27,13 @@ class Result:
 
 class Harness:
     def __init__(self, folder: str, tokenizer: Any = None, eos: tuple[int, ...] = (0,), **server_args: Any) -> None:
-        defaults = dict(model_path=folder, dtype="float32", max_total_tokens=4096, max_running_requests=32)
+        defaults = dict(model_path=folder, dtype="float32", max_total_tokens=4096, max_running_requests=32,
+                        overlap_schedule="off")
         self.args = ServerArgs(**{**defaults, **server_args})
         self.runner = ModelRunner(self.args)
         self.inbox, self.outbox = LocalChannel(), LocalChannel()
         self.scheduler = Scheduler(self.args, ModelWorker(self.runner, eos), tokenizer, self.outbox.send)
-        self.loop = NormalLoop(self.scheduler, self.inbox)
+        self.loop = make_event_loop(self.args, self.scheduler, self.inbox)
         self.results: dict[str, Result] = {}
         self.steps = 0
 

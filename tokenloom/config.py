@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,12 @@ class ServerArgs:
     schedule_policy: str = _flag("fcfs", "Waiting-queue order.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag(1.0, "Higher admits fewer requests (less retraction).")
     disable_radix_cache: bool = _flag(False, "Disable prefix sharing (radix cache).")
+    overlap_schedule: str = _flag("auto", "Overlap scheduling: on (plan batch k+1 and process batch k while k+1 "
+                                  "runs), off, or auto (measure both, run the faster).", OVERLAP_MODES)
+    disable_overlap_schedule: bool = _flag(False, "Same as --overlap-schedule off (SGLang's flag).")
+    enable_step_profile: bool = _flag(False, "Record per-step timings (schedule, prepare, forward, sample, "
+                                      "process); summary in /get_server_info and the log. "
+                                      "Env TOKENLOOM_STEP_PROFILE=1 does the same.")
     max_queued_requests: int | None = _flag(None, "Reject new requests with 503 beyond this many waiting.")
     stream_interval: int = _flag(1, "Stream every N tokens.")
     decode_log_interval: int = _flag(40, "Log a decode statistics line every N decode steps.")

@@ -46,3 +46,37 @@ def configure_threads(num_threads: int | None) -> None:
     """Set torch's intra-op thread count for this process (CPU forward); None leaves torch's default."""
     if num_threads is not None:
         torch.set_num_threads(max(1, num_threads))
+
+
+class ForwardStream:
+    """Where forward steps run when they overlap with scheduling: a dedicated CUDA stream that waits for
+    the scheduler's preparation through an event, or, on the CPU, simply the forward thread (ops run
+    eagerly there, so there is nothing to wait for).
+
+    Usage: `mark = stream.handoff()` on the scheduler thread after preparing a step, then
+    `with stream.context(mark): ...` on the forward thread.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def handoff(self) -> object | None:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def context(self, mark: object | None):
+        import contextlib
+
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_event(mark)
+        return torch.cuda.stream(self.stream)
+
+    def finish(self) -> None:
+        """Wait for the forward stream (on the forward thread, before handing results back)."""
+        if self.stream is not None:
+            self.stream.synchronize()

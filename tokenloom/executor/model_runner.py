@@ -1,10 +1,10 @@
 """`ModelRunner`: loads the model, owns the KV memory (request table, allocator, KV pool), the attention
 backend and the sampler, and runs one `ForwardBatch` at a time.
 
-Per step: `forward(batch)` writes the new tokens' KV slots into `req_to_token`, lets the attention backend
-build its metadata once, runs the model, and returns float32 logits (one row per request, or per token with
-`return_all_logits`); `sample(logits, info)` turns them into next tokens. The runner never decides what to
-run: that is the scheduler's job (or a test's).
+Per step: `prepare(batch)` writes the new tokens' KV slots into `req_to_token` and lets the attention backend
+build its metadata once (`forward` does it when the caller did not); `forward(batch)` runs the model and
+returns float32 logits (one row per request, or per token with `return_all_logits`); `sample(logits, info)`
+turns them into next tokens. The runner never decides what to run: that is the scheduler's job (or a test's).
 """
 
 from __future__ import annotations
@@ -82,10 +82,18 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Record the new tokens' slots in `req_to_token` and build the attention metadata (which snapshots
+        the KV indices). The overlap scheduler calls this on its own thread, so the forward thread never
+        reads `req_to_token` while the scheduler edits it."""
         rows = batch.req_pool_indices[batch.token_req_index]
         self.req_to_token_pool.write(rows, batch.positions, batch.out_cache_loc)
         self.attn_backend.init_forward_metadata(batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
+        if batch.attn_metadata is None:
+            self.prepare(batch)
         return self.model(batch, self.attn_backend)
 
     @torch.inference_mode()

@@ -1,13 +1,27 @@
 """`ModelWorker`: runs a `ScheduleBatch` on the `ModelRunner` and returns a `ForwardOutput`.
 
-It is the seam between scheduler (CPU plan, `Req`s) and device: it builds the `ForwardBatch` and the
-`SamplingBatchInfo` for the batch's requests, runs forward and sampling, and hands back plain Python results.
+It is the seam between scheduler (CPU plan, `Req`s) and device, in two halves so the overlap scheduler can
+run them on different threads:
+- `prepare(batch)` (scheduler thread): builds the `ForwardBatch`, writes `req_to_token`, snapshots the
+  attention metadata and the `SamplingBatchInfo`, and reserves future-token slots for the batch's outputs;
+- `execute(step)` (forward thread, or inline): resolves placeholder input ids from the future-token buffer,
+  counts still-unknown previous tokens into the penalty state, runs forward and sampling, stores the sampled
+  tokens for batches scheduled behind this one, and hands back plain Python results.
+
+A request whose previous token is not processed yet (`req.future_slot` set) has that token counted as
+generated: its `output_lens` entry includes it and, when penalties apply, it is added to its counts on the
+forward side, so overlapped and normal scheduling sample identically.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import torch
+
+from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.executor.future_tokens import FutureTokenBuffer
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -19,28 +33,76 @@ class ForwardOutput:
     # Per request, only for requests that asked: (logprob of chosen token, top-k [(logprob, id)]).
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Seconds spent in the model forward and in sampling (+ copying results out).
+    forward_s: float = 0.0
+    sample_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class PreparedStep:
+    forward_batch: ForwardBatch
+    sampling: SamplingBatchInfo
+    out_slots: torch.Tensor  # [B] future-token slots this step's sampled tokens are stored at
+    has_placeholders: bool  # some input id is a placeholder to resolve
+    pending_rows: torch.Tensor | None  # rows whose last output token is still a future token
+    pending_slots: torch.Tensor | None  # ... and where it will be stored
+    top_logprobs_num: int = 0
+    want_logprob: bool = False
+
+
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_batch_size: int | None = None
+                 ) -> None:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
+        size = max_batch_size or runner.req_to_token_pool.size
+        self.future_tokens = FutureTokenBuffer(max(size, 1), runner.device)
 
-    def forward_batch_generation(self, batch: ScheduleBatch) -> ForwardOutput:
-        logits = self.runner.forward(batch.to_forward_batch())
+    # --- scheduler side ------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduleBatch) -> PreparedStep:
         reqs = batch.reqs
+        fb = batch.to_forward_batch()
+        self.runner.prepare(fb)
         want_logprob = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        pending = [(i, r.future_slot) for i, r in enumerate(reqs) if r.future_slot is not None]
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
             self.runner.vocab_size, self.eos_token_ids, self.runner.device, return_logprob=want_logprob,
-            top_logprobs_num=top_k)
+            top_logprobs_num=top_k, pending_outputs=[r.future_slot is not None for r in reqs])
+        device = self.runner.device
+        pending_rows = pending_slots = None
+        if pending:
+            pending_rows = torch.tensor([i for i, _ in pending], dtype=torch.int64, device=device)
+            pending_slots = torch.tensor([s for _, s in pending], dtype=torch.int64, device=device)
+        has_placeholders = bool(pending) and fb.forward_mode.is_decode()
+        return PreparedStep(fb, info, self.future_tokens.reserve(len(reqs)), has_placeholders, pending_rows,
+                            pending_slots, top_k, want_logprob)
+
+    # --- forward side --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> ForwardOutput:
+        start = time.perf_counter()
+        fb, info = step.forward_batch, step.sampling
+        if step.has_placeholders:
+            fb.input_ids = self.future_tokens.resolve(fb.input_ids)
+        if step.pending_rows is not None and info.output_counts is not None:
+            info.add_pending_tokens(step.pending_rows, self.future_tokens.lookup(step.pending_slots))
+        logits = self.runner.forward(fb)
+        mid = time.perf_counter()
         sample = self.runner.sample(logits, info)
+        self.future_tokens.store(step.out_slots, sample.next_token_ids)
         out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist())
-        if want_logprob:
+        if step.want_logprob:
             out.logprobs = sample.next_token_logprobs.tolist()
-            if top_k:
+            if step.top_logprobs_num:
                 values, ids = sample.top_logprobs.tolist(), sample.top_logprob_ids.tolist()
                 out.top_logprobs = [list(zip(v, i, strict=True)) for v, i in zip(values, ids, strict=True)]
+        end = time.perf_counter()
+        out.forward_s, out.sample_s = mid - start, end - mid
         return out
+
+    def forward_batch_generation(self, batch: ScheduleBatch) -> ForwardOutput:
+        """Both halves in a row (the normal, non-overlapped loop)."""
+        return self.execute(self.prepare(batch))

@@ -43,13 +43,19 @@ class SamplingBatchInfo:
     @classmethod
     def from_requests(cls, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
                       output_ids: Sequence[Sequence[int]], vocab_size: int, eos_token_ids: Sequence[int],
-                      device: torch.device, return_logprob: bool = False, top_logprobs_num: int = 0
-                      ) -> SamplingBatchInfo:
+                      device: torch.device, return_logprob: bool = False, top_logprobs_num: int = 0,
+                      pending_outputs: Sequence[bool] | None = None) -> SamplingBatchInfo:
+        """`pending_outputs[i]` says request i has one more generated token than `output_ids[i]` shows (the
+        overlap scheduler has not processed it yet): it counts in `output_lens` and the min-token check, and
+        its id is added to the penalty state by `add_pending_tokens` once known."""
+
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.is_greedy for p in params]
         out_lens = [len(o) for o in output_ids]
+        if pending_outputs is not None:
+            out_lens = [n + int(p) for n, p in zip(out_lens, pending_outputs, strict=True)]
         info = cls(
             temperatures=t([p.temperature for p in params], torch.float32),
             top_ks=t([min(p.top_k if p.top_k > 0 else vocab_size, vocab_size) for p in params], torch.int64),
@@ -86,6 +92,15 @@ class SamplingBatchInfo:
         if rows:
             info.min_tokens_mask = (t(rows, torch.int64), t(tokens, torch.int64))
         return info
+
+
+    def add_pending_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count tokens that were generated but unknown when this batch was built (penalty state only)."""
+        if self.output_counts is None:
+            return
+        self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32),
+                                      accumulate=True)
+        self.seen_mask[rows, token_ids] = True
 
 
 def _token_counts(ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

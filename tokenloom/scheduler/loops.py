@@ -1,15 +1,33 @@
 """Event loops: the order in which a scheduler receives, schedules, runs and processes.
 
-Every loop implements `EventLoop`: `run_once()` does one iteration and says whether it ran a batch;
-`run_forever()` repeats, sleeping on the inbox when idle. The overlap, pipeline and disaggregation loops
-of later issues implement the same protocol around the same `Scheduler`.
+Every loop implements `EventLoop`: `run_once()` does one iteration and says whether it did any work;
+`run_forever()` repeats, sleeping on the inbox when idle. The pipeline and disaggregation loops of later
+issues implement the same protocol around the same `Scheduler`.
+
+- `NormalLoop`: receive → schedule → prepare → forward → process, each step to completion.
+- `OverlapLoop` ("zero-overhead" scheduling, seed documents 002/004): the forward runs on a
+  `ForwardThread`; after launching batch k+1 the loop processes batch k's results while k+1 computes, so the
+  forward never waits for the scheduler. Batch k+1 is planned before k's tokens are known (future-token
+  placeholders, see executor/future_tokens.py). Its policy decides, step by step, whether to keep one batch
+  in flight (overlap) or to process each batch right after launching it.
+
+`make_event_loop(args, scheduler, inbox)` picks the loop for `--overlap-schedule on|off|auto`.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from concurrent.futures import Future
 from typing import Any, Protocol
 
+from tokenloom.config import ServerArgs
+from tokenloom.executor.forward_thread import ForwardThread
+from tokenloom.executor.worker import ForwardOutput
+from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
+from tokenloom.scheduler.schedule_batch import ScheduleBatch
 from tokenloom.scheduler.scheduler import Scheduler
+from tokenloom.scheduler.step_profile import StepProfiler, StepTiming, profiling_requested
 
 IDLE_POLL_MS = 100
 
@@ -19,30 +37,143 @@ class Inbox(Protocol):
 
 
 class EventLoop(Protocol):
-    def run_once(self) -> bool: ...
+    def run_once(self, timeout_ms: int = 0) -> bool: ...
 
     def run_forever(self) -> None: ...
 
 
-class NormalLoop:
-    """Receive → schedule → run → process, each step to completion (no overlap)."""
-
-    def __init__(self, scheduler: Scheduler, inbox: Inbox) -> None:
+class _LoopBase:
+    def __init__(self, scheduler: Scheduler, inbox: Inbox, profiler: StepProfiler | None = None) -> None:
         self.scheduler = scheduler
         self.inbox = inbox
+        self.profiler = profiler or StepProfiler(enabled=False)
+        self._last_end: float | None = None
+        self._started = time.perf_counter()
+        # Cumulative counters (benchmarks take differences): forward+sample time, scheduler CPU time outside
+        # the forward, and decode steps with their summed periods.
+        self.totals = {"forward_busy_s": 0.0, "scheduler_cpu_s": 0.0, "decode_steps": 0, "decode_period_s": 0.0,
+                       "decode_tokens": 0}
+        scheduler.loop_info = self.info
 
-    def run_once(self, timeout_ms: int = 0) -> bool:
-        for msg in self.inbox.recv_all(timeout_ms):
+    def _receive_and_schedule(self, timeout_ms: int) -> tuple[ScheduleBatch | None, float]:
+        messages = self.inbox.recv_all(timeout_ms)
+        start = time.perf_counter()  # waiting on an empty inbox is not scheduling work
+        for msg in messages:
             self.scheduler.handle(msg)
         batch = self.scheduler.get_next_batch_to_run()
-        if batch is None:
-            self.scheduler.check_idle_integrity()
-            return False
-        out = self.scheduler.run_batch(batch)
+        return batch, time.perf_counter() - start
+
+    def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming) -> None:
+        start = time.perf_counter()
         self.scheduler.process_batch_result(batch, out)
-        return True
+        end = time.perf_counter()
+        timing.process = end - start
+        timing.forward, timing.sample = out.forward_s, out.sample_s
+        timing.period = end - self._last_end if self._last_end is not None else 0.0
+        self._last_end = end
+        totals = self.totals
+        totals["forward_busy_s"] += timing.forward + timing.sample
+        totals["scheduler_cpu_s"] += timing.cpu_outside_forward
+        if timing.is_decode and timing.period > 0:
+            totals["decode_steps"] += 1
+            totals["decode_period_s"] += timing.period
+            totals["decode_tokens"] += timing.batch_size
+        self.profiler.record(timing)
+        self._on_step(timing)
+
+    def _on_step(self, timing: StepTiming) -> None:
+        pass
+
+    def _went_idle(self) -> None:
+        self._last_end = None
+        self.scheduler.check_idle_integrity()
+
+    def info(self) -> dict:
+        return {"step_profile": self.profiler.summary(), "loop_wall_s": time.perf_counter() - self._started,
+                **self.totals}
 
     def run_forever(self) -> None:
         busy = True
         while True:
             busy = self.run_once(0 if busy else IDLE_POLL_MS)
+
+
+class NormalLoop(_LoopBase):
+    """Receive → schedule → run → process, each step to completion (no overlap)."""
+
+    def run_once(self, timeout_ms: int = 0) -> bool:
+        batch, schedule_s = self._receive_and_schedule(timeout_ms)
+        if batch is None:
+            self._went_idle()
+            return False
+        start = time.perf_counter()
+        step = self.scheduler.launch(batch)
+        timing = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start, batch_size=batch.batch_size,
+                            is_decode=batch.forward_mode.is_decode())
+        out = self.scheduler.worker.execute(step)
+        self._finish_step(batch, out, timing)
+        return True
+
+    def info(self) -> dict:
+        return {"overlap_schedule": "off", "overlap_active": False, **super().info()}
+
+
+class OverlapLoop(_LoopBase):
+    """Launch batch k+1 on the forward thread, then process batch k while k+1 computes."""
+
+    def __init__(self, scheduler: Scheduler, inbox: Inbox, policy: FixedOverlap | AdaptiveOverlap,
+                 forward_thread: ForwardThread, profiler: StepProfiler | None = None) -> None:
+        super().__init__(scheduler, inbox, profiler)
+        self.policy = policy
+        self.forward_thread = forward_thread
+        self.inflight: deque[tuple[ScheduleBatch, Future[ForwardOutput], StepTiming]] = deque()
+        scheduler.drain_inflight = self.drain
+
+    def run_once(self, timeout_ms: int = 0) -> bool:
+        batch, schedule_s = self._receive_and_schedule(0 if self.inflight else timeout_ms)
+        overlap = self.policy.overlap_now()
+        if batch is not None:
+            start = time.perf_counter()
+            step = self.scheduler.launch(batch)
+            timing = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start,
+                                batch_size=batch.batch_size, is_decode=batch.forward_mode.is_decode(),
+                                overlapped=overlap)
+            self.inflight.append((batch, self.forward_thread.submit(step), timing))
+        elif not self.inflight:
+            self._went_idle()
+            return False
+        keep = 1 if overlap and batch is not None else 0
+        while len(self.inflight) > keep:
+            self._process_oldest()
+        return True
+
+    def _process_oldest(self) -> None:
+        batch, future, timing = self.inflight.popleft()
+        self._finish_step(batch, future.result(), timing)
+
+    def drain(self) -> None:
+        """Process every launched batch (for decisions that need settled requests)."""
+        while self.inflight:
+            self._process_oldest()
+
+    def _on_step(self, timing: StepTiming) -> None:
+        self.policy.record(timing)
+
+    def info(self) -> dict:
+        wall = time.perf_counter() - self._started
+        idle = max(0.0, 1.0 - self.forward_thread.busy_s / wall) if wall > 0 else 0.0
+        return {**self.policy.info(), "forward_thread_idle_fraction": idle, **super().info()}
+
+
+def overlap_mode(args: ServerArgs) -> str:
+    """`--disable-overlap-schedule` (SGLang's spelling) wins over `--overlap-schedule`."""
+    return "off" if args.disable_overlap_schedule else args.overlap_schedule
+
+
+def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox) -> NormalLoop | OverlapLoop:
+    profiler = StepProfiler(profiling_requested(args.enable_step_profile))
+    mode = overlap_mode(args)
+    if mode == "off":
+        return NormalLoop(scheduler, inbox, profiler)
+    policy = FixedOverlap(True) if mode == "on" else AdaptiveOverlap()
+    return OverlapLoop(scheduler, inbox, policy, ForwardThread(scheduler.worker, args.num_threads), profiler)

@@ -1,10 +1,12 @@
 """Applying a `ForwardOutput` to the requests of a batch, releasing finished ones, and emitting
 `BatchTokenOutput`s for the detokenizer.
 
-After an extend step: a request in a non-final chunk discards its token and caches its KV so far; others
-take their first token, cache their prompt KV (so later requests can share it) and either finish or start
-running. After a decode step: every request takes its token and may finish. A finished request's KV goes to
-the prefix cache and its row is freed before anything else runs.
+After an extend step: a request in a non-final chunk discards its token (the scheduler caches its KV so far
+when it plans the next chunk); others take their first token, cache their prompt KV (so later requests can
+share it) and either finish or start running. After a decode step: every request takes its token and may
+finish. A finished request's KV goes to the prefix cache and its row is freed as soon as no launched batch
+uses them; with the overlap scheduler a request that finished in batch k may ride batch k+1 (planned before
+k's tokens were known): its token there is discarded and its KV released when k+1's results arrive.
 """
 
 from __future__ import annotations
@@ -31,27 +33,29 @@ class OutputProcessor:
 
     # --- memory ------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
-        """Give a finished (or aborted) request's KV to the cache and free its row."""
-        if req.req_pool_idx is None:
+        """Give a finished (or aborted) request's KV to the cache and free its row, unless a launched batch
+        still uses them (then processing that batch's results releases it)."""
+        if req.req_pool_idx is None or req.inflight > 0:
             return
         self.tree_cache.cache_finished(req.req_pool_idx, req.all_ids(), req.kv_len, req.prefix_len, req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 
     def cache_progress(self, req: Req) -> None:
-        """Insert the KV a still-running request has computed, re-pointing its row at the cached slots."""
+        """Insert the KV placed for a still-running request, re-pointing its row at the cached slots; it then
+        counts as the request's locked prefix. A no-op when nothing was placed beyond that prefix."""
+        if req.kv_len <= req.prefix_len:
+            return
         req.prefix_indices, req.last_node = self.tree_cache.cache_unfinished(
-            req.req_pool_idx, req.fill_ids, req.prefix_len, req.last_node)
+            req.req_pool_idx, req.all_ids()[: req.kv_len], req.prefix_len, req.last_node)
 
     # --- results -----------------------------------------------------------------------------------
     def process_extend(self, batch: ScheduleBatch, out: ForwardOutput) -> list[Req]:
         """Returns the requests that should start (or keep) decoding."""
         to_run = []
         for i, req in enumerate(batch.reqs):
-            req.kv_len = len(req.fill_ids)
             if req.is_chunked > 0:
                 req.is_chunked -= 1
-                self.cache_progress(req)
                 continue
             if req.finished:  # aborted while in flight
                 self.release(req)
@@ -67,8 +71,7 @@ class OutputProcessor:
 
     def process_decode(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         for i, req in enumerate(batch.reqs):
-            req.kv_len += 1
-            if req.finished:
+            if req.finished:  # aborted, or finished in the batch before (overlap): this token is discarded
                 self.release(req)
                 continue
             self._append(req, i, out)
@@ -93,7 +96,7 @@ class OutputProcessor:
         """Send new tokens of finished requests, and of streaming ones every `stream_interval` tokens."""
         picked = []
         for req in reqs:
-            if req.is_chunked > 0:
+            if req.is_chunked > 0 or req.finish_sent:
                 continue
             new = len(req.output_ids) - req.sent_len
             interval = req.sampling_params.stream_interval or self.stream_interval
@@ -126,4 +129,5 @@ def make_token_output(reqs: list[Req]) -> BatchTokenOutput:
         out.stop_strings.append(req.sampling_params.stop_strings)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         req.sent_len = len(req.output_ids)
+        req.finish_sent = req.finished
     return out

@@ -19,7 +19,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any) -> None:
     from tokenloom.executor.worker import ModelWorker
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
     from tokenloom.ipc import Receiver, Sender
-    from tokenloom.scheduler.loops import NormalLoop
+    from tokenloom.scheduler.loops import make_event_loop
     from tokenloom.scheduler.scheduler import Scheduler
     from tokenloom.tokenizer import eos_token_ids, load_tokenizer
 
@@ -35,7 +35,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any) -> None:
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
                     "vocab_size": runner.vocab_size})
-        NormalLoop(scheduler, receiver).run_forever()
+        make_event_loop(args, scheduler, receiver).run_forever()
     except Exception as e:
         report_failure("scheduler", e, ready, sender)
         raise SystemExit(1) from None

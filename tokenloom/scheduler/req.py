@@ -7,7 +7,9 @@ back to waiting with its KV freed; it is recomputed from `origin_input_ids + out
 
 Invariants while the request holds a row:
 - `kv_len` tokens of `all_ids()` have KV at `req_to_token[req_pool_idx, :kv_len]`;
-- the first `prefix_len` of those are the cached prefix locked at `last_node`.
+- the first `prefix_len` of those are the cached prefix locked at `last_node`;
+- `kv_len` counts tokens placed by planned batches, whose KV may still be being computed;
+- the row and KV are released only when no launched batch still uses them (`inflight == 0`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class Req:
         self.cached_tokens = 0
         self.retraction_count = 0
         self.sent_len = 0  # output tokens already handed to the detokenizer
+        self.finish_sent = False  # the finish reason was handed over (a request finishes exactly once)
+        # Overlap scheduling: batches launched with this request and not processed yet, and the future-token
+        # slot of its newest sampled-but-unprocessed token (None when every token is in `output_ids`).
+        self.inflight = 0
+        self.future_slot: int | None = None
         # Logprobs of output tokens: (logprob, token id) and per position top-k lists.
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []

@@ -4,17 +4,22 @@ bookkeeping that turns it into a `ForwardBatch`.
 `prepare_for_extend` gives admitted requests a row, writes their cached prefix into it and allocates KV
 slots for their new tokens; `prepare_for_decode` allocates one slot per running request. Both evict from
 the prefix cache first when the allocator is short. Per-request tensors are built in request order.
+
+Both advance `req.kv_len` when the batch is planned, not when its results arrive: with the overlap
+scheduler the next batch is planned while this one runs, and must already see these tokens as placed.
+A decode input whose token is not known yet (`req.future_slot` set) is a future-token placeholder.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.executor.future_tokens import placeholder
 from tokenloom.scheduler.req import Req
 
 
@@ -31,8 +36,8 @@ class ScheduleBatch:
     prefix_lens: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     out_cache_loc: torch.Tensor | None = None
-    # Reqs whose logits/sampled token belong to a non-final chunk (token is discarded).
-    chunked_rids: set[str] = field(default_factory=set)
+    # Future-token slots of this batch's sampled tokens, set when it is launched.
+    out_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -84,6 +89,8 @@ class BatchMemory:
         if slots is None:
             raise KVCacheOOM(f"KV pool cannot hold an admitted prefill of {int((seq - prefix).sum())} tokens")
         ids = [t for r in reqs for t in r.fill_ids[r.prefix_len:]]
+        for req in reqs:
+            req.kv_len = len(req.fill_ids)
         return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND,
                              input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
                              req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
@@ -104,8 +111,11 @@ class BatchMemory:
         slots = self.allocator.alloc_decode(seq, self._last_slots(row_t, kv))
         if slots is None:
             raise KVCacheOOM("KV pool cannot hold a decode step (retraction should have prevented this)")
-        ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
-        return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.DECODE, input_ids=ids, req_pool_indices=row_t,
+        ids = torch.tensor([r.output_ids[-1] if r.future_slot is None else placeholder(r.future_slot) for r in reqs],
+                           dtype=torch.int64, device=device)
+        for req in reqs:
+            req.kv_len += 1
+        return ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids, req_pool_indices=row_t,
                              prefix_lens=kv, seq_lens=seq, out_cache_loc=slots)
 
     def _last_slots(self, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

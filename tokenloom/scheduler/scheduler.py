@@ -2,7 +2,11 @@
 them into one batch per step. It does no I/O itself: requests arrive through `handle(msg)`, outputs leave
 through the `send` callable, and an event loop (loops.py) decides when to call what.
 
-Per step (normal loop): `get_next_batch_to_run()` → `run_batch(batch)` → `process_batch_result(batch, out)`.
+Per step: `get_next_batch_to_run()` → `launch(batch)` (prepare on this thread) → the loop runs the step
+(inline, or on the forward thread while it plans the next batch) → `process_batch_result(batch, out)`.
+With overlap, a batch is planned before the results of the one in flight are processed; the few decisions
+that need exact state (retraction, flushing the cache) first call `drain_inflight`, which the overlap loop
+sets to "process every launched batch".
 Prefill has priority: a new prefill batch is built whenever waiting requests fit; otherwise all running
 requests decode one token. Before a decode step that would not fit in KV memory, cached KV is evicted, then
 requests are retracted (fewest output tokens first) and re-queued; they are recomputed later. Nothing is
@@ -19,7 +23,7 @@ from typing import Any
 from tokenloom.cache.chunk_cache import ChunkCache
 from tokenloom.cache.radix_cache import RadixCache
 from tokenloom.config import ServerArgs
-from tokenloom.executor.worker import ForwardOutput, ModelWorker
+from tokenloom.executor.worker import ForwardOutput, ModelWorker, PreparedStep
 from tokenloom.protocol import (
     AbortRequest,
     FlushCacheReply,
@@ -62,6 +66,8 @@ class Scheduler:
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.stats = StepStats(args.decode_log_interval)
         self.eos_token_ids = worker.eos_token_ids
+        self.drain_inflight: Callable[[], None] = lambda: None
+        self.loop_info: Callable[[], dict[str, Any]] = dict
 
     # --- inputs --------------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
@@ -70,8 +76,10 @@ class Scheduler:
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.rid, msg.message)
         elif isinstance(msg, FlushCacheRequest):
+            self.drain_inflight()
             self.send(self.flush_cache())
         elif isinstance(msg, GetInternalStateRequest):
+            self.drain_inflight()  # report settled numbers (e.g. no KV held by requests that finished)
             self.send(InternalStateReply(self.internal_state()))
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
@@ -104,7 +112,8 @@ class Scheduler:
         return None
 
     def abort_request(self, rid: str, message: str = "Aborted by the client.") -> None:
-        """Finish `rid` wherever it is, freeing its KV now (no batch is in flight between steps)."""
+        """Finish `rid` wherever it is, freeing its KV now (or, if a launched batch still uses it, as soon as
+        that batch's results are processed)."""
         for req in self.waiting_queue:
             if req.rid == rid:
                 self.waiting_queue.remove(req)
@@ -145,6 +154,7 @@ class Scheduler:
                              self.tree_cache.dec_lock_ref, self.running, self.ratio.value, self.args.max_prefill_tokens,
                              self.chunked_prefill_size, running_slots)
         if self.chunked_req is not None:
+            self.output.cache_progress(self.chunked_req)  # its previous chunk becomes its locked prefix
             self.chunked_req.init_next_round_input(match)
             adder.add_chunked_req(self.chunked_req)
             if self.chunked_req not in adder.can_run_list:
@@ -167,7 +177,11 @@ class Scheduler:
         self.stats.on_prefill(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
         return batch
 
-    def _update_running_batch(self) -> ScheduleBatch:
+    def _update_running_batch(self) -> ScheduleBatch | None:
+        if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
+            self.drain_inflight()  # finished requests may free enough; retraction needs settled requests
+            if not self.running:
+                return None
         if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
             self._retract()
         else:
@@ -194,10 +208,27 @@ class Scheduler:
                        len(retracted), self.ratio.value)
 
     # --- running ------------------------------------------------------------------------------------
+    def launch(self, batch: ScheduleBatch) -> PreparedStep:
+        """Prepare `batch` for the forward (this thread) and mark its requests as in flight; a decode
+        request's next input is then this batch's future token until the result is processed."""
+        step = self.worker.prepare(batch)
+        batch.out_slots = step.out_slots.tolist()
+        decode = batch.forward_mode.is_decode()
+        for req, slot in zip(batch.reqs, batch.out_slots, strict=True):
+            req.inflight += 1
+            if decode:
+                req.future_slot = slot
+        return step
+
     def run_batch(self, batch: ScheduleBatch) -> ForwardOutput:
-        return self.worker.forward_batch_generation(batch)
+        """Launch and run `batch` to completion on this thread (no overlap)."""
+        return self.worker.execute(self.launch(batch))
 
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+        for req, slot in zip(batch.reqs, batch.out_slots, strict=True):
+            req.inflight -= 1
+            if req.future_slot == slot:
+                req.future_slot = None
         if batch.forward_mode.is_extend():
             self.running.extend(self.output.process_extend(batch, out))
         else:
@@ -236,5 +267,6 @@ class Scheduler:
             "num_waiting_reqs": len(self.waiting_queue),
             "last_gen_throughput": self.stats.last_gen_throughput,
             "cache_hit_rate": self.stats.cache_hit_rate(),
+            **self.loop_info(),
             "time": time.time(),
         }

@@ -1,0 +1,130 @@
+"""When the overlap loop overlaps: always (`--overlap-schedule on`) or when measurement says it pays (`auto`).
+
+Overlap hides the scheduler's CPU work (schedule, prepare, process) behind the forward, but on a CPU the two
+threads share the cores and the GIL, so on a small model it can be slower than running each step to
+completion (seed document 004). `AdaptiveOverlap` therefore measures instead of guessing: it runs short
+probe windows of decode steps in each mode, alternating (overlap, normal, overlap, normal), compares the wall
+time per generated token, and keeps the faster mode for `HOLD_STEPS` decode steps, or until the batch size
+drifts far from the one it measured at; then it probes again. Ties (within `MARGIN`) go to normal
+scheduling, which has no extra step of latency. Per-step CPU time outside the forward and forward time are
+recorded alongside and reported with each decision.
+
+Switching is free of token loss by construction: the loop only changes how many launched batches it keeps
+in flight; every launched batch is processed exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+from tokenloom.scheduler.step_profile import StepTiming
+
+logger = logging.getLogger(__name__)
+
+PROBE_STEPS = 12  # decode steps measured per probe window
+SETTLE_STEPS = 2  # steps skipped after each switch (the pipeline fills or drains)
+HOLD_STEPS = 600  # decode steps a decision is kept
+MARGIN = 0.03  # overlap must be this much faster per token to be chosen
+BATCH_DRIFT = 0.5  # re-probe when the mean batch size moves this far (relative) from the probed one
+
+
+class FixedOverlap:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def overlap_now(self) -> bool:
+        return self.enabled
+
+    def record(self, timing: StepTiming) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"overlap_schedule": "on" if self.enabled else "off", "overlap_active": self.enabled}
+
+
+class AdaptiveOverlap:
+    PROBE_ORDER = (True, False, True, False)
+
+    def __init__(self) -> None:
+        self.active = True
+        self.decision: dict | None = None
+        self.decisions = 0
+        self._start_probe()
+
+    # --- state machine ---------------------------------------------------------------------------------
+    def _start_probe(self) -> None:
+        self.probing = True
+        self.window = 0
+        self.active = self.PROBE_ORDER[0]
+        self.samples: dict[bool, list[StepTiming]] = {True: [], False: []}
+        self.window_steps = 0
+        self.hold_left = 0
+        self.probe_batch = 0.0
+        self.recent_batch: list[int] = []
+
+    def overlap_now(self) -> bool:
+        return self.active
+
+    def record(self, timing: StepTiming) -> None:
+        if not timing.is_decode or timing.period <= 0:
+            return
+        if self.probing:
+            self._record_probe(timing)
+        else:
+            self._record_hold(timing)
+
+    def _record_probe(self, timing: StepTiming) -> None:
+        self.window_steps += 1
+        if timing.overlapped != self.active or self.window_steps <= SETTLE_STEPS:
+            return
+        self.samples[self.active].append(timing)
+        if self.window_steps < SETTLE_STEPS + PROBE_STEPS:
+            return
+        self.window += 1
+        self.window_steps = 0
+        if self.window < len(self.PROBE_ORDER):
+            self.active = self.PROBE_ORDER[self.window]
+            return
+        self._decide()
+
+    def _decide(self) -> None:
+        on, off = self.samples[True], self.samples[False]
+        per_token = {mode: sum(s.period for s in steps) / max(1, sum(s.batch_size for s in steps))
+                     for mode, steps in ((True, on), (False, off))}
+        self.active = per_token[True] < per_token[False] * (1 - MARGIN)
+        steps = on + off
+        self.probe_batch = statistics.fmean(s.batch_size for s in steps)
+        normal_cpu = [s.cpu_outside_forward / s.period for s in off]
+        self.decision = {
+            "chosen": "overlap" if self.active else "normal",
+            "overlap_ms_per_token": 1e3 * per_token[True],
+            "normal_ms_per_token": 1e3 * per_token[False],
+            "probe_batch_size": self.probe_batch,
+            "normal_cpu_outside_forward_share": statistics.fmean(normal_cpu),
+            "normal_forward_ms": 1e3 * statistics.fmean(s.forward + s.sample for s in off),
+        }
+        self.decisions += 1
+        self.probing = False
+        self.hold_left = HOLD_STEPS
+        self.recent_batch = []
+        logger.info("overlap schedule (auto): %s; %.3f ms/token overlapped vs %.3f normal at batch %.0f "
+                    "(normal: CPU outside the forward %.1f%% of the step, forward %.1f ms)",
+                    self.decision["chosen"], self.decision["overlap_ms_per_token"],
+                    self.decision["normal_ms_per_token"], self.probe_batch,
+                    100 * self.decision["normal_cpu_outside_forward_share"], self.decision["normal_forward_ms"])
+
+    def _record_hold(self, timing: StepTiming) -> None:
+        self.hold_left -= 1
+        self.recent_batch.append(timing.batch_size)
+        drifted = False
+        if len(self.recent_batch) >= PROBE_STEPS:
+            mean = statistics.fmean(self.recent_batch)
+            drifted = abs(mean - self.probe_batch) > BATCH_DRIFT * max(self.probe_batch, 1.0)
+            self.recent_batch = []
+        if self.hold_left <= 0 or drifted:
+            self._start_probe()
+
+    def info(self) -> dict:
+        return {"overlap_schedule": "auto", "overlap_active": self.active, "overlap_probing": self.probing,
+                "overlap_decision": self.decision, "overlap_decisions": self.decisions}
