@@ -80,3 +80,23 @@ class ForwardStream:
         """Wait for the forward stream (on the forward thread, before handing results back)."""
         if self.stream is not None:
             self.stream.synchronize()
+
+
+def keep_this_thread_single_threaded() -> None:
+    """Make torch ops issued from the calling thread run on that thread alone (CPU).
+
+    Each thread that runs a parallel torch op starts its own OpenMP team; with more OpenMP threads than
+    cores, libgomp throttles its spin-waits and every parallel region of the forward gets slower. Threads
+    that only do bookkeeping (the overlap scheduler's) call this so the forward's team stays the only one.
+    libgomp keeps the thread count per thread, so this does not touch the forward's setting (unlike
+    `torch.set_num_threads`, which also changes torch's process-wide default). A no-op without libgomp.
+    """
+    import ctypes
+    import glob
+
+    setter = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+    if setter is None:
+        libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*"))
+        setter = getattr(ctypes.CDLL(libs[0]), "omp_set_num_threads", None) if libs else None
+    if setter is not None:
+        setter(1)

@@ -1,4 +1,11 @@
-"""`ForwardThread`: runs prepared steps one after another on a dedicated thread.
+"""Forward executors: run prepared steps one after another, off the scheduler's critical path.
+
+- `ForwardThread`: a dedicated worker thread (tests and in-process harnesses drive the loop themselves).
+- `ForwardOnCaller`: steps queue up for the thread that calls `serve_forever()` — in the scheduler process
+  the main thread, while the scheduling loop moves to a second thread. On the CPU this matters: the main
+  thread owns the OpenMP team the model was loaded and warmed up with; a forward on another thread starts
+  a second team, and with more OpenMP threads than cores libgomp throttles its spin-waits, which made every
+  forward 10-25% slower in bench/overlap.py.
 
 torch releases the GIL inside its ops, so while this thread computes batch k the scheduler thread plans
 batch k+1 and processes batch k-1's results. Steps run strictly in submission order (one worker), which is
@@ -9,6 +16,7 @@ once, in the thread. `busy_s` accumulates the time spent executing steps (for id
 
 from __future__ import annotations
 
+import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -42,3 +50,45 @@ class ForwardThread:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ForwardOnCaller:
+    """Executes submitted steps on the thread running `serve_forever()`, in submission order."""
+
+    def __init__(self, worker: ModelWorker) -> None:
+        self.worker = worker
+        self.stream = ForwardStream(worker.runner.device)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_s = 0.0
+
+    def submit(self, step: PreparedStep) -> Future[ForwardOutput]:
+        future: Future[ForwardOutput] = Future()
+        self._queue.put((step, self.stream.handoff(), future))
+        return future
+
+    def serve_forever(self) -> None:
+        """Run steps until `stop()`; a failing step fails its future (the scheduler sees the error)."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, mark, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            start = time.perf_counter()
+            try:
+                with self.stream.context(mark):
+                    out = self.worker.execute(step)
+                self.stream.finish()
+            except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
+                future.set_exception(e)
+            else:
+                future.set_result(out)
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def shutdown(self) -> None:
+        self.stop()

@@ -16,13 +16,15 @@ issues implement the same protocol around the same `Scheduler`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 from tokenloom.config import ServerArgs
-from tokenloom.executor.forward_thread import ForwardThread
+from tokenloom.device import keep_this_thread_single_threaded
+from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -122,7 +124,7 @@ class OverlapLoop(_LoopBase):
     """Launch batch k+1 on the forward thread, then process batch k while k+1 computes."""
 
     def __init__(self, scheduler: Scheduler, inbox: Inbox, policy: FixedOverlap | AdaptiveOverlap,
-                 forward_thread: ForwardThread, profiler: StepProfiler | None = None) -> None:
+                 forward_thread: ForwardThread | ForwardOnCaller, profiler: StepProfiler | None = None) -> None:
         super().__init__(scheduler, inbox, profiler)
         self.policy = policy
         self.forward_thread = forward_thread
@@ -159,6 +161,27 @@ class OverlapLoop(_LoopBase):
     def _on_step(self, timing: StepTiming) -> None:
         self.policy.record(timing)
 
+    def run_forever(self) -> None:
+        """With a `ForwardOnCaller`, this thread serves forward steps and the loop runs on a new thread;
+        an error on either side ends both and is raised here."""
+        if not isinstance(self.forward_thread, ForwardOnCaller):
+            super().run_forever()
+            return
+        errors: list[BaseException] = []
+
+        def schedule() -> None:
+            keep_this_thread_single_threaded()
+            try:
+                super(OverlapLoop, self).run_forever()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the serving thread
+                errors.append(e)
+            finally:
+                self.forward_thread.stop()
+
+        threading.Thread(target=schedule, name="tokenloom-scheduler", daemon=True).start()
+        self.forward_thread.serve_forever()
+        raise errors[0] if errors else RuntimeError("the scheduling thread stopped")
+
     def info(self) -> dict:
         wall = time.perf_counter() - self._started
         idle = max(0.0, 1.0 - self.forward_thread.busy_s / wall) if wall > 0 else 0.0
@@ -170,10 +193,16 @@ def overlap_mode(args: ServerArgs) -> str:
     return "off" if args.disable_overlap_schedule else args.overlap_schedule
 
 
-def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox) -> NormalLoop | OverlapLoop:
+def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forward_on_caller: bool = False
+                    ) -> NormalLoop | OverlapLoop:
+    """`forward_on_caller`: the overlap loop's forwards run on the thread that calls `run_forever()` (the
+    scheduler process's main thread) and scheduling on a new thread; otherwise on a dedicated thread, so a
+    caller can drive `run_once()` itself (tests)."""
     profiler = StepProfiler(profiling_requested(args.enable_step_profile))
     mode = overlap_mode(args)
     if mode == "off":
         return NormalLoop(scheduler, inbox, profiler)
     policy = FixedOverlap(True) if mode == "on" else AdaptiveOverlap()
-    return OverlapLoop(scheduler, inbox, policy, ForwardThread(scheduler.worker, args.num_threads), profiler)
+    executor = (ForwardOnCaller(scheduler.worker) if forward_on_caller
+                else ForwardThread(scheduler.worker, args.num_threads))
+    return OverlapLoop(scheduler, inbox, policy, executor, profiler)

@@ -35,7 +35,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any) -> None:
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
                     "vocab_size": runner.vocab_size})
-        make_event_loop(args, scheduler, receiver).run_forever()
+        make_event_loop(args, scheduler, receiver, forward_on_caller=True).run_forever()
     except Exception as e:
         report_failure("scheduler", e, ready, sender)
         raise SystemExit(1) from None

@@ -66,12 +66,16 @@ class StepProfiler:
             logger.info("step profile: %s", format_summary(self.summary()))
 
     def summary(self) -> dict:
-        """Mean / median / p99 milliseconds per phase over the kept steps, split by decode and extend."""
+        """Mean / median / p99 milliseconds per phase over the kept steps, split by decode and extend, plus
+        `largest_batch`: the decode steps whose batch is at least 90% of the largest decode batch kept."""
         out: dict = {"enabled": self.enabled, "total_steps": self.total_steps}
         if not self.enabled:
             return out
-        for kind, keep in (("decode", True), ("extend", False)):
-            steps = [s for s in self.steps if s.is_decode == keep]
+        decode = [s for s in self.steps if s.is_decode and s.period > 0]
+        top = max((s.batch_size for s in decode), default=0)
+        groups = (("decode", decode), ("extend", [s for s in self.steps if not s.is_decode]),
+                  ("largest_batch", [s for s in decode if s.batch_size >= 0.9 * top]))
+        for kind, steps in groups:
             if not steps:
                 continue
             part: dict = {"steps": len(steps), "mean_batch_size": statistics.fmean(s.batch_size for s in steps),
