@@ -24,6 +24,7 @@ from tokenloom.executor.forward_batch import ForwardBatch
 from tokenloom.executor.future_tokens import FutureTokenBuffer
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
+from tokenloom.sampling.sampling_rows import SamplingRows
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
 
@@ -58,6 +59,7 @@ class ModelWorker:
         self.eos_token_ids = eos_token_ids
         size = max_batch_size or runner.req_to_token_pool.size
         self.future_tokens = FutureTokenBuffer(max(size, 1), runner.device)
+        self.sampling_rows = SamplingRows(runner.vocab_size, eos_token_ids, runner.device)
 
     # --- scheduler side ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduleBatch) -> PreparedStep:
@@ -66,18 +68,23 @@ class ModelWorker:
         self.runner.prepare(fb)
         want_logprob = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        pending = [(i, r.future_slot) for i, r in enumerate(reqs) if r.future_slot is not None]
-        info = SamplingBatchInfo.from_requests(
-            [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
-            self.runner.vocab_size, self.eos_token_ids, self.runner.device, return_logprob=want_logprob,
-            top_logprobs_num=top_k, pending_outputs=[r.future_slot is not None for r in reqs])
         device = self.runner.device
         pending_rows = pending_slots = None
-        if pending:
-            pending_rows = torch.tensor([i for i, _ in pending], dtype=torch.int64, device=device)
-            pending_slots = torch.tensor([s for _, s in pending], dtype=torch.int64, device=device)
-        has_placeholders = bool(pending) and fb.forward_mode.is_decode()
-        return PreparedStep(fb, info, self.future_tokens.reserve(len(reqs)), has_placeholders, pending_rows,
+        if batch.same_reqs_as_last_decode:  # every request's previous token is pending, or none is
+            pending = reqs[0].future_slot is not None
+            if pending:
+                pending_rows = torch.arange(len(reqs), device=device)
+                pending_slots = batch.last_out_slots
+        else:
+            flags = [r.future_slot is not None for r in reqs]
+            pending = any(flags)
+            if pending:
+                pending_rows = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=device)
+                pending_slots = torch.tensor([r.future_slot for r in reqs if r.future_slot is not None],
+                                             dtype=torch.int64, device=device)
+        info = self.sampling_rows.info_for(reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob,
+                                           top_logprobs_num=top_k)
+        return PreparedStep(fb, info, self.future_tokens.reserve(len(reqs)), batch.has_placeholders, pending_rows,
                             pending_slots, top_k, want_logprob)
 
     # --- forward side --------------------------------------------------------------------------------

@@ -71,18 +71,7 @@ class SamplingBatchInfo:
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
         )
-        if any(p.uses_penalties for p in params):
-            info.frequency_penalties = t([p.frequency_penalty for p in params], torch.float32)
-            info.presence_penalties = t([p.presence_penalty for p in params], torch.float32)
-            info.repetition_penalties = t([p.repetition_penalty for p in params], torch.float32)
-            info.output_counts = _token_counts(output_ids, vocab_size, device)
-            info.seen_mask = (_token_counts(prompt_ids, vocab_size, device) + info.output_counts) > 0
-        if any(p.logit_bias for p in params):
-            bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-            for row, p in enumerate(params):
-                for token, value in (p.logit_bias or {}).items():
-                    bias[row, int(token)] = float(value)
-            info.logit_bias = bias
+        penalty_and_bias_state(info, params, prompt_ids, output_ids, device)
         rows, tokens = [], []
         for row, (p, n) in enumerate(zip(params, out_lens, strict=True)):
             if not p.ignore_eos and n < p.min_new_tokens:
@@ -93,7 +82,6 @@ class SamplingBatchInfo:
             info.min_tokens_mask = (t(rows, torch.int64), t(tokens, torch.int64))
         return info
 
-
     def add_pending_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count tokens that were generated but unknown when this batch was built (penalty state only)."""
         if self.output_counts is None:
@@ -101,6 +89,29 @@ class SamplingBatchInfo:
         self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32),
                                       accumulate=True)
         self.seen_mask[rows, token_ids] = True
+
+
+def penalty_and_bias_state(info: SamplingBatchInfo, params: Sequence[SamplingParams],
+                           prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
+                           device: torch.device) -> None:
+    """Fill the penalty tensors (when some request uses a penalty) and the logit bias (when some sets one)."""
+    vocab_size = info.vocab_size
+
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    if any(p.uses_penalties for p in params):
+        info.frequency_penalties = t([p.frequency_penalty for p in params], torch.float32)
+        info.presence_penalties = t([p.presence_penalty for p in params], torch.float32)
+        info.repetition_penalties = t([p.repetition_penalty for p in params], torch.float32)
+        info.output_counts = _token_counts(output_ids, vocab_size, device)
+        info.seen_mask = (_token_counts(prompt_ids, vocab_size, device) + info.output_counts) > 0
+    if any(p.logit_bias for p in params):
+        bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+        for row, p in enumerate(params):
+            for token, value in (p.logit_bias or {}).items():
+                bias[row, int(token)] = float(value)
+        info.logit_bias = bias
 
 
 def _token_counts(ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -36,8 +36,15 @@ class ScheduleBatch:
     prefix_lens: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     out_cache_loc: torch.Tensor | None = None
-    # Future-token slots of this batch's sampled tokens, set when it is launched.
+    # Future-token slots of this batch's sampled tokens, set when it is launched (list and tensor).
     out_slots: list[int] | None = None
+    out_slots_tensor: torch.Tensor | None = None
+    # Some input id is a future-token placeholder.
+    has_placeholders: bool = False
+    # Decode batch of exactly the previous step's decode requests, in order (the vectorized fast path);
+    # then `last_out_slots` are where the previous step stored their tokens.
+    same_reqs_as_last_decode: bool = False
+    last_out_slots: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -60,6 +67,7 @@ class BatchMemory:
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.device = device
+        self._last_decode: ScheduleBatch | None = None
 
     def available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -70,6 +78,7 @@ class BatchMemory:
             self.tree_cache.evict(short)
 
     def prepare_for_extend(self, reqs: list[Req]) -> ScheduleBatch:
+        self._last_decode = None
         device = self.device
         need_rows = [r for r in reqs if r.req_pool_idx is None]
         rows = self.req_to_token_pool.alloc(len(need_rows))
@@ -103,20 +112,37 @@ class BatchMemory:
         return sum(page for r in reqs if r.kv_len % page == 0)
 
     def prepare_for_decode(self, reqs: list[Req]) -> ScheduleBatch:
+        """One new slot per request. When the requests are exactly the previous step's decode requests (the
+        steady state), rows and lengths are the previous step's tensors advanced by one and every input is
+        the previous step's sampled token read from the future-token buffer: no Python loop builds them."""
         device = self.device
         self._ensure(self.decode_tokens_needed(reqs))
-        row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
-        kv = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+        last = self._last_decode
+        same = last is not None and last.out_slots_tensor is not None and last.reqs == reqs
+        if same:
+            row_t, kv = last.req_pool_indices, last.seq_lens
+        else:
+            row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
+            kv = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
         seq = kv + 1
         slots = self.allocator.alloc_decode(seq, self._last_slots(row_t, kv))
         if slots is None:
             raise KVCacheOOM("KV pool cannot hold a decode step (retraction should have prevented this)")
-        ids = torch.tensor([r.output_ids[-1] if r.future_slot is None else placeholder(r.future_slot) for r in reqs],
-                           dtype=torch.int64, device=device)
+        if same:
+            ids = -(last.out_slots_tensor + 1)
+            has_placeholders = True
+        else:
+            ids_list = [r.output_ids[-1] if r.future_slot is None else placeholder(r.future_slot) for r in reqs]
+            has_placeholders = any(r.future_slot is not None for r in reqs)
+            ids = torch.tensor(ids_list, dtype=torch.int64, device=device)
         for req in reqs:
             req.kv_len += 1
-        return ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids, req_pool_indices=row_t,
-                             prefix_lens=kv, seq_lens=seq, out_cache_loc=slots)
+        batch = ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids,
+                              req_pool_indices=row_t, prefix_lens=kv, seq_lens=seq, out_cache_loc=slots,
+                              has_placeholders=has_placeholders, same_reqs_as_last_decode=same,
+                              last_out_slots=last.out_slots_tensor if same else None)
+        self._last_decode = batch
+        return batch
 
     def _last_slots(self, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """Slot of position len-1 of each row (0 where len is 0): where a partial page continues."""

@@ -212,6 +212,7 @@ class Scheduler:
         """Prepare `batch` for the forward (this thread) and mark its requests as in flight; a decode
         request's next input is then this batch's future token until the result is processed."""
         step = self.worker.prepare(batch)
+        batch.out_slots_tensor = step.out_slots
         batch.out_slots = step.out_slots.tolist()
         decode = batch.forward_mode.is_decode()
         for req, slot in zip(batch.reqs, batch.out_slots, strict=True):
