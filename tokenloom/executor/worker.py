@@ -109,7 +109,3 @@ class ModelWorker:
         end = time.perf_counter()
         out.forward_s, out.sample_s = mid - start, end - mid
         return out
-
-    def forward_batch_generation(self, batch: ScheduleBatch) -> ForwardOutput:
-        """Both halves in a row (the normal, non-overlapped loop)."""
-        return self.execute(self.prepare(batch))

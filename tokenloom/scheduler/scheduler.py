@@ -221,10 +221,6 @@ class Scheduler:
                 req.future_slot = slot
         return step
 
-    def run_batch(self, batch: ScheduleBatch) -> ForwardOutput:
-        """Launch and run `batch` to completion on this thread (no overlap)."""
-        return self.worker.execute(self.launch(batch))
-
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         for req, slot in zip(batch.reqs, batch.out_slots, strict=True):
             req.inflight -= 1
