@@ -49,37 +49,17 @@ class SamplingBatchInfo:
         overlap scheduler has not processed it yet): it counts in `output_lens` and the min-token check, and
         its id is added to the penalty state by `add_pending_tokens` once known."""
 
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        greedy = [p.is_greedy for p in params]
         out_lens = [len(o) for o in output_ids]
         if pending_outputs is not None:
             out_lens = [n + int(p) for n, p in zip(out_lens, pending_outputs, strict=True)]
-        info = cls(
-            temperatures=t([p.temperature for p in params], torch.float32),
-            top_ks=t([min(p.top_k if p.top_k > 0 else vocab_size, vocab_size) for p in params], torch.int64),
-            top_ps=t([p.top_p for p in params], torch.float32),
-            min_ps=t([p.min_p for p in params], torch.float32),
-            is_greedy=t(greedy, torch.bool),
-            seeds=t([p.sampling_seed % (1 << 63) if p.sampling_seed is not None else 0 for p in params],
-                    torch.int64),
-            has_seed=t([p.sampling_seed is not None for p in params], torch.bool),
-            output_lens=t(out_lens, torch.int64),
-            all_greedy=all(greedy),
-            vocab_size=vocab_size,
-            return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num,
-        )
+        rows = static_rows(params, vocab_size, device)
+        info = cls(temperatures=rows["temperatures"], top_ks=rows["top_ks"], top_ps=rows["top_ps"],
+                   min_ps=rows["min_ps"], is_greedy=rows["is_greedy"], seeds=rows["seeds"], has_seed=rows["has_seed"],
+                   output_lens=torch.tensor(out_lens, dtype=torch.int64, device=device),
+                   all_greedy=all(p.is_greedy for p in params), vocab_size=vocab_size,
+                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
         penalty_and_bias_state(info, params, prompt_ids, output_ids, device)
-        rows, tokens = [], []
-        for row, (p, n) in enumerate(zip(params, out_lens, strict=True)):
-            if not p.ignore_eos and n < p.min_new_tokens:
-                masked = sorted(set(eos_token_ids) | set(p.stop_token_ids or []))
-                rows += [row] * len(masked)
-                tokens += masked
-        if rows:
-            info.min_tokens_mask = (t(rows, torch.int64), t(tokens, torch.int64))
+        info.min_tokens_mask = min_tokens_mask(min_token_pairs(params, eos_token_ids, device), rows, info.output_lens)
         return info
 
     def add_pending_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -89,6 +69,48 @@ class SamplingBatchInfo:
         self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32),
                                       accumulate=True)
         self.seen_mask[rows, token_ids] = True
+
+
+def static_rows(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The per-request tensors that never change while a request runs."""
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return {
+        "temperatures": t([p.temperature for p in params], torch.float32),
+        "top_ks": t([min(p.top_k if p.top_k > 0 else vocab_size, vocab_size) for p in params], torch.int64),
+        "top_ps": t([p.top_p for p in params], torch.float32),
+        "min_ps": t([p.min_p for p in params], torch.float32),
+        "is_greedy": t([p.is_greedy for p in params], torch.bool),
+        "seeds": t([p.sampling_seed % (1 << 63) if p.sampling_seed is not None else 0 for p in params], torch.int64),
+        "has_seed": t([p.sampling_seed is not None for p in params], torch.bool),
+        "min_new_tokens": t([p.min_new_tokens for p in params], torch.int64),
+        "min_tokens_active": t([not p.ignore_eos and p.min_new_tokens > 0 for p in params], torch.bool),
+    }
+
+
+def min_token_pairs(params: Sequence[SamplingParams], eos_token_ids: Sequence[int], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) of every token masked while a row is below its min_new_tokens: EOS and its stop ids."""
+    rows, tokens = [], []
+    for row, p in enumerate(params):
+        if not p.ignore_eos and p.min_new_tokens > 0:
+            masked = sorted(set(eos_token_ids) | set(p.stop_token_ids or []))
+            rows += [row] * len(masked)
+            tokens += masked
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(tokens, dtype=torch.int64, device=device))
+
+
+def min_tokens_mask(pairs: tuple[torch.Tensor, torch.Tensor], rows: dict[str, torch.Tensor],
+                    output_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (row, token) pairs of `min_token_pairs` whose row is still below its min_new_tokens."""
+    row_ids, tokens = pairs
+    if not row_ids.numel():
+        return None
+    below = rows["min_tokens_active"] & (output_lens < rows["min_new_tokens"])
+    keep = below[row_ids]
+    return (row_ids[keep], tokens[keep]) if bool(keep.any()) else None
 
 
 def penalty_and_bias_state(info: SamplingBatchInfo, params: Sequence[SamplingParams],

@@ -19,8 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenloom.sampling.sampling_batch import SamplingBatchInfo, penalty_and_bias_state
-from tokenloom.sampling.sampling_params import SamplingParams
+from tokenloom.sampling.sampling_batch import (
+    SamplingBatchInfo,
+    min_token_pairs,
+    min_tokens_mask,
+    penalty_and_bias_state,
+    static_rows,
+)
 
 _STATIC = ("temperatures", "top_ks", "top_ps", "min_ps", "is_greedy", "seeds", "has_seed", "min_new_tokens",
            "min_tokens_active")
@@ -54,12 +59,7 @@ class SamplingRows:
             is_greedy=s["is_greedy"], seeds=s["seeds"], has_seed=s["has_seed"], output_lens=self._output_lens,
             all_greedy=self._all_greedy, vocab_size=self.vocab_size, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num)
-        rows, tokens = self._min_pairs
-        if rows.numel():
-            below = s["min_tokens_active"] & (self._output_lens < s["min_new_tokens"])
-            keep = below[rows]
-            if bool(keep.any()):
-                info.min_tokens_mask = (rows[keep], tokens[keep])
+        info.min_tokens_mask = min_tokens_mask(self._min_pairs, s, self._output_lens)
         if self._any_penalty or self._any_bias:
             params = [r.sampling_params for r in reqs]
             outputs = [r.output_ids for r in reqs]
@@ -96,34 +96,3 @@ class SamplingRows:
         self._any_penalty = any(p.uses_penalties for p in params)
         self._any_bias = any(p.logit_bias for p in params)
         self._min_pairs = min_token_pairs(params, self.eos_token_ids, self.device)
-
-
-def static_rows(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The per-request tensors that never change while a request runs."""
-    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    return {
-        "temperatures": t([p.temperature for p in params], torch.float32),
-        "top_ks": t([min(p.top_k if p.top_k > 0 else vocab_size, vocab_size) for p in params], torch.int64),
-        "top_ps": t([p.top_p for p in params], torch.float32),
-        "min_ps": t([p.min_p for p in params], torch.float32),
-        "is_greedy": t([p.is_greedy for p in params], torch.bool),
-        "seeds": t([p.sampling_seed % (1 << 63) if p.sampling_seed is not None else 0 for p in params], torch.int64),
-        "has_seed": t([p.sampling_seed is not None for p in params], torch.bool),
-        "min_new_tokens": t([p.min_new_tokens for p in params], torch.int64),
-        "min_tokens_active": t([not p.ignore_eos and p.min_new_tokens > 0 for p in params], torch.bool),
-    }
-
-
-def min_token_pairs(params: Sequence[SamplingParams], eos_token_ids: Sequence[int], device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) of every token masked while a row is below its min_new_tokens: EOS and its stop ids."""
-    rows, tokens = [], []
-    for row, p in enumerate(params):
-        if not p.ignore_eos and p.min_new_tokens > 0:
-            masked = sorted(set(eos_token_ids) | set(p.stop_token_ids or []))
-            rows += [row] * len(masked)
-            tokens += masked
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(tokens, dtype=torch.int64, device=device))
