@@ -48,9 +48,6 @@ class ForwardThread:
         finally:
             self.busy_s += time.perf_counter() - start
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
 
 class ForwardOnCaller:
     """Executes submitted steps on the thread running `serve_forever()`, in submission order."""
@@ -89,6 +86,3 @@ class ForwardOnCaller:
 
     def stop(self) -> None:
         self._queue.put(None)
-
-    def shutdown(self) -> None:
-        self.stop()

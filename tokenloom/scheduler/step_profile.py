@@ -21,7 +21,7 @@ import statistics
 import sys
 import urllib.request
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +102,6 @@ def format_summary(summary: dict) -> str:
                      f"period {part['period']['mean_ms']:.2f}, cpu outside forward "
                      f"{100 * part['cpu_outside_forward_share']:.1f}% of the period")
     return " | ".join(lines) if lines else "no steps recorded (is --enable-step-profile on?)"
-
-
-def timing_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(StepTiming))
 
 
 def main(argv: list[str] | None = None) -> int:
