@@ -1,5 +1,6 @@
 """The native paged decode kernel against a plain torch reference (per request, per head), in float32 and
-bfloat16, with GQA groups, ragged lengths and scattered slots."""
+bfloat16, with GQA groups, head dims 64/128/other, ragged lengths, scattered slots, long requests split
+into chunks, strided (packed qkv) inputs and the fused write of the step's new K/V rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from tokenloom.kernels import paged_attention
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(torch.float32, 4, 64),
                                 reason="native kernels unavailable (no C compiler)")
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def _reference(q, k, v, indptr, indices, scale):
@@ -27,22 +30,70 @@ def _reference(q, k, v, indptr, indices, scale):
     return out.view(batch, -1)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2), (9, 3), (16, 1)])
-def test_matches_reference(dtype, tol, num_heads, num_kv):
-    g = torch.Generator().manual_seed(num_heads * 7 + num_kv)
-    rows, dim, batch = 3000, 64, 6
+def _case(dtype, num_heads, num_kv, dim, lens, seed, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lens)
+    rows = rows or int(lens.sum()) + 64
     k = torch.randn(num_kv, rows, dim, generator=g).to(dtype)
     v = torch.randn(num_kv, rows, dim, generator=g).to(dtype)
-    lens = torch.tensor([1, 7, 130, 33, 300, 2])
-    indptr = torch.zeros(batch + 1, dtype=torch.int64)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
     indptr[1:] = lens.cumsum(0)
     indices = torch.randperm(rows - 1, generator=g)[: int(indptr[-1])] + 1
-    q = torch.randn(batch, num_heads, dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), num_heads, dim, generator=g).to(dtype)
+    return q, k, v, indptr, indices
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2), (9, 3), (16, 1), (12, 1)])
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_matches_reference(dtype, num_heads, num_kv, dim):
+    q, k, v, indptr, indices = _case(dtype, num_heads, num_kv, dim, [1, 7, 130, 33, 300, 2, 16, 17],
+                                     num_heads * 7 + num_kv + dim)
     out = paged_attention.decode(q, k, v, indptr, indices, dim ** -0.5)
     ref = _reference(q, k, v, indptr, indices, dim ** -0.5)
-    assert out.dtype == dtype and out.shape == (batch, num_heads * dim)
-    assert (out.float() - ref).abs().max().item() < tol
+    assert out.dtype == dtype and out.shape == (q.shape[0], num_heads * dim)
+    assert (out.float() - ref).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[3000], [2500, 700]])
+def test_long_requests_split_into_chunks(dtype, lens):
+    """One or two requests with many slots: the work is split across threads and merged."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(2, previous))
+    try:
+        q, k, v, indptr, indices = _case(dtype, 9, 3, 64, lens, 5)
+        out = paged_attention.decode(q, k, v, indptr, indices, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    ref = _reference(q, k, v, indptr, indices, 0.125)
+    assert (out.float() - ref).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kv_write_from_packed_qkv(dtype):
+    """q, k, v as views of one packed [B, (Hq + 2 Hkv) * D] tensor; k/v are stored at out_loc first."""
+    num_heads, num_kv, dim = 9, 3, 64
+    q0, k, v, indptr, indices = _case(dtype, num_heads, num_kv, dim, [5, 40, 1, 77], 11)
+    batch = q0.shape[0]
+    packed = torch.randn(batch, (num_heads + 2 * num_kv) * dim).to(dtype)
+    q = packed[:, : num_heads * dim].view(batch, num_heads, dim)
+    k_new = packed[:, num_heads * dim: (num_heads + num_kv) * dim].view(batch, num_kv, dim)
+    v_new = packed[:, (num_heads + num_kv) * dim:].view(batch, num_kv, dim)
+    out_loc = indices[indptr[1:] - 1]  # each request's last slot is the new token's
+    k_before, v_before = k.clone(), v.clone()
+    out = paged_attention.decode(q, k, v, indptr, indices, 0.125, k_new=k_new, v_new=v_new, out_loc=out_loc)
+    k_before[:, out_loc] = k_new.transpose(0, 1)
+    v_before[:, out_loc] = v_new.transpose(0, 1)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+    ref = _reference(q, k, v, indptr, indices, 0.125)
+    assert (out.float() - ref).abs().max().item() < TOL[dtype]
+
+
+def test_empty_request_gives_zeros():
+    q, k, v, indptr, indices = _case(torch.float32, 4, 2, 64, [0, 10], 3)
+    out = paged_attention.decode(q, k, v, indptr, indices, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
 def test_limits_reported():

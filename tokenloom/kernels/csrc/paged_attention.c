@@ -3,14 +3,33 @@
  * from the paged KV pool (no gathered copy), so every KV byte is read once per step.
  *
  * Layout: q/out [B, Hq, D]; k/v pool [Hkv, rows, D]; request b's slots are indices[indptr[b] .. indptr[b+1]).
- * Work is split over (request, kv head) pairs with OpenMP (torch's own runtime, same soname). Scores,
- * softmax and the weighted sum of V are computed in float32; bf16 inputs are widened exactly and the output
- * is rounded to nearest even.
+ * The new token's K/V ([B, Hkv, D], stored at out_loc[b]) may be written into the pool by the same call, so
+ * a decode layer needs one native call instead of two index_copy_ plus the attention.
+ *
+ * Work items are (request, kv head, chunk of the request's tokens). A request is split into chunks only when
+ * there are too few (request, kv head) pairs to keep every thread busy; the chunks' partial softmax states
+ * (max, sum, weighted V) are then merged exactly as flash-decoding does. Scores, softmax and the weighted sum
+ * are computed in float32; bf16 inputs are widened exactly and the output is rounded to nearest even.
+ *
+ * With AVX-512 (and head_dim 64 or 128) the inner loops run on 16-float vectors with the query held in
+ * registers; otherwise a portable scalar loop computes the same thing.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define MIN_CHUNK 256 /* never split a request into chunks shorter than this */
+#define PREFETCH_AHEAD 32 /* rows prefetched ahead in the vector path */
+#define PREFETCH_BLOCKS 2 /* 16-row blocks prefetched ahead in the bf16 dot-product path */
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
@@ -27,66 +46,418 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-#define MAX_GROUP 16
-#define MAX_DIM 256
+static inline float load_f32(const float *p, int d) { return p[d]; }
+static inline float load_bf16(const uint16_t *p, int d) { return bf16_to_f32(p[d]); }
+static inline void store_f32(float *p, int d, float x) { p[d] = x; }
+static inline void store_bf16(uint16_t *p, int d, float x) { p[d] = f32_to_bf16(x); }
 
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                               \
-void NAME(const T *q, const T *k, const T *v, const int64_t *indptr, const int64_t *indices, T *out,          \
-          int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, int threads) { \
-    const int group = num_heads / num_kv_heads;                                                          \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                \
-    for (int64_t job = 0; job < (int64_t)batch * num_kv_heads; ++job) {                                   \
-        const int b = (int)(job / num_kv_heads), h = (int)(job % num_kv_heads);                          \
-        const int64_t start = indptr[b], len = indptr[b + 1] - start;                                     \
-        float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], row[MAX_DIM];                                \
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(len > 0 ? len : 1) * group);            \
-        for (int g = 0; g < group; ++g) {                                                                 \
-            const T *qp = q + ((int64_t)b * num_heads + (int64_t)h * group + g) * head_dim;               \
-            for (int d = 0; d < head_dim; ++d) { qf[g][d] = LOAD(qp[d]) * scale; acc[g][d] = 0.f; }       \
-        }                                                                                                 \
-        float mx[MAX_GROUP];                                                                              \
-        for (int g = 0; g < group; ++g) mx[g] = -INFINITY;                                                \
-        const T *kh = k + (int64_t)h * rows * head_dim, *vh = v + (int64_t)h * rows * head_dim;           \
-        for (int64_t l = 0; l < len; ++l) {                                                               \
-            const T *kp = kh + indices[start + l] * head_dim;                                             \
-            for (int d = 0; d < head_dim; ++d) row[d] = LOAD(kp[d]);                                      \
-            for (int g = 0; g < group; ++g) {                                                             \
-                float s = 0.f;                                                                            \
-                for (int d = 0; d < head_dim; ++d) s += qf[g][d] * row[d];                                \
-                scores[(int64_t)g * len + l] = s;                                                         \
-                if (s > mx[g]) mx[g] = s;                                                                 \
-            }                                                                                             \
-        }                                                                                                 \
-        float denom[MAX_GROUP];                                                                           \
-        for (int g = 0; g < group; ++g) {                                                                 \
-            float sum = 0.f;                                                                              \
-            for (int64_t l = 0; l < len; ++l) {                                                           \
-                float e = expf(scores[(int64_t)g * len + l] - mx[g]);                                     \
-                scores[(int64_t)g * len + l] = e;                                                         \
-                sum += e;                                                                                 \
-            }                                                                                             \
-            denom[g] = sum > 0.f ? 1.f / sum : 0.f;                                                       \
-        }                                                                                                 \
-        for (int64_t l = 0; l < len; ++l) {                                                               \
-            const T *vp = vh + indices[start + l] * head_dim;                                             \
-            for (int d = 0; d < head_dim; ++d) row[d] = LOAD(vp[d]);                                      \
-            for (int g = 0; g < group; ++g) {                                                             \
-                const float p = scores[(int64_t)g * len + l];                                             \
-                for (int d = 0; d < head_dim; ++d) acc[g][d] += p * row[d];                               \
-            }                                                                                             \
-        }                                                                                                 \
-        for (int g = 0; g < group; ++g) {                                                                 \
-            T *op = out + ((int64_t)b * num_heads + (int64_t)h * group + g) * head_dim;                   \
-            for (int d = 0; d < head_dim; ++d) op[d] = STORE(acc[g][d] * denom[g]);                       \
-        }                                                                                                 \
-        free(scores);                                                                                     \
-    }                                                                                                     \
+/* Partial attention state of one (request, kv head, chunk): per query head of the group, the running max
+ * score, the sum of exp(score - max) and the exp-weighted sum of V rows (not yet divided by the sum). */
+typedef struct {
+    float max[MAX_GROUP];
+    float sum[MAX_GROUP];
+    float *acc; /* [group][head_dim] */
+} Partial;
+
+/* Softmax over `scores` [group][n] in place (exp(s - max)), filling part->max / part->sum. */
+static void softmax_rows(float *scores, int64_t n, int group, Partial *part) {
+    for (int g = 0; g < group; ++g) {
+        float *s = scores + (int64_t)g * n;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < n; ++l) mx = s[l] > mx ? s[l] : mx;
+        float sum = 0.f;
+        for (int64_t l = 0; l < n; ++l) {
+            const float e = expf(s[l] - mx);
+            s[l] = e;
+            sum += e;
+        }
+        part->max[g] = mx;
+        part->sum[g] = sum;
+    }
 }
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
-DEFINE_KERNEL(paged_decode_attention_f32, float, LOAD_F32, STORE_F32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+/* Portable path: any head_dim <= MAX_DIM, any group <= MAX_GROUP. */
+#define DEFINE_SCALAR_RANGE(NAME, T, LOAD)                                                                     \
+static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64_t n, int group, int dim,      \
+                 float scale, float *scores, Partial *part) {                                                  \
+    float qf[MAX_GROUP][MAX_DIM], row[MAX_DIM];                                                                \
+    for (int g = 0; g < group; ++g)                                                                            \
+        for (int d = 0; d < dim; ++d) qf[g][d] = LOAD(q + (int64_t)g * dim, d) * scale;                       \
+    for (int64_t l = 0; l < n; ++l) {                                                                          \
+        const T *kp = kh + idx[l] * dim;                                                                       \
+        for (int d = 0; d < dim; ++d) row[d] = LOAD(kp, d);                                                    \
+        for (int g = 0; g < group; ++g) {                                                                      \
+            float s = 0.f;                                                                                     \
+            for (int d = 0; d < dim; ++d) s += qf[g][d] * row[d];                                              \
+            scores[(int64_t)g * n + l] = s;                                                                    \
+        }                                                                                                      \
+    }                                                                                                          \
+    softmax_rows(scores, n, group, part);                                                                      \
+    memset(part->acc, 0, sizeof(float) * (size_t)group * dim);                                                 \
+    for (int64_t l = 0; l < n; ++l) {                                                                          \
+        const T *vp = vh + idx[l] * dim;                                                                       \
+        for (int d = 0; d < dim; ++d) row[d] = LOAD(vp, d);                                                    \
+        for (int g = 0; g < group; ++g) {                                                                      \
+            const float p = scores[(int64_t)g * n + l];                                                        \
+            float *acc = part->acc + (int64_t)g * dim;                                                         \
+            for (int d = 0; d < dim; ++d) acc[d] += p * row[d];                                                \
+        }                                                                                                      \
+    }                                                                                                          \
+}
+
+DEFINE_SCALAR_RANGE(range_scalar_f32, float, load_f32)
+DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16)
+
+#if HAVE_AVX512
+static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 vload_bf16(const uint16_t *p) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* Vector path for head_dim = 16 * NV (NV a compile-time constant after inlining: 4 or 8). The query rows
+ * (scaled) and the V accumulators stay in registers; each K/V row is widened once and used by the whole
+ * group. The next rows are prefetched since paged slots need not be contiguous. */
+#define DEFINE_VECTOR_RANGE(NAME, T, VLOAD)                                                                    \
+static inline __attribute__((always_inline)) void NAME(const T *q, const T *kh, const T *vh,                  \
+                                                       const int64_t *idx, int64_t n, int group, const int nv,  \
+                                                       float scale, float *scores, Partial *part) {             \
+    const int dim = nv * 16;                                                                                   \
+    __m512 qv[MAX_GROUP][8];                                                                                   \
+    const __m512 sv = _mm512_set1_ps(scale);                                                                   \
+    for (int g = 0; g < group; ++g)                                                                            \
+        for (int c = 0; c < nv; ++c) qv[g][c] = _mm512_mul_ps(VLOAD(q + (int64_t)g * dim + 16 * c), sv);     \
+    for (int64_t l = 0; l < n; ++l) {                                                                          \
+        if (l + PREFETCH_AHEAD < n) {                                                                          \
+            const char *pf = (const char *)(kh + idx[l + PREFETCH_AHEAD] * dim);                               \
+            for (int o = 0; o < dim * (int)sizeof(T); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);             \
+        }                                                                                                      \
+        const T *kp = kh + idx[l] * dim;                                                                       \
+        __m512 kv[8];                                                                                          \
+        for (int c = 0; c < nv; ++c) kv[c] = VLOAD(kp + 16 * c);                                               \
+        for (int g = 0; g < group; ++g) {                                                                      \
+            __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);                                                         \
+            for (int c = 1; c < nv; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);                              \
+            scores[(int64_t)g * n + l] = _mm512_reduce_add_ps(s);                                              \
+        }                                                                                                      \
+    }                                                                                                          \
+    softmax_rows(scores, n, group, part);                                                                      \
+    __m512 acc[MAX_GROUP][8];                                                                                  \
+    for (int g = 0; g < group; ++g)                                                                            \
+        for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_setzero_ps();                                          \
+    for (int64_t l = 0; l < n; ++l) {                                                                          \
+        if (l + PREFETCH_AHEAD < n) {                                                                          \
+            const char *pf = (const char *)(vh + idx[l + PREFETCH_AHEAD] * dim);                               \
+            for (int o = 0; o < dim * (int)sizeof(T); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);             \
+        }                                                                                                      \
+        const T *vp = vh + idx[l] * dim;                                                                       \
+        __m512 vv[8];                                                                                          \
+        for (int c = 0; c < nv; ++c) vv[c] = VLOAD(vp + 16 * c);                                               \
+        for (int g = 0; g < group; ++g) {                                                                      \
+            const __m512 p = _mm512_set1_ps(scores[(int64_t)g * n + l]);                                       \
+            for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);                     \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int g = 0; g < group; ++g)                                                                            \
+        for (int c = 0; c < nv; ++c) _mm512_storeu_ps(part->acc + (int64_t)g * dim + 16 * c, acc[g][c]);      \
+}
+
+DEFINE_VECTOR_RANGE(range_vector_f32, float, vload_f32)
+DEFINE_VECTOR_RANGE(range_vector_bf16, uint16_t, vload_bf16)
+#endif
+
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1
+/* bf16 x bf16 dot products with AVX512-BF16 (vdpbf16ps: products exact, sums in float32). */
+
+/* Horizontal sums of 16 vectors in one pass (45 shuffles/adds instead of 16 x 8). Input slot i must hold the
+ * vector of item 4 * (i % 4) + i / 4; lane j of the result is then the sum of item j. */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int j = 0; j < 4; ++j)
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
+    const __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    const __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    return _mm512_add_ps(_mm512_shuffle_ps(c0, c1, 0x44), _mm512_shuffle_ps(c0, c1, 0xEE));
+}
+
+static const uint16_t ZERO_ROW[MAX_DIM];
+
+/* scores[g][l] = scale * q_g . k_l for the n slots of idx, 16 slots at a time; head_dim = 32 * NC. */
+static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q, const uint16_t *kh,
+                                                            const int64_t *idx, int64_t n, const int G,
+                                                            const int NC, float scale, float *scores) {
+    const int dim = 32 * NC;
+    __m512bh qb[8][4];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (int64_t)g * dim + 32 * c);
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < n; l0 += 16) {
+        const int m = n - l0 < 16 ? (int)(n - l0) : 16;
+        const uint16_t *rows[16];
+        for (int t = 0; t < 16; ++t) rows[t] = kh + idx[l0 + (t < m ? t : 0)] * dim;
+        for (int t = 0; t < 16 && l0 + 16 * PREFETCH_BLOCKS + t < n; ++t) {
+            const char *pf = (const char *)(kh + idx[l0 + 16 * PREFETCH_BLOCKS + t] * dim);
+            for (int o = 0; o < dim * 2; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+        }
+        for (int g = 0; g < G; ++g) {
+            __m512 acc[16];
+            for (int t = 0; t < 16; ++t) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < NC; ++c)
+                    a = _mm512_dpbf16_ps(a, qb[g][c], (__m512bh)_mm512_loadu_si512(rows[t] + 32 * c));
+                acc[4 * (t % 4) + t / 4] = a;
+            }
+            _mm512_mask_storeu_ps(scores + (int64_t)g * n + l0, (__mmask16)((1u << m) - 1u),
+                                  _mm512_mul_ps(reduce16(acc), sv));
+        }
+    }
+}
+
+/* acc[g] = sum_l p[g][l] * v_l with the probabilities rounded to bf16 (pairs of slots per instruction: two
+ * V rows are interleaved word by word, so lane i of the low/high halves holds a permuted dim, undone at the
+ * end). pb: bf16 probabilities [G][stride], zero past n. */
+static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, const int64_t *idx, int64_t n,
+                                                            const int G, const int NC, const uint16_t *pb,
+                                                            int64_t stride, float *out) {
+    const int dim = 32 * NC;
+    __m512 acc[8][8];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 2 * NC; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l += 2) {
+        if (l + 16 * PREFETCH_BLOCKS < n) {
+            for (int t = 0; t < 2 && l + 16 * PREFETCH_BLOCKS + t < n; ++t) {
+                const char *pf = (const char *)(vh + idx[l + 16 * PREFETCH_BLOCKS + t] * dim);
+                for (int o = 0; o < dim * 2; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+            }
+        }
+        const uint16_t *r0 = vh + idx[l] * dim, *r1 = l + 1 < n ? vh + idx[l + 1] * dim : ZERO_ROW;
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < NC; ++c) {
+            const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
+            lo[c] = _mm512_unpacklo_epi16(x0, x1);
+            hi[c] = _mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int g = 0; g < G; ++g) {
+            uint32_t pair;
+            memcpy(&pair, pb + (int64_t)g * stride + l, sizeof pair);
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int c = 0; c < NC; ++c) {
+                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], (__m512bh)lo[c], p);
+                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], (__m512bh)hi[c], p);
+            }
+        }
+    }
+    /* lane L of lo holds dims 8L..8L+3 of its 32-dim chunk, lane L of hi dims 8L+4..8L+7 */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) {
+            float *o = out + (int64_t)g * dim + 32 * c;
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]));
+        }
+}
+
+/* Round the softmax numerators [G][n] to bf16 rows of `stride` (a multiple of 32), zero past n. */
+static void probs_to_bf16(const float *scores, int64_t n, int group, uint16_t *pb, int64_t stride) {
+    for (int g = 0; g < group; ++g) {
+        const float *s = scores + (int64_t)g * n;
+        for (int64_t l = 0; l < stride; l += 32) {
+            const int64_t m0 = n - l, m1 = n - l - 16;
+            const __mmask16 k0 = m0 >= 16 ? 0xFFFF : (m0 <= 0 ? 0 : (__mmask16)((1u << m0) - 1u));
+            const __mmask16 k1 = m1 >= 16 ? 0xFFFF : (m1 <= 0 ? 0 : (__mmask16)((1u << m1) - 1u));
+            const __m512 a = _mm512_maskz_loadu_ps(k0, s + l), b = _mm512_maskz_loadu_ps(k1, s + l + 16);
+            _mm512_storeu_si512(pb + (int64_t)g * stride + l, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t *q, const uint16_t *kh,
+                                                                 const uint16_t *vh, const int64_t *idx,
+                                                                 int64_t n, const int G, const int NC,
+                                                                 float scale, float *scores, Partial *part) {
+    qk_dpbf16(q, kh, idx, n, G, NC, scale, scores);
+    softmax_rows(scores, n, G, part);
+    const int64_t stride = (n + 31) / 32 * 32;
+    uint16_t *pb = (uint16_t *)(scores + (int64_t)G * n + 16 - ((int64_t)G * n) % 16);
+    probs_to_bf16(scores, n, G, pb, stride);
+    pv_dpbf16(vh, idx, n, G, NC, pb, stride, part->acc);
+}
+
+#define DP_CASE(G)                                                                                             \
+    case G:                                                                                                    \
+        if (nc == 2) range_dpbf16_g(q, kh, vh, idx, n, G, 2, scale, scores, part);                            \
+        else range_dpbf16_g(q, kh, vh, idx, n, G, 4, scale, scores, part);                                     \
+        return 1;
+
+/* The AVX512-BF16 path for head_dim 64/128 and groups up to 8; returns 0 when it does not apply. */
+static int range_dpbf16(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *idx, int64_t n,
+                        int group, int dim, float scale, float *scores, Partial *part) {
+    const int nc = dim / 32;
+    if (dim != 64 && dim != 128) return 0;
+    switch (group) {
+        DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
+        default: return 0;
+    }
+}
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* One (request, kv head, chunk) work item, dispatched to the fastest path for this head_dim. */
+#define DEFINE_RANGE(NAME, T, SUFFIX)                                                                          \
+static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64_t n, int group, int dim,      \
+                 float scale, float *scores, Partial *part) {                                                  \
+    if (n <= 0) {                                                                                              \
+        for (int g = 0; g < group; ++g) { part->max[g] = -INFINITY; part->sum[g] = 0.f; }                      \
+        memset(part->acc, 0, sizeof(float) * (size_t)group * dim);                                             \
+        return;                                                                                                \
+    }                                                                                                          \
+    if (DPBF16_CALL_##SUFFIX) return;                                                                         \
+    if (HAVE_AVX512 && dim == 64) { VECTOR_CALL(range_vector_##SUFFIX, 4); return; }                           \
+    if (HAVE_AVX512 && dim == 128) { VECTOR_CALL(range_vector_##SUFFIX, 8); return; }                          \
+    range_scalar_##SUFFIX(q, kh, vh, idx, n, group, dim, scale, scores, part);                                 \
+}
+
+#if HAVE_DPBF16
+#define DPBF16_CALL_bf16 range_dpbf16(q, kh, vh, idx, n, group, dim, scale, scores, part)
+#else
+#define DPBF16_CALL_bf16 0
+#endif
+#define DPBF16_CALL_f32 0
+#if HAVE_AVX512
+#define VECTOR_CALL(FN, NV) FN(q, kh, vh, idx, n, group, NV, scale, scores, part)
+#else
+#define VECTOR_CALL(FN, NV) (void)0
+#endif
+
+DEFINE_RANGE(attend_range_f32, float, f32)
+DEFINE_RANGE(attend_range_bf16, uint16_t, bf16)
+
+/* Combine the chunks' partial states of one query head and write out = sum(acc) / sum(sum). */
+#define DEFINE_FINISH(NAME, T, STORE)                                                                          \
+static void NAME(const float *maxes, const float *sums, const float *const *accs, int chunks, int dim,         \
+                 T *out) {                                                                                     \
+    float m = -INFINITY;                                                                                       \
+    for (int c = 0; c < chunks; ++c) m = maxes[c] > m ? maxes[c] : m;                                          \
+    float total = 0.f, w[64];                                                                                  \
+    for (int c = 0; c < chunks; ++c) {                                                                         \
+        w[c] = sums[c] > 0.f ? expf(maxes[c] - m) : 0.f;                                                       \
+        total += w[c] * sums[c];                                                                               \
+    }                                                                                                          \
+    const float inv = total > 0.f ? 1.f / total : 0.f;                                                         \
+    for (int d = 0; d < dim; ++d) {                                                                            \
+        float x = 0.f;                                                                                         \
+        for (int c = 0; c < chunks; ++c) x += w[c] * accs[c][d];                                               \
+        STORE(out, d, x * inv);                                                                                \
+    }                                                                                                          \
+}
+
+DEFINE_FINISH(finish_f32, float, store_f32)
+DEFINE_FINISH(finish_bf16, uint16_t, store_bf16)
+
+#define MAX_CHUNKS 64
+/* Scratch floats per work item of n slots: float scores [group][n], then (bf16 path) bf16 probabilities
+ * [group][n rounded up to 32] starting at the next 64-byte boundary. */
+#define SCORES_FLOATS(n, group) ((int64_t)(group) * ((n) + ((n) + 31) / 32 * 16) + 32)
+
+/* Chunks per request: 1 unless (request, kv head) pairs are too few to give each thread ~4 items. */
+static int choose_chunks(const int64_t *indptr, int batch, int num_kv_heads, int threads) {
+    int64_t longest = 0;
+    for (int b = 0; b < batch; ++b) {
+        const int64_t len = indptr[b + 1] - indptr[b];
+        longest = len > longest ? len : longest;
+    }
+    const int64_t pairs = (int64_t)batch * num_kv_heads, want = 4 * (int64_t)threads;
+    if (threads <= 1 || pairs >= want) return 1;
+    int64_t chunks = (want + pairs - 1) / pairs;
+    const int64_t by_len = longest / MIN_CHUNK;
+    if (chunks > by_len) chunks = by_len;
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
+    return chunks < 1 ? 1 : (int)chunks;
+}
+
+/* Entry point. Query b's heads start at q + b * q_stride (heads contiguous); out is [B, Hq, D]. k_new/v_new/
+ * out_loc may be NULL (no KV write); otherwise request b's new K/V heads (contiguous, starting at
+ * b * k_new_stride and b * v_new_stride) are stored at pool row out_loc[b] before any attention reads.
+ * Returns 0, or -1 when a buffer cannot be allocated (the output is then not written). */
+#define DEFINE_KERNEL(NAME, T, RANGE, FINISH)                                                                  \
+int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const int64_t *indices, T *out,     \
+         int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, int threads,      \
+         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride, const int64_t *out_loc) { \
+    const int group = num_heads / num_kv_heads;                                                                \
+    if (k_new != NULL) {                                                                                       \
+        for (int b = 0; b < batch; ++b)                                                                        \
+            for (int h = 0; h < num_kv_heads; ++h) {                                                           \
+                const int64_t dst = ((int64_t)h * rows + out_loc[b]) * head_dim;                               \
+                memcpy(k + dst, k_new + (int64_t)b * k_new_stride + (int64_t)h * head_dim,                     \
+                       sizeof(T) * (size_t)head_dim);                                                          \
+                memcpy(v + dst, v_new + (int64_t)b * v_new_stride + (int64_t)h * head_dim,                     \
+                       sizeof(T) * (size_t)head_dim);                                                          \
+            }                                                                                                  \
+    }                                                                                                          \
+    const int chunks = choose_chunks(indptr, batch, num_kv_heads, threads);                                    \
+    const int64_t items = (int64_t)batch * num_kv_heads * chunks;                                              \
+    /* per item: group maxes + sums, and group x dim accumulators */                                           \
+    float *state = (float *)malloc(sizeof(float) * (size_t)items * group * (2 + head_dim));                   \
+    if (state == NULL) return -1;                                                                              \
+    int failed = 0;                                                                                            \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        int64_t cap = 0;                                                                                       \
+        float *scores = NULL;                                                                                  \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                \
+        for (int64_t item = 0; item < items; ++item) {                                                         \
+            const int c = (int)(item % chunks);                                                                \
+            const int h = (int)((item / chunks) % num_kv_heads);                                               \
+            const int b = (int)(item / ((int64_t)chunks * num_kv_heads));                                      \
+            const int64_t len = indptr[b + 1] - indptr[b];                                                     \
+            const int64_t per = (len + chunks - 1) / chunks;                                                   \
+            const int64_t lo = c * per < len ? c * per : len, hi = lo + per < len ? lo + per : len;            \
+            float *st = state + item * group * (2 + head_dim);                                                 \
+            Partial part;                                                                                      \
+            part.acc = st + 2 * group;                                                                         \
+            const int64_t need = SCORES_FLOATS(hi - lo, group);                                                \
+            if (need > cap) {                                                                                  \
+                free(scores);                                                                                  \
+                cap = need;                                                                                    \
+                scores = (float *)malloc(sizeof(float) * (size_t)cap);                                         \
+                if (scores == NULL) { cap = 0; failed = 1; continue; }                                        \
+            }                                                                                                  \
+            RANGE(q + (int64_t)b * q_stride + (int64_t)h * group * head_dim,                                   \
+                  k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,                          \
+                  indices + indptr[b] + lo, hi - lo, group, head_dim, scale, scores, &part);                   \
+            memcpy(st, part.max, sizeof(float) * group);                                                       \
+            memcpy(st + group, part.sum, sizeof(float) * group);                                               \
+        }                                                                                                      \
+        free(scores);                                                                                          \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t bh = 0; bh < (int64_t)batch * num_kv_heads; ++bh) {                                      \
+            float maxes[MAX_CHUNKS], sums[MAX_CHUNKS];                                                         \
+            const float *accs[MAX_CHUNKS];                                                                     \
+            for (int g = 0; g < group; ++g) {                                                                  \
+                for (int c = 0; c < chunks; ++c) {                                                             \
+                    const float *st = state + (bh * chunks + c) * group * (2 + head_dim);                      \
+                    maxes[c] = st[g];                                                                          \
+                    sums[c] = st[group + g];                                                                   \
+                    accs[c] = st + 2 * group + (int64_t)g * head_dim;                                          \
+                }                                                                                              \
+                const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;                                    \
+                FINISH(maxes, sums, accs, chunks, head_dim, out + (b * num_heads + h * group + g) * head_dim); \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    free(state);                                                                                               \
+    return failed ? -1 : 0;                                                                                    \
+}
+
+DEFINE_KERNEL(paged_decode_attention_f32, float, attend_range_f32, finish_f32)
+DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, attend_range_bf16, finish_bf16)
 
 int kernel_limits(int *max_group, int *max_dim) {
     *max_group = MAX_GROUP;

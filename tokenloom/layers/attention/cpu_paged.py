@@ -26,10 +26,11 @@ class CpuPagedBackend(TorchNativeBackend):
                 batch: ForwardBatch) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
             return super().forward(q, k, v, layer_id, scaling, batch)
-        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         kv_indptr, kv_indices = batch.attn_metadata
-        return paged_attention.decode(q.to(k_buf.dtype), k_buf, v_buf, kv_indptr, kv_indices, scaling).to(q.dtype)
+        out = paged_attention.decode(q, k_buf, v_buf, kv_indptr, kv_indices, scaling,
+                                     k_new=k, v_new=v, out_loc=batch.out_cache_loc)  # stores k/v, then attends
+        return out.to(q.dtype)
 
     @staticmethod
     def supported(dtype: torch.dtype, device: torch.device, group: int, head_dim: int) -> bool:
