@@ -64,7 +64,7 @@ def default_gguf() -> str:
 
 def ensure_hf_folder(gguf: str) -> str:
     """A Hugging Face folder with the GGUF's weights (dequantized, bf16) and tokenizer, made once."""
-    from tokenloom.tokenizer import cache_dir
+    from tokenloom.local_cache import cache_dir
 
     stem = os.path.splitext(os.path.basename(gguf))[0].replace(".", "-")
     folder = os.path.join(cache_dir(), "hf", stem)

@@ -13,11 +13,8 @@ import json
 import os
 from typing import Any
 
+from tokenloom.local_cache import cache_dir
 from tokenloom.models.loader import ModelSource
-
-
-def cache_dir() -> str:
-    return os.environ.get("TOKENLOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tokenloom"))
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Any:

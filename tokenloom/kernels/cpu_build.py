@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 
-from tokenloom.tokenizer import cache_dir
+from tokenloom.local_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""SwiGLU activation over a merged gate/up projection."""
+"""SwiGLU activation over a merged gate/up projection (one native call on the CPU, torch elsewhere)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.kernels import cpu_ops
+
 
 class SiluAndMul(nn.Module):
     """[gate | up] -> silu(gate) * up, halving the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.available(x):
+            return cpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

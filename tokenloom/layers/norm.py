@@ -1,10 +1,13 @@
-"""RMSNorm with an optional residual add (torch's fused rms_norm kernel, which accumulates in float32)."""
+"""RMSNorm with an optional residual add. On the CPU (float32/bfloat16) it is one native call
+(tokenloom/kernels/cpu_ops.py); elsewhere torch's fused rms_norm. Both accumulate in float32."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenloom.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +19,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if cpu_ops.available(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -2,7 +2,8 @@
 
 Supported `rope_scaling` types: none/default, `linear` (positions divided by the factor) and `llama3`
 (frequency-dependent interpolation). Anything else is rejected when the model is built, not mid-request.
-The cos/sin table is computed once in float32 for every position up to the context length.
+The cos/sin table is computed once in float32 for every position up to the context length. On the CPU the
+rotation is one native in-place call per layer (tokenloom/kernels/cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenloom.kernels import cpu_ops
 from tokenloom.models.model_config import ModelConfigError
 
 
@@ -40,6 +42,25 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tu
     return inv_freq.float(), position_scale
 
 
+class RotaryStep:
+    """The rotation of one forward step: its positions, and the cos/sin rows in the compute dtype, built on
+    first use by the torch path (the native CPU path reads the float32 tables directly)."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary = rotary
+        self.positions = positions
+        self.dtype = dtype
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed for the step's positions: [T, 1, D] each, in the compute dtype."""
+        if self._cos_sin is None:
+            cos = self.rotary.cos.index_select(0, self.positions).to(self.dtype).unsqueeze(1)
+            sin = self.rotary.sin.index_select(0, self.positions).to(self.dtype).unsqueeze(1)
+            self._cos_sin = (cos, sin)
+        return self._cos_sin
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table; `lookup` once per forward, `apply` per layer to the packed q|k heads."""
 
@@ -53,15 +74,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
         self.head_dim = head_dim
+        self.max_positions = max_positions
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed for the given positions: [T, 1, D] each, in the compute dtype."""
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+        """The step's rotation; positions must lie in [0, max_positions) (checked on the CPU, where the native
+        kernel would otherwise read outside the table; on an accelerator the check would force a sync)."""
+        if positions.device.type == "cpu" and positions.numel() and (
+                int(positions.min()) < 0 or int(positions.max()) >= self.max_positions):
+            raise ValueError(f"positions outside [0, {self.max_positions}) (the model's context length)")
+        return RotaryStep(self, positions, dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x [T, H, D] (any number of heads at once, q and k together)."""
-        cos, sin = cos_sin
+    def apply(x: torch.Tensor, step: RotaryStep) -> torch.Tensor:
+        """Rotate x [T, H, D] (any number of heads at once, q and k together). The native CPU path rotates
+        x in place and returns it; the torch path returns a new tensor."""
+        if cpu_ops.available(x) and cpu_ops.rope_(x, step.positions, step.rotary.cos, step.rotary.sin):
+            return x
+        cos, sin = step.cos_sin()
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

@@ -27,7 +27,7 @@ from tokenloom.layers.linear import (
     _copy_checked,
 )
 from tokenloom.layers.norm import RMSNorm
-from tokenloom.layers.rotary import RotaryEmbedding
+from tokenloom.layers.rotary import RotaryEmbedding, RotaryStep
 from tokenloom.models.model_config import ModelConfig
 
 
@@ -44,11 +44,11 @@ class LlamaAttention(nn.Module):
         self.scaling = cfg.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rotary: RotaryStep) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         t, h, kv = hidden.shape[0], self.num_heads, self.num_kv_heads
         qk = qkv[:, : (h + kv) * self.head_dim].view(t, h + kv, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, cos_sin)  # q and k heads rotated in one pass
+        qk = RotaryEmbedding.apply(qk, rotary)  # q and k heads rotated in one pass
         v = qkv[:, (h + kv) * self.head_dim:].view(t, kv, self.head_dim)
         return self.o_proj(attn.forward(qk[:, :h], qk[:, h:], v, self.layer_id, self.scaling, batch))
 
@@ -74,14 +74,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, ctx, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                attn: AttentionBackend, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                attn: AttentionBackend, rotary: RotaryStep
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch, attn, cos_sin)
+        hidden = self.self_attn(hidden, batch, attn, rotary)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -114,9 +114,9 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(batch.input_ids), None
         else:
             hidden, residual = batch.pp_proxy["hidden_states"], batch.pp_proxy["residual"]
-        cos_sin = self.rotary.lookup(batch.positions, self.dtype)  # shared by every layer of this step
+        rotary = self.rotary.lookup(batch.positions, self.dtype)  # shared by every layer of this step
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, attn, cos_sin)
+            hidden, residual = layer(hidden, residual, batch, attn, rotary)
         if not self.is_last:
             return {"hidden_states": hidden, "residual": residual}
         hidden = hidden.index_select(0, select_logit_rows(batch))

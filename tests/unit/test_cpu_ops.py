@@ -1,0 +1,97 @@
+"""The native row-wise kernels (RMSNorm + residual, SiLU-and-mul, rotary) against the torch expressions they
+replace, in float32 and bfloat16, with strided rows as the packed qkv / gate_up outputs give them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom.kernels import cpu_ops
+from tokenloom.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(torch.zeros(1)),
+                                reason="native kernels unavailable (no C compiler)")
+
+# float32: only summation order differs; bfloat16: the torch expressions round intermediates to bf16, the
+# kernels round once, so they may differ by a couple of bf16 ulps.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _close(a, b, dtype):
+    assert a.dtype == b.dtype == dtype and a.shape == b.shape
+    assert (a.float() - b.float()).abs().max().item() <= TOL[dtype] * max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    hidden, eps = 576, 1e-5
+    x = _randn(rows, hidden, dtype=dtype, seed=1)
+    res = _randn(rows, hidden, dtype=dtype, seed=2)
+    w = _randn(hidden, dtype=dtype, seed=3)
+    _close(cpu_ops.rms_norm(x, w, eps), F.rms_norm(x, (hidden,), w, eps), dtype)
+    out, res_out = cpu_ops.rms_norm(x, w, eps, res)
+    summed = x + res
+    assert torch.equal(res_out, summed)  # the residual sum is rounded once, like torch's add
+    _close(out, F.rms_norm(summed, (hidden,), w, eps), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_input(dtype):
+    packed = _randn(5, 2 * 64, dtype=dtype, seed=4)
+    x = packed[:, 64:]
+    w = _randn(64, dtype=dtype, seed=5)
+    _close(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x.contiguous(), (64,), w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul(dtype, rows):
+    x = _randn(rows, 2 * 1536, dtype=dtype, seed=6) * 4
+    gate, up = x.float().chunk(2, dim=-1)
+    _close(cpu_ops.silu_and_mul(x), (F.silu(gate) * up).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_in_place_on_packed_qkv(dtype, head_dim):
+    heads, kv, tokens = 9, 3, 11
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    qkv = _randn(tokens, (heads + 2 * kv) * head_dim, dtype=dtype, seed=7)
+    positions = torch.tensor([0, 1, 2, 5, 17, 100, 1000, 4095, 3, 3, 64])
+    qk = qkv[:, : (heads + kv) * head_dim].view(tokens, heads + kv, head_dim)
+    v_before = qkv[:, (heads + kv) * head_dim:].clone()
+    cos = rotary.cos.index_select(0, positions).unsqueeze(1)
+    sin = rotary.sin.index_select(0, positions).unsqueeze(1)
+    x = qk.float()
+    expected = (x * cos + x.roll(head_dim // 2, dims=-1) * sin).to(dtype)
+    assert cpu_ops.rope_(qk, positions, rotary.cos, rotary.sin)
+    _close(qk, expected, dtype)
+    assert torch.equal(qkv[:, (heads + kv) * head_dim:], v_before)  # v untouched
+
+
+def test_rope_declines_non_contiguous_heads():
+    rotary = RotaryEmbedding(64, 128, 10000.0, None)
+    x = torch.randn(4, 64, 3).transpose(1, 2)  # heads not contiguous per token
+    before = x.clone()
+    assert not cpu_ops.rope_(x, torch.arange(4), rotary.cos, rotary.sin)
+    assert torch.equal(x, before)
+
+
+def test_rotary_apply_matches_torch_path_and_checks_positions():
+    rotary = RotaryEmbedding(64, 256, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    x = _randn(6, 4, 64, dtype=torch.float32, seed=8)
+    step = rotary.lookup(torch.tensor([0, 3, 9, 100, 200, 255]), torch.float32)
+    cos, sin = step.cos_sin()
+    expected = torch.addcmul(x * cos, x.roll(32, dims=-1), sin)
+    got = RotaryEmbedding.apply(x.clone(), step)
+    _close(got, expected, torch.float32)
+    with pytest.raises(ValueError, match="context length"):
+        rotary.lookup(torch.tensor([256]), torch.float32)

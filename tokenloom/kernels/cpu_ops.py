@@ -1,0 +1,84 @@
+"""Native row-wise kernels of the decoder layer on the CPU (csrc/cpu_ops.c): RMSNorm with the residual add,
+SiLU-and-mul and rotary embedding, one call each instead of a chain of small aten ops.
+
+`available(x)` says whether a tensor can take the native path (CPU, float32 or bfloat16, kernels built);
+callers keep their torch expression as the fallback. Every function computes in float32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenloom.kernels.cpu_build import load_library
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _lib() -> ctypes.CDLL | None:
+    return load_library("cpu_ops")
+
+
+def available(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and _lib() is not None
+
+
+@functools.cache
+def _fn(name: str, dtype: torch.dtype):
+    return getattr(_lib(), f"{name}_{_SUFFIX[dtype]}")
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D view whose rows are contiguous (any stride between rows), copying only if needed."""
+    x = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight, or with `residual`: (norm(x + residual) * weight, x + residual)."""
+    shape = x.shape
+    x2 = _rows(x)
+    rows, hidden = x2.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    res2 = res_out = None
+    if residual is not None:
+        res2 = _rows(residual.to(x.dtype))
+        res_out = torch.empty(rows, hidden, dtype=x.dtype)
+    w = weight.to(x.dtype).contiguous()
+    _fn("rms_norm", x.dtype)(_ptr(x2), ctypes.c_int64(x2.stride(0)), _ptr(res2),
+                             ctypes.c_int64(0 if res2 is None else res2.stride(0)), _ptr(w), _ptr(out),
+                             _ptr(res_out), ctypes.c_int64(rows), ctypes.c_int64(hidden), ctypes.c_float(eps),
+                             ctypes.c_int(torch.get_num_threads()))
+    if res_out is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    x2 = _rows(x)
+    rows, inter = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=x.dtype)
+    _fn("silu_and_mul", x.dtype)(_ptr(x2), ctypes.c_int64(x2.stride(0)), _ptr(out), ctypes.c_int64(rows),
+                                 ctypes.c_int64(inter), ctypes.c_int(torch.get_num_threads()))
+    return out.view(*x.shape[:-1], inter)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> bool:
+    """Rotate x [T, H, D] in place (rotate-half layout; tables [max_pos, D] float32 as `RotaryEmbedding` keeps
+    them). Returns False, touching nothing, when x's heads are not laid out contiguously per token."""
+    rows, heads, dim = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != dim or cos_table.dtype != torch.float32:
+        return False
+    pos = positions.to(torch.int64).contiguous()
+    _fn("rope", x.dtype)(_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(pos), _ptr(cos_table), _ptr(sin_table),
+                         ctypes.c_int64(rows), ctypes.c_int(heads), ctypes.c_int(dim),
+                         ctypes.c_int(torch.get_num_threads()))
+    return True

@@ -1,0 +1,107 @@
+/*
+ * Row-wise elementwise kernels of the decoder layer on the CPU, one native call each instead of the 5-15
+ * small aten ops (and their dtype conversions) that the torch expressions need:
+ *
+ *   rms_norm:      [residual_out =] x (+ residual);  out = residual_out * rsqrt(mean(residual_out^2) + eps) * w
+ *   silu_and_mul:  out[:, i] = silu(x[:, i]) * x[:, inter + i]
+ *   rope:          rotate-half rotary embedding of every head of x, in place, from float32 cos/sin tables
+ *
+ * Every value is computed in float32 and rounded once to the storage type (bf16: round to nearest even); a
+ * residual sum is rounded before it is normalized, so the stored residual is exactly what was normalized.
+ * Rows are independent: a row's input may start at any stride (packed qkv / gate_up outputs), the elements
+ * of one row are contiguous. Rows are split over OpenMP threads (torch's libgomp) when there are enough.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_ELEMENTS 32768 /* below this a step runs on the calling thread only */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define LOAD_f32(x) (x)
+#define STORE_f32(x) (x)
+#define LOAD_bf16(x) bf16_to_f32(x)
+#define STORE_bf16(x) f32_to_bf16(x)
+
+static inline int use_threads(int64_t elements, int threads) {
+    return elements >= PARALLEL_MIN_ELEMENTS && threads > 1 ? threads : 1;
+}
+
+#define DEFINE_OPS(SUFFIX, T)                                                                                  \
+int rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *residual, int64_t residual_stride, const T *w,    \
+                      T *out, T *residual_out, int64_t rows, int64_t hidden, float eps, int threads) {         \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * hidden, threads))")             \
+    for (int64_t r = 0; r < rows; ++r) {                                                                       \
+        const T *src = x + r * x_stride; /* the row that is normalized (after the residual add) */            \
+        float ss = 0.f;                                                                                        \
+        if (residual != NULL) {                                                                                \
+            const T *rr = residual + r * residual_stride;                                                      \
+            T *ro = residual_out + r * hidden;                                                                 \
+            for (int64_t i = 0; i < hidden; ++i) {                                                             \
+                ro[i] = STORE_##SUFFIX(LOAD_##SUFFIX(src[i]) + LOAD_##SUFFIX(rr[i]));                          \
+                const float v = LOAD_##SUFFIX(ro[i]);                                                          \
+                ss += v * v;                                                                                   \
+            }                                                                                                  \
+            src = ro;                                                                                          \
+        } else {                                                                                               \
+            for (int64_t i = 0; i < hidden; ++i) {                                                             \
+                const float v = LOAD_##SUFFIX(src[i]);                                                         \
+                ss += v * v;                                                                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);                                               \
+        T *o = out + r * hidden;                                                                               \
+        for (int64_t i = 0; i < hidden; ++i)                                                                   \
+            o[i] = STORE_##SUFFIX(LOAD_##SUFFIX(src[i]) * inv * LOAD_##SUFFIX(w[i]));                          \
+    }                                                                                                          \
+    return 0;                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+int silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inter, int threads) {   \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * inter, threads))")              \
+    for (int64_t r = 0; r < rows; ++r) {                                                                       \
+        const T *gate = x + r * x_stride, *up = gate + inter;                                                  \
+        T *o = out + r * inter;                                                                                \
+        for (int64_t i = 0; i < inter; ++i) {                                                                  \
+            const float g = LOAD_##SUFFIX(gate[i]);                                                            \
+            o[i] = STORE_##SUFFIX(g / (1.f + expf(-g)) * LOAD_##SUFFIX(up[i]));                                \
+        }                                                                                                      \
+    }                                                                                                          \
+    return 0;                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const float *cos_table,                    \
+                  const float *sin_table, int64_t rows, int heads, int head_dim, int threads) {                \
+    const int half = head_dim / 2;                                                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * head_dim, threads))")   \
+    for (int64_t r = 0; r < rows; ++r) {                                                                       \
+        /* cos_table rows are [cos | cos], sin_table rows [-sin | sin] (rotate-half layout) */                  \
+        const float *c = cos_table + positions[r] * head_dim, *s = sin_table + positions[r] * head_dim + half;  \
+        for (int h = 0; h < heads; ++h) {                                                                      \
+            T *xh = x + r * x_stride + (int64_t)h * head_dim;                                                  \
+            for (int d = 0; d < half; ++d) {                                                                   \
+                const float x1 = LOAD_##SUFFIX(xh[d]), x2 = LOAD_##SUFFIX(xh[d + half]);                      \
+                xh[d] = STORE_##SUFFIX(x1 * c[d] - x2 * s[d]);                                                 \
+                xh[d + half] = STORE_##SUFFIX(x2 * c[d] + x1 * s[d]);                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    return 0;                                                                                                  \
+}
+
+DEFINE_OPS(f32, float)
+DEFINE_OPS(bf16, uint16_t)
