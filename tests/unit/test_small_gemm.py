@@ -1,0 +1,53 @@
+"""The native small-M bf16 linear kernel (csrc/small_gemm.c) against a float32 reference, and the dispatch in
+`cpu_gemm.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.layers import cpu_gemm
+
+pytestmark = pytest.mark.skipif(cpu_gemm._small_gemm() is None,
+                                reason="no AVX512-BF16 or no C compiler: the streaming kernel is not built")
+
+
+def _data(m, n, k, seed, bias):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (37, 64), (16, 32), (1, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float32_reference(m, n, k, bias):
+    x, w, b = _data(m, n, k, m * 1000 + n + k, bias)
+    got = cpu_gemm.small_linear(x, w, b)
+    ref = x.float() @ w.float().T + (0 if b is None else b.float())
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # products exact, float32 sums: the only error is the final rounding to bf16 (2^-8 relative)
+    assert torch.allclose(got.float(), ref, rtol=2 ** -8, atol=1e-3)
+
+
+def test_strided_rows_and_declined_shapes():
+    x, w, _ = _data(3, 48, 64, 1, False)
+    wide = torch.cat([x, x], dim=1)[:, 64:]  # rows with stride 128
+    assert torch.equal(cpu_gemm.small_linear(wide, w), cpu_gemm.small_linear(x.contiguous(), w))
+    assert cpu_gemm.small_linear(x[:, :48].contiguous(), w[:, :48].contiguous()) is None  # K % 32 != 0
+    assert cpu_gemm.small_linear(torch.randn(9, 64).bfloat16(), w) is None  # too many rows
+    assert cpu_gemm.small_linear(x.float(), w.float()) is None  # bf16 only
+
+
+def test_linear_dispatch_same_as_onednn_within_rounding():
+    x, w, b = _data(1, 960, 576, 7, True)
+    packed = cpu_gemm.pack_weight(w)
+    if packed is None:
+        pytest.skip("oneDNN bf16 unavailable")
+    fast = cpu_gemm.linear(x, w, packed, b)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    assert (fast.float() - onednn.float()).abs().max().item() <= 2 ** -7 * onednn.float().abs().max().item()
+    batch = cpu_gemm.linear(x.expand(4, -1).contiguous(), w, packed, b)  # above SMALL_M_MAX: oneDNN
+    assert torch.equal(batch[0], onednn[0])
