@@ -3,8 +3,9 @@ backend and the sampler, and runs one `ForwardBatch` at a time.
 
 Per step: `prepare(batch)` writes the new tokens' KV slots into `req_to_token` and lets the attention backend
 build its metadata once (`forward` does it when the caller did not); `forward(batch)` runs the model and
-returns float32 logits (one row per request, or per token with `return_all_logits`); `sample(logits, info)`
-turns them into next tokens. The runner never decides what to run: that is the scheduler's job (or a test's).
+returns float32 logits (one row per request, or per token with `return_all_logits`), through the one-call
+native step (`NativeDecode`) for batch-1 decode where it applies; `sample(logits, info)` turns them into next
+tokens. The runner never decides what to run: that is the scheduler's job (or a test's).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tokenloom.device import (
 )
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.executor.native_decode import NativeDecode
 from tokenloom.layers.attention.registry import create_attention_backend
 from tokenloom.layers.sampler import SampleOutput, Sampler
 from tokenloom.models.loader import ModelSource, load_model, resolve_dtype, resolve_model_source
@@ -54,6 +56,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(args.attention_backend, self.req_to_token_pool, self.kv_pool,
                                                      heads)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
+        self.native_decode = None if args.disable_native_decode else NativeDecode.build(
+            self.model, self.kv_pool, self.attn_backend, self.dtype, self.device, parallel.tp_size)
 
     def _init_memory(self, start_layer: int, end_layer: int) -> None:
         cfg, args = self.model_config, self.args
@@ -94,6 +98,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         if batch.attn_metadata is None:
             self.prepare(batch)
+        if self.native_decode is not None and self.native_decode.applies(batch):
+            return self.native_decode.run(batch)
         return self.model(batch, self.attn_backend)
 
     @torch.inference_mode()

@@ -1,10 +1,11 @@
-"""Builds and loads the C kernels in `csrc/` with the system C compiler, once per source and CPU.
+"""Builds and loads the C kernels in `csrc/` with the system C compiler, once per source and CPU. tokenloom
+builds one library, `kernels` (csrc/kernels.c includes every kernel source).
 
-The shared library is cached under `$TOKENLOOM_CACHE_DIR/kernels/<hash>/` where the hash covers the source,
-the compiler flags and the CPU's feature flags (the code is built with -march=native). It links OpenMP by
-the same soname torch loads (libgomp.so.1), so kernels share torch's thread pool instead of starting a
-second one. Any failure (no compiler, unsupported CPU) returns None and callers use their torch path;
-`TOKENLOOM_DISABLE_C_KERNELS=1` forces that.
+The shared library is cached under `$TOKENLOOM_CACHE_DIR/kernels/<hash>/` where the hash covers every file
+in csrc/ (sources include shared headers and each other), the compiler flags and the CPU's feature flags
+(the code is built with -march=native). It links OpenMP by the same soname torch loads (libgomp.so.1), so
+kernels share torch's thread pool instead of starting a second one. Any failure (no compiler, unsupported
+CPU) returns None and callers use their torch path; `TOKENLOOM_DISABLE_C_KERNELS=1` forces that.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from tokenloom.local_cache import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked in a separate step without -ffast-math: with it, gcc links crtfastmath.o, whose constructor turns on
+# flush-to-zero/denormals-are-zero in the loading thread's MXCSR. That would change torch's own results on
+# that thread, and make a kernel's result depend on which OpenMP thread computed it.
+LDFLAGS = ["-shared", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -38,6 +43,16 @@ def _cpu_flags() -> str:
 
 
 @functools.cache
+def _sources_digest() -> bytes:
+    """Digest of every file in csrc/ (a kernel may include headers or other sources from there)."""
+    digest = hashlib.sha1()
+    for entry in sorted(os.listdir(CSRC)):
+        with open(os.path.join(CSRC, entry), "rb") as f:
+            digest.update(entry.encode() + b"\0" + f.read())
+    return digest.digest()
+
+
+@functools.cache
 def load_library(name: str) -> ctypes.CDLL | None:
     """Compile (if needed) and load csrc/<name>.c; None when native kernels are unavailable."""
     if os.environ.get("TOKENLOOM_DISABLE_C_KERNELS") == "1":
@@ -47,16 +62,20 @@ def load_library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found; using torch fallbacks for CPU kernels")
         return None
     source = os.path.join(CSRC, f"{name}.c")
-    with open(source, "rb") as f:
-        code = f.read()
-    key = hashlib.sha1(code + " ".join(CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    key = hashlib.sha1(_sources_digest() + flags + _cpu_flags().encode()).hexdigest()[:16]
     target_dir = os.path.join(cache_dir(), "kernels", key)
     target = os.path.join(target_dir, f"{name}.so")
     if not os.path.exists(target):
         os.makedirs(target_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
         os.close(fd)
-        result = subprocess.run([compiler, *CFLAGS, source, "-o", tmp, "-lm"], capture_output=True, text=True)
+        obj = tmp[:-3] + ".o"
+        result = subprocess.run([compiler, *CFLAGS, "-c", source, "-o", obj], capture_output=True, text=True)
+        if result.returncode == 0:
+            result = subprocess.run([compiler, *LDFLAGS, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if os.path.exists(obj):
+            os.unlink(obj)
         if result.returncode != 0:
             os.unlink(tmp)
             logger.warning("building %s failed; using torch fallbacks:\n%s", name, result.stderr[-2000:])

@@ -18,7 +18,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _lib() -> ctypes.CDLL | None:
-    return load_library("cpu_ops")
+    return load_library("kernels")
 
 
 def available(x: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ _FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_de
 
 
 def _lib() -> ctypes.CDLL | None:
-    return load_library("paged_attention")
+    return load_library("kernels")
 
 
 def available(dtype: torch.dtype, group: int, head_dim: int) -> bool:

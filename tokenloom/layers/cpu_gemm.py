@@ -33,7 +33,7 @@ def _onednn_bf16() -> bool:
 @functools.cache
 def _small_gemm() -> tuple[ctypes.CDLL, int, int] | None:
     """The native small-M kernel with its (max rows, max K), or None where this build has none."""
-    lib = load_library("small_gemm")
+    lib = load_library("kernels")
     if lib is None:
         return None
     max_m, max_k = ctypes.c_int(), ctypes.c_int()

@@ -11,26 +11,13 @@
  * Rows are independent: a row's input may start at any stride (packed qkv / gate_up outputs), the elements
  * of one row are contiguous. Rows are split over OpenMP threads (torch's libgomp) when there are enough.
  */
+#include "bf16_common.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define PARALLEL_MIN_ELEMENTS 32768 /* below this a step runs on the calling thread only */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #define LOAD_f32(x) (x)
 #define STORE_f32(x) (x)
@@ -42,26 +29,25 @@ static inline int use_threads(int64_t elements, int threads) {
 }
 
 #define DEFINE_OPS(SUFFIX, T)                                                                                  \
-int rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *residual, int64_t residual_stride, const T *w,    \
-                      T *out, T *residual_out, int64_t rows, int64_t hidden, float eps, int threads) {         \
+KERNEL_API int rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *residual, int64_t residual_stride,    \
+                                 const T *w, T *out, T *residual_out, int64_t rows, int64_t hidden, float eps, \
+                                 int threads) {                                                                \
     _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * hidden, threads))")             \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
         const T *src = x + r * x_stride; /* the row that is normalized (after the residual add) */            \
-        float ss = 0.f;                                                                                        \
         if (residual != NULL) {                                                                                \
             const T *rr = residual + r * residual_stride;                                                      \
             T *ro = residual_out + r * hidden;                                                                 \
-            for (int64_t i = 0; i < hidden; ++i) {                                                             \
+            for (int64_t i = 0; i < hidden; ++i)                                                               \
                 ro[i] = STORE_##SUFFIX(LOAD_##SUFFIX(src[i]) + LOAD_##SUFFIX(rr[i]));                          \
-                const float v = LOAD_##SUFFIX(ro[i]);                                                          \
-                ss += v * v;                                                                                   \
-            }                                                                                                  \
             src = ro;                                                                                          \
-        } else {                                                                                               \
-            for (int64_t i = 0; i < hidden; ++i) {                                                             \
-                const float v = LOAD_##SUFFIX(src[i]);                                                         \
-                ss += v * v;                                                                                   \
-            }                                                                                                  \
+        }                                                                                                      \
+        /* a separate read-only pass: its summation order cannot depend on whether residual_out aliases an     \
+         * input (the compiler vectorizes a possibly-aliased loop differently) */                              \
+        float ss = 0.f;                                                                                        \
+        for (int64_t i = 0; i < hidden; ++i) {                                                                 \
+            const float v = LOAD_##SUFFIX(src[i]);                                                             \
+            ss += v * v;                                                                                       \
         }                                                                                                      \
         const float inv = 1.f / sqrtf(ss / (float)hidden + eps);                                               \
         T *o = out + r * hidden;                                                                               \
@@ -71,7 +57,8 @@ int rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *residual, int64_t r
     return 0;                                                                                                  \
 }                                                                                                              \
                                                                                                                \
-int silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inter, int threads) {   \
+KERNEL_API int silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inter,      \
+                                     int threads) {                                                            \
     _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * inter, threads))")              \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
         const T *gate = x + r * x_stride, *up = gate + inter;                                                  \
@@ -84,8 +71,8 @@ int silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, in
     return 0;                                                                                                  \
 }                                                                                                              \
                                                                                                                \
-int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const float *cos_table,                    \
-                  const float *sin_table, int64_t rows, int heads, int head_dim, int threads) {                \
+KERNEL_API int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const float *cos_table,        \
+                             const float *sin_table, int64_t rows, int heads, int head_dim, int threads) {     \
     const int half = head_dim / 2;                                                                             \
     _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * head_dim, threads))")   \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \

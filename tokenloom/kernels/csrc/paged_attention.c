@@ -14,6 +14,7 @@
  * With AVX-512 (and head_dim 64 or 128) the inner loops run on 16-float vectors with the query held in
  * registers; otherwise a portable scalar loop computes the same thing.
  */
+#include "bf16_common.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,20 +32,6 @@
 #define PREFETCH_AHEAD 32 /* rows prefetched ahead in the vector path */
 #define PREFETCH_BLOCKS 2 /* 16-row blocks prefetched ahead in the bf16 dot-product path */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float load_f32(const float *p, int d) { return p[d]; }
 static inline float load_bf16(const uint16_t *p, int d) { return bf16_to_f32(p[d]); }
@@ -170,21 +157,6 @@ DEFINE_VECTOR_RANGE(range_vector_bf16, uint16_t, vload_bf16)
 #define HAVE_DPBF16 1
 /* bf16 x bf16 dot products with AVX512-BF16 (vdpbf16ps: products exact, sums in float32). */
 
-/* Horizontal sums of 16 vectors in one pass (45 shuffles/adds instead of 16 x 8). Input slot i must hold the
- * vector of item 4 * (i % 4) + i / 4; lane j of the result is then the sum of item j. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; ++i)
-        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int j = 0; j < 4; ++j)
-        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
-    const __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-    const __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-    return _mm512_add_ps(_mm512_shuffle_ps(c0, c1, 0x44), _mm512_shuffle_ps(c0, c1, 0xEE));
-}
-
 static const uint16_t ZERO_ROW[MAX_DIM];
 
 /* scores[g][l] = scale * q_g . k_l for the n slots of idx, 16 slots at a time; head_dim = 32 * NC. */
@@ -210,7 +182,7 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q, c
                 __m512 a = _mm512_setzero_ps();
                 for (int c = 0; c < NC; ++c)
                     a = _mm512_dpbf16_ps(a, qb[g][c], (__m512bh)_mm512_loadu_si512(rows[t] + 32 * c));
-                acc[4 * (t % 4) + t / 4] = a;
+                acc[REDUCE16_SLOT(t)] = a;
             }
             _mm512_mask_storeu_ps(scores + (int64_t)g * n + l0, (__mmask16)((1u << m) - 1u),
                                   _mm512_mul_ps(reduce16(acc), sv));
@@ -362,6 +334,13 @@ DEFINE_FINISH(finish_f32, float, store_f32)
 DEFINE_FINISH(finish_bf16, uint16_t, store_bf16)
 
 #define MAX_CHUNKS 64
+
+/* Buffers on 64-byte boundaries: the compiler's vectorized reductions (softmax sums) peel to alignment, so
+ * a sum's rounding would otherwise depend on where the heap put the buffer. */
+static float *alloc_floats(int64_t n) {
+    const size_t bytes = ((size_t)(n > 0 ? n : 1) * sizeof(float) + 63) / 64 * 64;
+    return (float *)aligned_alloc(64, bytes);
+}
 /* Scratch floats per work item of n slots: float scores [group][n], then (bf16 path) bf16 probabilities
  * [group][n rounded up to 32] starting at the next 64-byte boundary. */
 #define SCORES_FLOATS(n, group) ((int64_t)(group) * ((n) + ((n) + 31) / 32 * 16) + 32)
@@ -387,7 +366,8 @@ static int choose_chunks(const int64_t *indptr, int batch, int num_kv_heads, int
  * b * k_new_stride and b * v_new_stride) are stored at pool row out_loc[b] before any attention reads.
  * Returns 0, or -1 when a buffer cannot be allocated (the output is then not written). */
 #define DEFINE_KERNEL(NAME, T, RANGE, FINISH)                                                                  \
-int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const int64_t *indices, T *out,     \
+KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const int64_t *indices, \
+                    T *out,                                                                                    \
          int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, int threads,      \
          const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride, const int64_t *out_loc) { \
     const int group = num_heads / num_kv_heads;                                                                \
@@ -404,7 +384,7 @@ int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const 
     const int chunks = choose_chunks(indptr, batch, num_kv_heads, threads);                                    \
     const int64_t items = (int64_t)batch * num_kv_heads * chunks;                                              \
     /* per item: group maxes + sums, and group x dim accumulators */                                           \
-    float *state = (float *)malloc(sizeof(float) * (size_t)items * group * (2 + head_dim));                   \
+    float *state = alloc_floats(items * group * (2 + head_dim));                                               \
     if (state == NULL) return -1;                                                                              \
     int failed = 0;                                                                                            \
     _Pragma("omp parallel num_threads(threads)")                                                               \
@@ -426,7 +406,7 @@ int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const 
             if (need > cap) {                                                                                  \
                 free(scores);                                                                                  \
                 cap = need;                                                                                    \
-                scores = (float *)malloc(sizeof(float) * (size_t)cap);                                         \
+                scores = alloc_floats(cap);                                                                    \
                 if (scores == NULL) { cap = 0; failed = 1; continue; }                                        \
             }                                                                                                  \
             RANGE(q + (int64_t)b * q_stride + (int64_t)h * group * head_dim,                                   \
@@ -459,7 +439,7 @@ int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const 
 DEFINE_KERNEL(paged_decode_attention_f32, float, attend_range_f32, finish_f32)
 DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, attend_range_bf16, finish_bf16)
 
-int kernel_limits(int *max_group, int *max_dim) {
+KERNEL_API int kernel_limits(int *max_group, int *max_dim) {
     *max_group = MAX_GROUP;
     *max_dim = MAX_DIM;
     return 0;

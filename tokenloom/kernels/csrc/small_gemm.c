@@ -8,6 +8,7 @@
  *
  * Requires AVX512-BF16 and K % 32 == 0; `small_gemm_supported()` says whether this build has the kernel.
  */
+#include "bf16_common.h"
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -21,31 +22,18 @@
 #define MAX_K 16384
 #define ROWS 16 /* output features per work item */
 
-int small_gemm_supported(int *max_m, int *max_k) {
+KERNEL_API int small_gemm_supported(int *max_m, int *max_k) {
     *max_m = MAX_M;
     *max_k = MAX_K;
     return HAVE_KERNEL;
 }
 
 #if HAVE_KERNEL
-/* Horizontal sums of 16 vectors: slot i holds item 4 * (i % 4) + i / 4; lane j of the result is item j. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; ++i)
-        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int j = 0; j < 4; ++j)
-        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
-    const __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-    const __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-    return _mm512_add_ps(_mm512_shuffle_ps(c0, c1, 0x44), _mm512_shuffle_ps(c0, c1, 0xEE));
-}
 #endif
 
 /* Returns 0, or -1 when the shape is outside what the kernel handles (nothing is written then). */
-int linear_small_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *out,
-                      int m, int64_t n, int64_t k, int threads) {
+KERNEL_API int linear_small_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                                 uint16_t *out, int m, int64_t n, int64_t k, int threads) {
 #if HAVE_KERNEL
     if (m < 1 || m > MAX_M || k % 32 != 0 || k > MAX_K) return -1;
     const int64_t chunks = k / 32, blocks = (n + ROWS - 1) / ROWS;
@@ -72,7 +60,7 @@ int linear_small_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, co
             for (int64_t c = 0; c < chunks; ++c) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + 32 * c);
                 for (int t = 0; t < ROWS; ++t)
-                    acc[4 * (t % 4) + t / 4] = _mm512_dpbf16_ps(acc[4 * (t % 4) + t / 4], xv,
+                    acc[REDUCE16_SLOT(t)] = _mm512_dpbf16_ps(acc[REDUCE16_SLOT(t)], xv,
                                                                 (__m512bh)_mm512_loadu_si512(rows[t] + 32 * c));
             }
             const __m512 y = _mm512_add_ps(reduce16(acc), b);

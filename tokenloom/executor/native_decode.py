@@ -1,0 +1,126 @@
+"""`NativeDecode`: a whole decode step of a small batch in one native call (csrc/decode_native.c), the CPU
+counterpart of replaying a captured CUDA graph.
+
+At batch 1 a decode step makes ~300 small kernel calls; their Python and dispatch overhead cost about as
+much as streaming the weights. `NativeDecode.build` checks once, at load time, that the model and machine
+fit (CPU, bfloat16, one process holding every layer, a Llama-family model, the `cpu` attention backend, the
+native kernels built); `run(batch)` then replaces `model(batch, attn_backend)` for decode batches of at most
+`max_batch` requests. It runs the same kernels in the same order as the modular path does for one row, so
+at batch 1 the logits are bit-identical (tests/integration/test_native_decode.py). `--disable-native-decode`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.kernels.cpu_build import load_library
+from tokenloom.layers import cpu_gemm
+from tokenloom.layers.attention.cpu_paged import CpuPagedBackend
+
+logger = logging.getLogger(__name__)
+
+# Requests per step up to which the native step is used: above one row the modular path's matmuls move to
+# oneDNN, which beats the streaming kernel there (bench/small_gemm.py), so the native step would be slower.
+MAX_BATCH = cpu_gemm.SMALL_M_MAX
+
+
+class NativeDecode:
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_pool) -> None:
+        self._lib = lib
+        self._model = model
+        cfg = model.cfg
+        fields = lib.decode_layer_fields()
+        rows = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_buf, v_buf = kv_pool.get_kv(model.start_layer + i)
+            bias = attn.qkv_proj.bias
+            rows.append([attn.qkv_proj.weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
+                         mlp.down_proj.weight.data_ptr(), layer.input_layernorm.weight.data_ptr(),
+                         layer.post_attention_layernorm.weight.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr()])
+            if len(rows[-1]) != fields:
+                raise RuntimeError(f"decode_native.c expects {fields} fields per layer")
+        # The tensors whose addresses are passed stay referenced by the model and the pool for its lifetime.
+        self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
+        self._kv_rows = kv_pool.k_buffers[0].shape[1]
+        self._lm_head = model.lm_head.weight
+        self._vocab = model.lm_head.vocab_size
+        self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        self._eps = cfg.rms_norm_eps
+        self.max_batch = MAX_BATCH
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_pool, attn_backend, dtype: torch.dtype, device: torch.device,
+              tp_size: int) -> NativeDecode | None:
+        """A native decode step for this model, or None (with the reason logged) where it does not apply."""
+        reason = cls._unsupported(model, attn_backend, dtype, device, tp_size)
+        lib = None if reason else load_library("kernels")
+        if reason is None and lib is None:
+            reason = "the native kernels are not built on this machine"
+        if reason is None:
+            ok_m, ok_k = ctypes.c_int(), ctypes.c_int()
+            if not lib.small_gemm_supported(ctypes.byref(ok_m), ctypes.byref(ok_k)):
+                reason = "the CPU lacks AVX512-BF16"
+        if reason is not None:
+            logger.info("native decode step not used: %s", reason)
+            return None
+        logger.info("native decode step used for decode batches of up to %d request(s)", MAX_BATCH)
+        return cls(lib, model, kv_pool)
+
+    @staticmethod
+    def _unsupported(model, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int) -> str | None:
+        from tokenloom.models.llama import LlamaForCausalLM
+
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            return "needs the CPU and bfloat16"
+        if tp_size != 1 or not (getattr(model, "is_first", False) and getattr(model, "is_last", False)):
+            return "needs one process holding every layer (no tensor or pipeline parallelism)"
+        if not isinstance(model, LlamaForCausalLM):
+            return f"{type(model).__name__} is not a Llama-family model"
+        if not isinstance(attn_backend, CpuPagedBackend):
+            return "needs the `cpu` attention backend"
+        if model.rotary.cos.dtype != torch.float32:
+            return "the rotary tables are not float32"
+        cfg = model.cfg
+        widths = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size)
+        if any(w % 32 for w in widths):
+            return f"layer widths {widths} are not multiples of 32"
+        return None
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        return (batch.forward_mode.is_decode() and batch.batch_size <= self.max_batch
+                and not batch.return_all_logits and batch.pp_proxy is None
+                and isinstance(batch.attn_metadata, tuple))
+
+    def run(self, batch: ForwardBatch, trace: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [B, vocab] of a decode batch whose attention metadata is built. `trace` (bf16
+        [layers, 2, B, hidden]) receives each layer's output and residual stream when given."""
+        model = self._model
+        embedded = model.embed_tokens(batch.input_ids).contiguous()
+        m = embedded.shape[0]
+        positions = batch.positions.to(torch.int64).contiguous()
+        rotary = model.rotary
+        if int(positions.min()) < 0 or int(positions.max()) >= rotary.max_positions:
+            raise ValueError(f"positions outside [0, {rotary.max_positions}) (the model's context length)")
+        kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in batch.attn_metadata)
+        out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        logits = torch.empty(m, self._lm_head.shape[0], dtype=torch.bfloat16)
+        hidden, heads, kv_heads, head_dim, inter = self._dims
+        ptr = ctypes.c_void_p
+        rc = self._lib.decode_forward_bf16(
+            ptr(self._layer_ptrs.data_ptr()), ctypes.c_int(len(model.layers)), ptr(model.norm.weight.data_ptr()),
+            ptr(self._lm_head.data_ptr()), ctypes.c_int64(self._lm_head.shape[0]), ptr(rotary.cos.data_ptr()),
+            ptr(rotary.sin.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(heads), ctypes.c_int(kv_heads),
+            ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps), ctypes.c_int64(self._kv_rows),
+            ctypes.c_int(m), ptr(embedded.data_ptr()), ptr(positions.data_ptr()), ptr(kv_indptr.data_ptr()),
+            ptr(kv_indices.data_ptr()), ptr(out_loc.data_ptr()), ptr(logits.data_ptr()),
+            ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()))
+        if rc != 0:
+            raise RuntimeError("native decode step failed (unsupported shape or out of memory)")
+        return logits[:, : self._vocab].float()

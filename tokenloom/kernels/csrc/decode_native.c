@@ -1,0 +1,82 @@
+/*
+ * A whole Llama-family decode step for a few requests in one native call (bf16, one process, CPU): the CPU
+ * counterpart of replaying a captured CUDA graph. At batch 1 the Python and dispatch overhead of ~300 small
+ * calls per step costs about as much as streaming the weights, so the layer loop runs here instead.
+ *
+ * It calls exactly the kernels the modular path calls for one row (rms_norm, linear_small, rope, paged
+ * attention with the fused K/V write, silu_and_mul), in the same order with the same roundings, so at one
+ * row its logits are bit-identical to the modular path's. This file includes the kernels' sources and builds
+ * them as one library.
+ *
+ * Per layer l, `layer_ptrs[l * LAYER_FIELDS + f]` holds the address of field f (see enum below); a missing
+ * QKV bias is 0.
+ */
+#include "bf16_common.h"
+#include <math.h>
+#include <stdlib.h>
+
+/* built inside kernels.c, after the kernels it calls */
+
+enum { F_QKV, F_QKV_BIAS, F_O, F_GATE_UP, F_DOWN, F_LN_IN, F_LN_POST, F_K_POOL, F_V_POOL, LAYER_FIELDS };
+
+KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
+
+#define P(l, f) ((uint16_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
+
+/* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (bf16, before any slicing).
+ * `trace`, when not NULL, receives every layer's output and residual stream (for tests). Returns 0, or -1
+ * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
+KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
+                                   const uint16_t *lm_head, int64_t vocab_rows, const float *cos_table,
+                                   const float *sin_table, int hidden, int heads, int kv_heads, int head_dim,
+                                   int inter, float eps, int64_t kv_rows, int m, const uint16_t *embedded,
+                                   const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
+                                   const int64_t *out_loc, uint16_t *logits, uint16_t *trace, int threads) {
+    const int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * head_dim, attn_width = (int64_t)heads * head_dim;
+    const float scale = 1.f / sqrtf((float)head_dim);
+    /* scratch buffers start on 64-byte boundaries like torch's tensors: vectorized float reductions peel
+     * to alignment, so their summation order (and rounding) depends on where a row starts */
+#define ALIGNED(n) (((n) + 31) / 32 * 32)
+    const int64_t sizes[7] = {ALIGNED((int64_t)m * hidden), ALIGNED((int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
+                              ALIGNED(m * qkv_width), ALIGNED(m * attn_width), ALIGNED(2 * (int64_t)m * inter),
+                              ALIGNED((int64_t)m * inter)};
+#undef ALIGNED
+    int64_t total = 0;
+    for (int i = 0; i < 7; ++i) total += sizes[i];
+    uint16_t *scratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)total);
+    if (scratch == NULL) return -1;
+    uint16_t *x = scratch, *residual = x + sizes[0], *normed = residual + sizes[1], *qkv = normed + sizes[2];
+    uint16_t *attn = qkv + sizes[3], *gate_up = attn + sizes[4], *act = gate_up + sizes[5];
+    int rc = 0;
+    memcpy(x, embedded, sizeof(uint16_t) * (size_t)m * hidden);
+    for (int l = 0; l < layers && rc == 0; ++l) {
+        if (l == 0) { /* first layer: the residual stream starts as the embeddings, normalized without an add */
+            memcpy(residual, x, sizeof(uint16_t) * (size_t)m * hidden);
+            rms_norm_bf16(x, hidden, NULL, 0, P(l, F_LN_IN), normed, NULL, m, hidden, eps, threads);
+        } else {
+            rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_IN), normed, residual, m, hidden, eps, threads);
+        }
+        rc |= linear_small_bf16(normed, hidden, P(l, F_QKV), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden, threads);
+        rope_bf16(qkv, qkv_width, positions, cos_table, sin_table, m, heads + kv_heads, head_dim, threads);
+        rc |= paged_decode_attention_bf16(qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
+                                          attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads,
+                                          qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
+                                          qkv_width, out_loc);
+        rc |= linear_small_bf16(attn, attn_width, P(l, F_O), NULL, x, m, hidden, attn_width, threads);
+        rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
+        rc |= linear_small_bf16(normed, hidden, P(l, F_GATE_UP), NULL, gate_up, m, 2 * (int64_t)inter, hidden,
+                                threads);
+        silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
+        rc |= linear_small_bf16(act, inter, P(l, F_DOWN), NULL, x, m, hidden, inter, threads);
+        if (trace != NULL) { /* layer l's output and residual stream, [layers][2][m][hidden] */
+            memcpy(trace + (int64_t)l * 2 * m * hidden, x, sizeof(uint16_t) * (size_t)m * hidden);
+            memcpy(trace + ((int64_t)l * 2 + 1) * m * hidden, residual, sizeof(uint16_t) * (size_t)m * hidden);
+        }
+    }
+    if (rc == 0) {
+        rms_norm_bf16(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
+        rc |= linear_small_bf16(normed, hidden, lm_head, NULL, logits, m, vocab_rows, hidden, threads);
+    }
+    free(scratch);
+    return rc == 0 ? 0 : -1;
+}
