@@ -56,8 +56,8 @@ class ServerArgs:
                                    "decode kernel), auto (cpu when it builds here).", ATTENTION_BACKENDS)
     tp_size: int = _flag(1, "Tensor-parallel ranks.", aliases=("--tensor-parallel-size",))
     num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
-    disable_native_decode: bool = _flag(False, "Run batch-1 decode steps through the modular model instead of "
-                                        "the one-call native step (CPU, bfloat16, one process).")
+    disable_native_decode: bool = _flag(False, "Run small decode batches (1-4 requests) through the modular "
+                                        "model instead of the one-call native step (CPU, bfloat16, one process).")
     # Scheduling
     chunked_prefill_size: int = _flag(2048, "Max new prompt tokens per prefill batch; longer prompts are "
                                       "prefilled in chunks. -1 disables chunking.")

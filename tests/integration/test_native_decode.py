@@ -79,6 +79,35 @@ def test_bit_identical_on_smollm2():
     _compare_paths(runner, _tokens(40, 2, runner.vocab_size), prompt=30, exact=False)
 
 
+@pytest.mark.parametrize("batch", [2, 4])
+def test_small_batches_match_modular_path(tiny_model_dir, batch):
+    """2-4 requests of different lengths decoded together: the native step's streaming matmuls against the
+    modular path's oneDNN ones, equal up to float32 summation order and one bf16 rounding."""
+    folder, _ = tiny_model_dir("qwen2")
+    runner = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=2048,
+                                    max_running_requests=8))
+    prompts = [_tokens(5 + 7 * i, 30 + i, 256) for i in range(batch)]
+    follow = [_tokens(12, 50 + i, 256) for i in range(batch)]
+
+    def run(native):
+        saved = runner.native_decode
+        runner.native_decode = saved if native else None
+        driver = SequenceDriver(runner)
+        seqs = [driver.start() for _ in range(batch)]
+        try:
+            driver.extend(seqs, prompts)
+            return [driver.extend(seqs, [[f[i]] for f in follow]) for i in range(12)]
+        finally:
+            runner.native_decode = saved
+            for seq in seqs:
+                driver.release(seq)
+
+    for step, (a, b) in enumerate(zip(run(True), run(False), strict=True)):
+        assert a.shape == (batch, 256)
+        assert (a - b).abs().max().item() <= 0.05 * max(1.0, b.abs().max().item()), f"step {step}"
+    assert runner.token_allocator.available_size() == runner.max_total_num_tokens
+
+
 def test_steps_aside_where_it_does_not_apply(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     for args in (dict(dtype="float32"), dict(dtype="bfloat16", attention_backend="torch_native"),
@@ -86,14 +115,15 @@ def test_steps_aside_where_it_does_not_apply(tiny_model_dir):
         runner = ModelRunner(ServerArgs(model_path=folder, max_total_tokens=512, max_running_requests=2, **args))
         assert runner.native_decode is None, args
     runner = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=512,
-                                    max_running_requests=4))
+                                    max_running_requests=8))
     driver = SequenceDriver(runner)
-    seqs = [driver.start(), driver.start()]
-    driver.extend(seqs, [[1, 2, 3], [4, 5]])
+    seqs = [driver.start() for _ in range(runner.native_decode.max_batch + 1)]
+    driver.extend(seqs, [[1, 2, 3 + i] for i in range(len(seqs))])
     calls = []
     original_run = runner.native_decode.run
     runner.native_decode.run = lambda batch: calls.append(1) or original_run(batch)
-    driver.extend(seqs, [[7], [8]])  # batch 2: the modular path
-    assert calls == []
+    driver.extend(seqs, [[7] for _ in seqs])  # one request too many: the modular path
+    driver.extend(seqs[:1], [[8]])  # an extend of one token on a cached prefix as decode: native
+    assert calls == [1]
     for seq in seqs:
         driver.release(seq)

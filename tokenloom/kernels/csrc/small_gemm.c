@@ -29,6 +29,34 @@ KERNEL_API int small_gemm_supported(int *max_m, int *max_k) {
 }
 
 #if HAVE_KERNEL
+/* Output rows r0 .. r0 + RB - 1 (RB = 1 or 2, a constant after inlining) of one block of 16 weight rows, in
+ * two halves of 8 weight rows so that every weight vector loaded serves both x rows from registers. Output
+ * t of row r accumulates chunks 0, 1, ... in order whatever RB is, so a row's result does not depend on
+ * how many rows share the call. */
+static inline __attribute__((always_inline)) void block_rows(const uint16_t *const *rows, const uint16_t *x,
+                                                             int64_t x_stride, int r0, const int RB,
+                                                             int64_t chunks, __m512 bias, __mmask16 mask,
+                                                             uint16_t *out, int64_t n, int64_t n0) {
+    __m512 acc[2][ROWS];
+    for (int j = 0; j < RB; ++j)
+        for (int t = 0; t < ROWS; ++t) acc[j][t] = _mm512_setzero_ps();
+    for (int half = 0; half < 2; ++half) {
+        for (int64_t c = 0; c < chunks; ++c) {
+            __m512bh xv[2];
+            for (int j = 0; j < RB; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + (r0 + j) * x_stride + 32 * c);
+            for (int t = 0; t < ROWS / 2; ++t) {
+                const int tt = half * (ROWS / 2) + t;
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(rows[tt] + 32 * c);
+                for (int j = 0; j < RB; ++j)
+                    acc[j][REDUCE16_SLOT(tt)] = _mm512_dpbf16_ps(acc[j][REDUCE16_SLOT(tt)], xv[j], wv);
+            }
+        }
+    }
+    for (int j = 0; j < RB; ++j) {
+        const __m512 y = _mm512_add_ps(reduce16(acc[j]), bias);
+        _mm256_mask_storeu_epi16(out + (r0 + j) * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
 #endif
 
 /* Returns 0, or -1 when the shape is outside what the kernel handles (nothing is written then). */
@@ -53,19 +81,9 @@ KERNEL_API int linear_small_bf16(const uint16_t *x, int64_t x_stride, const uint
             const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + n0);
             b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
         }
-        for (int r = 0; r < m; ++r) {
-            const uint16_t *xr = x + r * x_stride;
-            __m512 acc[ROWS];
-            for (int t = 0; t < ROWS; ++t) acc[t] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < chunks; ++c) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + 32 * c);
-                for (int t = 0; t < ROWS; ++t)
-                    acc[REDUCE16_SLOT(t)] = _mm512_dpbf16_ps(acc[REDUCE16_SLOT(t)], xv,
-                                                                (__m512bh)_mm512_loadu_si512(rows[t] + 32 * c));
-            }
-            const __m512 y = _mm512_add_ps(reduce16(acc), b);
-            _mm256_mask_storeu_epi16(out + r * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));
-        }
+        int r = 0;
+        for (; r + 2 <= m; r += 2) block_rows(rows, x, x_stride, r, 2, chunks, b, mask, out, n, n0);
+        if (r < m) block_rows(rows, x, x_stride, r, 1, chunks, b, mask, out, n, n0);
     }
     return 0;
 #else
