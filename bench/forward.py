@@ -7,6 +7,8 @@ Measures, side by side and interleaved step by step:
   forwards on a `DynamicCache` pre-filled to the same context),
 * prefill throughput (e.g. 8 x 256 and 1 x 1024 tokens),
 * tokenloom in float32 vs bfloat16 at batch 1 and 64,
+* tokenloom's one-call native decode step vs its modular model at batch 1, 2, 4 and 8 (same runner, steps
+  alternating; the server uses the native step up to `NativeDecode.max_batch`),
 * the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul, memory bandwidth.
 
 KV contents do not change the timing, but untouched (calloc'ed) pages would: reads of never-written memory
@@ -293,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both engines)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-dtype-compare", action="store_true", help="skip tokenloom fp32 vs bf16")
+    p.add_argument("--skip-native-compare", action="store_true",
+                   help="skip the native decode step vs the modular model at batch 1/2/4/8")
     p.add_argument("--prefill", default=None,
                    help="prefill shapes as BxL comma list (default 8x256,1x1024; quick 8x256)")
     p.add_argument("--prefill-reps", type=int, default=None, help="timed prefill reps (default 3; quick 2)")
@@ -410,6 +414,35 @@ def main(argv: list[str] | None = None) -> None:
             results[f"dtype_b{b}_{other}_ms"] = other_ms
         del tl_other
         gc.collect()
+
+    # ---- native decode step vs the modular model (tokenloom only) ---------------------------------------
+    native = tl.runner.native_decode
+    if not args.skip_native_compare and native is not None:
+        _log("\n## native decode step vs modular model (context 256, same runner; native used up to batch "
+             f"{native.max_batch} by default)")
+        _log(f"{'batch':>5} {'native ms':>10} {'(min)':>8} {'modular ms':>11} {'(min)':>8} {'speedup':>8}")
+        default_max = native.max_batch
+
+        def modular_step() -> None:
+            tl.runner.native_decode = None
+            try:
+                tl.decode_step()
+            finally:
+                tl.runner.native_decode = native
+
+        native.max_batch = 8
+        try:
+            for b in (1, 2, 4, 8):
+                tl.setup_decode(b, 256, 2 * extra)
+                times = run_interleaved({"native": tl.decode_step, "modular": modular_step}, args.warmup,
+                                        args.steps, 3, args.point_budget)
+                tl.teardown()
+                nat_ms, mod_ms = _median(times["native"]) * 1e3, _median(times["modular"]) * 1e3
+                _log(f"{b:>5} {nat_ms:>10.2f} {min(times['native']) * 1e3:>8.2f} {mod_ms:>11.2f} "
+                     f"{min(times['modular']) * 1e3:>8.2f} {mod_ms / nat_ms:>7.2f}x")
+                results[f"native_b{b}_ms"], results[f"modular_b{b}_ms"] = nat_ms, mod_ms
+        finally:
+            native.max_batch = default_max
 
     # ---- prefill ----------------------------------------------------------------------------------------
     _log("\n## prefill (median of reps after 1 warmup; transformers with logits_to_keep=1)")
