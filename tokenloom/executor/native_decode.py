@@ -24,9 +24,9 @@ from tokenloom.layers.attention.cpu_paged import CpuPagedBackend
 
 logger = logging.getLogger(__name__)
 
-# Requests per step up to which the native step is used. Measured on SmolLM2 at context 256 (decode step,
-# native vs modular, same run): 23 vs 37 ms at batch 1, 31 vs 45 at 2, 37 vs 46 at 4, 52 vs 51 at 8. Past
-# one row the modular path runs its matmuls in oneDNN, which overtakes the streaming kernel as rows grow.
+# Requests per step up to which the native step is used. bench/forward.py on SmolLM2 at context 256 (native
+# vs modular, same run): 20.1 vs 26.9 ms at batch 1, 28.4 vs 36.6 at 2, 36.0 vs 36.3 at 4, 38.5 vs 30.9 at
+# 8. Past one row the modular path runs its matmuls in oneDNN, which overtakes the streaming kernel.
 MAX_BATCH = 4
 
 
