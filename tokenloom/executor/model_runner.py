@@ -4,8 +4,8 @@ backend and the sampler, and runs one `ForwardBatch` at a time.
 Per step: `prepare(batch)` writes the new tokens' KV slots into `req_to_token` and lets the attention backend
 build its metadata once (`forward` does it when the caller did not); `forward(batch)` runs the model and
 returns float32 logits (one row per request, or per token with `return_all_logits`), through the one-call
-native step (`NativeDecode`) for small decode batches where it applies; `sample(logits, info)` turns them into next
-tokens. The runner never decides what to run: that is the scheduler's job (or a test's).
+native step (`NativeDecode`) for small decode batches where it applies; `sample(logits, info)` turns them
+into next tokens. The runner never decides what to run: that is the scheduler's job (or a test's).
 """
 
 from __future__ import annotations

@@ -107,8 +107,7 @@ class NativeDecode:
         m = embedded.shape[0]
         positions = batch.positions.to(torch.int64).contiguous()
         rotary = model.rotary
-        if int(positions.min()) < 0 or int(positions.max()) >= rotary.max_positions:
-            raise ValueError(f"positions outside [0, {rotary.max_positions}) (the model's context length)")
+        rotary.lookup(positions, model.dtype)  # raises on positions outside the rotary table
         kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in batch.attn_metadata)
         out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
         logits = torch.empty(m, self._lm_head.shape[0], dtype=torch.bfloat16)
