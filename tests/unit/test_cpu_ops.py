@@ -95,3 +95,32 @@ def test_rotary_apply_matches_torch_path_and_checks_positions():
     _close(got, expected, torch.float32)
     with pytest.raises(ValueError, match="context length"):
         rotary.lookup(torch.tensor([256]), torch.float32)
+
+
+def test_argmax_matches_torch_including_ties_nan_and_infinities():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 5000, generator=g)
+    x[1, 7] = x[1, 4000] = 100.0  # tie: the first index wins
+    x[2, :] = float("-inf")  # all -inf: index 0
+    x[3, 10] = float("inf")
+    x[3, 20] = float("inf")
+    x[4, 300] = float("nan")  # a NaN wins, the first one
+    x[4, 200] = float("nan")
+    x[4, 10] = float("inf")
+    x[5, 4999] = 50.0  # maximum in the last column
+    x[6, :] = 0.0
+    x[6, 3] = -0.0
+    x[7, 0] = float("nan")
+    assert torch.equal(cpu_ops.argmax(x), torch.argmax(x, dim=-1))
+    wide = torch.randn(3, 2 * 777, generator=g)[:, 777:]  # strided rows
+    assert torch.equal(cpu_ops.argmax(wide), torch.argmax(wide, dim=-1))
+    one = torch.randn(4, 1, generator=g)
+    assert torch.equal(cpu_ops.argmax(one), torch.zeros(4, dtype=torch.int64))
+
+
+def test_greedy_sampling_uses_the_same_argmax():
+    from tokenloom.layers.sampler import greedy_argmax
+
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(greedy_argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(greedy_argmax(x.double()), torch.argmax(x.double(), dim=-1))  # torch fallback

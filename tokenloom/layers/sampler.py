@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.kernels import cpu_ops
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 
 _MASK32 = 0xFFFFFFFF
@@ -35,6 +36,13 @@ class SampleOutput:
     top_logprob_ids: torch.Tensor | None = None  # [B, K] int64
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of [B, V] float32 logits; the native kernel on the CPU gives the same index."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0 and cpu_ops.available(logits):
+        return cpu_ops.argmax(logits)
+    return torch.argmax(logits, dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | None = None) -> None:
         self.generator = torch.Generator(device=device or "cpu").manual_seed(seed)
@@ -42,7 +50,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         raw = logits
         logits = apply_logit_processors(logits.float(), info)
-        next_ids = torch.argmax(logits, dim=-1) if info.all_greedy else self._sample(logits, info)
+        next_ids = greedy_argmax(logits) if info.all_greedy else self._sample(logits, info)
         out = SampleOutput(next_token_ids=next_ids)
         if info.return_logprob or info.top_logprobs_num:
             logprobs = torch.log_softmax(raw.float(), dim=-1)
@@ -52,7 +60,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        greedy_ids = torch.argmax(logits, dim=-1)
+        greedy_ids = greedy_argmax(logits)
         probs = torch.softmax(logits / info.temperatures[:, None], dim=-1)
         sampled = _sample_filtered(probs, info, self._uniforms(info))
         return torch.where(info.is_greedy, greedy_ids, sampled)

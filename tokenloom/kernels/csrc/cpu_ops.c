@@ -5,6 +5,7 @@
  *   rms_norm:      [residual_out =] x (+ residual);  out = residual_out * rsqrt(mean(residual_out^2) + eps) * w
  *   silu_and_mul:  out[:, i] = silu(x[:, i]) * x[:, inter + i]
  *   rope:          rotate-half rotary embedding of every head of x, in place, from float32 cos/sin tables
+ *   argmax_rows:   index of each float32 row's maximum, as torch.argmax gives it (first maximum; a NaN wins)
  *
  * Every value is computed in float32 and rounded once to the storage type (bf16: round to nearest even); a
  * residual sum is rounded before it is normalized, so the stored residual is exactly what was normalized.
@@ -92,3 +93,29 @@ KERNEL_API int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, c
 
 DEFINE_OPS(f32, float)
 DEFINE_OPS(bf16, uint16_t)
+
+/* out[r] = torch.argmax(x[r]) for float32 rows: the first index of the maximum, or of the first NaN when the
+ * row has one (NaN is detected on the bit pattern, which -ffast-math cannot optimize away). torch's CPU
+ * argmax over a vocabulary-wide row is a scalar loop; this is a vectorized max then a search for it. */
+KERNEL_API int argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t *out,
+                               int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * cols, threads))")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * x_stride;
+        const uint32_t *bits = (const uint32_t *)xr;
+        float m = -INFINITY;
+        uint32_t nan = 0;
+        for (int64_t i = 0; i < cols; ++i) {
+            m = xr[i] > m ? xr[i] : m;
+            nan |= (bits[i] & 0x7fffffffu) > 0x7f800000u;
+        }
+        int64_t at = 0;
+        if (nan) {
+            while ((bits[at] & 0x7fffffffu) <= 0x7f800000u) ++at;
+        } else {
+            while (at < cols - 1 && xr[at] != m) ++at;
+        }
+        out[r] = at;
+    }
+    return 0;
+}
