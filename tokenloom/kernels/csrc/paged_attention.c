@@ -96,6 +96,12 @@ DEFINE_SCALAR_RANGE(range_scalar_f32, float, load_f32)
 DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16)
 
 #if HAVE_AVX512
+/* Bring a K/V row of `bytes` into L1 ahead of use (paged slots need not be contiguous, so the hardware
+ * prefetcher cannot always guess the next row). */
+static inline void prefetch_row(const void *row, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
+}
+
 static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 vload_bf16(const uint16_t *p) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
@@ -115,10 +121,7 @@ static inline __attribute__((always_inline)) void NAME(const T *q, const T *kh, 
     for (int g = 0; g < group; ++g)                                                                            \
         for (int c = 0; c < nv; ++c) qv[g][c] = _mm512_mul_ps(VLOAD(q + (int64_t)g * dim + 16 * c), sv);     \
     for (int64_t l = 0; l < n; ++l) {                                                                          \
-        if (l + PREFETCH_AHEAD < n) {                                                                          \
-            const char *pf = (const char *)(kh + idx[l + PREFETCH_AHEAD] * dim);                               \
-            for (int o = 0; o < dim * (int)sizeof(T); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);             \
-        }                                                                                                      \
+        if (l + PREFETCH_AHEAD < n) prefetch_row(kh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(T));    \
         const T *kp = kh + idx[l] * dim;                                                                       \
         __m512 kv[8];                                                                                          \
         for (int c = 0; c < nv; ++c) kv[c] = VLOAD(kp + 16 * c);                                               \
@@ -133,10 +136,7 @@ static inline __attribute__((always_inline)) void NAME(const T *q, const T *kh, 
     for (int g = 0; g < group; ++g)                                                                            \
         for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_setzero_ps();                                          \
     for (int64_t l = 0; l < n; ++l) {                                                                          \
-        if (l + PREFETCH_AHEAD < n) {                                                                          \
-            const char *pf = (const char *)(vh + idx[l + PREFETCH_AHEAD] * dim);                               \
-            for (int o = 0; o < dim * (int)sizeof(T); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);             \
-        }                                                                                                      \
+        if (l + PREFETCH_AHEAD < n) prefetch_row(vh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(T));    \
         const T *vp = vh + idx[l] * dim;                                                                       \
         __m512 vv[8];                                                                                          \
         for (int c = 0; c < nv; ++c) vv[c] = VLOAD(vp + 16 * c);                                               \
@@ -172,10 +172,8 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q, c
         const int m = n - l0 < 16 ? (int)(n - l0) : 16;
         const uint16_t *rows[16];
         for (int t = 0; t < 16; ++t) rows[t] = kh + idx[l0 + (t < m ? t : 0)] * dim;
-        for (int t = 0; t < 16 && l0 + 16 * PREFETCH_BLOCKS + t < n; ++t) {
-            const char *pf = (const char *)(kh + idx[l0 + 16 * PREFETCH_BLOCKS + t] * dim);
-            for (int o = 0; o < dim * 2; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
-        }
+        for (int t = 0; t < 16 && l0 + 16 * PREFETCH_BLOCKS + t < n; ++t)
+            prefetch_row(kh + idx[l0 + 16 * PREFETCH_BLOCKS + t] * dim, dim * 2);
         for (int g = 0; g < G; ++g) {
             __m512 acc[16];
             for (int t = 0; t < 16; ++t) {
@@ -201,12 +199,8 @@ static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, 
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < 2 * NC; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l += 2) {
-        if (l + 16 * PREFETCH_BLOCKS < n) {
-            for (int t = 0; t < 2 && l + 16 * PREFETCH_BLOCKS + t < n; ++t) {
-                const char *pf = (const char *)(vh + idx[l + 16 * PREFETCH_BLOCKS + t] * dim);
-                for (int o = 0; o < dim * 2; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
-            }
-        }
+        for (int t = 0; t < 2 && l + 16 * PREFETCH_BLOCKS + t < n; ++t)
+            prefetch_row(vh + idx[l + 16 * PREFETCH_BLOCKS + t] * dim, dim * 2);
         const uint16_t *r0 = vh + idx[l] * dim, *r1 = l + 1 < n ? vh + idx[l + 1] * dim : ZERO_ROW;
         __m512i lo[4], hi[4];
         for (int c = 0; c < NC; ++c) {
