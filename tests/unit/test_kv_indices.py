@@ -17,6 +17,11 @@ def t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+# The CPU implementations of the same contract; "native" is skipped where the kernel library cannot build.
+CPU_BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    kv_indices_module.native_kv_index_builder() is None, reason="native kernels unavailable"))]
+
+
 def random_case(rng: random.Random, with_start: bool):
     rows, cols = rng.randint(1, 12), rng.randint(1, 48)
     table = torch.tensor([[rng.randrange(1, 10**6) for _ in range(cols)] for _ in range(rows)], dtype=torch.int32)
@@ -40,13 +45,14 @@ def ref_indices(table, req, starts, lens):
 
 @pytest.mark.parametrize("with_start", [False, True])
 @pytest.mark.parametrize("seed", range(30))
-def test_build_kv_indices_matches_loop(seed, with_start):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_matches_loop(seed, with_start, backend):
     rng = random.Random(seed)
     table, req, starts, lens = random_case(rng, with_start)
     want_ptr, want = ref_indices(table, req, starts, lens)
     kv_start = t(starts) if with_start else None
     for total in (None, sum(lens)):
-        ptr, idx = build_kv_indices(table, t(req).int(), t(lens).int(), kv_start, total=total)
+        ptr, idx = build_kv_indices(table, t(req).int(), t(lens).int(), kv_start, total=total, backend=backend)
         assert ptr.dtype == torch.int64 and idx.dtype == torch.int64
         assert ptr.tolist() == want_ptr
         assert idx.tolist() == want
@@ -59,24 +65,27 @@ def test_build_kv_indices_matches_loop(seed, with_start):
         assert valid[i].tolist() == [True] * n + [False] * (max_len - n)
 
 
-def test_build_kv_indices_all_empty():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_all_empty(backend):
     table = torch.arange(20, dtype=torch.int32).reshape(2, 10)
-    ptr, idx = build_kv_indices(table, t([1, 0]), t([0, 0]))
+    ptr, idx = build_kv_indices(table, t([1, 0]), t([0, 0]), backend=backend)
     assert ptr.tolist() == [0, 0, 0] and idx.numel() == 0
     padded, valid = padded_kv_indices(ptr, idx, t([0, 0]), 3)
     assert padded.tolist() == [[0] * 3] * 2 and not valid.any()
 
 
-def test_build_kv_indices_small_example():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_small_example(backend):
     table = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]], dtype=torch.int32)
-    ptr, idx = build_kv_indices(table, t([2, 0, 2]), t([2, 3, 1]), kv_start=t([1, 0, 3]))
+    ptr, idx = build_kv_indices(table, t([2, 0, 2]), t([2, 3, 1]), kv_start=t([1, 0, 3]), backend=backend)
     assert ptr.tolist() == [0, 2, 5, 6]
     assert idx.tolist() == [31, 32, 10, 11, 12, 33]
 
 
 @pytest.mark.parametrize("with_start", [False, True])
 @pytest.mark.parametrize("seed", range(20))
-def test_build_kv_indices_large_batches_match_loop(seed, with_start):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_large_batches_match_loop(seed, with_start, backend):
     """Batches of 1..64 requests, lengths 0..300 with runs of empty requests at the front, middle and end."""
     rng = random.Random(1000 + seed)
     rows, width = rng.randint(1, 80), 320
@@ -91,30 +100,33 @@ def test_build_kv_indices_large_batches_match_loop(seed, with_start):
     want_ptr, want = ref_indices(table, req, starts, lens)
     dtype = torch.int32 if seed % 3 else torch.int64
     ptr, idx = build_kv_indices(table, torch.tensor(req, dtype=dtype), torch.tensor(lens, dtype=dtype),
-                                torch.tensor(starts, dtype=dtype) if with_start else None)
+                                torch.tensor(starts, dtype=dtype) if with_start else None, backend=backend)
     assert ptr.tolist() == want_ptr and idx.tolist() == want
 
 
-def test_build_kv_indices_strided_table_and_empty_batch():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_strided_table_and_empty_batch(backend):
     table = torch.arange(6 * 16, dtype=torch.int32).reshape(6, 16)[:, 4:12]  # row stride 16, width 8
-    ptr, idx = build_kv_indices(table, t([5, 0]), t([3, 8]), kv_start=t([5, 0]))
+    ptr, idx = build_kv_indices(table, t([5, 0]), t([3, 8]), kv_start=t([5, 0]), backend=backend)
     assert ptr.tolist() == [0, 3, 11]
     assert idx.tolist() == [89, 90, 91] + list(range(4, 12))
-    ptr, idx = build_kv_indices(table, t([]), t([]))
+    ptr, idx = build_kv_indices(table, t([]), t([]), backend=backend)
     assert ptr.tolist() == [0] and idx.numel() == 0
 
 
 @pytest.mark.parametrize("rows, lens, starts", [([0], [9], None), ([0], [3], [6]), ([2], [1], None),
                                                 ([-1], [1], None), ([0], [-1], None)])
-def test_build_kv_indices_rejects_reads_outside_the_table(rows, lens, starts):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_rejects_reads_outside_the_table(rows, lens, starts, backend):
     table = torch.zeros(2, 8, dtype=torch.int32)
     with pytest.raises(IndexError, match="outside req_to_token"):
-        build_kv_indices(table, t(rows), t(lens), None if starts is None else t(starts))
+        build_kv_indices(table, t(rows), t(lens), None if starts is None else t(starts), backend=backend)
 
 
-def test_build_kv_indices_rejects_wrong_total():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_build_kv_indices_rejects_wrong_total(backend):
     with pytest.raises(ValueError, match="total=3"):
-        build_kv_indices(torch.zeros(2, 8, dtype=torch.int32), t([0, 1]), t([1, 1]), total=3)
+        build_kv_indices(torch.zeros(2, 8, dtype=torch.int32), t([0, 1]), t([1, 1]), total=3, backend=backend)
 
 
 def test_build_kv_indices_backends(monkeypatch):
@@ -122,10 +134,17 @@ def test_build_kv_indices_backends(monkeypatch):
     args = (table, t([3, 1]), t([2, 4]), t([1, 0]))
     want = build_kv_indices(*args, backend="torch")
     assert want[1].tolist() == [31, 32, 10, 11, 12, 13]
-    # "auto" on CPU tensors is the torch path and never looks for triton.
+    # "auto" on CPU tensors is the native kernel when it builds (else torch) and never looks for triton.
     monkeypatch.setattr(kv_indices_module, "triton_kv_index_builder", lambda: pytest.fail("looked for triton"))
     got = build_kv_indices(*args)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if kv_indices_module.native_kv_index_builder() is not None:
+        assert kv_indices_module._auto_backend(table) == "native"
+        assert kv_indices_module._auto_backend(table.long()) == "torch"  # the kernel reads int32 tables only
+    monkeypatch.setattr(kv_indices_module, "native_kv_index_builder", lambda: None)
+    assert kv_indices_module._auto_backend(table) == "torch"
+    with pytest.raises(RuntimeError, match="CPU kernel library"):
+        build_kv_indices(*args, backend="native")
     monkeypatch.undo()
     # "triton" on CPU tensors outside the interpreter (tests/unit/test_kv_indices_triton.py runs it inside).
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -133,6 +152,29 @@ def test_build_kv_indices_backends(monkeypatch):
             build_kv_indices(*args, backend="triton")
     with pytest.raises(ValueError, match="unknown KV-index backend 'cuda'"):
         build_kv_indices(*args, backend="cuda")
+
+
+@pytest.mark.skipif(kv_indices_module.native_kv_index_builder() is None, reason="native kernels unavailable")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_kv_indices_split_over_threads(threads):
+    """Large enough for the kernel to split the output over threads: ranges that begin inside a long request,
+    runs of empty requests, and a repeated row, all against the torch path."""
+    gen = torch.Generator().manual_seed(threads)
+    table = torch.randint(0, 2**31 - 1, (40, 8192), dtype=torch.int32, generator=gen)
+    lens = torch.randint(0, 3000, (64,), generator=gen)
+    lens[::5] = 0
+    lens[7] = 8192  # one request covering a whole row
+    rows = torch.randint(0, 40, (64,), generator=gen)
+    starts = torch.minimum(torch.randint(0, 4000, (64,), generator=gen), 8192 - lens)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = build_kv_indices(table, rows, lens, starts, backend="native")
+    finally:
+        torch.set_num_threads(old)
+    want = build_kv_indices(table, rows, lens, starts, backend="torch")
+    assert int(lens.sum()) >= 65536  # above the kernel's threshold for splitting
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # -------------------------------------------------------------------------------------- ForwardBatch

@@ -5,8 +5,11 @@
 form into a [batch, max_len] matrix (padding points at the dummy slot 0) for backends that run dense batched
 attention.
 
-Two implementations share that contract, picked by `build_kv_indices(..., backend=)`:
-- `torch` (`build_kv_indices_torch`): vectorized, no Python loop over requests; the default on the CPU.
+Three implementations share that contract, picked by `build_kv_indices(..., backend=)`:
+- `native` (tokenloom/kernels/native_kv_indices.py): one widening copy per request in C; the default on the
+  CPU when the kernel library builds.
+- `torch` (`build_kv_indices_torch`): vectorized, no Python loop over requests; the CPU fallback, and any
+  device's path when nothing faster applies.
 - `triton` (tokenloom/kernels/triton_kv_indices.py): one program per request; the default for CUDA tensors
   when triton imports. It is imported only when picked, so a CPU install never needs triton.
 """
@@ -18,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-KV_INDEX_BACKENDS = ("auto", "torch", "triton")
+KV_INDEX_BACKENDS = ("auto", "native", "torch", "triton")
 
 KvIndexBuilder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,19 +32,40 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     """Return (kv_indptr [B+1] int64, kv_indices [sum(kv_lens)] int64).
 
     `total` (= sum(kv_lens)) may be passed when the caller knows it, which avoids a device sync on CUDA.
-    `backend`: "auto" (Triton for CUDA tensors when triton imports, else torch), "torch" or "triton".
+    `backend`: "auto" (Triton for CUDA tensors when triton imports; the native kernel for a CPU int32 table
+    when it builds; else torch), "native", "torch" or "triton".
     """
     if backend == "auto":
-        use_triton = kv_lens.device.type == "cuda" and triton_kv_index_builder() is not None
-        backend = "triton" if use_triton else "torch"
+        backend = _auto_backend(req_to_token)
     if backend == "torch":
         return build_kv_indices_torch(req_to_token, req_pool_indices, kv_lens, kv_start, total)
+    if backend == "native":
+        native = native_kv_index_builder()
+        if native is None:
+            raise RuntimeError("KV-index backend 'native' needs the CPU kernel library, which did not build")
+        return native(req_to_token, req_pool_indices, kv_lens, kv_start, total)
     if backend == "triton":
         builder = triton_kv_index_builder()
         if builder is None:
             raise RuntimeError("KV-index backend 'triton' needs the triton package, which did not import")
         return builder(req_to_token, req_pool_indices, kv_lens, kv_start, total)
     raise ValueError(f"unknown KV-index backend {backend!r}; expected one of {KV_INDEX_BACKENDS}")
+
+
+def _auto_backend(req_to_token: torch.Tensor) -> str:
+    if req_to_token.device.type == "cuda":
+        return "triton" if triton_kv_index_builder() is not None else "torch"
+    if req_to_token.device.type == "cpu" and req_to_token.dtype == torch.int32 and native_kv_index_builder():
+        return "native"
+    return "torch"
+
+
+@functools.cache  # the answer cannot change within a process
+def native_kv_index_builder() -> KvIndexBuilder | None:
+    """The native CPU implementation, or None when the kernel library does not build here."""
+    from tokenloom.kernels.native_kv_indices import native_kv_index_builder as load
+
+    return load()
 
 
 @functools.cache  # the answer cannot change within a process, and a failed import is slow to retry each step
@@ -108,9 +132,15 @@ def _check_bounds(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Te
     n_rows, width = req_to_token.shape
     bad = (lens < 0) | (first < 0) | (first + lens > width) | (rows < 0) | (rows >= n_rows)
     if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise IndexError(f"request {i}: row {int(rows[i])}, columns [{int(first[i])}, {int(first[i] + lens[i])}) "
-                         f"outside req_to_token of shape {tuple(req_to_token.shape)}")
+        raise out_of_bounds_error(req_to_token, rows, lens, starts, int(bad.nonzero()[0]))
+
+
+def out_of_bounds_error(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                        starts: torch.Tensor | None, i: int) -> IndexError:
+    """The error for request i, whose slice does not lie inside `req_to_token`."""
+    first = 0 if starts is None else int(starts[i])
+    return IndexError(f"request {i}: row {int(rows[i])}, columns [{first}, {first + int(lens[i])}) "
+                      f"outside req_to_token of shape {tuple(req_to_token.shape)}")
 
 
 def padded_kv_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,

@@ -6,3 +6,4 @@
 #include "paged_attention.c"
 #include "small_gemm.c"
 #include "decode_native.c"
+#include "kv_indices.c"
