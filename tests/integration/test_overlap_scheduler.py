@@ -145,3 +145,25 @@ def test_auto_switches_between_modes_and_reports_decision(folder, tokenizer, sto
 def test_disable_overlap_schedule_flag_means_off(folder):
     h = Harness(folder, overlap_schedule="on", disable_overlap_schedule=True)
     assert h.scheduler.internal_state()["overlap_schedule"] == "off"
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_penalties_and_bias_match_a_per_step_rebuild(folder, mode):
+    """The scheduler carries penalty state and logit bias across decode steps (`SamplingRows`); the forward
+    driver rebuilds them from the token lists at every step. Greedy outputs must agree, with requests joining
+    mid-way (max running 2 of 4) so the state is rebuilt and carried in turns."""
+    from tokenloom.executor.sequence_driver import SequenceDriver
+    from tokenloom.sampling.sampling_params import SamplingParams
+
+    base = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    params = [dict(base, frequency_penalty=1.5, presence_penalty=0.8), dict(base, repetition_penalty=1.8),
+              dict(base, logit_bias={"17": 6.0}, frequency_penalty=0.9), dict(base, presence_penalty=1.2)]
+    prompts = _prompts()[:4]
+    h = Harness(folder, eos=(EOS,), overlap_schedule=mode, max_running_requests=2)
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        h.submit(f"p{i}", ids, p)
+    results = h.run()
+    driver = SequenceDriver(h.runner)
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        want = driver.generate([ids], [SamplingParams.from_dict(p, h.runner.vocab_size)], eos_token_ids=[EOS])[0]
+        assert results[f"p{i}"].output_ids == want, i

@@ -35,6 +35,7 @@ class FakeReq:
         self.origin_input_ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6))]
         self.output_ids: list[int] = []
         self.future_slot: int | None = None
+        self.pending_token = -1  # the token behind future_slot, known to the "forward side" only
         self.name = f"q{i}"
 
 
@@ -46,7 +47,8 @@ def _reference(reqs: list[FakeReq]) -> SamplingBatchInfo:
 
 def _assert_same(got: SamplingBatchInfo, want: SamplingBatchInfo) -> None:
     for name in ("temperatures", "top_ks", "top_ps", "min_ps", "is_greedy", "seeds", "has_seed", "output_lens",
-                 "frequency_penalties", "output_counts", "seen_mask", "logit_bias"):
+                 "frequency_penalties", "presence_penalties", "repetition_penalties", "output_counts", "seen_mask",
+                 "logit_bias", "max_new_tokens", "min_new_tokens", "eos_active", "needs_text_check"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
         if a is not None:
@@ -62,21 +64,44 @@ def _assert_same(got: SamplingBatchInfo, want: SamplingBatchInfo) -> None:
     assert pairs(got) == pairs(want)
 
 
-@pytest.mark.parametrize("seed", range(6))
+def _forward_side(info: SamplingBatchInfo, reqs: list[FakeReq]) -> None:
+    """What `ModelWorker.execute` does before sampling: count pending tokens unless the state was carried."""
+    pending = [i for i, r in enumerate(reqs) if r.future_slot is not None]
+    if pending and info.output_counts is not None and not info.penalties_carried:
+        info.add_pending_tokens(torch.tensor(pending), torch.tensor([reqs[i].pending_token for i in pending]))
+
+
+def _reference_after_pending(reqs: list[FakeReq]) -> SamplingBatchInfo:
+    want = _reference(reqs)
+    _forward_side(want, reqs)
+    return want
+
+
+def _sample(info: SamplingBatchInfo, reqs: list[FakeReq], rng: random.Random, is_decode: bool) -> list[int]:
+    """The step's tokens; a decode step counts them into the penalty state, as `ModelWorker.execute` does."""
+    tokens = [rng.randrange(VOCAB) for _ in reqs]
+    if is_decode and info.output_counts is not None:
+        info.add_pending_tokens(torch.arange(len(reqs)), torch.tensor(tokens))
+    return tokens
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_incremental_rows_match_rebuild(seed):
     rng = random.Random(seed)
     rows = SamplingRows(VOCAB, EOS, torch.device("cpu"))
     pool = [FakeReq(rng, i) for i in range(40)]
     batch: list[FakeReq] = []
-    fast_steps = 0
-    for _ in range(120):
+    fast_steps = carried_steps = 0
+    for _ in range(150):
         action = rng.random()
         if action < 0.15 and len(batch) < 20:  # requests join (after an extend step)
             joining = [pool.pop() for _ in range(rng.randint(1, 3)) if pool]
             if joining:
-                _assert_same(rows.info_for(joining, is_decode=False), _reference(joining))
-                for r in joining:
-                    r.output_ids.append(rng.randrange(VOCAB))
+                info = rows.info_for(joining, is_decode=False)
+                _forward_side(info, joining)
+                _assert_same(info, _reference_after_pending(joining))
+                for r, tok in zip(joining, _sample(info, joining, rng, is_decode=False), strict=True):
+                    r.output_ids.append(tok)
                 batch += joining
             continue
         if action < 0.25 and batch:  # some finish or are retracted
@@ -90,25 +115,33 @@ def test_incremental_rows_match_rebuild(seed):
         before = rows.rebuilds
         info = rows.info_for(batch, is_decode=True)
         fast_steps += rows.rebuilds == before
-        _assert_same(info, _reference(batch))
-        for r in batch:  # the step's token: pending until the next step when overlapped
+        carried_steps += info.penalties_carried
+        _forward_side(info, batch)
+        _assert_same(info, _reference_after_pending(batch))
+        tokens = _sample(info, batch, rng, is_decode=True)
+        for r, tok in zip(batch, tokens, strict=True):  # the step's token: pending until the next step if overlapped
             if r.future_slot is not None:
-                r.output_ids.append(rng.randrange(VOCAB))
+                r.output_ids.append(r.pending_token)
                 r.future_slot = None
             if overlapped:
-                r.future_slot = 1
+                r.future_slot, r.pending_token = 1, tok
             else:
-                r.output_ids.append(rng.randrange(VOCAB))
+                r.output_ids.append(tok)
     assert fast_steps > 10  # the steady state took the no-rebuild path
+    assert carried_steps > 3  # ... and carried the penalty state
 
 
 def test_unchanged_decode_batch_does_not_rebuild():
     rng = random.Random(0)
     reqs = [FakeReq(rng, i) for i in range(5)]
+    reqs[0].sampling_params.frequency_penalty = 0.5  # so the penalty state exists and is carried
     rows = SamplingRows(VOCAB, EOS, torch.device("cpu"))
-    rows.info_for(reqs, is_decode=True)
-    for _ in range(4):
+    info = rows.info_for(reqs, is_decode=True)
+    for step in range(4):
+        info.add_pending_tokens(torch.arange(len(reqs)), torch.full((len(reqs),), step + 1))  # the forward side
         for r in reqs:
-            r.output_ids.append(1)
-        _assert_same(rows.info_for(reqs, is_decode=True), _reference(reqs))
+            r.output_ids.append(step + 1)
+        info = rows.info_for(reqs, is_decode=True)
+        assert info.penalties_carried
+        _assert_same(info, _reference(reqs))
     assert rows.rebuilds == 1

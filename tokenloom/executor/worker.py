@@ -10,7 +10,9 @@ run them on different threads:
 
 A request whose previous token is not processed yet (`req.future_slot` set) has that token counted as
 generated: its `output_lens` entry includes it and, when penalties apply, it is added to its counts on the
-forward side, so overlapped and normal scheduling sample identically.
+forward side, so overlapped and normal scheduling sample identically. After a decode step's sampling the
+sampled tokens are counted into the penalty state too, which `SamplingRows` carries to the next step of the
+same requests (then nothing pending needs adding).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class ForwardOutput:
     # Per request, only for requests that asked: (logprob of chosen token, top-k [(logprob, id)]).
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Rows whose token may finish their request (`SamplingBatchInfo.finish_candidates`); None: check all rows.
+    finish_candidates: list[int] | None = None
     # Seconds spent in the model forward and in sampling (+ copying results out).
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -60,6 +64,7 @@ class ModelWorker:
         size = max_batch_size or runner.req_to_token_pool.size
         self.future_tokens = FutureTokenBuffer(max(size, 1), runner.device)
         self.sampling_rows = SamplingRows(runner.vocab_size, eos_token_ids, runner.device)
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
 
     # --- scheduler side ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduleBatch) -> PreparedStep:
@@ -94,13 +99,17 @@ class ModelWorker:
         fb, info = step.forward_batch, step.sampling
         if step.has_placeholders:
             fb.input_ids = self.future_tokens.resolve(fb.input_ids)
-        if step.pending_rows is not None and info.output_counts is not None:
+        if step.pending_rows is not None and info.output_counts is not None and not info.penalties_carried:
             info.add_pending_tokens(step.pending_rows, self.future_tokens.lookup(step.pending_slots))
         logits = self.runner.forward(fb)
         mid = time.perf_counter()
         sample = self.runner.sample(logits, info)
+        if info.output_counts is not None and fb.forward_mode.is_decode():  # carried to the next step
+            rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
+            info.add_pending_tokens(rows, sample.next_token_ids)
         self.future_tokens.store(step.out_slots, sample.next_token_ids)
-        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist())
+        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(),
+                            finish_candidates=info.finish_candidates(sample.next_token_ids, self.eos_ids))
         if step.want_logprob:
             out.logprobs = sample.next_token_logprobs.tolist()
             if step.top_logprobs_num:

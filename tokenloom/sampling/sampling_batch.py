@@ -15,6 +15,9 @@ import torch
 
 from tokenloom.sampling.sampling_params import SamplingParams
 
+# max_new_tokens row of a request without one (the scheduler clamps every request to its context on arrival).
+NO_LENGTH_LIMIT = 1 << 62
+
 
 @dataclass
 class SamplingBatchInfo:
@@ -39,6 +42,14 @@ class SamplingBatchInfo:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     top_logprobs_num: int = 0
     return_logprob: bool = False
+    # Stop-condition rows for `finish_candidates` (None only when built by hand, e.g. in sampler tests).
+    max_new_tokens: torch.Tensor | None = None  # [B] int64
+    min_new_tokens: torch.Tensor | None = None  # [B] int64
+    eos_active: torch.Tensor | None = None  # [B] bool: EOS stops the request (not ignore_eos)
+    needs_text_check: torch.Tensor | None = None  # [B] bool: stop strings or stop_token_ids to check per token
+    # The penalty state was carried from the previous decode step of the same requests, so it already counts
+    # every token generated before this step (pending ones included): `add_pending_tokens` is not needed.
+    penalties_carried: bool = False
 
     @classmethod
     def from_requests(cls, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
@@ -57,18 +68,35 @@ class SamplingBatchInfo:
                    min_ps=rows["min_ps"], is_greedy=rows["is_greedy"], seeds=rows["seeds"], has_seed=rows["has_seed"],
                    output_lens=torch.tensor(out_lens, dtype=torch.int64, device=device),
                    all_greedy=all(p.is_greedy for p in params), vocab_size=vocab_size,
-                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                   max_new_tokens=rows["max_new_tokens"], min_new_tokens=rows["min_new_tokens"],
+                   eos_active=rows["eos_active"], needs_text_check=rows["needs_text_check"])
         penalty_and_bias_state(info, params, prompt_ids, output_ids, device)
         info.min_tokens_mask = min_tokens_mask(min_token_pairs(params, eos_token_ids, device), rows, info.output_lens)
         return info
 
     def add_pending_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Count tokens that were generated but unknown when this batch was built (penalty state only)."""
+        """Count tokens that were generated but not in the output lists this batch was built from (penalty
+        state only): pending tokens before sampling, and a decode step's sampled tokens after it, which makes
+        the state current for the next step of the same requests."""
         if self.output_counts is None:
             return
         self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32),
                                       accumulate=True)
         self.seen_mask[rows, token_ids] = True
+
+    def finish_candidates(self, next_token_ids: torch.Tensor, eos_token_ids: torch.Tensor) -> list[int] | None:
+        """Rows whose new token may finish their request, found with tensor ops over the whole batch; every
+        other row certainly keeps running (`Req.check_finished` would set nothing), so output processing
+        checks only these. The new token is output number `output_lens + 1`. A row is a candidate when that
+        reaches max_new_tokens, when it is an EOS id that counts (not ignore_eos, min_new_tokens reached), or
+        when the request has stop_token_ids or stop strings (checked in Python). None: check every row."""
+        if self.max_new_tokens is None:
+            return None
+        count = self.output_lens + 1
+        eos_hit = self.eos_active & (count >= self.min_new_tokens) & torch.isin(next_token_ids, eos_token_ids)
+        may_finish = (count >= self.max_new_tokens) | eos_hit | self.needs_text_check
+        return may_finish.nonzero().flatten().tolist()
 
 
 def static_rows(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,6 +114,10 @@ def static_rows(params: Sequence[SamplingParams], vocab_size: int, device: torch
         "has_seed": t([p.sampling_seed is not None for p in params], torch.bool),
         "min_new_tokens": t([p.min_new_tokens for p in params], torch.int64),
         "min_tokens_active": t([not p.ignore_eos and p.min_new_tokens > 0 for p in params], torch.bool),
+        "max_new_tokens": t([NO_LENGTH_LIMIT if p.max_new_tokens is None else p.max_new_tokens for p in params],
+                            torch.int64),
+        "eos_active": t([not p.ignore_eos for p in params], torch.bool),
+        "needs_text_check": t([bool(p.stop_token_ids) or bool(p.stop) for p in params], torch.bool),
     }
 
 

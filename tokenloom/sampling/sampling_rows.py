@@ -8,9 +8,13 @@ that is a per-step loop over requests. `SamplingRows` keeps one row per request 
   once from their `SamplingParams`, and rows of requests that left are dropped.
 The min-new-tokens mask is derived each step from `output_lens` with tensor ops (rows whose count is below
 their minimum keep their (row, token) pairs). Penalty state (output-token counts, seen-token mask) and logit
-bias are built per step only for batches that use them (rare), exactly as `from_requests` does.
+bias exist only for batches that use them: built from the requests' token lists when the batch changes,
+and in the steady state carried from the previous step (`penalties_carried`), whose sampled tokens the
+forward side counted into it right after sampling (`ModelWorker.execute`). Every mutation of carried state
+happens on the forward side, in step order; the scheduler side only hands the tensors on.
 
-Invariant: the result equals `SamplingBatchInfo.from_requests` for the same requests (tested).
+Invariant: the result equals `SamplingBatchInfo.from_requests` for the same requests once the forward side
+has counted the tokens it is responsible for (tested).
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ from tokenloom.sampling.sampling_batch import (
 )
 
 _STATIC = ("temperatures", "top_ks", "top_ps", "min_ps", "is_greedy", "seeds", "has_seed", "min_new_tokens",
-           "min_tokens_active")
+           "min_tokens_active", "max_new_tokens", "eos_active", "needs_text_check")
+
+# Penalty and bias tensors handed from one steady-state decode step to the next.
+_CARRIED = ("frequency_penalties", "presence_penalties", "repetition_penalties", "output_counts", "seen_mask",
+            "logit_bias")
 
 
 class SamplingRows:
@@ -42,13 +50,15 @@ class SamplingRows:
         self._output_lens = torch.empty(0, dtype=torch.int64)
         self._last_was_decode = False
         self._any_penalty = self._any_bias = self._all_greedy = False
+        self._carried: SamplingBatchInfo | None = None  # the last decode step's info, for its penalty state
         self.rebuilds = 0  # how often the rows were (partly) rebuilt, for tests and profiling
 
     def info_for(self, reqs: Sequence, is_decode: bool, return_logprob: bool = False, top_logprobs_num: int = 0
                  ) -> SamplingBatchInfo:
         """Sampling tensors for `reqs` (objects with `sampling_params`, `origin_input_ids`, `output_ids` and
         `future_slot`, which is set while the request has one generated token not in `output_ids` yet)."""
-        if is_decode and self._last_was_decode and list(reqs) == self._reqs:
+        steady = is_decode and self._last_was_decode and list(reqs) == self._reqs
+        if steady:
             self._output_lens = self._output_lens + 1
         else:
             self._rebuild(reqs)
@@ -58,12 +68,20 @@ class SamplingRows:
             temperatures=s["temperatures"], top_ks=s["top_ks"], top_ps=s["top_ps"], min_ps=s["min_ps"],
             is_greedy=s["is_greedy"], seeds=s["seeds"], has_seed=s["has_seed"], output_lens=self._output_lens,
             all_greedy=self._all_greedy, vocab_size=self.vocab_size, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num)
+            top_logprobs_num=top_logprobs_num, max_new_tokens=s["max_new_tokens"],
+            min_new_tokens=s["min_new_tokens"], eos_active=s["eos_active"], needs_text_check=s["needs_text_check"])
         info.min_tokens_mask = min_tokens_mask(self._min_pairs, s, self._output_lens)
         if self._any_penalty or self._any_bias:
-            params = [r.sampling_params for r in reqs]
-            outputs = [r.output_ids for r in reqs]
-            penalty_and_bias_state(info, params, [r.origin_input_ids for r in reqs], outputs, self.device)
+            if steady and self._carried is not None:
+                carried = self._carried
+                for name in _CARRIED:
+                    setattr(info, name, getattr(carried, name))
+                info.penalties_carried = True
+            else:
+                params = [r.sampling_params for r in reqs]
+                outputs = [r.output_ids for r in reqs]
+                penalty_and_bias_state(info, params, [r.origin_input_ids for r in reqs], outputs, self.device)
+        self._carried = info if is_decode else None
         return info
 
     def _rebuild(self, reqs: Sequence) -> None:

@@ -70,21 +70,26 @@ class OutputProcessor:
         return to_run
 
     def process_decode(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+        """Every request takes its token; only the rows the forward side flagged as finish candidates (the
+        stop conditions evaluated as tensor ops over the batch) run the per-request stop check."""
+        check = None if out.finish_candidates is None else set(out.finish_candidates)
         for i, req in enumerate(batch.reqs):
             if req.finished:  # aborted, or finished in the batch before (overlap): this token is discarded
                 self.release(req)
                 continue
-            self._append(req, i, out)
+            self._append(req, i, out, check is None or i in check)
             if req.finished:
                 self.release(req)
         self.emit(batch.reqs)
 
-    def _append(self, req: Req, i: int, out: ForwardOutput) -> None:
+    def _append(self, req: Req, i: int, out: ForwardOutput, may_finish: bool = True) -> None:
         req.output_ids.append(out.next_token_ids[i])
         if req.return_logprob and out.logprobs is not None:
             req.output_token_logprobs.append((out.logprobs[i], out.next_token_ids[i]))
             if req.top_logprobs_num and out.top_logprobs is not None:
                 req.output_top_logprobs.append(out.top_logprobs[i][: req.top_logprobs_num])
+        if not may_finish:
+            return
         tail = None
         if req.sampling_params.stop:
             def tail(n: int, r: Req = req) -> str:

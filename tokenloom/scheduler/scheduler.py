@@ -145,7 +145,11 @@ class Scheduler:
         return None
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
-        running_slots = self.max_running_requests - len(self.running)
+        # A request row is free only once no launched batch uses it: with the overlap scheduler a request that
+        # finished may still hold its row while riding the batch in flight, so rows can be scarcer than slots.
+        # (A chunked request already holds its row and counts as one of the admitted.)
+        free_rows = self.req_to_token_pool.available_size() + (self.chunked_req is not None)
+        running_slots = min(self.max_running_requests - len(self.running), free_rows)
         if self.chunked_req is None and (not self.waiting_queue or running_slots <= 0):
             return None
         match = self.tree_cache.match_prefix
