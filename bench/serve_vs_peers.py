@@ -19,7 +19,9 @@ Engines (each skipped with a note when it is not installed or does not start):
 
 Workloads (issue 5): (a) 256 prompts, random-ids 256 in / 128 out, range ratio 1, rate inf; (b) the same at
 4 requests/s; (c) generated-shared-prefix, 64 groups x 4 prompts (system prompt 512, question 16, output 128);
-(d) latency: one request at a time (16 prompts, 256 in / 128 out). Each workload uses its own seed so no
+(d) latency: one request at a time (16 prompts, 256 in / 128 out). `--variant NAME=FLAGS` adds tokenloom
+started with extra server flags as one more engine (e.g. `--variant no-cascade=--disable-cascade-attention`),
+so a feature's effect is measured side by side like a peer's. Each workload uses its own seed so no
 engine finds an earlier workload's prompts in its cache. For every workload the engines run back to back in a
 rotating order; the others stay idle (they use <1% CPU idle, measured). Prints each run's result block, one
 table with tokenloom's advantage over each peer (throughput ratio; latency ratio peer / tokenloom), the
@@ -174,14 +176,27 @@ class Engine:
         self.proc = None
 
 
+def tokenloom_engine(name: str, hf: str, extra_flags: list[str]) -> Engine:
+    return Engine(name, [PY, "-m", "tokenloom.launch_server", "--model-path", hf, "--host", "127.0.0.1",
+                         "--port", "{port}", "--max-running-requests", "256", "--log-level", "warning", *extra_flags],
+                  "/health", "tokenloom", hf, lambda out_len: [])
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`NAME=FLAGS` -> (NAME, FLAGS split like a shell would)."""
+    import shlex
+
+    name, sep, flags = text.partition("=")
+    if not sep or not name.strip() or name.strip() in ENGINES:
+        raise argparse.ArgumentTypeError(f"--variant wants NAME=FLAGS with a new name, got {text!r}")
+    return name.strip(), shlex.split(flags)
+
+
 def build_engines(names: list[str], hf: str, gguf: str, notes: list[str]) -> list[Engine]:
     engines = []
     for name in names:
         if name == "tokenloom":
-            engines.append(Engine(
-                "tokenloom", [PY, "-m", "tokenloom.launch_server", "--model-path", hf, "--host", "127.0.0.1",
-                              "--port", "{port}", "--max-running-requests", "256", "--log-level", "warning"],
-                "/health", "tokenloom", hf, lambda out_len: []))
+            engines.append(tokenloom_engine("tokenloom", hf, []))
         elif name == "transformers":
             exe = shutil.which("transformers", path=os.path.dirname(PY)) or shutil.which("transformers")
             help_text = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True).stdout if exe else ""
@@ -393,6 +408,8 @@ def main() -> int:
     p.add_argument("--plot-a", default=None, metavar="PNG", help="save tokenloom's workload (a) plot here")
     p.add_argument("--log-dir", default=None, help="server logs and client JSON lines (default: a temp folder)")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds allowed per client run")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run tokenloom with these extra server flags, as an engine called NAME (repeatable)")
     args = p.parse_args()
     if not 0 < args.scale <= 1 and not args.quick:
         p.error("--scale must be in (0, 1]")
@@ -407,6 +424,7 @@ def main() -> int:
     gguf = default_gguf()
     hf = ensure_hf_folder(gguf)
     engines = build_engines(names, hf, gguf, notes)
+    engines += [tokenloom_engine(name, hf, flags) for name, flags in args.variant]
     workloads = make_workloads(args.quick, args.scale, args.workloads)
     results: dict[str, dict[str, dict]] = {}
     started: list[Engine] = []

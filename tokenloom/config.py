@@ -58,6 +58,9 @@ class ServerArgs:
     num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
     disable_native_decode: bool = _flag(False, "Run small decode batches (1-4 requests) through the modular "
                                         "model instead of the one-call native step (CPU, bfloat16, one process).")
+    disable_cascade_attention: bool = _flag(False, "In decode, attend each request's KV on its own even when "
+                                            "requests share a cached prefix (the `cpu` attention backend reads a "
+                                            "shared prefix once for all the requests sharing it).")
     # Scheduling
     chunked_prefill_size: int = _flag(2048, "Max new prompt tokens per prefill batch; longer prompts are "
                                       "prefilled in chunks. -1 disables chunking.")

@@ -54,7 +54,7 @@ class ModelRunner:
         self._init_memory(start_layer, self.model.end_layer)
         heads = max(1, self.model_config.num_attention_heads // parallel.tp_size)
         self.attn_backend = create_attention_backend(args.attention_backend, self.req_to_token_pool, self.kv_pool,
-                                                     heads)
+                                                     heads, cascade=not args.disable_cascade_attention)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         self.native_decode = None if args.disable_native_decode else NativeDecode.build(
             self.model, self.kv_pool, self.attn_backend, self.dtype, self.device, parallel.tp_size)

@@ -19,8 +19,9 @@ import logging
 import torch
 
 from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.kernels import paged_attention
 from tokenloom.kernels.cpu_build import load_library
-from tokenloom.layers.attention.cpu_paged import CpuPagedBackend
+from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class NativeDecode:
     def applies(self, batch: ForwardBatch) -> bool:
         return (batch.forward_mode.is_decode() and batch.batch_size <= self.max_batch
                 and not batch.return_all_logits and batch.pp_proxy is None
-                and isinstance(batch.attn_metadata, tuple))
+                and isinstance(batch.attn_metadata, CpuDecodeMetadata))
 
     def run(self, batch: ForwardBatch, trace: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [B, vocab] of a decode batch whose attention metadata is built. `trace` (bf16
@@ -108,7 +109,8 @@ class NativeDecode:
         positions = batch.positions.to(torch.int64).contiguous()
         rotary = model.rotary
         rotary.lookup(positions, model.dtype)  # raises on positions outside the rotary table
-        kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in batch.attn_metadata)
+        md: CpuDecodeMetadata = batch.attn_metadata
+        kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in (md.kv_indptr, md.kv_indices))
         out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
         logits = torch.empty(m, self._lm_head.shape[0], dtype=torch.bfloat16)
         hidden, heads, kv_heads, head_dim, inter = self._dims
@@ -120,7 +122,8 @@ class NativeDecode:
             ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps), ctypes.c_int64(self._kv_rows),
             ctypes.c_int(m), ptr(embedded.data_ptr()), ptr(positions.data_ptr()), ptr(kv_indptr.data_ptr()),
             ptr(kv_indices.data_ptr()), ptr(out_loc.data_ptr()), ptr(logits.data_ptr()),
-            ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()))
+            ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()),
+            *paged_attention.plan_arguments(md.shared))
         if rc != 0:
             raise RuntimeError("native decode step failed (unsupported shape or out of memory)")
         return logits[:, : self._vocab].float()

@@ -3,11 +3,16 @@ the KV pool through `kv_indptr`/`kv_indices`, so a decode step reads every KV by
 gathering a padded copy first. The same call can first store the step's new K/V rows in the pool.
 
 `available(dtype, group, head_dim)` says whether the native kernel can run; `decode(...)` runs it.
+
+`plan_shared_prefixes` finds, once per step, groups of requests whose index lists begin with the same slots
+(a radix-cache prefix they share); `decode(..., shared=plan)` then reads each such prefix once for all the
+group's queries and merges it with each request's own suffix (the flash-decoding merge): "cascade" decode.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +38,55 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
+# Shared prefixes shorter than this are read per request: grouping them saves less than it costs.
+MIN_SHARED_PREFIX = 32
+
+
+@dataclass
+class SharedPrefixPlan:
+    """Groups of a step's requests that share the first `share_len[b]` slots of their index lists (see
+    `plan_shared_prefixes` in csrc/paged_attention.c): group g is members[group_ptr[g]:group_ptr[g+1]]."""
+
+    share_len: torch.Tensor  # [B] int64, 0 for requests in no group
+    group_ptr: torch.Tensor  # [groups + 1] int32
+    members: torch.Tensor  # [B] int32 (the first group_ptr[-1] entries are used)
+    groups: int
+
+
+def max_group_members(group: int) -> int:
+    """How many requests one shared-prefix item can serve: their query rows (members x group) must fit the
+    kernel's row limit."""
+    max_rows = ctypes.c_int()
+    _lib().kernel_limits(ctypes.byref(max_rows), ctypes.byref(ctypes.c_int()))
+    return max_rows.value // max(group, 1)
+
+
+def plan_shared_prefixes(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, group: int,
+                         min_shared: int = MIN_SHARED_PREFIX) -> SharedPrefixPlan | None:
+    """The step's shared-prefix groups, or None when no two requests share `min_shared` leading slots (or the
+    GQA group is too large for two requests' queries to share one work item)."""
+    batch = kv_indptr.numel() - 1
+    members_max = max_group_members(group)
+    if batch < 2 or members_max < 2:
+        return None
+    indptr = kv_indptr.to(torch.int64).contiguous()
+    indices = kv_indices.to(torch.int64).contiguous()
+    share_len = torch.empty(batch, dtype=torch.int64)
+    group_ptr = torch.empty(batch // 2 + 1, dtype=torch.int32)
+    members = torch.empty(batch, dtype=torch.int32)
+    groups = _lib().plan_shared_prefixes(_ptr(indptr), _ptr(indices), ctypes.c_int(batch), ctypes.c_int(members_max),
+                                         ctypes.c_int64(min_shared), _ptr(share_len), _ptr(group_ptr), _ptr(members))
+    if groups <= 0:
+        return None
+    return SharedPrefixPlan(share_len, group_ptr, members, groups)
+
+
+def plan_arguments(plan: SharedPrefixPlan | None) -> tuple:
+    if plan is None:
+        return (ctypes.c_void_p(None), ctypes.c_void_p(None), ctypes.c_void_p(None), ctypes.c_int(0))
+    return (_ptr(plan.share_len), _ptr(plan.group_ptr), _ptr(plan.members), ctypes.c_int(plan.groups))
+
+
 def _rows_of_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [B, H, D] with each token's heads contiguous (any stride between tokens), in `dtype`."""
     x = x.to(dtype)
@@ -43,12 +97,14 @@ def _rows_of_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indptr: torch.Tensor,
            kv_indices: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
-           v_new: torch.Tensor | None = None, out_loc: torch.Tensor | None = None) -> torch.Tensor:
+           v_new: torch.Tensor | None = None, out_loc: torch.Tensor | None = None,
+           shared: SharedPrefixPlan | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k_pool/v_pool [Hkv, rows, D] (q is cast to their dtype) -> [B, Hq * D] in that dtype.
 
     With `k_new`/`v_new` [B, Hkv, D] and `out_loc` [B], those rows are first written into the pools at
     row `out_loc[b]` (which the indices of request b are expected to include). q, k_new and v_new may be
-    views into a packed qkv tensor: only each token's heads need to be contiguous."""
+    views into a packed qkv tensor: only each token's heads need to be contiguous. `shared`: this step's
+    `plan_shared_prefixes` result for the same indices (None: each request reads all its own KV)."""
     lib = _lib()
     dtype = k_pool.dtype
     q = _rows_of_heads(q, dtype)
@@ -71,7 +127,7 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indpt
             _ptr(out), ctypes.c_int(batch), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads),
             ctypes.c_int(head_dim), ctypes.c_int64(rows), ctypes.c_float(scale),
             ctypes.c_int(torch.get_num_threads()), _ptr(k_new), ctypes.c_int64(k_stride), _ptr(v_new),
-            ctypes.c_int64(v_stride), _ptr(out_loc))
+            ctypes.c_int64(v_stride), _ptr(out_loc), *plan_arguments(shared))
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its work buffers")
     return out.view(batch, num_heads * head_dim)

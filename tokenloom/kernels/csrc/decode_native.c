@@ -24,14 +24,17 @@ KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
 #define P(l, f) ((uint16_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
 
 /* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (bf16, before any slicing).
- * `trace`, when not NULL, receives every layer's output and residual stream (for tests). Returns 0, or -1
+ * `trace`, when not NULL, receives every layer's output and residual stream (for tests). share_len ..
+ * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, or -1
  * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
                                    const uint16_t *lm_head, int64_t vocab_rows, const float *cos_table,
                                    const float *sin_table, int hidden, int heads, int kv_heads, int head_dim,
                                    int inter, float eps, int64_t kv_rows, int m, const uint16_t *embedded,
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
-                                   const int64_t *out_loc, uint16_t *logits, uint16_t *trace, int threads) {
+                                   const int64_t *out_loc, uint16_t *logits, uint16_t *trace, int threads,
+                                   const int64_t *share_len, const int *group_ptr, const int *members,
+                                   int groups) {
     const int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * head_dim, attn_width = (int64_t)heads * head_dim;
     const float scale = 1.f / sqrtf((float)head_dim);
     /* scratch buffers start on 64-byte boundaries like torch's tensors: vectorized float reductions peel
@@ -61,7 +64,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
         rc |= paged_decode_attention_bf16(qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
                                           attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads,
                                           qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
-                                          qkv_width, out_loc);
+                                          qkv_width, out_loc, share_len, group_ptr, members, groups);
         rc |= linear_small_bf16(attn, attn_width, P(l, F_O), NULL, x, m, hidden, attn_width, threads);
         rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
         rc |= linear_small_bf16(normed, hidden, P(l, F_GATE_UP), NULL, gate_up, m, 2 * (int64_t)inter, hidden,

@@ -31,6 +31,7 @@
 #define MIN_CHUNK 256 /* never split a request into chunks shorter than this */
 #define PREFETCH_AHEAD 32 /* rows prefetched ahead in the vector path */
 #define PREFETCH_BLOCKS 2 /* 16-row blocks prefetched ahead in the bf16 dot-product path */
+#define MAX_CHUNKS 64 /* parts a long request's own slots are split into */
 
 
 static inline float load_f32(const float *p, int d) { return p[d]; }
@@ -164,7 +165,7 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q, c
                                                             const int64_t *idx, int64_t n, const int G,
                                                             const int NC, float scale, float *scores) {
     const int dim = 32 * NC;
-    __m512bh qb[8][4];
+    __m512bh qb[MAX_GROUP][4];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (int64_t)g * dim + 32 * c);
     const __m512 sv = _mm512_set1_ps(scale);
@@ -195,7 +196,7 @@ static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, 
                                                             const int G, const int NC, const uint16_t *pb,
                                                             int64_t stride, float *out) {
     const int dim = 32 * NC;
-    __m512 acc[8][8];
+    __m512 acc[8][8]; /* G <= 8 */
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < 2 * NC; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l += 2) {
@@ -252,7 +253,14 @@ static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t 
     const int64_t stride = (n + 31) / 32 * 32;
     uint16_t *pb = (uint16_t *)(scores + (int64_t)G * n + 16 - ((int64_t)G * n) % 16);
     probs_to_bf16(scores, n, G, pb, stride);
-    pv_dpbf16(vh, idx, n, G, NC, pb, stride, part->acc);
+    /* at most 8 rows of accumulators per pass over V (more would not fit in registers); a row's sum does
+     * not depend on the pass it is in */
+    if (G <= 8) {
+        pv_dpbf16(vh, idx, n, G, NC, pb, stride, part->acc);
+    } else {
+        pv_dpbf16(vh, idx, n, 8, NC, pb, stride, part->acc);
+        pv_dpbf16(vh, idx, n, G - 8, NC, pb + 8 * stride, stride, part->acc + 8 * 32 * NC);
+    }
 }
 
 #define DP_CASE(G)                                                                                             \
@@ -261,13 +269,14 @@ static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t 
         else range_dpbf16_g(q, kh, vh, idx, n, G, 4, scale, scores, part);                                     \
         return 1;
 
-/* The AVX512-BF16 path for head_dim 64/128 and groups up to 8; returns 0 when it does not apply. */
+/* The AVX512-BF16 path for head_dim 64/128 and up to 16 query rows; returns 0 when it does not apply. */
 static int range_dpbf16(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *idx, int64_t n,
                         int group, int dim, float scale, float *scores, Partial *part) {
     const int nc = dim / 32;
     if (dim != 64 && dim != 128) return 0;
     switch (group) {
         DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
+        DP_CASE(9) DP_CASE(10) DP_CASE(11) DP_CASE(12) DP_CASE(13) DP_CASE(14) DP_CASE(15) DP_CASE(16)
         default: return 0;
     }
 }
@@ -311,7 +320,7 @@ static void NAME(const float *maxes, const float *sums, const float *const *accs
                  T *out) {                                                                                     \
     float m = -INFINITY;                                                                                       \
     for (int c = 0; c < chunks; ++c) m = maxes[c] > m ? maxes[c] : m;                                          \
-    float total = 0.f, w[64];                                                                                  \
+    float total = 0.f, w[MAX_CHUNKS + 1];                                                                      \
     for (int c = 0; c < chunks; ++c) {                                                                         \
         w[c] = sums[c] > 0.f ? expf(maxes[c] - m) : 0.f;                                                       \
         total += w[c] * sums[c];                                                                               \
@@ -327,7 +336,6 @@ static void NAME(const float *maxes, const float *sums, const float *const *accs
 DEFINE_FINISH(finish_f32, float, store_f32)
 DEFINE_FINISH(finish_bf16, uint16_t, store_bf16)
 
-#define MAX_CHUNKS 64
 
 /* Buffers on 64-byte boundaries: the compiler's vectorized reductions (softmax sums) peel to alignment, so
  * a sum's rounding would otherwise depend on where the heap put the buffer. */
@@ -339,11 +347,17 @@ static float *alloc_floats(int64_t n) {
  * [group][n rounded up to 32] starting at the next 64-byte boundary. */
 #define SCORES_FLOATS(n, group) ((int64_t)(group) * ((n) + ((n) + 31) / 32 * 16) + 32)
 
+/* Suffix length of request b: its slots after the prefix its shared-prefix group attends for it. */
+static inline int64_t own_len(const int64_t *indptr, const int64_t *share_len, int b) {
+    return indptr[b + 1] - indptr[b] - (share_len != NULL ? share_len[b] : 0);
+}
+
 /* Chunks per request: 1 unless (request, kv head) pairs are too few to give each thread ~4 items. */
-static int choose_chunks(const int64_t *indptr, int batch, int num_kv_heads, int threads) {
+static int choose_chunks(const int64_t *indptr, const int64_t *share_len, int batch, int num_kv_heads,
+                         int threads) {
     int64_t longest = 0;
     for (int b = 0; b < batch; ++b) {
-        const int64_t len = indptr[b + 1] - indptr[b];
+        const int64_t len = own_len(indptr, share_len, b);
         longest = len > longest ? len : longest;
     }
     const int64_t pairs = (int64_t)batch * num_kv_heads, want = 4 * (int64_t)threads;
@@ -355,16 +369,86 @@ static int choose_chunks(const int64_t *indptr, int batch, int num_kv_heads, int
     return chunks < 1 ? 1 : (int)chunks;
 }
 
+/*
+ * Shared-prefix ("cascade") plan for one decode step. Requests that share a radix-cache prefix have the same
+ * KV slots at the start of their index lists. Requests whose lists begin with the same >= min_shared slots
+ * form groups of at most max_members (members x heads per kv head query rows must fit MAX_GROUP); the
+ * kernel attends each group's common prefix once for all its members' queries, reading those K/V rows once
+ * instead of once per member, and each member then attends only its own suffix; the partial softmax states
+ * are merged as the chunks of a split request are.
+ *
+ * Fills share_len[b] (the prefix b's group attends for it; 0 when b is in no group), group_ptr[0..groups]
+ * and members: group g is members[group_ptr[g] .. group_ptr[g+1]), all sharing the first share_len slots of
+ * its first member's list. Returns the number of groups (-1 when memory runs out: then no sharing).
+ * Room needed: share_len and members [batch], group_ptr [batch / 2 + 1].
+ */
+typedef struct {
+    int64_t first_slot;
+    int b;
+} SlotKey;
+
+static int compare_slot_keys(const void *x, const void *y) {
+    const SlotKey *a = (const SlotKey *)x, *b = (const SlotKey *)y;
+    if (a->first_slot != b->first_slot) return a->first_slot < b->first_slot ? -1 : 1;
+    return a->b - b->b;
+}
+
+KERNEL_API int plan_shared_prefixes(const int64_t *indptr, const int64_t *indices, int batch, int max_members,
+                                    int64_t min_shared, int64_t *share_len, int *group_ptr, int *members) {
+    for (int b = 0; b < batch; ++b) share_len[b] = 0;
+    group_ptr[0] = 0;
+    if (max_members < 2 || batch < 2) return 0;
+    SlotKey *keys = (SlotKey *)malloc(sizeof(SlotKey) * (size_t)batch);
+    if (keys == NULL) return -1;
+    int n = 0;
+    for (int b = 0; b < batch; ++b)
+        if (indptr[b + 1] - indptr[b] >= min_shared) keys[n++] = (SlotKey){indices[indptr[b]], b};
+    qsort(keys, (size_t)n, sizeof(SlotKey), compare_slot_keys);
+    int groups = 0, used = 0;
+    for (int s = 0; s < n;) {
+        int e = s + 1;
+        while (e < n && keys[e].first_slot == keys[s].first_slot) ++e;
+        const int run = e - s, parts = (run + max_members - 1) / max_members; /* balanced sub-groups */
+        for (int p = 0; p < parts; ++p) {
+            const int g0 = s + run * p / parts, g1 = s + run * (p + 1) / parts;
+            if (g1 - g0 < 2) continue;
+            const int leader = keys[g0].b;
+            const int64_t *lead = indices + indptr[leader];
+            int64_t shared = indptr[leader + 1] - indptr[leader];
+            for (int j = g0 + 1; j < g1; ++j) {
+                const int b = keys[j].b;
+                const int64_t *own = indices + indptr[b], len = indptr[b + 1] - indptr[b];
+                int64_t common = 0, limit = shared < len ? shared : len;
+                while (common < limit && own[common] == lead[common]) ++common;
+                shared = common;
+            }
+            if (shared < min_shared) continue;
+            for (int j = g0; j < g1; ++j) {
+                members[used++] = keys[j].b;
+                share_len[keys[j].b] = shared;
+            }
+            group_ptr[++groups] = used;
+        }
+        s = e;
+    }
+    free(keys);
+    return groups;
+}
+
 /* Entry point. Query b's heads start at q + b * q_stride (heads contiguous); out is [B, Hq, D]. k_new/v_new/
  * out_loc may be NULL (no KV write); otherwise request b's new K/V heads (contiguous, starting at
  * b * k_new_stride and b * v_new_stride) are stored at pool row out_loc[b] before any attention reads.
+ * share_len/group_ptr/members/groups: a plan from plan_shared_prefixes for these indices, or NULL/0.
+ * Work items: first (group, kv head) for each shared prefix, then (request, kv head, chunk of its suffix).
  * Returns 0, or -1 when a buffer cannot be allocated (the output is then not written). */
 #define DEFINE_KERNEL(NAME, T, RANGE, FINISH)                                                                  \
 KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const int64_t *indices, \
                     T *out,                                                                                    \
          int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, int threads,      \
-         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride, const int64_t *out_loc) { \
+         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride, const int64_t *out_loc,   \
+         const int64_t *share_len, const int *group_ptr, const int *members, int groups) {                     \
     const int group = num_heads / num_kv_heads;                                                                \
+    if (groups <= 0) { share_len = NULL; groups = 0; }                                                         \
     if (k_new != NULL) {                                                                                       \
         for (int b = 0; b < batch; ++b)                                                                        \
             for (int h = 0; h < num_kv_heads; ++h) {                                                           \
@@ -375,25 +459,59 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
                        sizeof(T) * (size_t)head_dim);                                                          \
             }                                                                                                  \
     }                                                                                                          \
-    const int chunks = choose_chunks(indptr, batch, num_kv_heads, threads);                                    \
-    const int64_t items = (int64_t)batch * num_kv_heads * chunks;                                              \
-    /* per item: group maxes + sums, and group x dim accumulators */                                           \
-    float *state = alloc_floats(items * group * (2 + head_dim));                                               \
+    const int chunks = choose_chunks(indptr, share_len, batch, num_kv_heads, threads);                         \
+    const int64_t per_state = (int64_t)group * (2 + head_dim);                                                 \
+    const int64_t own_items = (int64_t)batch * num_kv_heads * chunks;                                          \
+    const int64_t shared_items = (int64_t)groups * num_kv_heads;                                               \
+    /* per item: group maxes + sums, and group x dim accumulators; then one shared state per (b, kv head) */  \
+    float *state = alloc_floats((own_items + (groups ? (int64_t)batch * num_kv_heads : 0)) * per_state);      \
     if (state == NULL) return -1;                                                                              \
+    float *shared_state = state + own_items * per_state;                                                       \
     int failed = 0;                                                                                            \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
         int64_t cap = 0;                                                                                       \
         float *scores = NULL;                                                                                  \
         _Pragma("omp for schedule(dynamic, 1)")                                                                \
-        for (int64_t item = 0; item < items; ++item) {                                                         \
-            const int c = (int)(item % chunks);                                                                \
-            const int h = (int)((item / chunks) % num_kv_heads);                                               \
-            const int b = (int)(item / ((int64_t)chunks * num_kv_heads));                                      \
-            const int64_t len = indptr[b + 1] - indptr[b];                                                     \
+        for (int64_t item = 0; item < shared_items + own_items; ++item) {                                      \
+            if (item < shared_items) { /* a group's common prefix, for all its members' query rows */          \
+                const int gi = (int)(item / num_kv_heads), h = (int)(item % num_kv_heads);                    \
+                const int first = group_ptr[gi], count = group_ptr[gi + 1] - first;                           \
+                const int lead = members[first];                                                               \
+                const int64_t n = share_len[lead], need = SCORES_FLOATS(n, count * group);                     \
+                if (need > cap) {                                                                              \
+                    free(scores);                                                                              \
+                    cap = need;                                                                                \
+                    scores = alloc_floats(cap);                                                                \
+                    if (scores == NULL) { cap = 0; failed = 1; continue; }                                    \
+                }                                                                                              \
+                T qrows[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));                                     \
+                float acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));                                   \
+                for (int j = 0; j < count; ++j)                                                                \
+                    memcpy(qrows + (int64_t)j * group * head_dim,                                              \
+                           q + (int64_t)members[first + j] * q_stride + (int64_t)h * group * head_dim,         \
+                           sizeof(T) * (size_t)group * head_dim);                                              \
+                Partial part;                                                                                  \
+                part.acc = acc;                                                                                \
+                RANGE(qrows, k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,               \
+                      indices + indptr[lead], n, count * group, head_dim, scale, scores, &part);               \
+                for (int j = 0; j < count; ++j) {                                                              \
+                    float *st = shared_state + ((int64_t)members[first + j] * num_kv_heads + h) * per_state;   \
+                    memcpy(st, part.max + j * group, sizeof(float) * group);                                   \
+                    memcpy(st + group, part.sum + j * group, sizeof(float) * group);                           \
+                    memcpy(st + 2 * group, acc + (int64_t)j * group * head_dim,                                \
+                           sizeof(float) * (size_t)group * head_dim);                                          \
+                }                                                                                              \
+                continue;                                                                                      \
+            }                                                                                                  \
+            const int64_t own = item - shared_items;                                                           \
+            const int c = (int)(own % chunks);                                                                 \
+            const int h = (int)((own / chunks) % num_kv_heads);                                                \
+            const int b = (int)(own / ((int64_t)chunks * num_kv_heads));                                       \
+            const int64_t skip = share_len != NULL ? share_len[b] : 0, len = own_len(indptr, share_len, b);     \
             const int64_t per = (len + chunks - 1) / chunks;                                                   \
             const int64_t lo = c * per < len ? c * per : len, hi = lo + per < len ? lo + per : len;            \
-            float *st = state + item * group * (2 + head_dim);                                                 \
+            float *st = state + own * per_state;                                                               \
             Partial part;                                                                                      \
             part.acc = st + 2 * group;                                                                         \
             const int64_t need = SCORES_FLOATS(hi - lo, group);                                                \
@@ -405,24 +523,26 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
             }                                                                                                  \
             RANGE(q + (int64_t)b * q_stride + (int64_t)h * group * head_dim,                                   \
                   k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,                          \
-                  indices + indptr[b] + lo, hi - lo, group, head_dim, scale, scores, &part);                   \
+                  indices + indptr[b] + skip + lo, hi - lo, group, head_dim, scale, scores, &part);            \
             memcpy(st, part.max, sizeof(float) * group);                                                       \
             memcpy(st + group, part.sum, sizeof(float) * group);                                               \
         }                                                                                                      \
         free(scores);                                                                                          \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t bh = 0; bh < (int64_t)batch * num_kv_heads; ++bh) {                                      \
-            float maxes[MAX_CHUNKS], sums[MAX_CHUNKS];                                                         \
-            const float *accs[MAX_CHUNKS];                                                                     \
+            float maxes[MAX_CHUNKS + 1], sums[MAX_CHUNKS + 1];                                                 \
+            const float *accs[MAX_CHUNKS + 1];                                                                 \
+            const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;                                        \
+            const int parts = chunks + (share_len != NULL && share_len[b] > 0);                                \
             for (int g = 0; g < group; ++g) {                                                                  \
-                for (int c = 0; c < chunks; ++c) {                                                             \
-                    const float *st = state + (bh * chunks + c) * group * (2 + head_dim);                      \
+                for (int c = 0; c < parts; ++c) { /* the own chunks, then the shared prefix's state */         \
+                    const float *st = c < chunks ? state + (bh * chunks + c) * per_state                       \
+                                                 : shared_state + bh * per_state;                              \
                     maxes[c] = st[g];                                                                          \
                     sums[c] = st[group + g];                                                                   \
                     accs[c] = st + 2 * group + (int64_t)g * head_dim;                                          \
                 }                                                                                              \
-                const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;                                    \
-                FINISH(maxes, sums, accs, chunks, head_dim, out + (b * num_heads + h * group + g) * head_dim); \
+                FINISH(maxes, sums, accs, parts, head_dim, out + (b * num_heads + h * group + g) * head_dim);  \
             }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \

@@ -1,35 +1,58 @@
 """`cpu` attention: `torch_native` for extend, and the native paged decode kernel
 (tokenloom/kernels/paged_attention.py) for decode, which reads K/V in place from the pool through
 `kv_indptr`/`kv_indices` instead of gathering a padded copy. Used when the kernel builds on this machine.
+
+Cascade decode: once per step, `init_forward_metadata` finds decode requests whose KV index lists start with
+the same slots (a prefix they share through the radix cache) and plans groups; every layer's kernel call then
+reads each shared prefix once for the whole group. `cascade=False` (`--disable-cascade-attention`) turns it off.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.executor.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
 from tokenloom.layers.attention.torch_native import TorchNativeBackend
 from tokenloom.layers.kv_indices import build_kv_indices
 
 
+@dataclass
+class CpuDecodeMetadata:
+    kv_indptr: torch.Tensor  # [B + 1] int64
+    kv_indices: torch.Tensor  # [sum of lengths] int64
+    shared: paged_attention.SharedPrefixPlan | None  # None: every request attends its own KV
+
+
 class CpuPagedBackend(TorchNativeBackend):
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int | None = None,
+                 cascade: bool = True) -> None:
+        super().__init__(req_to_token_pool, kv_pool)
+        kv_heads = kv_pool.k_buffers[0].shape[0] if kv_pool.k_buffers else 1
+        self.group = max(1, (num_heads or kv_heads) // kv_heads)
+        self.cascade = cascade
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.forward_mode.is_decode():
             super().init_forward_metadata(batch)
             return
         kv_indptr, kv_indices = build_kv_indices(
             self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens)
-        batch.attn_metadata = (kv_indptr, kv_indices)
+        shared = paged_attention.plan_shared_prefixes(kv_indptr, kv_indices, self.group) if self.cascade else None
+        batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
             return super().forward(q, k, v, layer_id, scaling, batch)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)
-        kv_indptr, kv_indices = batch.attn_metadata
-        out = paged_attention.decode(q, k_buf, v_buf, kv_indptr, kv_indices, scaling,
-                                     k_new=k, v_new=v, out_loc=batch.out_cache_loc)  # stores k/v, then attends
+        md: CpuDecodeMetadata = batch.attn_metadata
+        out = paged_attention.decode(q, k_buf, v_buf, md.kv_indptr, md.kv_indices, scaling, k_new=k, v_new=v,
+                                     out_loc=batch.out_cache_loc, shared=md.shared)  # stores k/v, then attends
         return out.to(q.dtype)
 
     @staticmethod

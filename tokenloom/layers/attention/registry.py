@@ -36,5 +36,9 @@ def resolve_attention_backend(name: str, kv_pool: KVPool, num_heads: int) -> str
 
 
 def create_attention_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
-                             num_heads: int) -> AttentionBackend:
-    return ATTENTION_BACKEND_CLASSES[resolve_attention_backend(name, kv_pool, num_heads)](req_to_token_pool, kv_pool)
+                             num_heads: int, cascade: bool = True) -> AttentionBackend:
+    """`cascade`: let the `cpu` backend attend a prefix shared by several decode requests once for all."""
+    resolved = resolve_attention_backend(name, kv_pool, num_heads)
+    if resolved == "cpu":
+        return CpuPagedBackend(req_to_token_pool, kv_pool, num_heads, cascade=cascade)
+    return ATTENTION_BACKEND_CLASSES[resolved](req_to_token_pool, kv_pool)
