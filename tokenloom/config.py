@@ -46,6 +46,9 @@ class ServerArgs:
     random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
     # Memory
     page_size: int = _flag(1, "Tokens per KV page.")
+    decode_slot_run: int = _flag(16, "With page size 1: KV slots a decoding request takes at once as one "
+                                 "contiguous run (reserved, given back when memory is short), so its KV stays "
+                                 "contiguous for the attention kernel; 1 takes one slot per step.")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens (default: from the memory budget).")
     mem_fraction_static: float | None = _flag(
         None, "Fraction of available memory for the KV pool (default 0.25 on the CPU).")
@@ -96,6 +99,8 @@ class ServerArgs:
                 raise ConfigError(f"--{_dash(f.name)} must be one of {', '.join(choices)}; got {value!r}")
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1; got {self.page_size}")
+        if self.decode_slot_run < 1:
+            raise ConfigError(f"--decode-slot-run must be >= 1; got {self.decode_slot_run}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
             raise ConfigError(f"--max-total-tokens must hold at least two pages; got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -256,3 +256,46 @@ def test_req_to_token_pool_write():
         for (r, c), s in zip(cells, slots.tolist(), strict=True):
             expected[r][c] = s
         assert pool.req_to_token.tolist() == expected
+
+
+# ----------------------------------------------------------------------------------- decode runs
+
+def test_token_allocator_decode_runs_are_contiguous():
+    """Requests decoding side by side each get contiguous slots (runs of DECODE_RUN), not interleaved ones."""
+    a = TokenAllocator(400, CPU, decode_run=8)
+    prompt = a.alloc(3)  # each request's prompt ends at one slot
+    last = prompt
+    per_req: list[list[int]] = [[], [], []]
+    lens = t([1, 1, 1])
+    for _ in range(20):
+        lens = lens + 1
+        got = a.alloc_decode(lens, last)
+        for i, s in enumerate(got.tolist()):
+            per_req[i].append(s)
+        last = got
+        assert a.available_size() + 3 + sum(map(len, per_req)) == 400
+    for slots in per_req:
+        breaks = sum(b != a_ + 1 for a_, b in zip(slots, slots[1:], strict=False))
+        assert breaks <= 20 // 8  # a new run every 8 tokens at most
+    a.free(t([s for r in per_req for s in r] + prompt.tolist()))  # releases the reservations after them
+    assert a.available_size() == 400 and a._num_reserved == 0
+    assert sorted(a.free_slot_ids().tolist()) == list(range(1, 401))
+
+
+def test_token_allocator_reservations_are_taken_back_when_short():
+    a = TokenAllocator(40, CPU, decode_run=16)
+    first = a.alloc(2)
+    a.alloc_decode(t([2, 2]), first)  # two runs of 16: 30 slots reserved or used
+    assert a.available_size() == 36
+    big = a.alloc(36)  # needs the reserved slots
+    assert big is not None and a.available_size() == 0 and a._num_reserved == 0
+    assert len(set(big.tolist()) | set(first.tolist())) == 38
+
+
+def test_token_allocator_shared_last_slot_takes_its_successor_once():
+    """Two requests whose rows end at the same (cached) slot must not both take its reserved successor."""
+    a = TokenAllocator(100, CPU, decode_run=4)
+    start = a.alloc(1)
+    run_first = a.alloc_decode(t([2]), start)  # slot r, with r+1.. reserved
+    got = a.alloc_decode(t([3, 3]), torch.cat([run_first, run_first]))
+    assert got[0] == run_first[0] + 1 and got[1] != got[0]

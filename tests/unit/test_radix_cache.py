@@ -30,7 +30,7 @@ def free_slots(alloc) -> list[int]:
     if isinstance(alloc, PagedAllocator):
         p = alloc.page_size
         return [pg * p + i for pg in alloc._free_pages.tolist() for i in range(p)]
-    return alloc._free.tolist()
+    return alloc.free_slot_ids().tolist()
 
 
 def all_slots(alloc) -> set[int]:

@@ -12,26 +12,50 @@ from __future__ import annotations
 
 import torch
 
+# Decode slots a request takes at once as one contiguous run (page size 1; `--decode-slot-run`): its next
+# DECODE_RUN - 1 tokens' slots are reserved right after the one it uses now.
+DECODE_RUN = 16
+
 
 class TokenAllocator:
-    """Page size 1: any free slot serves any token."""
+    """Page size 1: any free slot serves any token.
+
+    Decode locality: handing each running request the next free slot at every step would interleave the
+    requests' decode KV (a request's consecutive tokens a batch size apart), and the paged attention kernel
+    reads scattered rows at a fraction of the speed of contiguous ones (bench/attention_layout.py). So a
+    decode token whose predecessor's next slot is reserved takes it; otherwise the request takes a run of up
+    to `decode_run` free slots, uses the first and reserves the contiguous rest for its following tokens.
+
+    Reservations are only a hint: reserved slots count as available, `alloc` takes them back when the
+    unreserved ones run short, and freeing a slot releases the reservations chained after it.
+    Invariant: `available_size() + slots in use == size`; a slot is never both reserved and in `_free`.
+    """
 
     page_size = 1
 
-    def __init__(self, size: int, device: torch.device) -> None:
+    def __init__(self, size: int, device: torch.device, decode_run: int = DECODE_RUN) -> None:
         self.size = size
         self.device = device
+        self.decode_run = max(1, decode_run)
         self.clear()
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._reserved = torch.zeros(self.size + 2, dtype=torch.bool, device=self.device)  # by slot id
+        self._num_reserved = 0
 
     def available_size(self) -> int:
-        return int(self._free.numel())
+        return int(self._free.numel()) + self._num_reserved
+
+    def free_slot_ids(self) -> torch.Tensor:
+        """Every slot not in use, reserved ones included (for checks and tests)."""
+        return torch.cat((self._free, self._reserved.nonzero().flatten()))
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        if n > self._free.numel():
+        if n > self.available_size():
             return None
+        if n > self._free.numel():
+            self._release_all_reservations()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
@@ -41,12 +65,68 @@ class TokenAllocator:
         return self.alloc(int((seq_lens - prefix_lens).sum()))
 
     def alloc_decode(self, seq_lens: torch.Tensor, last_slots: torch.Tensor) -> torch.Tensor | None:
-        """One slot per request for its token at position seq_lens[i]-1."""
-        return self.alloc(int(seq_lens.numel()))
+        """One slot per request for its token at position seq_lens[i]-1; `last_slots[i]` is the slot of
+        position seq_lens[i]-2 (0 when there is none): its reserved successor is taken when there is one."""
+        n = int(seq_lens.numel())
+        if n > self.available_size():
+            return None
+        nxt = last_slots.to(torch.int64) + 1
+        hit = (last_slots > 0) & self._reserved[nxt.clamp(max=self.size + 1)]
+        taken = nxt[hit]
+        if taken.numel() > 1 and torch.unique(taken).numel() != taken.numel():
+            # requests whose rows end at one shared cached slot: only the first takes its successor
+            seen: set[int] = set()
+            for i in hit.nonzero().flatten().tolist():
+                slot = int(nxt[i])
+                hit[i] = slot not in seen
+                seen.add(slot)
+            taken = nxt[hit]
+        self._reserved[taken] = False
+        self._num_reserved -= int(taken.numel())
+        miss = int(n - taken.numel())
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        out[hit] = taken
+        if miss:
+            out[~hit] = self._take_runs(miss)
+        return out
+
+    def _take_runs(self, count: int) -> torch.Tensor:
+        """First slots of `count` fresh runs; the contiguous rest of each run is reserved."""
+        run = min(self.decode_run, self._free.numel() // count)
+        if run <= 1:
+            return self.alloc(count)
+        runs, self._free = self._free[: count * run].view(count, run), self._free[count * run:]
+        follows = (runs[:, 1:] == runs[:, :-1] + 1).cumprod(1).bool()  # contiguous from each run's start
+        rest = runs[:, 1:]
+        keep = rest[follows]
+        self._reserved[keep] = True
+        self._num_reserved += int(keep.numel())
+        self._free = torch.cat((rest[~follows], self._free))
+        return runs[:, 0].clone()
+
+    def _release_all_reservations(self) -> None:
+        if self._num_reserved:
+            self._free = torch.cat((self._free, self._reserved.nonzero().flatten()))
+            self._reserved.zero_()
+            self._num_reserved = 0
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            self._free = torch.cat((self._free, slots.to(torch.int64)))
+        if not slots.numel():
+            return
+        slots = slots.to(torch.int64)
+        self._free = torch.cat((self._free, slots))
+        # release the reservations chained after each freed slot (a run holds at most decode_run - 1)
+        nxt = slots + 1
+        for _ in range(self.decode_run - 1):
+            if not self._num_reserved:
+                break
+            nxt = nxt[self._reserved[nxt.clamp(max=self.size + 1)]]
+            if not nxt.numel():
+                break
+            self._reserved[nxt] = False
+            self._num_reserved -= int(nxt.numel())
+            self._free = torch.cat((self._free, nxt))
+            nxt = nxt + 1
 
 
 class PagedAllocator:

@@ -73,7 +73,7 @@ class ModelRunner:
         self.max_total_num_tokens = tokens
         requests = args.max_running_requests or min(max(tokens * 512 // self.context_len, 256), 4096)
         self.req_to_token_pool = ReqToTokenPool(requests, self.context_len + _REQ_TO_TOKEN_SLACK, self.device)
-        self.token_allocator = (TokenAllocator(tokens, self.device) if args.page_size == 1
+        self.token_allocator = (TokenAllocator(tokens, self.device, args.decode_slot_run) if args.page_size == 1
                                 else PagedAllocator(tokens, args.page_size, self.device))
         kv_heads = max(1, cfg.num_key_value_heads // self.parallel.tp_size)
         self.kv_pool = KVPool(tokens, args.page_size, kv_heads, cfg.head_dim, self.dtype, self.device,

@@ -29,8 +29,12 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MIN_CHUNK 256 /* never split a request into chunks shorter than this */
+#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 32 /* rows prefetched ahead in the vector path */
+#endif
+#ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2 /* 16-row blocks prefetched ahead in the bf16 dot-product path */
+#endif
 #define MAX_CHUNKS 64 /* parts a long request's own slots are split into */
 
 
@@ -343,6 +347,15 @@ static float *alloc_floats(int64_t n) {
     const size_t bytes = ((size_t)(n > 0 ? n : 1) * sizeof(float) + 63) / 64 * 64;
     return (float *)aligned_alloc(64, bytes);
 }
+/* Make *scores hold at least `need` floats (a thread's scratch, grown as items need); 0 when out of memory. */
+static int reserve_scores(float **scores, int64_t *cap, int64_t need) {
+    if (need <= *cap) return 1;
+    free(*scores);
+    *scores = alloc_floats(need);
+    *cap = *scores != NULL ? need : 0;
+    return *scores != NULL;
+}
+
 /* Scratch floats per work item of n slots: float scores [group][n], then (bf16 path) bf16 probabilities
  * [group][n rounded up to 32] starting at the next 64-byte boundary. */
 #define SCORES_FLOATS(n, group) ((int64_t)(group) * ((n) + ((n) + 31) / 32 * 16) + 32)
@@ -478,13 +491,8 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
                 const int gi = (int)(item / num_kv_heads), h = (int)(item % num_kv_heads);                    \
                 const int first = group_ptr[gi], count = group_ptr[gi + 1] - first;                           \
                 const int lead = members[first];                                                               \
-                const int64_t n = share_len[lead], need = SCORES_FLOATS(n, count * group);                     \
-                if (need > cap) {                                                                              \
-                    free(scores);                                                                              \
-                    cap = need;                                                                                \
-                    scores = alloc_floats(cap);                                                                \
-                    if (scores == NULL) { cap = 0; failed = 1; continue; }                                    \
-                }                                                                                              \
+                const int64_t n = share_len[lead];                                                             \
+                if (!reserve_scores(&scores, &cap, SCORES_FLOATS(n, count * group))) { failed = 1; continue; } \
                 T qrows[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));                                     \
                 float acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));                                   \
                 for (int j = 0; j < count; ++j)                                                                \
@@ -514,13 +522,7 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
             float *st = state + own * per_state;                                                               \
             Partial part;                                                                                      \
             part.acc = st + 2 * group;                                                                         \
-            const int64_t need = SCORES_FLOATS(hi - lo, group);                                                \
-            if (need > cap) {                                                                                  \
-                free(scores);                                                                                  \
-                cap = need;                                                                                    \
-                scores = alloc_floats(cap);                                                                    \
-                if (scores == NULL) { cap = 0; failed = 1; continue; }                                        \
-            }                                                                                                  \
+            if (!reserve_scores(&scores, &cap, SCORES_FLOATS(hi - lo, group))) { failed = 1; continue; }       \
             RANGE(q + (int64_t)b * q_stride + (int64_t)h * group * head_dim,                                   \
                   k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,                          \
                   indices + indptr[b] + skip + lo, hi - lo, group, head_dim, scale, scores, &part);            \
