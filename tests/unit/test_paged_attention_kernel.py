@@ -99,3 +99,26 @@ def test_empty_request_gives_zeros():
 def test_limits_reported():
     assert not paged_attention.available(torch.float32, 64, 64)
     assert not paged_attention.available(torch.float16, 4, 64)
+
+
+def test_dot_product_path_without_amx():
+    """bf16 at head_dim 64 runs on the AMX tile unit where it is available; the AVX512-BF16 dot-product path
+    it otherwise takes is checked here in a process with AMX turned off (TOKENLOOM_DISABLE_AMX=1)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from tests.unit.test_paged_attention_kernel import TOL, _case, _reference\n"
+        "from tokenloom.kernels import paged_attention\n"
+        "for heads, kv in ((9, 3), (8, 1)):\n"
+        "    q, k, v, indptr, indices = _case(torch.bfloat16, heads, kv, 64, [1, 7, 130, 33, 300, 2, 16, 17], 3)\n"
+        "    out = paged_attention.decode(q, k, v, indptr, indices, 0.125)\n"
+        "    ref = _reference(q, k, v, indptr, indices, 0.125)\n"
+        "    assert (out.float() - ref).abs().max().item() < TOL[torch.bfloat16]\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TOKENLOOM_DISABLE_AMX="1", PYTHONPATH=root)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr

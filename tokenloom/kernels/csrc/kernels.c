@@ -2,6 +2,7 @@
  * The one native library of tokenloom's CPU kernels (built by tokenloom/kernels/cpu_build.py): every kernel
  * source in one translation unit, so the native decode step and the Python wrappers call the same code.
  */
+#define _DEFAULT_SOURCE /* syscall() for the AMX permission request (paged_attention.c) */
 #include "cpu_ops.c"
 #include "paged_attention.c"
 #include "small_gemm.c"

@@ -11,8 +11,13 @@
  * (max, sum, weighted V) are then merged exactly as flash-decoding does. Scores, softmax and the weighted sum
  * are computed in float32; bf16 inputs are widened exactly and the output is rounded to nearest even.
  *
- * With AVX-512 (and head_dim 64 or 128) the inner loops run on 16-float vectors with the query held in
- * registers; otherwise a portable scalar loop computes the same thing.
+ * Paths, fastest first: bf16 at head_dim 64 on the AMX tile unit (range_amx64; TOKENLOOM_DISABLE_AMX=1
+ * turns it off); bf16 at head_dim 64/128 with AVX512-BF16 dot products; 16-float AVX-512 vectors with the
+ * query held in registers; a portable scalar loop. All compute the same thing (float32 scores, softmax and
+ * sums; the bf16 paths round the probabilities to bf16 before the weighted sum of V).
+ *
+ * Cascade: given a shared-prefix plan (plan_shared_prefixes), a prefix several requests share is attended
+ * once for all their query rows, and merged with each request's own suffix like a chunk.
  */
 #include "bf16_common.h"
 #include <math.h>
@@ -267,6 +272,159 @@ static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t 
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/*
+ * AMX path (head_dim 64, bf16): the tile unit does the dot products. Every tile is 16 rows x 64 bytes:
+ *   QK, per 16 keys:  tmm0 (S[key][row], fp32) += tmm1 (K rows, 32 dims) . tmm2|tmm3 (Q^T, dim pairs x rows)
+ *   PV, per 32 keys:  tmm4..7 (O[row][16 permuted dims], fp32) += tmm0 (P[row][32 keys]) . tmm1 (V key pairs)
+ * Query rows are padded to 16 (unused rows hold anything finite; a tile row only feeds its own output row).
+ * K rows come straight from the pool when 16 slots are consecutive (decode slots are handed out in runs),
+ * else they are copied into a scratch block first. V rows are interleaved in pairs as pv_dpbf16 does.
+ */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux hands out AMX tile state only on request (once per process); 1 when granted. */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 granted, -1 refused; a benign race: every caller finds the same */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Load the all-16x64 tile configuration on the calling thread (other code, e.g. oneDNN, may change it). */
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Per-thread scratch of the AMX path: P rows padded to 16, one K block, V pair blocks, tile outputs. */
+static __thread uint16_t *amx_p = NULL;
+static __thread int64_t amx_p_cap = 0;
+
+/* One work item on the tile unit; 0 (nothing computed) when its scratch cannot be allocated. */
+static int range_amx64(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *idx, int64_t n,
+                       int group, float scale, float *scores, Partial *part) {
+    enum { D = 64 };
+    uint16_t qt[2][16][32] __attribute__((aligned(64))); /* Q^T in pairs: [half][dim pair][row * 2 + j] */
+    uint16_t kblk[16][D] __attribute__((aligned(64)));
+    uint16_t vblk[4][16][32] __attribute__((aligned(64)));
+    float sblk[16][16] __attribute__((aligned(64)));
+    float oblk[4][16][16] __attribute__((aligned(64)));
+    const int64_t stride = (n + 31) / 32 * 32;
+    if (16 * stride > amx_p_cap) {
+        free(amx_p);
+        amx_p = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * stride));
+        amx_p_cap = amx_p != NULL ? 16 * stride : 0;
+        if (amx_p == NULL) return 0;
+        memset(amx_p, 0, sizeof(uint16_t) * (size_t)(16 * stride));
+    }
+    memset(qt, 0, sizeof qt);
+    for (int g = 0; g < group; ++g)
+        for (int d = 0; d < D; ++d) qt[d / 32][(d % 32) / 2][g * 2 + d % 2] = q[g * D + d];
+    _tile_loadd(2, qt[0], 64);
+    _tile_loadd(3, qt[1], 64);
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < n; l0 += 16) {
+        const int m = n - l0 < 16 ? (int)(n - l0) : 16;
+        for (int t = 0; t < 16 && l0 + 16 * PREFETCH_BLOCKS + t < n; ++t)
+            prefetch_row(kh + idx[l0 + 16 * PREFETCH_BLOCKS + t] * D, D * 2);
+        int consecutive = m == 16;
+        for (int t = 1; t < m && consecutive; ++t) consecutive = idx[l0 + t] == idx[l0] + t;
+        const uint16_t *kbase = kh + idx[l0] * D;
+        if (!consecutive) {
+            for (int t = 0; t < 16; ++t) memcpy(kblk[t], kh + idx[l0 + (t < m ? t : 0)] * D, D * 2);
+            kbase = &kblk[0][0];
+        }
+        _tile_zero(0);
+        _tile_loadd(1, kbase, D * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, kbase + 32, D * 2);
+        _tile_dpbf16ps(0, 1, 3);
+        _tile_stored(0, sblk, 64);
+        const __mmask16 keep = (__mmask16)((1u << m) - 1u);
+        for (int g = 0; g < group; ++g) {
+            const __m512 col = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), &sblk[0][0], 4);
+            _mm512_mask_storeu_ps(scores + (int64_t)g * n + l0, keep, _mm512_mul_ps(col, sv));
+        }
+    }
+    softmax_rows(scores, n, group, part);
+    probs_to_bf16(scores, n, group, amx_p, stride);
+    _tile_zero(4); /* tile numbers are encoded in the instruction: no loops */
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t l0 = 0; l0 < n; l0 += 32) {
+        for (int p = 0; p < 16; ++p) {
+            const int64_t a = l0 + 2 * p, b = a + 1;
+            if (a + 16 * PREFETCH_BLOCKS < n) prefetch_row(vh + idx[a + 16 * PREFETCH_BLOCKS] * D, D * 2);
+            if (b + 16 * PREFETCH_BLOCKS < n) prefetch_row(vh + idx[b + 16 * PREFETCH_BLOCKS] * D, D * 2);
+            const uint16_t *r0 = a < n ? vh + idx[a] * D : ZERO_ROW, *r1 = b < n ? vh + idx[b] * D : ZERO_ROW;
+            for (int c = 0; c < 2; ++c) {
+                const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
+                _mm512_store_si512(vblk[2 * c][p], _mm512_unpacklo_epi16(x0, x1));
+                _mm512_store_si512(vblk[2 * c + 1][p], _mm512_unpackhi_epi16(x0, x1));
+            }
+        }
+        _tile_loadd(0, amx_p + l0, stride * 2);
+        _tile_loadd(1, vblk[0], 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(1, vblk[1], 64);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(1, vblk[2], 64);
+        _tile_dpbf16ps(6, 0, 1);
+        _tile_loadd(1, vblk[3], 64);
+        _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, oblk[0], 64);
+    _tile_stored(5, oblk[1], 64);
+    _tile_stored(6, oblk[2], 64);
+    _tile_stored(7, oblk[3], 64);
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < group; ++g)
+        for (int c = 0; c < 2; ++c) {
+            const __m512 lo = _mm512_load_ps(oblk[2 * c][g]), hi = _mm512_load_ps(oblk[2 * c + 1][g]);
+            float *o = part->acc + (int64_t)g * D + 32 * c;
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
+    return 1;
+}
+
+/* Whether this thread has the tile configuration loaded for the current kernel call. */
+static __thread int amx_on = 0;
+
+/* The AMX path applies to bf16 with head_dim 64, when the kernel granted the tile state and
+ * TOKENLOOM_DISABLE_AMX is not set (checked once). */
+static int amx_usable(int elem_bytes, int head_dim) {
+    static int disabled = -1;
+    if (disabled < 0) disabled = getenv("TOKENLOOM_DISABLE_AMX") != NULL && getenv("TOKENLOOM_DISABLE_AMX")[0] == '1';
+    return elem_bytes == 2 && head_dim == 64 && !disabled && amx_permitted();
+}
+static void amx_begin(void) { amx_configure(); amx_on = 1; }
+static void amx_end(void) { _tile_release(); amx_on = 0; }
+#else
+#define HAVE_AMX 0
+static int amx_on = 0;
+static int amx_usable(int elem_bytes, int head_dim) { (void)elem_bytes; (void)head_dim; return 0; }
+static void amx_begin(void) {}
+static void amx_end(void) {}
+#endif
+
 #define DP_CASE(G)                                                                                             \
     case G:                                                                                                    \
         if (nc == 2) range_dpbf16_g(q, kh, vh, idx, n, G, 2, scale, scores, part);                            \
@@ -278,6 +436,9 @@ static int range_dpbf16(const uint16_t *q, const uint16_t *kh, const uint16_t *v
                         int group, int dim, float scale, float *scores, Partial *part) {
     const int nc = dim / 32;
     if (dim != 64 && dim != 128) return 0;
+#if HAVE_AMX
+    if (amx_on && dim == 64 && range_amx64(q, kh, vh, idx, n, group, scale, scores, part)) return 1;
+#endif
     switch (group) {
         DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
         DP_CASE(9) DP_CASE(10) DP_CASE(11) DP_CASE(12) DP_CASE(13) DP_CASE(14) DP_CASE(15) DP_CASE(16)
@@ -481,10 +642,12 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
     if (state == NULL) return -1;                                                                              \
     float *shared_state = state + own_items * per_state;                                                       \
     int failed = 0;                                                                                            \
+    const int use_amx = amx_usable((int)sizeof(T), head_dim);                                                 \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
         int64_t cap = 0;                                                                                       \
         float *scores = NULL;                                                                                  \
+        if (use_amx) amx_begin();                                                                              \
         _Pragma("omp for schedule(dynamic, 1)")                                                                \
         for (int64_t item = 0; item < shared_items + own_items; ++item) {                                      \
             if (item < shared_items) { /* a group's common prefix, for all its members' query rows */          \
@@ -530,6 +693,7 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
             memcpy(st + group, part.sum, sizeof(float) * group);                                               \
         }                                                                                                      \
         free(scores);                                                                                          \
+        if (use_amx) amx_end();                                                                                \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t bh = 0; bh < (int64_t)batch * num_kv_heads; ++bh) {                                      \
             float maxes[MAX_CHUNKS + 1], sums[MAX_CHUNKS + 1];                                                 \
