@@ -108,8 +108,9 @@ class ModelWorker:
             rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
             info.add_pending_tokens(rows, sample.next_token_ids)
         self.future_tokens.store(step.out_slots, sample.next_token_ids)
-        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(),
-                            finish_candidates=info.finish_candidates(sample.next_token_ids, self.eos_ids))
+        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist())
+        if fb.forward_mode.is_decode():  # extend results check every row (chunks discard their token)
+            out.finish_candidates = info.finish_candidates(sample.next_token_ids, self.eos_ids)
         if step.want_logprob:
             out.logprobs = sample.next_token_logprobs.tolist()
             if step.top_logprobs_num:

@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from tokenloom.kernels.cpu_build import load_library
+from tokenloom.layers.kv_indices import kv_indptr_from_lens, out_of_bounds_error
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -23,8 +24,6 @@ def build_kv_indices_native(req_to_token: torch.Tensor, req_pool_indices: torch.
                             kv_start: torch.Tensor | None = None, total: int | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (kv_indptr [B+1] int64, kv_indices [sum(kv_lens)] int64) for CPU tensors and an int32 table."""
-    from tokenloom.layers.kv_indices import kv_indptr_from_lens, out_of_bounds_error
-
     if req_to_token.device.type != "cpu" or req_to_token.dtype != torch.int32:
         raise ValueError(f"the native KV-index builder takes a CPU int32 req_to_token, got "
                          f"{req_to_token.dtype} on {req_to_token.device}")
