@@ -47,3 +47,12 @@ def test_lpm_does_not_push_back_requests_with_a_cached_prefix():
     queue = [first, second]
     order_waiting_queue(queue, "lpm", _matcher({tuple(shared[:64]): 64}), radix_enabled=True)
     assert [r.rid for r in queue] == ["x", "y"]  # both hit the cache (> 32 tokens): nothing to warm
+
+
+def test_lpm_pushes_back_behind_a_prefill_in_flight():
+    """A request whose uncached prefix an admitted, not yet processed prefill is computing waits too."""
+    shared = list(range(100, 140))
+    member, other = _req("member", shared + [7]), _req("other", list(range(600, 650)))
+    queue = [member, other]
+    order_waiting_queue(queue, "lpm", _matcher({}), radix_enabled=True, warming={tuple(shared[:32])})
+    assert [r.rid for r in queue] == ["other", "member"]

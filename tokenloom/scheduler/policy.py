@@ -23,30 +23,40 @@ IN_BATCH_DEPRIORITIZE_THRESHOLD = 32  # leading tokens two waiting requests must
 
 
 def order_waiting_queue(queue: list[Req], policy: str, match_prefix: Callable[[list[int]], Any],
-                        radix_enabled: bool) -> None:
-    """Reorder `queue` in place (lpm matches every waiting request's prefix to learn its length)."""
+                        radix_enabled: bool, warming: set[tuple[int, ...]] | None = None) -> None:
+    """Reorder `queue` in place (lpm matches every waiting request's prefix to learn its length). `warming`:
+    `uncached_head`s of admitted requests whose prompt KV is not in the tree yet (a batch in flight)."""
     if policy == "fcfs" or not radix_enabled or len(queue) > LPM_MAX_QUEUE:
         return
     if policy == "lpm":
         for req in queue:
             req.init_next_round_input(match_prefix)
-        pushed_back = in_batch_prefix_duplicates(queue)
+        pushed_back = in_batch_prefix_duplicates(queue, warming or set())
         queue.sort(key=lambda r: (id(r) in pushed_back, -r.prefix_len))  # stable: ties keep arrival order
         return
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
-def in_batch_prefix_duplicates(queue: list[Req]) -> set[int]:
-    """ids of the requests to push back: little cached, and sharing their leading tokens with an earlier waiting
-    request. Two requests share at least IN_BATCH_DEPRIORITIZE_THRESHOLD leading tokens exactly when their
-    first that-many tokens are equal, so a set of those prefixes answers it in one pass."""
+def uncached_head(req: Req) -> tuple[int, ...] | None:
+    """The leading tokens by which in-batch prefix caching compares `req`, or None when it is not compared
+    (enough of it is cached already, or it is too short to share the threshold)."""
     n = IN_BATCH_DEPRIORITIZE_THRESHOLD
-    seen: set[tuple[int, ...]] = set()
+    if req.prefix_len > IN_BATCH_CHECK_THRESHOLD or len(req.fill_ids) < n:
+        return None
+    return tuple(req.fill_ids[:n])
+
+
+def in_batch_prefix_duplicates(queue: list[Req], warming: set[tuple[int, ...]]) -> set[int]:
+    """ids of the requests to push back: little cached, and sharing their leading tokens with an earlier waiting
+    request or with one whose prefill is in flight (`warming`). Two requests share at least
+    IN_BATCH_DEPRIORITIZE_THRESHOLD leading tokens exactly when their first that-many tokens are equal, so a
+    set of those prefixes answers it in one pass."""
+    seen = set(warming)
     pushed_back: set[int] = set()
     for req in queue:
-        if req.prefix_len > IN_BATCH_CHECK_THRESHOLD or len(req.fill_ids) < n:
+        head = uncached_head(req)
+        if head is None:
             continue
-        head = tuple(req.fill_ids[:n])
         if head in seen:
             pushed_back.add(id(req))
         else:

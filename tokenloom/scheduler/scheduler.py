@@ -33,7 +33,7 @@ from tokenloom.protocol import (
     TokenizedRequest,
 )
 from tokenloom.scheduler.output_processor import OutputProcessor
-from tokenloom.scheduler.policy import order_waiting_queue
+from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
 from tokenloom.scheduler.prefill_adder import AddResult, PrefillAdder
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
@@ -63,6 +63,8 @@ class Scheduler:
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        # in-batch prefix caching: heads of admitted prompts whose KV reaches the tree when their batch is processed
+        self.warming_heads: dict[int, tuple[int, ...]] = {}
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.stats = StepStats(args.decode_log_interval)
         self.eos_token_ids = worker.eos_token_ids
@@ -153,7 +155,8 @@ class Scheduler:
         if self.chunked_req is None and (not self.waiting_queue or running_slots <= 0):
             return None
         match = self.tree_cache.match_prefix
-        order_waiting_queue(self.waiting_queue, self.args.schedule_policy, match, not self.args.disable_radix_cache)
+        order_waiting_queue(self.waiting_queue, self.args.schedule_policy, match, not self.args.disable_radix_cache,
+                            warming=set(self.warming_heads.values()))
         adder = PrefillAdder(self.args.page_size, self.memory.available_tokens, self.tree_cache.inc_lock_ref,
                              self.tree_cache.dec_lock_ref, self.running, self.ratio.value, self.args.max_prefill_tokens,
                              self.chunked_prefill_size, running_slots)
@@ -172,6 +175,10 @@ class Scheduler:
         for req in adder.can_run_list:
             if req.retraction_count == 0 and req.req_pool_idx is None:
                 req.cached_tokens = req.prefix_len
+        for req in adder.can_run_list:  # prompts whose KV reaches the tree only once this batch is processed
+            head = uncached_head(req)
+            if head is not None:
+                self.warming_heads[id(req)] = head
         admitted = {id(r) for r in adder.can_run_list}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
         self.chunked_req = adder.new_chunked_req
@@ -231,6 +238,8 @@ class Scheduler:
             if req.future_slot == slot:
                 req.future_slot = None
         if batch.forward_mode.is_extend():
+            for req in batch.reqs:
+                self.warming_heads.pop(id(req), None)
             self.running.extend(self.output.process_extend(batch, out))
         else:
             self.output.process_decode(batch, out)
@@ -247,6 +256,8 @@ class Scheduler:
             free_rows = self.req_to_token_pool.available_size()
             if free_rows != self.req_to_token_pool.size:
                 raise AssertionError(f"request-row leak: {free_rows} free of {self.req_to_token_pool.size}")
+            if self.warming_heads:
+                raise AssertionError(f"{len(self.warming_heads)} prefill heads still marked in flight while idle")
 
     def flush_cache(self) -> FlushCacheReply:
         if not self.is_idle():
