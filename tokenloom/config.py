@@ -68,7 +68,9 @@ class ServerArgs:
     chunked_prefill_size: int = _flag(2048, "Max new prompt tokens per prefill batch; longer prompts are "
                                       "prefilled in chunks. -1 disables chunking.")
     max_prefill_tokens: int = _flag(16384, "Max new prompt tokens in one prefill batch.")
-    schedule_policy: str = _flag("fcfs", "Waiting-queue order.", SCHEDULE_POLICIES)
+    schedule_policy: str = _flag("fcfs", "Waiting-queue order: fcfs (arrival), or lpm (longest cached prefix "
+                                 "first; requests sharing an uncached prefix wait until one has cached it).",
+                                 SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag(1.0, "Higher admits fewer requests (less retraction).")
     disable_radix_cache: bool = _flag(False, "Disable prefix sharing (radix cache).")
     overlap_schedule: str = _flag("auto", "Overlap scheduling: on (plan batch k+1 and process batch k while k+1 "
