@@ -12,6 +12,7 @@ group's queries and merges it with each request's own suffix (the flash-decoding
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ class SharedPrefixPlan:
     groups: int
 
 
+@functools.cache  # called once per decode step; the kernel's limit cannot change within a process
 def max_group_members(group: int) -> int:
     """How many requests one shared-prefix item can serve: their query rows (members x group) must fit the
     kernel's row limit."""
