@@ -47,7 +47,8 @@ def test_linear_dispatch_same_as_onednn_within_rounding():
     if packed is None:
         pytest.skip("oneDNN bf16 unavailable")
     fast = cpu_gemm.linear(x, w, packed, b)
-    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, b, "none", [], "")
     assert (fast.float() - onednn.float()).abs().max().item() <= 2 ** -7 * onednn.float().abs().max().item()
-    batch = cpu_gemm.linear(x.expand(4, -1).contiguous(), w, packed, b)  # above SMALL_M_MAX: oneDNN
+    rows = cpu_gemm.AMX_M_MAX + 1 if packed.amx is not None else cpu_gemm.SMALL_M_MAX + 1
+    batch = cpu_gemm.linear(x.expand(rows, -1).contiguous(), w, packed, b)  # above both native kernels: oneDNN
     assert torch.equal(batch[0], onednn[0])

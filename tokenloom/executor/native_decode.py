@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 # vs modular, same run): 20.1 vs 26.9 ms at batch 1, 28.4 vs 36.6 at 2, 36.0 vs 36.3 at 4, 38.5 vs 30.9 at
 # 8. Past one row the modular path runs its matmuls in oneDNN, which overtakes the streaming kernel.
 MAX_BATCH = 4
+AMX_MAX_BATCH = 16  # with the AMX matmuls (measured below)
+
+
+def _amx_copy(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The AMX tile-ordered copy of a linear layer's weight, or None."""
+    packed = getattr(layer, "packed", None)
+    return None if packed is None else packed.amx
 
 
 class NativeDecode:
@@ -38,24 +45,33 @@ class NativeDecode:
         cfg = model.cfg
         fields = lib.decode_layer_fields()
         rows = []
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   for layer in model.layers]
+        # The AMX kernel runs only when every linear layer has its tile-ordered copy (all or none: the
+        # modular path then picks the same kernel at these row counts, and the two stay bit-identical).
+        self.uses_amx = all(_amx_copy(lin) is not None for group in linears for lin in group) \
+            and _amx_copy(model.lm_head) is not None
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_buf, v_buf = kv_pool.get_kv(model.start_layer + i)
             bias = attn.qkv_proj.bias
+            amx_ptrs = [_amx_copy(lin).data_ptr() if self.uses_amx else 0 for lin in linears[i]]
             rows.append([attn.qkv_proj.weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                          attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
                          mlp.down_proj.weight.data_ptr(), layer.input_layernorm.weight.data_ptr(),
-                         layer.post_attention_layernorm.weight.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr()])
+                         layer.post_attention_layernorm.weight.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+                         *amx_ptrs])
             if len(rows[-1]) != fields:
                 raise RuntimeError(f"decode_native.c expects {fields} fields per layer")
         # The tensors whose addresses are passed stay referenced by the model and the pool for its lifetime.
         self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self._kv_rows = kv_pool.k_buffers[0].shape[1]
         self._lm_head = model.lm_head.weight
+        self._lm_head_amx = _amx_copy(model.lm_head) if self.uses_amx else None
         self._vocab = model.lm_head.vocab_size
         self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         self._eps = cfg.rms_norm_eps
-        self.max_batch = MAX_BATCH
+        self.max_batch = AMX_MAX_BATCH if self.uses_amx else MAX_BATCH
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_pool, attn_backend, dtype: torch.dtype, device: torch.device,
@@ -72,8 +88,10 @@ class NativeDecode:
         if reason is not None:
             logger.info("native decode step not used: %s", reason)
             return None
-        logger.info("native decode step used for decode batches of up to %d request(s)", MAX_BATCH)
-        return cls(lib, model, kv_pool)
+        native = cls(lib, model, kv_pool)
+        logger.info("native decode step used for decode batches of up to %d request(s)%s", native.max_batch,
+                    " (AMX matmuls)" if native.uses_amx else "")
+        return native
 
     @staticmethod
     def _unsupported(model, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int) -> str | None:
@@ -117,7 +135,8 @@ class NativeDecode:
         ptr = ctypes.c_void_p
         rc = self._lib.decode_forward_bf16(
             ptr(self._layer_ptrs.data_ptr()), ctypes.c_int(len(model.layers)), ptr(model.norm.weight.data_ptr()),
-            ptr(self._lm_head.data_ptr()), ctypes.c_int64(self._lm_head.shape[0]), ptr(rotary.cos.data_ptr()),
+            ptr(self._lm_head.data_ptr()), ptr(None if self._lm_head_amx is None else self._lm_head_amx.data_ptr()),
+            ctypes.c_int64(self._lm_head.shape[0]), ptr(rotary.cos.data_ptr()),
             ptr(rotary.sin.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(heads), ctypes.c_int(kv_heads),
             ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps), ctypes.c_int64(self._kv_rows),
             ctypes.c_int(m), ptr(embedded.data_ptr()), ptr(positions.data_ptr()), ptr(kv_indptr.data_ptr()),

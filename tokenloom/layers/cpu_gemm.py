@@ -1,18 +1,20 @@
-"""bf16 matmuls on the CPU behind one small seam: pre-packed oneDNN weights, and a native weight-streaming
-kernel for a few rows.
+"""bf16 matmuls on the CPU behind one small seam: weights packed once at load time for oneDNN and for the
+AMX tile kernel, and a native weight-streaming kernel for a few rows where the CPU has no AMX.
 
 Plain `F.linear` in bf16 re-lays-out the weight for oneDNN on every call; packing it once at load time makes
-decode-size matmuls 1.3-1.7x faster (bench/forward.py) with bit-identical results. At up to
-`SMALL_M_MAX` rows (decode at small batch) a linear layer is a stream over its weight, and
-csrc/small_gemm.c streams it faster than oneDNN does (the products are exact and summed in float32 either
-way; only the summation order differs). Used only where the hardware supports bf16; everything else keeps
-`F.linear`.
+decode-size matmuls 1.3-1.7x faster (bench/forward.py) with bit-identical results. In decode at up to
+`AMX_M_MAX` rows a linear layer is a stream over its weight: csrc/amx_gemm.c, with the weight packed in tile
+order, streams it 1.6x faster than oneDNN (bench/small_gemm.py); past that oneDNN's matmul is as fast or
+faster. Without AMX, csrc/small_gemm.c (AVX512-BF16) takes `SMALL_M_MAX` rows. Every path sums exact bf16
+products in float32 and rounds once; only the summation order differs. Used only where the hardware
+supports bf16; everything else keeps `F.linear`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,15 @@ import torch.nn.functional as F
 from tokenloom.kernels.cpu_build import load_library
 
 SMALL_M_MAX = 1  # rows up to which the streaming kernel beats oneDNN (bench/small_gemm.py measures it)
+AMX_M_MAX = 32  # rows up to which the AMX kernel beats oneDNN (bench/small_gemm.py: 1.6x at 1-32, 0.9x at 48)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight's load-time copies: oneDNN's opaque layout, and the AMX tile order (None without AMX)."""
+
+    onednn: torch.Tensor
+    amx: torch.Tensor | None = None
 
 
 @functools.cache
@@ -42,11 +53,51 @@ def _small_gemm() -> tuple[ctypes.CDLL, int, int] | None:
     return lib, max_m.value, max_k.value
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """An opaque packed copy of `weight` [out, in] for `linear`, or None where packing does not apply."""
+@functools.cache
+def _amx() -> ctypes.CDLL | None:
+    """The kernel library when its AMX matmul runs here (AMX present, granted, not disabled), else None."""
+    lib = load_library("kernels")
+    if lib is None or not lib.amx_gemm_supported():
+        return None
+    lib.amx_packed_numel.restype = ctypes.c_int64
+    return lib
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] (bf16) in the AMX kernel's tile order, or None where that kernel does not run."""
+    lib = _amx()
+    if lib is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    packed = torch.empty(lib.amx_packed_numel(ctypes.c_int64(n), ctypes.c_int64(k)), dtype=torch.bfloat16)
+    lib.amx_pack_weight(ctypes.c_void_p(weight.data_ptr()), ctypes.c_int64(weight.stride(0)), ctypes.c_int64(n),
+                        ctypes.c_int64(k), ctypes.c_void_p(packed.data_ptr()))
+    return packed
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """Packed copies of `weight` [out, in] for `linear`, or None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _onednn_bf16():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), pack_amx(weight))
+
+
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) through the AMX kernel (`packed` from `pack_amx(weight)`), or None where it
+    does not apply."""
+    lib = _amx()
+    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    rc = lib.amx_linear_bf16(ptr(x.data_ptr()), i64(x.stride(0)), ptr(packed.data_ptr()),
+                             ptr(None if bias is None else bias.data_ptr()), ptr(out.data_ptr()), i64(n), i64(m),
+                             i64(n), i64(k), ctypes.c_int(torch.get_num_threads()))
+    return out if rc == 0 else None
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -69,15 +120,21 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out if rc == 0 else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): the streaming kernel for a few rows, else the packed weight when there is one."""
+    """x @ weight.T (+ bias): for a few rows the AMX kernel (else the streaming kernel), else oneDNN's packed
+    weight when there is one."""
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), weight, packed, bias).view(*x.shape[:-1], weight.shape[0])
-    if packed is not None and x.shape[0] <= SMALL_M_MAX:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if packed.amx is not None and 0 < rows <= AMX_M_MAX:
+        out = amx_linear(x, weight, packed.amx, bias)
+        if out is not None:
+            return out
+    elif rows <= SMALL_M_MAX:
         out = small_linear(x, weight, bias)
         if out is not None:
             return out
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.onednn, bias, "none", [], "")

@@ -64,7 +64,7 @@ class ParallelLMHead(nn.Module):
             shape = embedding.weight.shape
             self.weight = nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
-    packed: torch.Tensor | None = None
+    packed: cpu_gemm.PackedWeight | None = None
 
     def prepare_for_inference(self) -> None:
         self.packed = cpu_gemm.pack_weight(self.weight)

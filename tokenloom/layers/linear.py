@@ -34,7 +34,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 class _PackedLinear(nn.Module):
     """Shared forward plumbing: `prepare_for_inference` packs the loaded weight for the CPU kernel."""
 
-    packed: torch.Tensor | None = None
+    packed: cpu_gemm.PackedWeight | None = None
 
     def prepare_for_inference(self) -> None:
         self.packed = cpu_gemm.pack_weight(self.weight)

@@ -3,13 +3,15 @@
  * counterpart of replaying a captured CUDA graph. At batch 1 the Python and dispatch overhead of ~300 small
  * calls per step costs about as much as streaming the weights, so the layer loop runs here instead.
  *
- * It calls exactly the kernels the modular path calls for one row (rms_norm, linear_small, rope, paged
- * attention with the fused K/V write, silu_and_mul), in the same order with the same roundings, so at one
- * row its logits are bit-identical to the modular path's. This file includes the kernels' sources and builds
+ * It calls exactly the kernels the modular path calls for a few rows (rms_norm, the AMX linear when the
+ * weights are packed for it, else linear_small, rope, paged attention with the fused K/V write,
+ * silu_and_mul), in the same order with the same roundings, so its logits are bit-identical to the modular
+ * path's wherever that path picks the same linear kernel. This file includes the kernels' sources and builds
  * them as one library.
  *
  * Per layer l, `layer_ptrs[l * LAYER_FIELDS + f]` holds the address of field f (see enum below); a missing
- * QKV bias is 0.
+ * QKV bias is 0, and so are the *_AMX fields when the weights have no AMX-packed copy (then every linear
+ * streams the plain weight through linear_small).
  */
 #include "bf16_common.h"
 #include <math.h>
@@ -17,18 +19,28 @@
 
 /* built inside kernels.c, after the kernels it calls */
 
-enum { F_QKV, F_QKV_BIAS, F_O, F_GATE_UP, F_DOWN, F_LN_IN, F_LN_POST, F_K_POOL, F_V_POOL, LAYER_FIELDS };
+enum {
+    F_QKV, F_QKV_BIAS, F_O, F_GATE_UP, F_DOWN, F_LN_IN, F_LN_POST, F_K_POOL, F_V_POOL,
+    F_QKV_AMX, F_O_AMX, F_GATE_UP_AMX, F_DOWN_AMX, LAYER_FIELDS
+};
 
 KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
 
 #define P(l, f) ((uint16_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
+
+/* One linear layer, out[m, n] = x[m, k] . W^T (+ bias): the AMX kernel when `amx` (W packed) is given. */
+static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx, const uint16_t *bias,
+                       uint16_t *out, int m, int64_t n, int64_t k, int threads) {
+    if (amx != NULL) return amx_linear_bf16(x, k, amx, bias, out, n, m, n, k, threads);
+    return linear_small_bf16(x, k, w, bias, out, m, n, k, threads);
+}
 
 /* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (bf16, before any slicing).
  * `trace`, when not NULL, receives every layer's output and residual stream (for tests). share_len ..
  * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, or -1
  * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
-                                   const uint16_t *lm_head, int64_t vocab_rows, const float *cos_table,
+                                   const uint16_t *lm_head, const uint16_t *lm_head_amx, int64_t vocab_rows, const float *cos_table,
                                    const float *sin_table, int hidden, int heads, int kv_heads, int head_dim,
                                    int inter, float eps, int64_t kv_rows, int m, const uint16_t *embedded,
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
@@ -59,18 +71,18 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
         } else {
             rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_IN), normed, residual, m, hidden, eps, threads);
         }
-        rc |= linear_small_bf16(normed, hidden, P(l, F_QKV), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden, threads);
+        rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden, threads);
         rope_bf16(qkv, qkv_width, positions, cos_table, sin_table, m, heads + kv_heads, head_dim, threads);
         rc |= paged_decode_attention_bf16(qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
                                           attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads,
                                           qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
                                           qkv_width, out_loc, share_len, group_ptr, members, groups);
-        rc |= linear_small_bf16(attn, attn_width, P(l, F_O), NULL, x, m, hidden, attn_width, threads);
+        rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), NULL, x, m, hidden, attn_width, threads);
         rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
-        rc |= linear_small_bf16(normed, hidden, P(l, F_GATE_UP), NULL, gate_up, m, 2 * (int64_t)inter, hidden,
-                                threads);
+        rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), NULL, gate_up, m, 2 * (int64_t)inter,
+                          hidden, threads);
         silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
-        rc |= linear_small_bf16(act, inter, P(l, F_DOWN), NULL, x, m, hidden, inter, threads);
+        rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), NULL, x, m, hidden, inter, threads);
         if (trace != NULL) { /* layer l's output and residual stream, [layers][2][m][hidden] */
             memcpy(trace + (int64_t)l * 2 * m * hidden, x, sizeof(uint16_t) * (size_t)m * hidden);
             memcpy(trace + ((int64_t)l * 2 + 1) * m * hidden, residual, sizeof(uint16_t) * (size_t)m * hidden);
@@ -78,7 +90,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     }
     if (rc == 0) {
         rms_norm_bf16(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
-        rc |= linear_small_bf16(normed, hidden, lm_head, NULL, logits, m, vocab_rows, hidden, threads);
+        rc |= step_linear(normed, lm_head, lm_head_amx, NULL, logits, m, vocab_rows, hidden, threads);
     }
     free(scratch);
     return rc == 0 ? 0 : -1;

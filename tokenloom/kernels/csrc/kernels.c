@@ -6,5 +6,6 @@
 #include "cpu_ops.c"
 #include "paged_attention.c"
 #include "small_gemm.c"
+#include "amx_gemm.c"
 #include "decode_native.c"
 #include "kv_indices.c"

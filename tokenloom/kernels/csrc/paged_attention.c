@@ -19,6 +19,7 @@
  * Cascade: given a shared-prefix plan (plan_shared_prefixes), a prefix several requests share is attended
  * once for all their query rows, and merged with each request's own suffix like a chunk.
  */
+#include "amx_common.h"
 #include "bf16_common.h"
 #include <math.h>
 #include <stdint.h>
@@ -272,10 +273,7 @@ static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t 
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#if HAVE_AMX
 /*
  * AMX path (head_dim 64, bf16): the tile unit does the dot products. Every tile is 16 rows x 64 bytes:
  *   QK, per 16 keys:  tmm0 (S[key][row], fp32) += tmm1 (K rows, 32 dims) . tmm2|tmm3 (Q^T, dim pairs x rows)
@@ -284,31 +282,6 @@ static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t 
  * K rows come straight from the pool when 16 slots are consecutive (decode slots are handed out in runs),
  * else they are copied into a scratch block first. V rows are interleaved in pairs as pv_dpbf16 does.
  */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux hands out AMX tile state only on request (once per process); 1 when granted. */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 granted, -1 refused; a benign race: every caller finds the same */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* Load the all-16x64 tile configuration on the calling thread (other code, e.g. oneDNN, may change it). */
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* Per-thread scratch of the AMX path: P rows padded to 16, one K block, V pair blocks, tile outputs. */
 static __thread uint16_t *amx_p = NULL;
 static __thread int64_t amx_p_cap = 0;
@@ -418,7 +391,6 @@ static int amx_usable(int elem_bytes, int head_dim) {
 static void amx_begin(void) { amx_configure(); amx_on = 1; }
 static void amx_end(void) { _tile_release(); amx_on = 0; }
 #else
-#define HAVE_AMX 0
 static int amx_on = 0;
 static int amx_usable(int elem_bytes, int head_dim) { (void)elem_bytes; (void)head_dim; return 0; }
 static void amx_begin(void) {}
