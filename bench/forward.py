@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-dtype-compare", action="store_true", help="skip tokenloom fp32 vs bf16")
     p.add_argument("--skip-native-compare", action="store_true",
-                   help="skip the native decode step vs the modular model at batch 1/2/4/8 (16/32 with AMX)")
+                   help="skip the native decode step vs the modular model at batch 1/2/4/8 (16/32/64 with AMX)")
     p.add_argument("--prefill", default=None,
                    help="prefill shapes as BxL comma list (default 8x256,1x1024; quick 8x256)")
     p.add_argument("--prefill-reps", type=int, default=None, help="timed prefill reps (default 3; quick 2)")
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 tl.runner.native_decode = native
 
-        batches = (1, 2, 4, 8, 16, 32) if native.uses_amx else (1, 2, 4, 8)
+        batches = (1, 2, 4, 8, 16, 32, 64) if native.uses_amx else (1, 2, 4, 8)
         native.max_batch = batches[-1]
         try:
             for b in batches:

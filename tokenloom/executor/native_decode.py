@@ -5,10 +5,12 @@ At batch 1 a decode step makes ~300 small kernel calls; their Python and dispatc
 much as streaming the weights. `NativeDecode.build` checks once, at load time, that the model and machine
 fit (CPU, bfloat16, one process holding every layer, a Llama-family model, the `cpu` attention backend, the
 native kernels built); `run(batch)` then replaces `model(batch, attn_backend)` for decode batches of at most
-`max_batch` requests. It runs the same kernels in the same order as the modular path does for one row
-(tests/integration/test_native_decode.py compares the two); for 2-4 rows its matmuls are the streaming
-kernel where the modular path uses oneDNN, equal up to float32 summation order. `--disable-native-decode`
-turns it off.
+`max_batch` requests. It runs the same kernels in the same order as the modular path. With AMX its matmuls
+are the AMX kernel (csrc/amx_gemm.c), which the modular path also picks up to `cpu_gemm.AMX_M_MAX` rows, so
+the two are bit-identical there; past that the modular path uses oneDNN. Without AMX the native step takes
+1-4 requests and streams the weights through csrc/small_gemm.c, bit-identical to the modular path at one row
+and equal up to float32 summation order at 2-4 (tests/integration/test_native_decode.py compares them).
+`--disable-native-decode` turns it off.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBack
 
 logger = logging.getLogger(__name__)
 
-# Requests per step up to which the native step is used. bench/forward.py on SmolLM2 at context 256 (native
-# vs modular, same run): 20.1 vs 26.9 ms at batch 1, 28.4 vs 36.6 at 2, 36.0 vs 36.3 at 4, 38.5 vs 30.9 at
-# 8. Past one row the modular path runs its matmuls in oneDNN, which overtakes the streaming kernel.
+# Requests per step up to which the native step is used. Without AMX its matmuls are the streaming kernel:
+# bench/forward.py on SmolLM2 at context 256 (native vs modular, same run): 20.1 vs 26.9 ms at batch 1, 28.4
+# vs 36.6 at 2, 36.0 vs 36.3 at 4, 38.5 vs 30.9 at 8, where oneDNN overtakes the streaming kernel.
 MAX_BATCH = 4
-AMX_MAX_BATCH = 16  # with the AMX matmuls (measured below)
+# With AMX the native step's matmuls are the AMX kernel at any row count, and the step wins by 1.6x at 1-16
+# requests (bench/forward.py), 1.25-1.38x at 32-128 (blocks of steps each, same runner) and breaks even at
+# 256, where oneDNN's matmuls in the modular path are faster than the AMX kernel's.
+AMX_MAX_BATCH = 256
 
 
 def _amx_copy(layer: torch.nn.Module) -> torch.Tensor | None:
