@@ -9,6 +9,7 @@ import torch
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.executor.sequence_driver import SequenceDriver
+from tokenloom.layers.attention import torch_native
 
 TOL = 2e-5
 
@@ -112,3 +113,13 @@ def test_page_sizes_agree(tiny_model_dir):
         d.release(seq)
         results.append(torch.cat(out))
     assert (results[0] - results[1]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("limit", [0.0, float("inf")], ids=["per-request", "padded"])
+def test_extend_layouts_match(driver, monkeypatch, limit):
+    """Both extend layouts of the torch attention path (one SDPA call per request, or all requests padded
+    into one call) give the same logits as each sequence alone."""
+    monkeypatch.setattr(torch_native, "PADDING_WASTE_LIMIT", limit)
+    test_batched_with_other_lengths_matches(driver)
+    test_mixed_extend_batch_of_prefill_and_continuation(driver)
+    test_chunked_prefill_on_cached_prefix_matches(driver)

@@ -7,8 +7,13 @@ indexing).
 
 - Decode: one query per request; scores = q·K in float32 with padding masked, softmax, weighted sum of V
   (matmul/softmax/matmul; measured faster than the masked SDPA kernel at this shape).
-- Extend: queries are scattered into [B, Qmax]; when no request has a cached prefix (plain prefill), SDPA
-  runs with `is_causal`; otherwise with an explicit causal-with-prefix mask.
+- Extend, requests of similar lengths: queries are scattered into [B, Qmax]; when no request has a cached
+  prefix (plain prefill), SDPA runs with `is_causal`; otherwise with an explicit causal-with-prefix mask.
+- Extend, requests of mixed lengths (padding would more than `PADDING_WASTE_LIMIT`-fold the attention
+  area): one SDPA call per request over exactly its own K/V, `is_causal` without a cached prefix, else a
+  causal mask aligned to the end of its keys. Padding every request to the longest one doubled the
+  attention time of a typical chunked-prefill step (bench: 7 prompts of 140-500 tokens, 12.4 vs 5.9 ms
+  per layer).
 
 GQA without copying K/V per query head: the query heads of one KV group are folded into the query axis.
 """
@@ -24,6 +29,10 @@ from tokenloom.executor.forward_batch import ForwardBatch
 from tokenloom.layers.attention.base import AttentionBackend
 from tokenloom.layers.kv_indices import build_kv_indices, padded_kv_indices
 
+# Extend attention runs request by request when padding to [B, Qmax, max_len] would cover more than this
+# many times the area the requests' own (query x key) blocks cover.
+PADDING_WASTE_LIMIT = 1.25
+
 
 @dataclass
 class TorchNativeMetadata:
@@ -38,6 +47,9 @@ class TorchNativeMetadata:
     mask: torch.Tensor | None
     query_slot: torch.Tensor | None  # extend: flat index of each token in the [B * Qmax] query layout
     grouped_mask: torch.Tensor | None = None  # extend mask repeated over the GQA group, built on first use
+    # extend run request by request: per request (first token, new tokens, cached prefix, its KV slots)
+    per_request: list[tuple[int, int, int, torch.Tensor]] | None = None
+    request_masks: dict = None  # (new, prefix, group) -> boolean mask, built on first use
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -55,6 +67,12 @@ class TorchNativeBackend(AttentionBackend):
             md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, 1, mask, None)
         else:
             q_max = batch.max_extend_len
+            per_request = self._per_request_plan(batch, kv_indptr, kv_indices, q_max, max_len)
+            if per_request is not None:
+                batch.attn_metadata = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len,
+                                                          q_max, None, None, per_request=per_request,
+                                                          request_masks={})
+                return
             offset_in_req = torch.arange(batch.input_ids.numel(), device=device) - batch.extend_start_loc[
                 batch.token_req_index]
             query_slot = batch.token_req_index * q_max + offset_in_req
@@ -70,11 +88,29 @@ class TorchNativeBackend(AttentionBackend):
                                      query_slot)
         batch.attn_metadata = md
 
+    @staticmethod
+    def _per_request_plan(batch: ForwardBatch, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_max: int,
+                          max_len: int) -> list[tuple[int, int, int, torch.Tensor]] | None:
+        """The per-request extend plan when padding would waste more than PADDING_WASTE_LIMIT, else None."""
+        if batch.batch_size < 2:
+            return None
+        new = batch.extend_seq_lens.tolist()
+        total = batch.seq_lens.tolist()
+        own_area = sum(n * t for n, t in zip(new, total, strict=True))
+        if batch.batch_size * q_max * max_len <= PADDING_WASTE_LIMIT * own_area:
+            return None
+        starts = batch.extend_start_loc.tolist()
+        bounds = kv_indptr.tolist()
+        return [(starts[b], new[b], total[b] - new[b], kv_indices[bounds[b]: bounds[b + 1]])
+                for b in range(batch.batch_size)]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch) -> torch.Tensor:
         md: TorchNativeMetadata = batch.attn_metadata
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)  # [Hkv, rows, D]
+        if md.per_request is not None:
+            return self._extend_per_request(q, k_buf, v_buf, md, scaling)
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         group = q.shape[1] // num_kv_heads
         shape = (num_kv_heads, md.batch_size, md.max_len, head_dim)
@@ -102,6 +138,39 @@ class TorchNativeBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=md.grouped_mask, scale=scaling)
         out = out.view(bsz, num_kv_heads, md.q_max, group, head_dim).permute(0, 2, 1, 3, 4)
         return out.reshape(bsz * md.q_max, num_heads * head_dim)[md.query_slot]
+
+
+    @staticmethod
+    def _extend_per_request(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: TorchNativeMetadata,
+                            scaling: float) -> torch.Tensor:
+        """Each request's queries against exactly its own K/V: q [T, Hq, D] -> [T, Hq * D]."""
+        num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        out = q.new_empty(q.shape[0], num_heads * head_dim)
+        for start, new, prefix, slots in md.per_request:
+            # 4-D [1, H, L, D]: with 3-D inputs SDPA falls back from its flash kernel to the slow math path
+            k_r = k_buf.index_select(1, slots).to(q.dtype).unsqueeze(0)  # [1, Hkv, L, D]
+            v_r = v_buf.index_select(1, slots).to(q.dtype).unsqueeze(0)
+            q_r = q[start: start + new]  # [n, Hq, D]
+            if prefix == 0:  # keys and queries coincide: plain causal attention, GQA handled by SDPA
+                o = F.scaled_dot_product_attention(q_r.transpose(0, 1).unsqueeze(0), k_r, v_r, is_causal=True,
+                                                   scale=scaling, enable_gqa=True)  # [1, Hq, n, D]
+                out[start: start + new] = o[0].transpose(0, 1).reshape(new, num_heads * head_dim)
+                continue
+            # query i sits at position prefix + i and sees keys <= it; a KV group's heads fold into the rows
+            key = (new, prefix, group)
+            mask = md.request_masks.get(key)
+            if mask is None:
+                q_pos = prefix + torch.arange(new, device=q.device).repeat_interleave(group)
+                mask = torch.arange(prefix + new, device=q.device)[None, :] <= q_pos[:, None]
+                md.request_masks[key] = mask
+            q_g = q_r.view(new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(
+                1, num_kv_heads, new * group, head_dim)
+            o = F.scaled_dot_product_attention(q_g, k_r, v_r, attn_mask=mask, scale=scaling)
+            out[start: start + new] = o.view(num_kv_heads, new, group, head_dim).permute(1, 0, 2, 3).reshape(
+                new, num_heads * head_dim)
+        return out
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
