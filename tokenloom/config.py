@@ -69,8 +69,8 @@ class ServerArgs:
                                       "prefilled in chunks. -1 disables chunking.")
     max_prefill_tokens: int = _flag(16384, "Max new prompt tokens in one prefill batch.")
     schedule_policy: str = _flag("fcfs", "Waiting-queue order: fcfs (arrival), or lpm (longest cached prefix "
-                                 "first; requests sharing an uncached prefix wait until one has cached it).",
-                                 SCHEDULE_POLICIES)
+                                 "first). With either, a request sharing an uncached prefix with one being "
+                                 "prefilled waits until that prefix is cached.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag(1.0, "Higher admits fewer requests (less retraction).")
     disable_radix_cache: bool = _flag(False, "Disable prefix sharing (radix cache).")
     overlap_schedule: str = _flag("auto", "Overlap scheduling: on (plan batch k+1 and process batch k while k+1 "

@@ -6,7 +6,10 @@ tokens whose first IN_BATCH_DEPRIORITIZE_THRESHOLD tokens equal those of an earl
 was not itself pushed back) goes to the end of the queue, so that requests sharing a prefix nobody has
 cached yet do not all prefill it in one batch: the first warms the cache, the others then hit it.
 
-Policies only reorder; admission re-matches each request it considers (the tree may have changed).
+Policies only reorder; admission re-matches each request it considers (the tree may have changed), and with
+either policy skips, for this batch, a request whose `uncached_head` equals that of a request admitted in
+the same batch or whose prefill is in flight (Scheduler._get_new_batch_prefill): the queue may be longer than
+LPM_MAX_QUEUE, and fcfs does no reordering, yet requests sharing a prefix should still compute it once.
 """
 
 from __future__ import annotations

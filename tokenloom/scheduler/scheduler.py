@@ -166,10 +166,19 @@ class Scheduler:
             adder.add_chunked_req(self.chunked_req)
             if self.chunked_req not in adder.can_run_list:
                 return None  # no room to continue it yet; let running requests decode (or retract) first
+        # In-batch prefix caching at admission (both policies): a request whose uncached leading tokens are
+        # being prefilled by a request admitted in this batch or still in flight waits; one step later that
+        # prefix is in the tree and it is a cache hit instead of computing the same KV twice.
+        heads_in_prefill = set(self.warming_heads.values())
         for req in list(self.waiting_queue):
             req.init_next_round_input(match)
+            head = uncached_head(req) if not self.args.disable_radix_cache else None
+            if head is not None and head in heads_in_prefill:
+                continue
             if adder.add_one_req(req) is not AddResult.CONTINUE:
                 break
+            if head is not None:
+                heads_in_prefill.add(head)
         if not adder.can_run_list:
             return None
         for req in adder.can_run_list:
