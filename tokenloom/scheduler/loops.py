@@ -50,6 +50,7 @@ class _LoopBase:
         self.inbox = inbox
         self.profiler = profiler or StepProfiler(enabled=False)
         self._last_end: float | None = None
+        self._idle_checked = False  # the integrity check runs once per idle period, not on every idle poll
         self._started = time.perf_counter()
         # Cumulative counters (benchmarks take differences): forward+sample time, scheduler CPU time outside
         # the forward, and decode steps with their summed periods.
@@ -59,6 +60,8 @@ class _LoopBase:
 
     def _receive_and_schedule(self, timeout_ms: int) -> tuple[ScheduleBatch | None, float]:
         messages = self.inbox.recv_all(timeout_ms)
+        if messages:
+            self._idle_checked = False
         start = time.perf_counter()  # waiting on an empty inbox is not scheduling work
         for msg in messages:
             self.scheduler.handle(msg)
@@ -67,6 +70,7 @@ class _LoopBase:
 
     def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming) -> None:
         start = time.perf_counter()
+        self._idle_checked = False
         self.scheduler.process_batch_result(batch, out)
         end = time.perf_counter()
         timing.process = end - start
@@ -88,7 +92,9 @@ class _LoopBase:
 
     def _went_idle(self) -> None:
         self._last_end = None
-        self.scheduler.check_idle_integrity()
+        if not self._idle_checked:  # walking the tree and the free lists costs ms on a large pool
+            self._idle_checked = True
+            self.scheduler.check_idle_integrity()
 
     def info(self) -> dict:
         return {"step_profile": self.profiler.summary(), "loop_wall_s": time.perf_counter() - self._started,

@@ -11,8 +11,9 @@
  * The kernel: x is copied once into a zero-padded scratch (rows to a multiple of 16, K to the packed K). Pairs
  * of feature blocks (32 outputs) are split over OpenMP threads in contiguous ranges; for a pair, every group of
  * 32 (or a last 16) rows accumulates 2x2 (or 1x2) output tiles over K and writes them out (+ bias, rounded to
- * bf16 once). The next pair's weight is prefetched into L2 while the current one is computed. An output element
- * sums its K steps in order, so its value does not depend on M, the row group or the thread count.
+ * bf16 once). The next pair's weight is prefetched into L2 while the current one is computed, spread over
+ * all its row groups. An output element sums its K steps in order, so its value does not depend on M, the
+ * row group or the thread count.
  *
  * Requires AMX-BF16 and the kernel's permission (amx_gemm_supported() says both); tile configuration as in
  * amx_common.h. TOKENLOOM_DISABLE_AMX=1 turns it off.
@@ -53,11 +54,14 @@ KERNEL_API void amx_pack_weight(const uint16_t *w, int64_t w_stride, int64_t n, 
 }
 
 #if HAVE_AMX
-/* Prefetch K step s of the next feature pair (two tiles, 2 KB) into L2. One pair ahead measured best
- * (bench: 2 or 4 pairs ahead, or into L1, were 2-8% slower; none at all was 0-18% slower). */
-static inline void prefetch_step(const uint16_t *ahead, int64_t s) {
-    const char *p = (const char *)(ahead + s * 2 * AMX_TILE_ELEMS);
-    for (int l = 0; l < 32; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+/* Prefetch cache lines [first, first + count) of the next feature pair (`lines` in all) into L2. Every K
+ * step of every row group issues its share, so the stream keeps going for the whole of the pair's compute.
+ * One pair ahead measured best (bench: 2 or 4 pairs ahead, or into L1, were 2-8% slower; none at all was
+ * 0-18% slower). */
+static inline void prefetch_lines(const uint16_t *ahead, int64_t first, int count, int64_t lines) {
+    if (ahead == NULL) return;
+    const char *p = (const char *)ahead;
+    for (int l = 0; l < count && first + l < lines; ++l) _mm_prefetch(p + 64 * (first + l), _MM_HINT_T1);
 }
 
 /* Rounded outputs of `rows` rows x 32 features from fp32 tile results c[row][32] (+ bias), masked to n. */
@@ -75,6 +79,8 @@ static void pair_tiles(const uint16_t *xa, int64_t m, int64_t kp, const uint16_t
                        const uint16_t *bias, int64_t n, int64_t f0, uint16_t *out, int64_t out_stride) {
     const int64_t steps = kp / 32;
     const uint16_t *b1 = b0 + steps * AMX_TILE_ELEMS;
+    const int64_t lines = steps * 32, groups = (m + 31) / 32; /* a pair's K step is 2 KB = 32 lines */
+    const int per_step = (int)((32 + groups - 1) / groups);
     float c[32 * 32] __attribute__((aligned(64)));
     __m512 bv[2];
     __mmask16 mask[2];
@@ -89,13 +95,14 @@ static void pair_tiles(const uint16_t *xa, int64_t m, int64_t kp, const uint16_t
     }
     for (int64_t m0 = 0; m0 < m; m0 += 32) {
         const uint16_t *a = xa + m0 * kp; /* tile-ordered: group m0/16's K steps, then group m0/16 + 1's */
+        const int64_t issued = (m0 / 32) * steps * per_step; /* lines prefetched by the earlier groups */
         if (m - m0 > 16) {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t s = 0; s < steps; ++s) {
-                if (m0 == 0 && ahead != NULL) prefetch_step(ahead, s);
+                prefetch_lines(ahead, issued + s * per_step, per_step, lines);
                 _tile_loadd(4, a + s * AMX_TILE_ELEMS, 64);
                 _tile_loadd(5, a + (steps + s) * AMX_TILE_ELEMS, 64);
                 _tile_loadd(6, b0 + s * AMX_TILE_ELEMS, 64);
@@ -114,7 +121,7 @@ static void pair_tiles(const uint16_t *xa, int64_t m, int64_t kp, const uint16_t
             _tile_zero(0);
             _tile_zero(1);
             for (int64_t s = 0; s < steps; ++s) {
-                if (m0 == 0 && ahead != NULL) prefetch_step(ahead, s);
+                prefetch_lines(ahead, issued + s * per_step, per_step, lines);
                 _tile_loadd(4, a + s * AMX_TILE_ELEMS, 64);
                 _tile_loadd(6, b0 + s * AMX_TILE_ELEMS, 64);
                 _tile_loadd(7, b1 + s * AMX_TILE_ELEMS, 64);
