@@ -6,17 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.test_small_gemm import _data
 from tokenloom.layers import cpu_gemm
 
 pytestmark = pytest.mark.skipif(cpu_gemm._amx() is None, reason="no AMX on this CPU (or no C compiler)")
-
-
-def _data(m, n, k, seed, bias):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    return x, w, b
 
 
 # row counts cover one 16-row group, a 32-row group with a partial second tile, 32 + a 16-row tail, and

@@ -33,8 +33,12 @@ KERNEL_API int64_t amx_packed_numel(int64_t n, int64_t k) { return round_up(n, 3
 
 KERNEL_API int amx_gemm_supported(void) {
 #if HAVE_AMX
-    const char *off = getenv("TOKENLOOM_DISABLE_AMX");
-    return !(off != NULL && off[0] == '1') && amx_permitted();
+    static int usable = -1; /* decided once per process (every call checks it) */
+    if (usable < 0) {
+        const char *off = getenv("TOKENLOOM_DISABLE_AMX");
+        usable = !(off != NULL && off[0] == '1') && amx_permitted();
+    }
+    return usable;
 #else
     return 0;
 #endif
