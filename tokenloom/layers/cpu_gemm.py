@@ -4,7 +4,7 @@ AMX tile kernel, and a native weight-streaming kernel for a few rows where the C
 Plain `F.linear` in bf16 re-lays-out the weight for oneDNN on every call; packing it once at load time makes
 decode-size matmuls 1.3-1.7x faster (bench/forward.py) with bit-identical results. In decode at up to
 `AMX_M_MAX` rows a linear layer is a stream over its weight: csrc/amx_gemm.c, with the weight packed in tile
-order, streams it 1.6x faster than oneDNN (bench/small_gemm.py); past that oneDNN's matmul is as fast or
+order, streams it 1.3x faster than oneDNN (bench/small_gemm.py); past that oneDNN's matmul is as fast or
 faster. Without AMX, csrc/small_gemm.c (AVX512-BF16) takes `SMALL_M_MAX` rows. Every path sums exact bf16
 products in float32 and rounds once; only the summation order differs. Used only where the hardware
 supports bf16; everything else keeps `F.linear`.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tokenloom.kernels.cpu_build import load_library
 
 SMALL_M_MAX = 1  # rows up to which the streaming kernel beats oneDNN (bench/small_gemm.py measures it)
-AMX_M_MAX = 32  # rows up to which the AMX kernel beats oneDNN (bench/small_gemm.py: 1.6x at 1-32, 0.9x at 48)
+AMX_M_MAX = 32  # rows up to which the AMX kernel beats oneDNN (bench/small_gemm.py: 1.3x at 1-32, 1.0x at 48-64)
 
 
 @dataclass(frozen=True)
