@@ -40,9 +40,9 @@ static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx
  * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, or -1
  * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
-                                   const uint16_t *lm_head, const uint16_t *lm_head_amx, int64_t vocab_rows, const float *cos_table,
-                                   const float *sin_table, int hidden, int heads, int kv_heads, int head_dim,
-                                   int inter, float eps, int64_t kv_rows, int m, const uint16_t *embedded,
+                                   const uint16_t *lm_head, const uint16_t *lm_head_amx, int64_t vocab_rows,
+                                   const float *cos_table, const float *sin_table, int hidden, int heads,
+                                   int kv_heads, int head_dim, int inter, float eps, int64_t kv_rows, int m, const uint16_t *embedded,
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
                                    const int64_t *out_loc, uint16_t *logits, uint16_t *trace, int threads,
                                    const int64_t *share_len, const int *group_ptr, const int *members,
@@ -71,7 +71,8 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
         } else {
             rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_IN), normed, residual, m, hidden, eps, threads);
         }
-        rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden, threads);
+        rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden,
+                          threads);
         rope_bf16(qkv, qkv_width, positions, cos_table, sin_table, m, heads + kv_heads, head_dim, threads);
         rc |= paged_decode_attention_bf16(qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
                                           attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads,
