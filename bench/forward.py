@@ -253,6 +253,31 @@ def run_interleaved(engines: dict[str, Callable[[], None]], warmup: int, steps: 
     return times
 
 
+class ReadProbe:
+    """Reads `nbytes` (the bf16 weights' size) of a 1 GB buffer per call, at a rotating offset so a read never
+    finds the previous one in the cache. Run between batch-1 decode steps, its median gives the weight-bandwidth
+    bound under the same machine conditions as the steps (the roofline's best-of-10 read at the start of the
+    run can come from a faster phase: this machine's bandwidth swings 18-27 GB/s within minutes)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty((1 << 30) // 4, dtype=torch.float32)
+        _fill_random(self.buffer)
+        self.elems = min(nbytes // 4, self.buffer.numel())
+        self.offset = 0
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        if self.offset + self.elems > self.buffer.numel():
+            self.offset = 0
+        t0 = time.perf_counter()
+        self.buffer[self.offset:self.offset + self.elems].sum()
+        self.seconds.append(time.perf_counter() - t0)
+        self.offset += self.elems
+
+    def gbps(self) -> float:
+        return self.elems * 4 / _median(self.seconds) / GB if self.seconds else float("nan")
+
+
 @dataclass
 class DecodePoint:
     batch: int
@@ -260,6 +285,7 @@ class DecodePoint:
     tl: list[float] = field(default_factory=list)
     hf: list[float] = field(default_factory=list)
     note: str = ""
+    read_gbps: float = float("nan")  # batch 1: the read probe's median, interleaved with the steps
 
     @property
     def tl_ms(self) -> float:
@@ -373,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
             points.append(pt)
     runnable = [p for p in points if not p.note]
     pool_tokens = max([p.batch * (p.context + extra) for p in runnable]
-                      + [b * n for b, n in args.prefill_shapes] + [64 * (256 + extra)]) + 64
+                      + [b * n for b, n in args.prefill_shapes] + [64 * (256 + 2 * extra)]) + 64
     max_reqs = max([p.batch for p in runnable] + [b for b, _ in args.prefill_shapes] + [64])
 
     t0 = time.perf_counter()
@@ -480,8 +506,15 @@ def main(argv: list[str] | None = None) -> None:
         if hf_here:
             hf.setup_decode(pt.batch, pt.context)
             engines["hf"] = hf.decode_step
+        probe = ReadProbe(shape.streamed_params * 2) if pt.batch == 1 else None
+        if probe is not None:
+            engines["read"] = probe
         setup_s = time.perf_counter() - t0
         times = run_interleaved(engines, args.warmup, args.steps, 3, args.point_budget)
+        if probe is not None:
+            probe.seconds = times["read"]
+            pt.read_gbps = probe.gbps()
+            del probe
         pt.tl = times["tl"]
         pt.hf = times.get("hf", [])
         tl.teardown()
@@ -502,10 +535,11 @@ def main(argv: list[str] | None = None) -> None:
          f"bound {bw_bound_ms:.2f} ms/step")
     _log("   TL/HF = tokenloom tok/s over transformers tok/s; %roof = achieved FLOP/s over the matmul peak; "
          "floor = max(FLOPs / matmul peak, (weights + KV read) / read bandwidth); bw-bound (batch 1) = "
-         "bf16 weights / read bandwidth")
+         "bf16 weights / read bandwidth; @pt = the same bound from a weight-sized read run between the point's "
+         "steps (median)")
     header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} {'TL min':>8} {'TL tok/s':>9} {'GFLOP/s':>8} "
               f"{'%roof':>6} | {'HF ms':>8} {'HF tok/s':>9} | {'TL/HF':>6} | {'floor':>7} {'TL/floor':>8} | "
-              f"{'bw-bound':>8} {'TL/bound':>8}")
+              f"{'bw-bound':>8} {'TL/bound':>8} | {'GB/s @pt':>7} {'bound @pt':>8} {'TL/b@pt':>8}")
     _log(header)
     _log("-" * len(header))
     for pt in points:
@@ -518,12 +552,15 @@ def main(argv: list[str] | None = None) -> None:
         hf_ms = pt.hf_ms if pt.hf else float("nan")
         ratio = hf_ms / pt.tl_ms if pt.hf else float("nan")
         bound = bw_bound_ms if pt.batch == 1 else float("nan")
+        # the same bound from the read probe run between this point's steps (batch 1 only)
+        bound_here = weight_bytes_bf16 / (pt.read_gbps * GB) * 1e3 if pt.batch == 1 else float("nan")
         floor_ms = 1e3 * max(shape.decode_flops(pt.batch, pt.context) / (peak_gflops * 1e9),
                              (weight_bytes_run + shape.kv_bytes(pt.batch, pt.context, elem)) / (mem_gbps * GB))
         _log(f"{pt.batch:>5} {pt.context:>5} | {pt.tl_ms:>8.2f} {pt.tl_min_ms:>8.2f} {pt.batch / tl_s:>9.0f} "
              f"{gfs:>8.0f} {frac * 100:>5.1f}% | {_fmt(hf_ms, '.2f')} {_fmt(pt.batch / (hf_ms / 1e3), '.0f', 9)} | "
              f"{_fmt(ratio, '.2f', 6)} | {floor_ms:>7.1f} {pt.tl_ms / floor_ms:>8.2f} | "
-             f"{_fmt(bound, '.2f')} {_fmt(pt.tl_ms / bound, '.2f')}" + (f"   ({pt.note})" if pt.note else ""))
+             f"{_fmt(bound, '.2f')} {_fmt(pt.tl_ms / bound, '.2f')} | {_fmt(pt.read_gbps, '.1f', 7)} "
+             f"{_fmt(bound_here, '.2f')} {_fmt(pt.tl_ms / bound_here, '.2f')}" + (f"   ({pt.note})" if pt.note else ""))
         key = f"decode_b{pt.batch}_ctx{pt.context}"
         results[f"{key}_ms"] = pt.tl_ms
         results[f"{key}_min_ms"] = pt.tl_min_ms
@@ -532,6 +569,9 @@ def main(argv: list[str] | None = None) -> None:
         results[f"{key}_ratio_vs_hf"] = ratio if pt.hf else None
         results[f"{key}_roofline_frac"] = frac
         results[f"{key}_floor_ms"] = floor_ms
+        if pt.batch == 1:
+            results[f"{key}_read_gbps_interleaved"] = pt.read_gbps
+            results[f"{key}_vs_bound_interleaved"] = pt.tl_ms / bound_here
 
     if args.profile:
         for b in (1, 64):
@@ -558,6 +598,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode_b1_hf_ms": pick(f"decode_b1_ctx{ctx0}_hf_ms"),
         "decode_b1_bw_bound_ms": round(bw_bound_ms, 4),
         "decode_b1_vs_bw_bound": round(b1 / bw_bound_ms, 4) if b1 else None,
+        "decode_b1_read_gbps_interleaved": pick(f"decode_b1_ctx{ctx0}_read_gbps_interleaved"),
+        "decode_b1_vs_bw_bound_interleaved": pick(f"decode_b1_ctx{ctx0}_vs_bound_interleaved"),
         "bf16_gflops": pick("bf16_gflops"),
         "fp32_gflops": pick("fp32_gflops"),
         "mem_gbps": pick("mem_gbps"),
