@@ -534,7 +534,8 @@ def main(argv: list[str] | None = None) -> None:
          f"MFLOP/token + attention), bf16 weights {weight_bytes_bf16 / 1e6:.0f} MB -> weight-bandwidth "
          f"bound {bw_bound_ms:.2f} ms/step")
     _log("   TL/HF = tokenloom tok/s over transformers tok/s; %roof = achieved FLOP/s over the matmul peak; "
-         "floor = max(FLOPs / matmul peak, (weights + KV read) / read bandwidth); bw-bound (batch 1) = "
+         "floor = max(FLOPs / matmul peak, (weights + KV read) / read bandwidth), the roofline model's best "
+         "time for the step (floor / TL ms = the fraction of that roofline reached); bw-bound (batch 1) = "
          "bf16 weights / read bandwidth; @pt = the same bound from a weight-sized read run between the point's "
          "steps (median)")
     header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} {'TL min':>8} {'TL tok/s':>9} {'GFLOP/s':>8} "
@@ -569,6 +570,7 @@ def main(argv: list[str] | None = None) -> None:
         results[f"{key}_ratio_vs_hf"] = ratio if pt.hf else None
         results[f"{key}_roofline_frac"] = frac
         results[f"{key}_floor_ms"] = floor_ms
+        results[f"{key}_roofline_model_frac"] = floor_ms / pt.tl_ms
         if pt.batch == 1:
             results[f"{key}_read_gbps_interleaved"] = pt.read_gbps
             results[f"{key}_vs_bound_interleaved"] = pt.tl_ms / bound_here
@@ -591,6 +593,7 @@ def main(argv: list[str] | None = None) -> None:
         "decode_b64_ratio_vs_hf": pick(f"decode_b64_ctx{ctx0}_ratio_vs_hf"),
         "decode_b64_roofline_frac": pick(f"decode_b64_ctx{ctx0}_roofline_frac"),
         "decode_b64_floor_ms": pick(f"decode_b64_ctx{ctx0}_floor_ms"),
+        "decode_b64_roofline_model_frac": pick(f"decode_b64_ctx{ctx0}_roofline_model_frac"),
         "decode_b64_ms": pick(f"decode_b64_ctx{ctx0}_ms"),
         "decode_b64_min_ms": pick(f"decode_b64_ctx{ctx0}_min_ms"),
         "decode_b1_ms": pick(f"decode_b1_ctx{ctx0}_ms"),
