@@ -7,9 +7,11 @@ Measures, side by side and interleaved step by step:
   forwards on a `DynamicCache` pre-filled to the same context),
 * prefill throughput (e.g. 8 x 256 and 1 x 1024 tokens),
 * tokenloom in float32 vs bfloat16 at batch 1 and 64,
-* tokenloom's one-call native decode step vs its modular model at batch 1, 2, 4 and 8 (same runner, steps
-  alternating; the server uses the native step up to `NativeDecode.max_batch`),
-* the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul, memory bandwidth.
+* tokenloom's one-call native decode step vs its modular model at batch 1..64 with AMX, 1..8 without (same
+  runner, steps alternating; the server uses the native step up to `NativeDecode.max_batch`),
+* the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul, memory bandwidth (and, for
+  batch 1, a weight-sized read interleaved with the steps, so the bandwidth bound is measured in the same
+  conditions as the steps).
 
 KV contents do not change the timing, but untouched (calloc'ed) pages would: reads of never-written memory
 all hit the kernel's shared zero page and stay in cache. Every KV slot a point reads is therefore written
