@@ -104,27 +104,23 @@ def run_interleaved(engines: dict[str, Callable[[], None]], warmup: int, steps: 
 
 class ReadProbe:
     """Reads `nbytes` (the bf16 weights' size) of a 1 GB buffer per call, at a rotating offset so a read never
-    finds the previous one in the cache. Run between batch-1 decode steps, its median gives the weight-bandwidth
-    bound under the same machine conditions as the steps (the roofline's best-of-10 read at the start of the
-    run can come from a faster phase: this machine's bandwidth swings 18-27 GB/s within minutes)."""
+    finds the previous one in the cache. Timed between batch-1 decode steps, its median gives the
+    weight-bandwidth bound under the same machine conditions as the steps (the roofline's best-of-10 read at
+    the start of the run can come from a faster phase: this machine's bandwidth swings 18-27 GB/s within
+    minutes)."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffer = torch.empty((1 << 30) // 4, dtype=torch.float32)
         _fill_random(self.buffer)
-        self.elems = min(nbytes // 4, self.buffer.numel())
+        self.nbytes = min(nbytes // 4, self.buffer.numel()) * 4
         self.offset = 0
-        self.seconds: list[float] = []
 
     def __call__(self) -> None:
-        if self.offset + self.elems > self.buffer.numel():
+        elems = self.nbytes // 4
+        if self.offset + elems > self.buffer.numel():
             self.offset = 0
-        t0 = time.perf_counter()
-        self.buffer[self.offset:self.offset + self.elems].sum()
-        self.seconds.append(time.perf_counter() - t0)
-        self.offset += self.elems
-
-    def gbps(self) -> float:
-        return self.elems * 4 / _median(self.seconds) / GB if self.seconds else float("nan")
+        self.buffer[self.offset:self.offset + elems].sum()
+        self.offset += elems
 
 
 @dataclass
@@ -341,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     # ---- decode grid ------------------------------------------------------------------------------------
     _log(f"\n## decode (ms/step = median over timed steps after {args.warmup} warmup; steps alternate "
          f"tokenloom/transformers)")
+    probe: ReadProbe | None = None  # made at the first batch-1 point (1 GB)
     for pt in points:
         if pt.note:
             _log(f"  b={pt.batch} ctx={pt.context}: {pt.note}")
@@ -355,15 +352,13 @@ def main(argv: list[str] | None = None) -> None:
         if hf_here:
             hf.setup_decode(pt.batch, pt.context)
             engines["hf"] = hf.decode_step
-        probe = ReadProbe(shape.streamed_params * 2) if pt.batch == 1 else None
-        if probe is not None:
+        if pt.batch == 1:
+            probe = probe or ReadProbe(shape.streamed_params * 2)
             engines["read"] = probe
         setup_s = time.perf_counter() - t0
         times = run_interleaved(engines, args.warmup, args.steps, 3, args.point_budget)
-        if probe is not None:
-            probe.seconds = times["read"]
-            pt.read_gbps = probe.gbps()
-            del probe
+        if "read" in times:
+            pt.read_gbps = probe.nbytes / _median(times["read"]) / GB
         pt.tl = times["tl"]
         pt.hf = times.get("hf", [])
         tl.teardown()
