@@ -70,8 +70,8 @@ static inline void prefetch_lines(const uint16_t *ahead, int64_t first, int coun
 
 /* Tiles are read this many K steps after prefetch_tile asked for them: the L2 prefetch above brings a pair
  * within reach, this brings the next tiles into L1, because a tile load whose rows miss L1 stalls the tile
- * unit (bench/small_gemm.py: 1-4 rows 19 -> 15 ms over the model's weights, 64 rows 38 -> 32 ms, alternating
- * builds in one process; 1 to 4 steps ahead measured alike). */
+ * unit. Over the model's weights, with builds alternating in one process (docs/benchmarks.md): 1-4 rows
+ * 19 -> 15 ms, 64 rows 38 -> 32 ms; 1 to 4 steps ahead measured alike. */
 #define TILE_PREFETCH_STEPS 2
 
 /* Ask for one 1 KB tile (16 lines) in L1. */
