@@ -103,6 +103,8 @@ class TokenloomEngine:
 
 
 class HFEngine:
+    """transformers on the same GGUF: one-token forwards on a DynamicCache pre-filled to the context."""
+
     def __init__(self, dtype: torch.dtype, threads: int) -> None:
         import inspect
 
