@@ -9,9 +9,10 @@ Measures, side by side and interleaved step by step:
 * tokenloom in float32 vs bfloat16 at batch 1 and 64,
 * tokenloom's one-call native decode step vs its modular model at batch 1..64 with AMX, 1..8 without (same
   runner, steps alternating; the server uses the native step up to `NativeDecode.max_batch`),
-* the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul, memory bandwidth (and, for
-  batch 1, a weight-sized read interleaved with the steps, so the bandwidth bound is measured in the same
-  conditions as the steps).
+* the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul and memory bandwidth,
+  best-of at the start of the run, and again at every decode point from probes run between its steps (a
+  2048^3 matmul and a read of the step's bytes, or of the weights' at batch 1), so each step is compared
+  with the machine as it was in the same round (bench/roofline_probes.py).
 
 KV contents do not change the timing, but untouched (calloc'ed) pages would: reads of never-written memory
 all hit the kernel's shared zero page and stay in cache. Every KV slot a point reads is therefore written
@@ -43,8 +44,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import CpuMonitor, ModelShape, _cpu_name, _fill_random, measure_roofline
+from bench.common import CpuMonitor, ModelShape, _cpu_name, measure_roofline
 from bench.forward_engines import HFEngine, TokenloomEngine
+from bench.roofline_probes import MatmulProbe, ReadProbe, round_fractions
 from tokenloom.config import ServerArgs
 from tokenloom.models.loader import resolve_model_source
 
@@ -102,27 +104,6 @@ def run_interleaved(engines: dict[str, Callable[[], None]], warmup: int, steps: 
     return times
 
 
-class ReadProbe:
-    """Reads `nbytes` (the bf16 weights' size) of a 1 GB buffer per call, at a rotating offset so a read never
-    finds the previous one in the cache. Timed between batch-1 decode steps, its median gives the
-    weight-bandwidth bound under the same machine conditions as the steps (the roofline's best-of-10 read at
-    the start of the run can come from a faster phase: this machine's bandwidth swings 18-27 GB/s within
-    minutes)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.empty((1 << 30) // 4, dtype=torch.float32)
-        _fill_random(self.buffer)
-        self.nbytes = min(nbytes // 4, self.buffer.numel()) * 4
-        self.offset = 0
-
-    def __call__(self) -> None:
-        elems = self.nbytes // 4
-        if self.offset + elems > self.buffer.numel():
-            self.offset = 0
-        self.buffer[self.offset:self.offset + elems].sum()
-        self.offset += elems
-
-
 @dataclass
 class DecodePoint:
     batch: int
@@ -130,7 +111,8 @@ class DecodePoint:
     tl: list[float] = field(default_factory=list)
     hf: list[float] = field(default_factory=list)
     note: str = ""
-    read_gbps: float = float("nan")  # batch 1: the read probe's median, interleaved with the steps
+    # the roofline probes run between this point's steps (see bench/roofline_probes.py): round_fractions()
+    at_point: dict[str, float] = field(default_factory=dict)
 
     @property
     def tl_ms(self) -> float:
@@ -336,8 +318,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- decode grid ------------------------------------------------------------------------------------
     _log(f"\n## decode (ms/step = median over timed steps after {args.warmup} warmup; steps alternate "
-         f"tokenloom/transformers)")
-    probe: ReadProbe | None = None  # made at the first batch-1 point (1 GB)
+         f"tokenloom / transformers / matmul probe / read probe)")
+    reader, matmul_probe = ReadProbe(), MatmulProbe(dtype)
     for pt in points:
         if pt.note:
             _log(f"  b={pt.batch} ctx={pt.context}: {pt.note}")
@@ -352,13 +334,16 @@ def main(argv: list[str] | None = None) -> None:
         if hf_here:
             hf.setup_decode(pt.batch, pt.context)
             engines["hf"] = hf.decode_step
-        if pt.batch == 1:
-            probe = probe or ReadProbe(shape.streamed_params * 2)
-            engines["read"] = probe
+        # batch 1: the weight-bandwidth bound's read (weights only); otherwise everything the step reads
+        step_bytes = shape.streamed_params * elem + shape.kv_bytes(pt.batch, pt.context, elem)
+        read_bytes = reader.clipped(shape.streamed_params * 2 if pt.batch == 1 else step_bytes)
+        engines["matmul"] = matmul_probe
+        engines["read"] = lambda n=read_bytes: reader.read(n)
         setup_s = time.perf_counter() - t0
         times = run_interleaved(engines, args.warmup, args.steps, 3, args.point_budget)
-        if "read" in times:
-            pt.read_gbps = probe.nbytes / _median(times["read"]) / GB
+        pt.at_point = round_fractions(times["tl"], times["matmul"], times["read"],
+                                      shape.decode_flops(pt.batch, pt.context), step_bytes, matmul_probe.flops,
+                                      read_bytes)
         pt.tl = times["tl"]
         pt.hf = times.get("hf", [])
         tl.teardown()
@@ -380,11 +365,10 @@ def main(argv: list[str] | None = None) -> None:
     _log("   TL/HF = tokenloom tok/s over transformers tok/s; %roof = achieved FLOP/s over the matmul peak; "
          "floor = max(FLOPs / matmul peak, (weights + KV read) / read bandwidth), the roofline model's best "
          "time for the step (floor / TL ms = the fraction of that roofline reached); bw-bound (batch 1) = "
-         "bf16 weights / read bandwidth; @pt = the same bound from a weight-sized read run between the point's "
-         "steps (median)")
+         "bf16 weights / read bandwidth")
     header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} {'TL min':>8} {'TL tok/s':>9} {'GFLOP/s':>8} "
               f"{'%roof':>6} | {'HF ms':>8} {'HF tok/s':>9} | {'TL/HF':>6} | {'floor':>7} {'TL/floor':>8} | "
-              f"{'bw-bound':>8} {'TL/bound':>8} | {'GB/s @pt':>7} {'bound @pt':>8} {'TL/b@pt':>8}")
+              f"{'bw-bound':>8} {'TL/bound':>8}")
     _log(header)
     _log("-" * len(header))
     for pt in points:
@@ -397,15 +381,12 @@ def main(argv: list[str] | None = None) -> None:
         hf_ms = pt.hf_ms if pt.hf else float("nan")
         ratio = hf_ms / pt.tl_ms if pt.hf else float("nan")
         bound = bw_bound_ms if pt.batch == 1 else float("nan")
-        # the same bound from the read probe run between this point's steps (batch 1 only)
-        bound_here = weight_bytes_bf16 / (pt.read_gbps * GB) * 1e3 if pt.batch == 1 else float("nan")
         floor_ms = 1e3 * max(shape.decode_flops(pt.batch, pt.context) / (peak_gflops * 1e9),
                              (weight_bytes_run + shape.kv_bytes(pt.batch, pt.context, elem)) / (mem_gbps * GB))
         _log(f"{pt.batch:>5} {pt.context:>5} | {pt.tl_ms:>8.2f} {pt.tl_min_ms:>8.2f} {pt.batch / tl_s:>9.0f} "
              f"{gfs:>8.0f} {frac * 100:>5.1f}% | {_fmt(hf_ms, '.2f')} {_fmt(pt.batch / (hf_ms / 1e3), '.0f', 9)} | "
              f"{_fmt(ratio, '.2f', 6)} | {floor_ms:>7.1f} {pt.tl_ms / floor_ms:>8.2f} | "
-             f"{_fmt(bound, '.2f')} {_fmt(pt.tl_ms / bound, '.2f')} | {_fmt(pt.read_gbps, '.1f', 7)} "
-             f"{_fmt(bound_here, '.2f')} {_fmt(pt.tl_ms / bound_here, '.2f')}" + (f"   ({pt.note})" if pt.note else ""))
+             f"{_fmt(bound, '.2f')} {_fmt(pt.tl_ms / bound, '.2f')}" + (f"   ({pt.note})" if pt.note else ""))
         key = f"decode_b{pt.batch}_ctx{pt.context}"
         results[f"{key}_ms"] = pt.tl_ms
         results[f"{key}_min_ms"] = pt.tl_min_ms
@@ -415,9 +396,33 @@ def main(argv: list[str] | None = None) -> None:
         results[f"{key}_roofline_frac"] = frac
         results[f"{key}_floor_ms"] = floor_ms
         results[f"{key}_roofline_model_frac"] = floor_ms / pt.tl_ms
+
+    # ---- the same, against the probes run between each point's steps -----------------------------------
+    _log(f"\n## decode vs the roofline at the point ({peak_name}; probes between the steps, see "
+         "bench/roofline_probes.py; every figure a median over rounds, fractions of values from one round)")
+    _log("   peak = one 2048^3 matmul; read = the step's weights + KV (batch 1: the weights, clipped to 1 GB); "
+         "%peak = achieved FLOP/s over peak; floor = max(FLOPs / peak, step bytes / read bandwidth); "
+         "roof = floor / TL ms; TL/bound (batch 1) = step time over the weight read's time")
+    header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} | {'peak GF/s':>9} {'read GB/s':>9} | {'%peak':>6} | "
+              f"{'floor ms':>8} {'roof':>6} | {'TL/bound':>8}")
+    _log(header)
+    _log("-" * len(header))
+    weight_read = min(weight_bytes_bf16 // 4, ReadProbe.BUFFER_BYTES // 4) * 4
+    for pt in points:
+        if not pt.tl:
+            continue
+        at = pt.at_point
+        vs_bound = at["step_over_read"] * weight_read / weight_bytes_bf16 if pt.batch == 1 else float("nan")
+        _log(f"{pt.batch:>5} {pt.context:>5} | {pt.tl_ms:>8.2f} | {at['peak_gflops']:>9.0f} {at['read_gbps']:>9.1f} | "
+             f"{at['peak_frac'] * 100:>5.1f}% | {at['floor_ms']:>8.1f} {at['roofline_model_frac'] * 100:>5.1f}% | "
+             f"{_fmt(vs_bound, '.2f')}")
+        key = f"decode_b{pt.batch}_ctx{pt.context}"
+        results[f"{key}_peak_gflops_interleaved"] = at["peak_gflops"]
+        results[f"{key}_read_gbps_interleaved"] = at["read_gbps"]
+        results[f"{key}_peak_frac_interleaved"] = at["peak_frac"]
+        results[f"{key}_roofline_model_frac_interleaved"] = at["roofline_model_frac"]
         if pt.batch == 1:
-            results[f"{key}_read_gbps_interleaved"] = pt.read_gbps
-            results[f"{key}_vs_bound_interleaved"] = pt.tl_ms / bound_here
+            results[f"{key}_vs_bound_interleaved"] = vs_bound
 
     if args.profile:
         for b in (1, 64):
@@ -438,6 +443,10 @@ def main(argv: list[str] | None = None) -> None:
         "decode_b64_roofline_frac": pick(f"decode_b64_ctx{ctx0}_roofline_frac"),
         "decode_b64_floor_ms": pick(f"decode_b64_ctx{ctx0}_floor_ms"),
         "decode_b64_roofline_model_frac": pick(f"decode_b64_ctx{ctx0}_roofline_model_frac"),
+        "decode_b64_peak_gflops_interleaved": pick(f"decode_b64_ctx{ctx0}_peak_gflops_interleaved"),
+        "decode_b64_read_gbps_interleaved": pick(f"decode_b64_ctx{ctx0}_read_gbps_interleaved"),
+        "decode_b64_peak_frac_interleaved": pick(f"decode_b64_ctx{ctx0}_peak_frac_interleaved"),
+        "decode_b64_roofline_model_frac_interleaved": pick(f"decode_b64_ctx{ctx0}_roofline_model_frac_interleaved"),
         "decode_b64_ms": pick(f"decode_b64_ctx{ctx0}_ms"),
         "decode_b64_min_ms": pick(f"decode_b64_ctx{ctx0}_min_ms"),
         "decode_b1_ms": pick(f"decode_b1_ctx{ctx0}_ms"),
