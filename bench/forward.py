@@ -11,7 +11,7 @@ Measures, side by side and interleaved step by step:
   runner, steps alternating; the server uses the native step up to `NativeDecode.max_batch`),
 * the machine's roofline in the same process: bf16/fp32 GFLOP/s of a large matmul and memory bandwidth,
   best-of at the start of the run, and again at every decode point from probes run between its steps (a
-  2048^3 matmul and a read of the step's bytes, or of the weights' at batch 1), so each step is compared
+  2048^3 and a 4096^3 matmul, and a read of the step's bytes, or of the weights' at batch 1), so each step is compared
   with the machine as it was in the same round (bench/roofline_probes.py).
 
 KV contents do not change the timing, but untouched (calloc'ed) pages would: reads of never-written memory
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import CpuMonitor, ModelShape, _cpu_name, measure_roofline
 from bench.forward_engines import HFEngine, TokenloomEngine
-from bench.roofline_probes import MatmulProbe, ReadProbe, round_fractions
+from bench.roofline_probes import MatmulProbe, ReadProbe, round_fractions, vs_read
 from tokenloom.config import ServerArgs
 from tokenloom.models.loader import resolve_model_source
 
@@ -341,9 +341,12 @@ def main(argv: list[str] | None = None) -> None:
         engines["read"] = lambda n=read_bytes: reader.read(n)
         setup_s = time.perf_counter() - t0
         times = run_interleaved(engines, args.warmup, args.steps, 3, args.point_budget)
-        pt.at_point = round_fractions(times["tl"], times["matmul"], times["read"],
-                                      shape.decode_flops(pt.batch, pt.context), step_bytes, matmul_probe.flops,
-                                      read_bytes)
+        rounds = len(times["tl"])  # the probes' last `rounds` calls are the timed rounds (after the warmups)
+        peaks, bandwidths = matmul_probe.rates[-rounds:], reader.rates[-rounds:]
+        pt.at_point = round_fractions(times["tl"], peaks, bandwidths, shape.decode_flops(pt.batch, pt.context),
+                                      step_bytes)
+        if pt.batch == 1:
+            pt.at_point["vs_bound"] = vs_read(times["tl"], bandwidths, shape.streamed_params * 2)
         pt.tl = times["tl"]
         pt.hf = times.get("hf", [])
         tl.teardown()
@@ -400,19 +403,19 @@ def main(argv: list[str] | None = None) -> None:
     # ---- the same, against the probes run between each point's steps -----------------------------------
     _log(f"\n## decode vs the roofline at the point ({peak_name}; probes between the steps, see "
          "bench/roofline_probes.py; every figure a median over rounds, fractions of values from one round)")
-    _log("   peak = one 2048^3 matmul; read = the step's weights + KV (batch 1: the weights, clipped to 1 GB); "
+    _log("   peak = the faster of a 2048^3 and a 4096^3 matmul; read = the step's weights + KV (batch 1: the "
+         "weights), clipped to 1 GB; "
          "%peak = achieved FLOP/s over peak; floor = max(FLOPs / peak, step bytes / read bandwidth); "
-         "roof = floor / TL ms; TL/bound (batch 1) = step time over the weight read's time")
+         "roof = floor / TL ms; TL/bound (batch 1) = step time over bf16 weights / read bandwidth")
     header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} | {'peak GF/s':>9} {'read GB/s':>9} | {'%peak':>6} | "
               f"{'floor ms':>8} {'roof':>6} | {'TL/bound':>8}")
     _log(header)
     _log("-" * len(header))
-    weight_read = min(weight_bytes_bf16 // 4, ReadProbe.BUFFER_BYTES // 4) * 4
     for pt in points:
         if not pt.tl:
             continue
         at = pt.at_point
-        vs_bound = at["step_over_read"] * weight_read / weight_bytes_bf16 if pt.batch == 1 else float("nan")
+        vs_bound = at.get("vs_bound", float("nan"))
         _log(f"{pt.batch:>5} {pt.context:>5} | {pt.tl_ms:>8.2f} | {at['peak_gflops']:>9.0f} {at['read_gbps']:>9.1f} | "
              f"{at['peak_frac'] * 100:>5.1f}% | {at['floor_ms']:>8.1f} {at['roofline_model_frac'] * 100:>5.1f}% | "
              f"{_fmt(vs_bound, '.2f')}")
