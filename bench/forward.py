@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import CpuMonitor, ModelShape, _cpu_name, measure_roofline
 from bench.forward_engines import HFEngine, TokenloomEngine
-from bench.roofline_probes import MatmulProbe, ReadProbe, round_fractions, vs_read
+from bench.roofline_probes import MatmulProbe, ReadProbe, round_fractions, timed_rounds, vs_read
 from tokenloom.config import ServerArgs
 from tokenloom.models.loader import resolve_model_source
 
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- decode grid ------------------------------------------------------------------------------------
     _log(f"\n## decode (ms/step = median over timed steps after {args.warmup} warmup; steps alternate "
-         f"tokenloom / transformers / matmul probe / read probe)")
+         f"tokenloom / matmul probe / read probe / transformers)")
     reader, matmul_probe = ReadProbe(), MatmulProbe(dtype)
     for pt in points:
         if pt.note:
@@ -330,19 +330,20 @@ def main(argv: list[str] | None = None) -> None:
             pt.note = f"HF skipped: KV {kv_gb:.1f} GB > --hf-max-kv-gb"
         t0 = time.perf_counter()
         tl.setup_decode(pt.batch, pt.context, extra)
-        engines = {"tl": tl.decode_step}
-        if hf_here:
-            hf.setup_decode(pt.batch, pt.context)
-            engines["hf"] = hf.decode_step
         # batch 1: the weight-bandwidth bound's read (weights only); otherwise everything the step reads
         step_bytes = shape.streamed_params * elem + shape.kv_bytes(pt.batch, pt.context, elem)
         read_bytes = reader.clipped(shape.streamed_params * 2 if pt.batch == 1 else step_bytes)
-        engines["matmul"] = matmul_probe
-        engines["read"] = lambda n=read_bytes: reader.read(n)
+        # each round: tokenloom's step, then the probes (the machine as it was for that step), then transformers
+        engines = {"tl": tl.decode_step, "matmul": matmul_probe, "read": lambda n=read_bytes: reader.read(n)}
+        if hf_here:
+            hf.setup_decode(pt.batch, pt.context)
+            engines["hf"] = hf.decode_step
         setup_s = time.perf_counter() - t0
+        calls_before = len(matmul_probe.rates), len(reader.rates)
         times = run_interleaved(engines, args.warmup, args.steps, 3, args.point_budget)
-        rounds = len(times["tl"])  # the probes' last `rounds` calls are the timed rounds (after the warmups)
-        peaks, bandwidths = matmul_probe.rates[-rounds:], reader.rates[-rounds:]
+        rounds = len(times["tl"])
+        peaks = timed_rounds(matmul_probe.rates, calls_before[0], args.warmup, rounds)
+        bandwidths = timed_rounds(reader.rates, calls_before[1], args.warmup, rounds)
         pt.at_point = round_fractions(times["tl"], peaks, bandwidths, shape.decode_flops(pt.batch, pt.context),
                                       step_bytes)
         if pt.batch == 1:
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     _log(f"\n## decode vs the roofline at the point ({peak_name}; probes between the steps, see "
          "bench/roofline_probes.py; every figure a median over rounds, fractions of values from one round)")
     _log("   peak = the faster of a 2048^3 and a 4096^3 matmul; read = the step's weights + KV (batch 1: the "
-         "weights), clipped to 1 GB; "
+         "weights), clipped to 1 GiB; "
          "%peak = achieved FLOP/s over peak; floor = max(FLOPs / peak, step bytes / read bandwidth); "
          "roof = floor / TL ms; TL/bound (batch 1) = step time over bf16 weights / read bandwidth")
     header = (f"{'batch':>5} {'ctx':>5} | {'TL ms':>8} | {'peak GF/s':>9} {'read GB/s':>9} | {'%peak':>6} | "

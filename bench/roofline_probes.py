@@ -25,9 +25,9 @@ GB = 1e9
 
 
 class ReadProbe:
-    """Reads `nbytes` of a 1 GB float32 buffer per call, at a rotating offset so a read never finds the
-    previous one in the cache (the L3 here is 300 MB), and records the call's GB/s in `rates`. `nbytes` is
-    clipped to the buffer."""
+    """Reads `nbytes` of a 1 GiB float32 buffer per call, starting where the previous read ended and wrapping
+    around at the end, so a read never finds the previous one in the cache (the L3 here is 300 MB); records
+    the call's GB/s in `rates`. `nbytes` is clipped to the buffer."""
 
     BUFFER_BYTES = 1 << 30
 
@@ -41,13 +41,14 @@ class ReadProbe:
         return min(nbytes // 4, self.buffer.numel()) * 4
 
     def read(self, nbytes: int) -> None:
-        elems = self.clipped(nbytes) // 4
-        if self.offset + elems > self.buffer.numel():
-            self.offset = 0
+        elems, total = self.clipped(nbytes) // 4, self.buffer.numel()
+        first = min(elems, total - self.offset)
         t0 = time.perf_counter()
-        self.buffer[self.offset:self.offset + elems].sum()
+        self.buffer[self.offset:self.offset + first].sum()
+        if first < elems:  # wrapped: the rest from the start
+            self.buffer[:elems - first].sum()
         self.rates.append(elems * 4 / (time.perf_counter() - t0) / GB)
-        self.offset += elems
+        self.offset = (self.offset + elems) % total
 
 
 class MatmulProbe:
@@ -74,6 +75,15 @@ class MatmulProbe:
         self.rates.append(best)
 
 
+def timed_rounds(rates: list[float], calls_before: int, warmup: int, rounds: int) -> list[float]:
+    """A probe's rates from one interleaved run's timed rounds: what it recorded after its `calls_before`
+    earlier calls and this run's `warmup` untimed ones. Raises when that is not one rate per round."""
+    timed = rates[calls_before + warmup:]
+    if len(timed) != rounds:
+        raise RuntimeError(f"probe recorded {len(timed)} timed calls for {rounds} rounds")
+    return timed
+
+
 def roofline_floor_s(flops: float, nbytes: float, peak_gflops: float, read_gbps: float) -> float:
     """The roofline model's best time for work of `flops` moving `nbytes`: whichever of compute at the peak
     and reading at the bandwidth takes longer."""
@@ -87,21 +97,26 @@ def paired_median(values: list[float]) -> float:
 
 
 def round_fractions(step_s: list[float], peaks: list[float], bandwidths: list[float], flops: float,
-                    step_bytes: float) -> dict[str, float]:
+                    step_bytes: float) -> dict[str, float | list[float]]:
     """Per-round roofline fractions of a step, medians over rounds.
 
     Round i pairs step_s[i] with the probes run right after it: the compute peak peaks[i] (GFLOP/s) and the
     read bandwidth bandwidths[i] (GB/s). Returns the medians of peak and bandwidth, of the step's share of the
-    compute peak (achieved FLOP/s / peak) and of the roofline model's floor over the step time."""
+    compute peak (achieved FLOP/s / peak) and of the roofline model's floor over the step time, and the two
+    fractions' per-round values ("peak_frac_rounds", "roofline_model_frac_rounds")."""
     if not (len(step_s) == len(peaks) == len(bandwidths)) or not step_s:
         raise ValueError("one step time, one peak and one bandwidth per round are needed")
     floors = [roofline_floor_s(flops, step_bytes, p, bw) for p, bw in zip(peaks, bandwidths, strict=True)]
+    peak_fracs = [flops / s / 1e9 / p for s, p in zip(step_s, peaks, strict=True)]
+    model_fracs = [f / s for f, s in zip(floors, step_s, strict=True)]
     return {
         "peak_gflops": paired_median(peaks),
         "read_gbps": paired_median(bandwidths),
-        "peak_frac": paired_median([flops / s / 1e9 / p for s, p in zip(step_s, peaks, strict=True)]),
-        "roofline_model_frac": paired_median([f / s for f, s in zip(floors, step_s, strict=True)]),
+        "peak_frac": paired_median(peak_fracs),
+        "roofline_model_frac": paired_median(model_fracs),
         "floor_ms": 1e3 * paired_median(floors),
+        "peak_frac_rounds": peak_fracs,
+        "roofline_model_frac_rounds": model_fracs,
     }
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.roofline_probes import MatmulProbe, ReadProbe, roofline_floor_s, round_fractions, vs_read
+from bench.forward import run_interleaved
+from bench.roofline_probes import MatmulProbe, ReadProbe, roofline_floor_s, round_fractions, timed_rounds, vs_read
 
 
 def test_floor_is_the_slower_of_compute_and_reading():
@@ -20,18 +21,20 @@ def test_floor_is_the_slower_of_compute_and_reading():
 
 def test_round_fractions_pair_values_of_the_same_round():
     flops, step_bytes = 18e9, 600e6
-    # round 0: fast machine (peak 1600, 30 GB/s), step 40 ms; round 1: slow (800, 20 GB/s), 60 ms;
-    # round 2: in between (1000, 24 GB/s), 50 ms
-    step_s, peaks, bandwidths = [0.040, 0.060, 0.050], [1600.0, 800.0, 1000.0], [30.0, 20.0, 24.0]
+    # round 0: memory-bound, floor max(18 ms, 20 ms) = 20 ms over a 40 ms step -> 0.5
+    # round 1: compute-bound, floor max(36 ms, 24 ms) = 36 ms over 60 ms -> 0.6
+    # round 2: memory-bound, floor max(15 ms, 30 ms) = 30 ms over 75 ms -> 0.4
+    step_s, peaks, bandwidths = [0.040, 0.060, 0.075], [1000.0, 500.0, 1200.0], [30.0, 25.0, 20.0]
     out = round_fractions(step_s, peaks, bandwidths, flops, step_bytes)
     assert out["peak_gflops"] == pytest.approx(1000)
-    assert out["read_gbps"] == pytest.approx(24)
-    # achieved 450, 300, 360 GFLOP/s over 1600, 800, 1000 -> 0.28125, 0.375, 0.36: median 0.36
-    # (the ratio of the medians, 360 / 1000, happens to agree here; the next case tells them apart)
-    assert out["peak_frac"] == pytest.approx(0.36)
-    # floors, memory-bound in every round: 20, 30, 25 ms over 40, 60, 50 ms -> 0.5 each
+    assert out["read_gbps"] == pytest.approx(25)
+    # achieved 450, 300, 240 GFLOP/s over 1000, 500, 1200 -> 0.45, 0.6, 0.2
+    assert out["peak_frac"] == pytest.approx(0.45)
     assert out["roofline_model_frac"] == pytest.approx(0.5)
-    assert out["floor_ms"] == pytest.approx(25)
+    assert out["floor_ms"] == pytest.approx(30)
+    # round by round: a bandwidth or peak taken from another round would change these
+    assert out["roofline_model_frac_rounds"] == pytest.approx([0.5, 0.6, 0.4])
+    assert out["peak_frac_rounds"] == pytest.approx([0.45, 0.6, 0.2])
 
 
 def test_paired_fraction_differs_from_a_ratio_of_medians():
@@ -64,8 +67,8 @@ def test_probes_record_a_rate_per_call_and_the_read_rotates(monkeypatch):
     reader.read(1 << 14)
     reader.read(1 << 14)
     assert reader.offset == 2 * (1 << 14) // 4
-    reader.read(1 << 16)  # does not fit after the offset: starts over
-    assert reader.offset == (1 << 16) // 4
+    reader.read(3 << 14)  # runs past the end: wraps around to the start
+    assert reader.offset == (1 << 14) // 4
     assert len(reader.rates) == 3 and all(r > 0 for r in reader.rates)
     probe = MatmulProbe(torch.float32, sizes=(16, 32))
     probe()
@@ -73,3 +76,36 @@ def test_probes_record_a_rate_per_call_and_the_read_rotates(monkeypatch):
     assert len(probe.rates) == 2 and all(r > 0 for r in probe.rates)
     a, b, out = probe.operands[1]
     torch.testing.assert_close(out, a @ b)
+
+
+class _CountingProbe:
+    """Records the global call number as its 'rate', so a test can see which calls were kept."""
+
+    def __init__(self, clock: list[int]) -> None:
+        self.clock, self.rates = clock, []
+
+    def __call__(self) -> None:
+        self.clock[0] += 1
+        self.rates.append(float(self.clock[0]))
+
+
+@pytest.mark.parametrize("warmup,steps,budget_s", [(2, 4, 1e9), (0, 5, 1e9), (1, 10, 0.0)])
+def test_timed_rounds_keep_the_calls_of_the_timed_rounds_only(warmup, steps, budget_s):
+    clock = [0]
+    step_calls: list[int] = []
+
+    def step() -> None:
+        clock[0] += 1
+        step_calls.append(clock[0])
+
+    probe = _CountingProbe(clock)
+    probe()  # an earlier point's call
+    before = len(probe.rates)
+    times = run_interleaved({"tl": step, "probe": probe}, warmup, steps, 3, budget_s)
+    rounds = len(times["tl"])
+    assert rounds == (steps if budget_s > 1 else 3)  # a zero budget falls back to the minimum of 3 rounds
+    kept = timed_rounds(probe.rates, before, warmup, rounds)
+    # each kept probe call came right after a timed step of the same round
+    assert [int(k) for k in kept] == [c + 1 for c in step_calls[warmup:]]
+    with pytest.raises(RuntimeError):
+        timed_rounds(probe.rates, before, warmup, rounds + 1)
