@@ -111,8 +111,9 @@ class DecodePoint:
     tl: list[float] = field(default_factory=list)
     hf: list[float] = field(default_factory=list)
     note: str = ""
-    # the roofline probes run between this point's steps (see bench/roofline_probes.py): round_fractions()
-    at_point: dict[str, float] = field(default_factory=dict)
+    # the roofline probes run between this point's steps: round_fractions() (bench/roofline_probes.py), plus
+    # "vs_bound" at batch 1
+    at_point: dict[str, float | list[float]] = field(default_factory=dict)
 
     @property
     def tl_ms(self) -> float:

@@ -5,8 +5,8 @@ Why: this VM's speed swings within seconds. Back to back, one 2048^3 bf16 matmul
 to ~1.9 TFLOP/s and a 700 MB read at 18-28 GB/s; a decode step's time swings far less. A best-of roofline
 taken at the start of a run and a median step taken minutes later can come from different phases, so the
 fraction between them says more about the phase than about the step. Probes run in the same interleaved
-rounds as the steps (A, probe, B, probe, ...) see the same phase; the fraction is then the median over
-rounds of step-vs-probe ratios taken within one round.
+rounds as the steps (a step, then the probes, then the other engine's step) see the same phase; the
+fraction is then the median over rounds of step-vs-probe ratios taken within one round.
 
 Invariants: `round_fractions` and `vs_read` only pair values of the same round (equal-length lists);
 `roofline_floor_s` is the roofline model's best time for a step, max(FLOPs / peak, bytes / bandwidth).
