@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import CpuMonitor, ModelShape, _cpu_name, measure_roofline
 from bench.forward_engines import HFEngine, TokenloomEngine
-from bench.roofline_probes import MatmulProbe, ReadProbe, round_fractions, timed_rounds, vs_read
+from bench.roofline_probes import MatmulProbe, ReadProbe, median_or_nan, round_fractions, timed_rounds, vs_read
 from tokenloom.config import ServerArgs
 from tokenloom.models.loader import resolve_model_source
 
@@ -60,10 +59,6 @@ GB = 1e9
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def _fmt(x: float | None, spec: str = ".1f", width: int = 8) -> str:
@@ -117,11 +112,11 @@ class DecodePoint:
 
     @property
     def tl_ms(self) -> float:
-        return _median(self.tl) * 1e3
+        return median_or_nan(self.tl) * 1e3
 
     @property
     def hf_ms(self) -> float:
-        return _median(self.hf) * 1e3
+        return median_or_nan(self.hf) * 1e3
 
     @property
     def tl_min_ms(self) -> float:
@@ -261,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                                     args.steps, 3, args.point_budget)
             tl.teardown()
             tl_other.teardown()
-            main_ms, other_ms = _median(times["main"]) * 1e3, _median(times["other"]) * 1e3
+            main_ms, other_ms = median_or_nan(times["main"]) * 1e3, median_or_nan(times["other"]) * 1e3
             _log(f"{b:>5} {main_ms:>14.2f} {min(times['main']) * 1e3:>8.2f} {other_ms:>14.2f} "
                  f"{min(times['other']) * 1e3:>8.2f} {other_ms / main_ms:>16.2f}x")
             results[f"dtype_b{b}_{args.dtype}_ms"] = main_ms
@@ -292,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
                 times = run_interleaved({"native": tl.decode_step, "modular": modular_step}, args.warmup,
                                         args.steps, 3, args.point_budget)
                 tl.teardown()
-                nat_ms, mod_ms = _median(times["native"]) * 1e3, _median(times["modular"]) * 1e3
+                nat_ms, mod_ms = median_or_nan(times["native"]) * 1e3, median_or_nan(times["modular"]) * 1e3
                 _log(f"{b:>5} {nat_ms:>10.2f} {min(times['native']) * 1e3:>8.2f} {mod_ms:>11.2f} "
                      f"{min(times['modular']) * 1e3:>8.2f} {mod_ms / nat_ms:>7.2f}x")
                 results[f"native_b{b}_ms"], results[f"modular_b{b}_ms"] = nat_ms, mod_ms
@@ -308,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         if hf is not None:
             engines["hf"] = lambda b=b, n=n: hf.prefill(b, n)
         times = run_interleaved(engines, 1, args.prefill_reps, args.prefill_reps, 1e9)
-        tl_s = _median(times["tl"])
-        hf_s = _median(times["hf"]) if hf is not None else float("nan")
+        tl_s = median_or_nan(times["tl"])
+        hf_s = median_or_nan(times["hf"]) if hf is not None else float("nan")
         tokens = b * n
         gfs = shape.prefill_flops(b, n) / tl_s / 1e9
         _log(f"{f'{b}x{n}':>9} {tl_s * 1e3:>9.1f} {tokens / tl_s:>9.0f} {gfs:>8.0f} "

@@ -92,7 +92,8 @@ def roofline_floor_s(flops: float, nbytes: float, peak_gflops: float, read_gbps:
     return max(flops / (peak_gflops * 1e9), nbytes / (read_gbps * GB))
 
 
-def paired_median(values: list[float]) -> float:
+def median_or_nan(values: list[float]) -> float:
+    """The median, or NaN for no values (a point that ran no steps)."""
     return statistics.median(values) if values else float("nan")
 
 
@@ -110,11 +111,11 @@ def round_fractions(step_s: list[float], peaks: list[float], bandwidths: list[fl
     peak_fracs = [flops / s / 1e9 / p for s, p in zip(step_s, peaks, strict=True)]
     model_fracs = [f / s for f, s in zip(floors, step_s, strict=True)]
     return {
-        "peak_gflops": paired_median(peaks),
-        "read_gbps": paired_median(bandwidths),
-        "peak_frac": paired_median(peak_fracs),
-        "roofline_model_frac": paired_median(model_fracs),
-        "floor_ms": 1e3 * paired_median(floors),
+        "peak_gflops": median_or_nan(peaks),
+        "read_gbps": median_or_nan(bandwidths),
+        "peak_frac": median_or_nan(peak_fracs),
+        "roofline_model_frac": median_or_nan(model_fracs),
+        "floor_ms": 1e3 * median_or_nan(floors),
         "peak_frac_rounds": peak_fracs,
         "roofline_model_frac_rounds": model_fracs,
     }
@@ -125,4 +126,4 @@ def vs_read(step_s: list[float], bandwidths: list[float], nbytes: float) -> floa
     (batch 1 with nbytes = the weights: the step against the weight-bandwidth bound)."""
     if len(step_s) != len(bandwidths) or not step_s:
         raise ValueError("one step time and one bandwidth per round are needed")
-    return paired_median([s / (nbytes / (bw * GB)) for s, bw in zip(step_s, bandwidths, strict=True)])
+    return median_or_nan([s / (nbytes / (bw * GB)) for s, bw in zip(step_s, bandwidths, strict=True)])
