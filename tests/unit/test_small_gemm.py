@@ -52,3 +52,32 @@ def test_linear_dispatch_same_as_onednn_within_rounding():
     rows = cpu_gemm.AMX_M_MAX + 1 if packed.amx is not None else cpu_gemm.SMALL_M_MAX + 1
     batch = cpu_gemm.linear(x.expand(rows, -1).contiguous(), w, packed, b)  # above both native kernels: oneDNN
     assert torch.equal(batch[0], onednn[0])
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 33, 64])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (1, 96)])
+def test_float32_output_is_unrounded_sums(m, n, k):
+    """The LM head's kernel: float32 sums of exact bf16 products, never rounded to bf16, at any row count."""
+    x, w, _ = _data(m, n, k, m * 7 + n + k, False)
+    got = cpu_gemm.native_linear_f32(x, w, cpu_gemm.pack_weight(w, onednn=False))
+    ref = x.double() @ w.double().T
+    assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
+    # only float32 summation order differs from the exact sums: far below bf16's 2^-8 rounding
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert (got.float() != got.bfloat16().float()).any() or n * m < 8  # values off the bf16 grid survive
+    # a row's logits do not depend on how many rows share the call
+    assert torch.equal(got[:1], cpu_gemm.native_linear_f32(x[:1].contiguous(), w, None))
+
+
+def test_lm_head_returns_float32_logits_off_the_bf16_grid():
+    from tokenloom.distributed.parallel_state import SINGLE_PROCESS
+    from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding(300, 64, SINGLE_PROCESS, torch.bfloat16)
+    x, w, _ = _data(5, 300, 64, 3, False)
+    emb.weight.data.copy_(w)
+    head = ParallelLMHead(emb, True, SINGLE_PROCESS, torch.bfloat16)
+    head.prepare_for_inference()
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 300)
+    assert torch.allclose(logits.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)

@@ -124,8 +124,9 @@ class NativeDecode:
                 and isinstance(batch.attn_metadata, CpuDecodeMetadata))
 
     def run(self, batch: ForwardBatch, trace: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [B, vocab] of a decode batch whose attention metadata is built. `trace` (bf16
-        [layers, 2, B, hidden]) receives each layer's output and residual stream when given."""
+        """float32 logits [B, vocab] of a decode batch whose attention metadata is built. `trace` (bf16,
+        [layers, 3 * B * hidden] elements) receives, per layer, its output (bf16 [B, hidden]) then its float32
+        residual stream ([B, hidden], two bf16 slots per value) when given."""
         model = self._model
         embedded = model.embed_tokens(batch.input_ids).contiguous()
         m = embedded.shape[0]
@@ -135,7 +136,7 @@ class NativeDecode:
         md: CpuDecodeMetadata = batch.attn_metadata
         kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in (md.kv_indptr, md.kv_indices))
         out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
-        logits = torch.empty(m, self._lm_head.shape[0], dtype=torch.bfloat16)
+        logits = torch.empty(m, self._lm_head.shape[0], dtype=torch.float32)
         hidden, heads, kv_heads, head_dim, inter = self._dims
         ptr = ctypes.c_void_p
         rc = self._lib.decode_forward_bf16(
@@ -150,4 +151,4 @@ class NativeDecode:
             *paged_attention.plan_arguments(md.shared))
         if rc != 0:
             raise RuntimeError("native decode step failed (unsupported shape or out of memory)")
-        return logits[:, : self._vocab].float()
+        return logits[:, : self._vocab]

@@ -43,20 +43,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight, or with `residual`: (norm(x + residual) * weight, x + residual)."""
+    """norm(x) * weight, or with `residual`: (norm(x + residual) * weight, x + residual). A float32 residual
+    with bf16 `x` stays float32 (the sum is normalized unrounded); otherwise the residual takes x's dtype."""
     shape = x.shape
     x2 = _rows(x)
     rows, hidden = x2.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)
     res2 = res_out = None
+    fn = _fn("rms_norm", x.dtype)
     if residual is not None:
-        res2 = _rows(residual.to(x.dtype))
-        res_out = torch.empty(rows, hidden, dtype=x.dtype)
+        res_dtype = x.dtype
+        if residual.dtype == torch.float32 and x.dtype == torch.bfloat16:
+            res_dtype, fn = torch.float32, _lib().rms_norm_bf16_res32
+        res2 = _rows(residual.to(res_dtype))
+        res_out = torch.empty(rows, hidden, dtype=res_dtype)
     w = weight.to(x.dtype).contiguous()
-    _fn("rms_norm", x.dtype)(_ptr(x2), ctypes.c_int64(x2.stride(0)), _ptr(res2),
-                             ctypes.c_int64(0 if res2 is None else res2.stride(0)), _ptr(w), _ptr(out),
-                             _ptr(res_out), ctypes.c_int64(rows), ctypes.c_int64(hidden), ctypes.c_float(eps),
-                             ctypes.c_int(torch.get_num_threads()))
+    fn(_ptr(x2), ctypes.c_int64(x2.stride(0)), _ptr(res2), ctypes.c_int64(0 if res2 is None else res2.stride(0)),
+       _ptr(w), _ptr(out), _ptr(res_out), ctypes.c_int64(rows), ctypes.c_int64(hidden), ctypes.c_float(eps),
+       ctypes.c_int(torch.get_num_threads()))
     if res_out is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)

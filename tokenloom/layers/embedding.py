@@ -49,7 +49,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """hidden -> logits over the full vocabulary. May share its weight with the embedding (tied)."""
+    """hidden -> float32 logits over the full vocabulary. May share its weight with the embedding (tied).
+
+    Logits are never rounded to the model dtype: with a bf16 model on the CPU the native kernels keep the
+    matmul's float32 sums (`cpu_gemm.native_linear_f32`); elsewhere a float32 copy of the weight is kept and
+    the hidden states are widened (exact), so every path gives float32 sums of exact products.
+    """
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool, ctx: ParallelContext,
                  dtype: torch.dtype) -> None:
@@ -65,12 +70,22 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
     packed: cpu_gemm.PackedWeight | None = None
+    weight_f32: torch.Tensor | None = None  # the float32 copy, where no native float32-output kernel runs
 
     def prepare_for_inference(self) -> None:
-        self.packed = cpu_gemm.pack_weight(self.weight)
+        self.packed = cpu_gemm.pack_weight(self.weight, onednn=False)
+        if self.weight.dtype != torch.float32 and not cpu_gemm.f32_kernel_available(self.weight):
+            self.weight_f32 = self.weight.float()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ctx.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, self.packed))
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logits = None
+        if self.weight_f32 is None:
+            logits = cpu_gemm.native_linear_f32(flat, self.weight, self.packed)
+        if logits is None:
+            weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+            logits = F.linear(flat.float(), weight)
+        logits = self.ctx.all_gather_last_dim(logits.view(*hidden.shape[:-1], -1))
         return logits[..., : self.vocab_size]
 
     load_full = VocabParallelEmbedding.load_full

@@ -5,6 +5,10 @@ Written for tensor parallelism (QKV and gate/up column-parallel, o/down row-para
 embedding and head) and for pipeline stages: a model holds layers [start_layer, end_layer) only; the first
 stage owns the embedding, the last the final norm and LM head. A stage that is not first takes
 `batch.pp_proxy` ({"hidden_states", "residual"}) as input; a stage that is not last returns it.
+
+Numerics: weights, activations and the KV cache are in the model dtype, but the residual stream is float32
+(each layer's output is added to it unrounded) and the logits leave the LM head as float32 sums, never
+rounded to bf16: those two roundings cost bf16 most of its accuracy (docs/benchmarks.md, issue 16).
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
                 attn: AttentionBackend, rotary: RotaryStep
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden
+            residual = hidden.float()  # the residual stream is float32 whatever the model dtype
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
@@ -122,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden.index_select(0, select_logit_rows(batch))
         residual = residual.index_select(0, select_logit_rows(batch))
         hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def required_weight_names(self) -> set[str]:
         """HF tensor names this stage cannot run without."""
@@ -200,7 +204,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def select_logit_rows(batch: ForwardBatch) -> torch.Tensor:
-    """Rows of the hidden states whose logits are needed: every token, or each request's last token."""
+    """Rows of the hidden states whose logits are needed: the batch's planned rows (prompt logprobs), every
+    token, or each request's last token."""
+    if batch.logit_rows is not None:
+        return batch.logit_rows
     if batch.return_all_logits:
         return torch.arange(batch.input_ids.numel(), device=batch.input_ids.device)
     return batch.extend_start_loc + batch.extend_seq_lens - 1

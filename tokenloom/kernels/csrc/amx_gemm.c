@@ -13,7 +13,8 @@
  * 32 (or a last 16) rows accumulates 2x2 (or 1x2) output tiles over K and writes them out (+ bias, rounded to
  * bf16 once). The next pair's weight is prefetched into L2 while the current one is computed, spread over
  * all its row groups, and each tile into L1 two K steps before it is loaded. An output element sums its K
- * steps in order, so its value does not depend on M, the row group or the thread count.
+ * steps in order, so its value does not depend on M, the row group or the thread count. amx_linear_bf16_f32
+ * stores the float32 sums unrounded (the LM head).
  *
  * Requires AMX-BF16 and the kernel's permission (amx_gemm_supported() says both); tile configuration as in
  * amx_common.h. TOKENLOOM_DISABLE_AMX=1 turns it off.
@@ -79,19 +80,24 @@ static inline void prefetch_tile(const uint16_t *tile) {
     for (int line = 0; line < 16; ++line) _mm_prefetch((const char *)tile + 64 * line, _MM_HINT_T0);
 }
 
-/* Rounded outputs of `rows` rows x 32 features from fp32 tile results c[row][32] (+ bias), masked to n. */
+/* Outputs of `rows` rows x 32 features from fp32 tile results c[row][32] (+ bias), masked to n: rounded to
+ * bf16 into `out`, or kept float32 in `out_f32` when that is set. */
 static inline void store_rows(const float *c, int rows, const __m512 bias[2], __mmask16 mask[2], uint16_t *out,
-                              int64_t out_stride) {
+                              float *out_f32, int64_t out_stride) {
     for (int r = 0; r < rows; ++r)
         for (int h = 0; h < 2; ++h) {
             const __m512 y = _mm512_add_ps(_mm512_loadu_ps(c + r * 32 + h * 16), bias[h]);
-            _mm256_mask_storeu_epi16(out + r * out_stride + h * 16, mask[h], (__m256i)_mm512_cvtneps_pbh(y));
+            if (out_f32 != NULL)
+                _mm512_mask_storeu_ps(out_f32 + r * out_stride + h * 16, mask[h], y);
+            else
+                _mm256_mask_storeu_epi16(out + r * out_stride + h * 16, mask[h], (__m256i)_mm512_cvtneps_pbh(y));
         }
 }
 
 /* Feature pair `pair` (32 outputs) for every row group of the padded input xa [mp, kp]. */
 static void pair_tiles(const uint16_t *xa, int64_t m, int64_t kp, const uint16_t *b0, const uint16_t *ahead,
-                       const uint16_t *bias, int64_t n, int64_t f0, uint16_t *out, int64_t out_stride) {
+                       const uint16_t *bias, int64_t n, int64_t f0, uint16_t *out, float *out_f32,
+                       int64_t out_stride) {
     const int64_t steps = kp / 32;
     const uint16_t *b1 = b0 + steps * AMX_TILE_ELEMS;
     const int64_t lines = steps * 32, groups = (m + 31) / 32; /* a pair's K step is 2 KB = 32 lines */
@@ -137,7 +143,9 @@ static void pair_tiles(const uint16_t *xa, int64_t m, int64_t kp, const uint16_t
             _tile_stored(1, c + 16, 128);
             _tile_stored(2, c + 16 * 32, 128);
             _tile_stored(3, c + 16 * 32 + 16, 128);
-            store_rows(c, m - m0 >= 32 ? 32 : (int)(m - m0), bv, mask, out + m0 * out_stride + f0, out_stride);
+            const int64_t at = m0 * out_stride + f0;
+            store_rows(c, m - m0 >= 32 ? 32 : (int)(m - m0), bv, mask, out_f32 ? NULL : out + at,
+                       out_f32 ? out_f32 + at : NULL, out_stride);
         } else {
             _tile_zero(0);
             _tile_zero(1);
@@ -155,7 +163,9 @@ static void pair_tiles(const uint16_t *xa, int64_t m, int64_t kp, const uint16_t
             }
             _tile_stored(0, c, 128);
             _tile_stored(1, c + 16, 128);
-            store_rows(c, (int)(m - m0), bv, mask, out + m0 * out_stride + f0, out_stride);
+            const int64_t at = m0 * out_stride + f0;
+            store_rows(c, (int)(m - m0), bv, mask, out_f32 ? NULL : out + at, out_f32 ? out_f32 + at : NULL,
+                       out_stride);
         }
     }
 }
@@ -185,9 +195,11 @@ static const uint16_t *padded_input(const uint16_t *x, int64_t x_stride, int64_t
 }
 #endif
 
-/* Returns 0, or -1 when the kernel is unavailable or its scratch cannot be allocated (nothing written then). */
-KERNEL_API int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                               uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+/* Every feature pair for the m rows of x; exactly one of out / out_f32 is set. Returns 0, or -1 when the
+ * kernel is unavailable or its scratch cannot be allocated (nothing written then). */
+static int amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                      uint16_t *out, float *out_f32, int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                      int threads) {
 #if HAVE_AMX
     if (m < 1 || n < 1 || k < 1 || !amx_gemm_supported()) return -1;
     const int64_t kp = round_up(k, 32), pairs = round_up(n, 32) / 32, pair_elems = 2 * (kp / 32) * AMX_TILE_ELEMS;
@@ -200,14 +212,28 @@ KERNEL_API int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < pairs; ++p) {
             const uint16_t *b0 = packed + p * pair_elems;
-            pair_tiles(xa, m, kp, b0, p + 1 < pairs ? b0 + pair_elems : NULL, bias, n, 32 * p, out, out_stride);
+            pair_tiles(xa, m, kp, b0, p + 1 < pairs ? b0 + pair_elems : NULL, bias, n, 32 * p, out, out_f32,
+                       out_stride);
         }
         _tile_release();
     }
     return 0;
 #else
-    (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)out_stride; (void)m; (void)n; (void)k;
-    (void)threads;
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)out_f32; (void)out_stride; (void)m;
+    (void)n; (void)k; (void)threads;
     return -1;
 #endif
+}
+
+/* bf16 outputs. Returns 0, or -1 when the kernel is unavailable or out of memory (nothing written then). */
+KERNEL_API int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                               uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+    return amx_linear(x, x_stride, packed, bias, out, NULL, out_stride, m, n, k, threads);
+}
+
+/* float32 outputs (the LM head's logits), otherwise as amx_linear_bf16. */
+KERNEL_API int amx_linear_bf16_f32(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                                   const uint16_t *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
+                                   int64_t k, int threads) {
+    return amx_linear(x, x_stride, packed, bias, NULL, out, out_stride, m, n, k, threads);
 }

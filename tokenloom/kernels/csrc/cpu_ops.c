@@ -3,6 +3,8 @@
  * small aten ops (and their dtype conversions) that the torch expressions need:
  *
  *   rms_norm:      [residual_out =] x (+ residual);  out = residual_out * rsqrt(mean(residual_out^2) + eps) * w
+ *   rms_norm_bf16_res32: the same with a float32 residual stream (bf16 x, w and out): the sum is kept in float32
+ *                  and normalized unrounded, so rounding error does not accumulate along the residual stream
  *   silu_and_mul:  out[:, i] = silu(x[:, i]) * x[:, inter + i]
  *   rope:          rotate-half rotary embedding of every head of x, in place, from float32 cos/sin tables
  *   argmax_rows:   index of each float32 row's maximum, as torch.argmax gives it (first maximum; a NaN wins)
@@ -93,6 +95,24 @@ KERNEL_API int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, c
 
 DEFINE_OPS(f32, float)
 DEFINE_OPS(bf16, uint16_t)
+
+KERNEL_API int rms_norm_bf16_res32(const uint16_t *x, int64_t x_stride, const float *residual,
+                                   int64_t residual_stride, const uint16_t *w, uint16_t *out, float *residual_out,
+                                   int64_t rows, int64_t hidden, float eps, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * hidden, threads))")
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *src = x + r * x_stride;
+        const float *rr = residual + r * residual_stride;
+        float *ro = residual_out + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) ro[i] = bf16_to_f32(src[i]) + rr[i];
+        float ss = 0.f; /* a separate read-only pass, as in rms_norm above */
+        for (int64_t i = 0; i < hidden; ++i) ss += ro[i] * ro[i];
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+        uint16_t *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) o[i] = f32_to_bf16(ro[i] * inv * bf16_to_f32(w[i]));
+    }
+    return 0;
+}
 
 /* out[r] = torch.argmax(x[r]) for float32 rows: the first index of the maximum, or of the first NaN when the
  * row has one (NaN is detected on the bit pattern, which -ffast-math cannot optimize away). torch's CPU

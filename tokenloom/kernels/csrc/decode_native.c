@@ -35,8 +35,16 @@ static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx
     return linear_small_bf16(x, k, w, bias, out, m, n, k, threads);
 }
 
-/* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (bf16, before any slicing).
- * `trace`, when not NULL, receives every layer's output and residual stream (for tests). share_len ..
+/* The LM head: as step_linear, but the float32 sums are stored unrounded (logits are never rounded to bf16). */
+static int step_linear_f32(const uint16_t *x, const uint16_t *w, const uint16_t *amx, float *out, int m, int64_t n,
+                           int64_t k, int threads) {
+    if (amx != NULL) return amx_linear_bf16_f32(x, k, amx, NULL, out, n, m, n, k, threads);
+    return linear_small_bf16_f32(x, k, w, NULL, out, m, n, k, threads);
+}
+
+/* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (float32, before any slicing).
+ * The residual stream is float32 (as in the modular path). `trace`, when not NULL, receives every layer's
+ * output (bf16 [m, hidden]) then residual stream (float32 [m, hidden]), per layer (for tests). share_len ..
  * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, or -1
  * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
@@ -45,7 +53,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                    int kv_heads, int head_dim, int inter, float eps, int64_t kv_rows, int m,
                                    const uint16_t *embedded,
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
-                                   const int64_t *out_loc, uint16_t *logits, uint16_t *trace, int threads,
+                                   const int64_t *out_loc, float *logits, uint16_t *trace, int threads,
                                    const int64_t *share_len, const int *group_ptr, const int *members,
                                    int groups) {
     const int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * head_dim, attn_width = (int64_t)heads * head_dim;
@@ -53,7 +61,8 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     /* scratch buffers start on 64-byte boundaries like torch's tensors: vectorized float reductions peel
      * to alignment, so their summation order (and rounding) depends on where a row starts */
 #define ALIGNED(n) (((n) + 31) / 32 * 32)
-    const int64_t sizes[7] = {ALIGNED((int64_t)m * hidden), ALIGNED((int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
+    /* (the residual stream is float32: it takes two bf16 slots per element) */
+    const int64_t sizes[7] = {ALIGNED((int64_t)m * hidden), ALIGNED(2 * (int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
                               ALIGNED(m * qkv_width), ALIGNED(m * attn_width), ALIGNED(2 * (int64_t)m * inter),
                               ALIGNED((int64_t)m * inter)};
 #undef ALIGNED
@@ -61,16 +70,18 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     for (int i = 0; i < 7; ++i) total += sizes[i];
     uint16_t *scratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)total);
     if (scratch == NULL) return -1;
-    uint16_t *x = scratch, *residual = x + sizes[0], *normed = residual + sizes[1], *qkv = normed + sizes[2];
+    uint16_t *x = scratch, *normed = x + sizes[0] + sizes[1], *qkv = normed + sizes[2];
+    float *residual = (float *)(x + sizes[0]);
     uint16_t *attn = qkv + sizes[3], *gate_up = attn + sizes[4], *act = gate_up + sizes[5];
     int rc = 0;
     memcpy(x, embedded, sizeof(uint16_t) * (size_t)m * hidden);
     for (int l = 0; l < layers && rc == 0; ++l) {
         if (l == 0) { /* first layer: the residual stream starts as the embeddings, normalized without an add */
-            memcpy(residual, x, sizeof(uint16_t) * (size_t)m * hidden);
+            for (int64_t i = 0; i < (int64_t)m * hidden; ++i) residual[i] = bf16_to_f32(x[i]);
             rms_norm_bf16(x, hidden, NULL, 0, P(l, F_LN_IN), normed, NULL, m, hidden, eps, threads);
         } else {
-            rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_IN), normed, residual, m, hidden, eps, threads);
+            rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_IN), normed, residual, m, hidden, eps,
+                                threads);
         }
         rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden,
                           threads);
@@ -80,19 +91,20 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                           qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
                                           qkv_width, out_loc, share_len, group_ptr, members, groups);
         rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), NULL, x, m, hidden, attn_width, threads);
-        rms_norm_bf16(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
+        rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
         rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), NULL, gate_up, m, 2 * (int64_t)inter,
                           hidden, threads);
         silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
         rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), NULL, x, m, hidden, inter, threads);
-        if (trace != NULL) { /* layer l's output and residual stream, [layers][2][m][hidden] */
-            memcpy(trace + (int64_t)l * 2 * m * hidden, x, sizeof(uint16_t) * (size_t)m * hidden);
-            memcpy(trace + ((int64_t)l * 2 + 1) * m * hidden, residual, sizeof(uint16_t) * (size_t)m * hidden);
+        if (trace != NULL) { /* layer l's output and residual stream (float32), [layers][m][3][hidden] bf16 slots */
+            uint16_t *at = trace + (int64_t)l * 3 * m * hidden;
+            memcpy(at, x, sizeof(uint16_t) * (size_t)m * hidden);
+            memcpy(at + (int64_t)m * hidden, residual, sizeof(float) * (size_t)m * hidden);
         }
     }
     if (rc == 0) {
-        rms_norm_bf16(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
-        rc |= step_linear(normed, lm_head, lm_head_amx, NULL, logits, m, vocab_rows, hidden, threads);
+        rms_norm_bf16_res32(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
+        rc |= step_linear_f32(normed, lm_head, lm_head_amx, logits, m, vocab_rows, hidden, threads);
     }
     free(scratch);
     return rc == 0 ? 0 : -1;
