@@ -25,9 +25,10 @@ class TokenizedRequest:
     sampling_params: SamplingParams
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position on; -1: none
     top_logprobs_num: int = 0
     arrival_time: float = 0.0
+    token_ids_logprob: list[int] | None = None  # with return_logprob: logprobs of these ids at every position
 
 
 @dataclass
@@ -63,7 +64,8 @@ class BatchTokenOutput:
 
     Per request i: `new_token_ids[i]` (may be empty for a finish-only message), `finished_reasons[i]`
     (None while running; a dict shaped like SGLang's finish_reason otherwise), and `meta[i]` with
-    prompt_tokens, completion_tokens, cached_tokens, total_retractions (and logprob lists when asked).
+    prompt_tokens, completion_tokens, cached_tokens, total_retractions (and logprob lists when asked:
+    output ones per message for its new tokens, prompt ones once, in the first message after the prefill).
     """
 
     rids: list[str]

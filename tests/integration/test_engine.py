@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from tokenloom import Engine
 from tokenloom.frontend.tokenizer_manager import EngineDeadError
@@ -148,6 +149,40 @@ def test_bad_requests_raise_value_error(engine):
     with pytest.raises(ValueError, match="context length"):
         engine.generate("word " * 3000)
     assert engine.generate("still serving", dict(GREEDY, max_new_tokens=2))["meta_info"]["completion_tokens"] == 2
+
+
+def test_prompt_logprobs_and_token_ids_logprob(engine, tiny_runtime_model):
+    from transformers import AutoModelForCausalLM
+
+    prompt, k, ids = PROMPTS[4], 50, [3, 1000]  # longer than the 64-token chunks, start inside the second
+    out = engine.generate(prompt, dict(GREEDY, max_new_tokens=3), return_logprob=True, logprob_start_len=k,
+                          top_logprobs_num=2, token_ids_logprob=ids)
+    meta, tokens = out["meta_info"], engine.tokenizer(prompt).input_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_runtime_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([tokens + out["output_ids"]])).logits[0].float(), dim=-1)
+    n = len(tokens)
+    assert meta["input_token_logprobs"][0] == [None, tokens[k], None]
+    assert [t[1] for t in meta["input_token_logprobs"]] == tokens[k:]
+    got = torch.tensor([t[0] for t in meta["input_token_logprobs"][1:]])
+    assert torch.allclose(got, ref[range(k, n - 1), tokens[k + 1:]], atol=1e-4)
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == n - k
+    assert [t[1] for t in meta["input_top_logprobs"][1]] == ref[k].topk(2).indices.tolist()
+    by_id = meta["input_token_ids_logprobs"]
+    assert by_id[0] is None and [t[1] for t in by_id[1]] == ids
+    assert torch.allclose(torch.tensor([[t[0] for t in pos] for pos in by_id[1:]]), ref[k:n - 1][:, ids], atol=1e-4)
+    out_ids = meta["output_token_ids_logprobs"]
+    assert len(out_ids) == 3
+    assert torch.allclose(torch.tensor([[t[0] for t in pos] for pos in out_ids]), ref[n - 1:n + 2][:, ids], atol=1e-4)
+    plain = engine.generate(prompt, dict(GREEDY, max_new_tokens=1), return_logprob=True)
+    assert "input_token_logprobs" not in plain["meta_info"]  # -1: output logprobs only
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        engine.generate(prompt, GREEDY, return_logprob=True, logprob_start_len=n)
+    with pytest.raises(ValueError, match="logprob_start_len must be -1"):
+        engine.generate(prompt, GREEDY, return_logprob=True, logprob_start_len=-2)
+    with pytest.raises(ValueError, match="token_ids_logprob contains token id"):
+        engine.generate(prompt, GREEDY, return_logprob=True, token_ids_logprob=[10**7])
+    _assert_pools_full(engine)
 
 
 def test_flush_cache(engine):

@@ -24,13 +24,9 @@ from tokenloom.entrypoints.serving_utils import (
     read_json_body,
     sse,
 )
-from tokenloom.frontend.tokenizer_manager import (
-    LOGPROB_FLOOR,
-    ServingCounters,
-    _batch_rids,
-    _common_n,
-    _triple,
-)
+from tokenloom.frontend.logprob_accumulator import LOGPROB_FLOOR
+from tokenloom.frontend.logprob_accumulator import triple as _triple
+from tokenloom.frontend.tokenizer_manager import ServingCounters, _batch_rids, _common_n
 
 
 def make_request(body: bytes, content_type: str | None, disconnect_after: float | None = None) -> Request:

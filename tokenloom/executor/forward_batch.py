@@ -46,6 +46,9 @@ class ForwardBatch:
     max_seq_len: int
     max_extend_len: int
     return_all_logits: bool = False
+    # Extend steps in which some request wants prompt logprobs: the tokens whose logits are computed, in order
+    # (executor/prompt_logprobs.py); None: each request's last token (or every token with return_all_logits).
+    logit_rows: torch.Tensor | None = None
     # Filled by the attention backend in init_forward_metadata.
     attn_metadata: Any = None
     # Pipeline stages after the first receive hidden states instead of ids.

@@ -8,6 +8,9 @@ run them on different threads:
   counts still-unknown previous tokens into the penalty state, runs forward and sampling, stores the sampled
   tokens for batches scheduled behind this one, and hands back plain Python results.
 
+An extend step in which some request wants prompt logprobs computes the extra logits rows its `LogitPlan`
+(executor/prompt_logprobs.py) lists, for that request only; sampling reads each request's last row as usual.
+
 A request whose previous token is not processed yet (`req.future_slot` set) has that token counted as
 generated: its `output_lens` entry includes it and, when penalties apply, it is added to its counts on the
 forward side, so overlapped and normal scheduling sample identically. After a decode step's sampling the
@@ -25,6 +28,13 @@ import torch
 from tokenloom.executor.forward_batch import ForwardBatch
 from tokenloom.executor.future_tokens import FutureTokenBuffer
 from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.executor.prompt_logprobs import (
+    InputLogprobChunk,
+    LogitPlan,
+    plan_logits,
+    read_logits,
+    token_ids_logprobs,
+)
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_rows import SamplingRows
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -36,6 +46,10 @@ class ForwardOutput:
     # Per request, only for requests that asked: (logprob of chosen token, top-k [(logprob, id)]).
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Per request, logprobs of its `token_ids_logprob` at the sampled position (None where not asked).
+    token_ids_logprobs: list[list[float] | None] | None = None
+    # Extend steps: per request, the prompt logprobs this step computed (None where none).
+    input_logprobs: list[InputLogprobChunk | None] | None = None
     # Rows whose token may finish their request (`SamplingBatchInfo.finish_candidates`); None: check all rows.
     finish_candidates: list[int] | None = None
     # Seconds spent in the model forward and in sampling (+ copying results out).
@@ -54,6 +68,8 @@ class PreparedStep:
     pending_slots: torch.Tensor | None  # ... and where it will be stored
     top_logprobs_num: int = 0
     want_logprob: bool = False
+    logit_plan: LogitPlan | None = None  # extra logits rows for prompt logprobs
+    token_ids: list[list[int] | None] | None = None  # per request its token_ids_logprob, when any asks
 
 
 class ModelWorker:
@@ -70,6 +86,10 @@ class ModelWorker:
     def prepare(self, batch: ScheduleBatch) -> PreparedStep:
         reqs = batch.reqs
         fb = batch.to_forward_batch()
+        plan = None
+        if fb.forward_mode.is_extend() and any(r.wants_input_logprobs for r in reqs):
+            plan = plan_logits(reqs, fb.extend_prefix_lens.tolist(), fb.seq_lens.tolist(), self.runner.device)
+            fb.logit_rows = plan.rows
         self.runner.prepare(fb)
         want_logprob = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
@@ -89,8 +109,10 @@ class ModelWorker:
                                              dtype=torch.int64, device=device)
         info = self.sampling_rows.info_for(reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob,
                                            top_logprobs_num=top_k)
+        token_ids = [r.token_ids_logprob for r in reqs] if any(r.token_ids_logprob is not None for r in reqs) \
+            else None
         return PreparedStep(fb, info, self.future_tokens.reserve(len(reqs)), batch.has_placeholders, pending_rows,
-                            pending_slots, top_k, want_logprob)
+                            pending_slots, top_k, want_logprob, plan, token_ids)
 
     # --- forward side --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -102,13 +124,18 @@ class ModelWorker:
         if step.pending_rows is not None and info.output_counts is not None and not info.penalties_carried:
             info.add_pending_tokens(step.pending_rows, self.future_tokens.lookup(step.pending_slots))
         logits = self.runner.forward(fb)
+        input_logprobs = None
+        if step.logit_plan is not None:
+            logits, input_logprobs = read_logits(step.logit_plan, logits)
         mid = time.perf_counter()
         sample = self.runner.sample(logits, info)
         if info.output_counts is not None and fb.forward_mode.is_decode():  # carried to the next step
             rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
             info.add_pending_tokens(rows, sample.next_token_ids)
         self.future_tokens.store(step.out_slots, sample.next_token_ids)
-        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist())
+        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(), input_logprobs=input_logprobs)
+        if step.token_ids is not None:
+            out.token_ids_logprobs = token_ids_logprobs(logits, step.token_ids)
         if fb.forward_mode.is_decode():  # extend results check every row (chunks discard their token)
             out.finish_candidates = info.finish_candidates(sample.next_token_ids, self.eos_ids)
         if step.want_logprob:

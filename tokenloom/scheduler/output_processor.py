@@ -3,10 +3,13 @@
 
 After an extend step: a request in a non-final chunk discards its token (the scheduler caches its KV so far
 when it plans the next chunk); others take their first token, cache their prompt KV (so later requests can
-share it) and either finish or start running. After a decode step: every request takes its token and may
-finish. A finished request's KV goes to the prefix cache and its row is freed as soon as no launched batch
-uses them; with the overlap scheduler a request that finished in batch k may ride batch k+1 (planned before
-k's tokens were known): its token there is discarded and its KV released when k+1's results arrive.
+share it) and either finish or start running. Every chunk first adds the prompt logprobs it computed; they
+are complete after the final chunk and go out once, with the request's first output. A request with
+max_new_tokens 0 (prompt scoring) takes no token: it finishes right after its prefill. After a decode step:
+every request takes its token and may finish. A finished request's KV goes to the prefix cache and its row
+is freed as soon as no launched batch uses them; with the overlap scheduler a request that finished in batch
+k may ride batch k+1 (planned before k's tokens were known): its token there is discarded and its KV
+released when k+1's results arrive.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.executor.worker import ForwardOutput
-from tokenloom.protocol import BatchTokenOutput
+from tokenloom.protocol import BatchTokenOutput, finish_length
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
@@ -54,10 +57,20 @@ class OutputProcessor:
         """Returns the requests that should start (or keep) decoding."""
         to_run = []
         for i, req in enumerate(batch.reqs):
+            if req.wants_input_logprobs and not req.finished:
+                chunk = out.input_logprobs[i] if out.input_logprobs is not None else None
+                if chunk is not None:
+                    req.add_input_logprobs(chunk)
+                if req.is_chunked == 0:
+                    req.finish_input_logprobs()
             if req.is_chunked > 0:
                 req.is_chunked -= 1
                 continue
             if req.finished:  # aborted while in flight
+                self.release(req)
+                continue
+            if req.max_new_tokens == 0:
+                req.finished_reason = finish_length(0)
                 self.release(req)
                 continue
             self._append(req, i, out)
@@ -88,6 +101,8 @@ class OutputProcessor:
             req.output_token_logprobs.append((out.logprobs[i], out.next_token_ids[i]))
             if req.top_logprobs_num and out.top_logprobs is not None:
                 req.output_top_logprobs.append(out.top_logprobs[i][: req.top_logprobs_num])
+            if req.token_ids_logprob is not None and out.token_ids_logprobs is not None:
+                req.output_token_ids_logprobs.append(out.token_ids_logprobs[i])
         if not may_finish:
             return
         tail = None
@@ -126,6 +141,9 @@ def make_token_output(reqs: list[Req]) -> BatchTokenOutput:
             meta["output_token_logprobs"] = req.output_token_logprobs[start:]
             if req.top_logprobs_num:
                 meta["output_top_logprobs"] = req.output_top_logprobs[start:]
+            if req.token_ids_logprob is not None:
+                meta["output_token_ids_logprobs"] = req.output_token_ids_logprobs[start:]
+            _add_input_logprobs(meta, req)
         out.rids.append(req.rid)
         out.new_token_ids.append(req.output_ids[start:])
         out.finished_reasons.append(req.finished_reason)
@@ -136,3 +154,19 @@ def make_token_output(reqs: list[Req]) -> BatchTokenOutput:
         req.sent_len = len(req.output_ids)
         req.finish_sent = req.finished
     return out
+
+
+def _add_input_logprobs(meta: dict[str, Any], req: Req) -> None:
+    """Prompt logprobs, once complete and not sent yet, as SGLang's lists: `input_token_logprobs`
+    [(logprob | None, token id)] for positions k..n-1 (the first logprob is None: nothing computed scores it),
+    `input_top_logprobs` and `input_token_ids_logprobs` (per position a list, None first) when asked."""
+    acc = req.input_logprobs
+    if acc is None or not acc.done or acc.sent:
+        return
+    acc.sent = True
+    ids = req.origin_input_ids[req.logprob_start_len:]
+    meta["input_token_logprobs"] = list(zip([None, *acc.values], ids, strict=True))
+    if req.top_logprobs_num:
+        meta["input_top_logprobs"] = [None, *acc.top]
+    if req.token_ids_logprob is not None:
+        meta["input_token_ids_logprobs"] = [None, *acc.token_ids]

@@ -5,6 +5,11 @@ prefix locked) → possibly several chunks (`is_chunked` counts outstanding non-
 (decoded one token per step) → finished (KV cached/freed, row freed). Retraction sends a running request
 back to waiting with its KV freed; it is recomputed from `origin_input_ids + output_ids` later.
 
+Prompt logprobs (`return_logprob` with `logprob_start_len` k >= 0): while they are not complete, the cache
+match stops at k, so every position from k on is computed (a cached prefix has no logits); each prefill
+chunk adds the positions it computed (`add_input_logprobs`). A retracted request has them complete already
+(only running requests are retracted) and is recomputed without them, with a full cache match.
+
 Invariants while the request holds a row:
 - `kv_len` tokens of `all_ids()` have KV at `req_to_token[req_pool_idx, :kv_len]`;
 - the first `prefix_len` of those are the cached prefix locked at `last_node`;
@@ -29,8 +34,8 @@ CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
 class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
                  input_text: str | None = None, stream: bool = False, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, logprob_start_len: int = -1, arrival_time: float | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1, token_ids_logprob: list[int] | None = None,
+                 arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.rid = rid
         self.input_text = input_text
         self.origin_input_ids = list(input_ids)
@@ -40,6 +45,7 @@ class Req:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         self.logprob_start_len = logprob_start_len
+        self.token_ids_logprob = token_ids_logprob if return_logprob else None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.eos_token_ids = eos_token_ids
         # Memory state
@@ -63,6 +69,10 @@ class Req:
         # Logprobs of output tokens: (logprob, token id) and per position top-k lists.
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.output_token_ids_logprobs: list[list[float]] = []
+        # Prompt logprobs: one entry per prompt position from logprob_start_len on. The first is None (SGLang:
+        # the logits before position k are not computed); entry p > k is log P(token p | tokens < p).
+        self.input_logprobs = InputLogprobs() if return_logprob and logprob_start_len >= 0 else None
 
     # --- token views -------------------------------------------------------------------------------
     def all_ids(self) -> list[int]:
@@ -84,14 +94,45 @@ class Req:
         return self.finished_reason is not None
 
     # --- scheduling ----------------------------------------------------------------------------------
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and are not complete yet."""
+        return self.input_logprobs is not None and not self.input_logprobs.done
+
     def init_next_round_input(self, match_prefix: Any) -> None:
         """Set `fill_ids` to everything known and match the cache on all but the last token (so at least
-        one token is computed and produces logits)."""
+        one token is computed and produces logits), and not beyond `logprob_start_len` while prompt logprobs
+        are outstanding (their positions need logits)."""
         self.fill_ids = self.all_ids()
         if self.req_pool_idx is None:
-            result = match_prefix(self.fill_ids[:-1])
+            limit = len(self.fill_ids) - 1
+            if self.wants_input_logprobs:
+                limit = min(limit, self.logprob_start_len)
+            result = match_prefix(self.fill_ids[:limit])
             self.prefix_indices, self.last_node = result.indices, result.last_node
         self.extend_input_len = len(self.fill_ids) - self.prefix_len
+
+    def add_input_logprobs(self, chunk: Any) -> None:
+        """Append one prefill chunk's prompt logprobs (`executor.prompt_logprobs.InputLogprobChunk`): the
+        logits of positions `chunk.start ..` score the tokens after them. Chunks arrive in order."""
+        acc = self.input_logprobs
+        expected = max(self.logprob_start_len, acc.next_position)
+        if chunk.start != expected:
+            raise AssertionError(f"{self.rid}: prompt logprobs from position {chunk.start}, expected {expected}")
+        acc.values.extend(chunk.values)
+        if chunk.top is not None:
+            acc.top.extend(chunk.top)
+        if chunk.token_ids is not None:
+            acc.token_ids.extend(chunk.token_ids)
+        acc.next_position = chunk.start + len(chunk.values)
+
+    def finish_input_logprobs(self) -> None:
+        """The prompt is fully prefilled: its logprobs are complete (positions k+1 .. n-1 scored)."""
+        acc = self.input_logprobs
+        expected = len(self.origin_input_ids) - 1 - self.logprob_start_len
+        if len(acc.values) != expected:
+            raise AssertionError(f"{self.rid}: {len(acc.values)} prompt logprobs, expected {expected}")
+        acc.done = True
 
     def reset_for_retract(self) -> None:
         self.req_pool_idx = None
@@ -136,3 +177,18 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+class InputLogprobs:
+    """A request's prompt logprobs as its chunks compute them: per scored position (k+1 ..) the logprob of
+    its token, its top-k [(logprob, id)] and the logprobs of the request's `token_ids_logprob`."""
+
+    __slots__ = ("values", "top", "token_ids", "next_position", "done", "sent")
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.top: list[list[tuple[float, int]]] = []
+        self.token_ids: list[list[float]] = []
+        self.next_position = 0  # the next position whose logits score a prompt token
+        self.done = False
+        self.sent = False

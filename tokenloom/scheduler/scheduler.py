@@ -89,7 +89,8 @@ class Scheduler:
     def add_request(self, tr: TokenizedRequest) -> None:
         req = Req(tr.rid, tr.input_ids, tr.sampling_params, input_text=tr.input_text, stream=tr.stream,
                   return_logprob=tr.return_logprob, top_logprobs_num=tr.top_logprobs_num,
-                  logprob_start_len=tr.logprob_start_len, arrival_time=tr.arrival_time,
+                  logprob_start_len=tr.logprob_start_len, token_ids_logprob=tr.token_ids_logprob,
+                  arrival_time=tr.arrival_time,
                   eos_token_ids=self.eos_token_ids)
         error = self._validate(req)
         if error is not None:
@@ -105,6 +106,8 @@ class Scheduler:
         if n > self.max_req_input_len:
             return (f"The input ({n} tokens) is longer than the model's context length or KV pool "
                     f"({self.max_req_input_len} tokens).", 400)
+        if req.return_logprob and not -1 <= req.logprob_start_len < n:  # the tokenizer manager checks it first
+            return f"logprob_start_len ({req.logprob_start_len}) must be -1 or a prompt position below {n}.", 400
         if self.args.max_queued_requests is not None and len(self.waiting_queue) >= self.args.max_queued_requests:
             return "The request queue is full.", 503
         limit = self.context_len - n - 1
