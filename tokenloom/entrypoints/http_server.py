@@ -3,7 +3,8 @@ tokenizes and talks to the scheduler); the serving classes hold the translation 
 
 Routes: POST|PUT /generate; POST /v1/completions, /v1/chat/completions; GET /v1/models[/{id}];
 GET /health, /health_generate; GET /get_server_info (/server_info), /get_model_info (/model_info);
-GET|POST /flush_cache; POST /abort_request; GET /metrics (with --enable-metrics).
+GET /get_load, /v1/loads (load reports for routers); GET|POST /flush_cache; POST /abort_request;
+GET /metrics (with --enable-metrics).
 
 Lifecycle: the app owns the TokenizerManager given to it. At startup a warm-up generation runs in the
 background; /health answers 503 until it has finished, and a failed warm-up is fatal (`on_fatal`). At
@@ -31,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenloom
 from tokenloom.config import ServerArgs
+from tokenloom.entrypoints.loads import legacy_load, loads_prometheus, loads_report
 from tokenloom.entrypoints.metrics import CONTENT_TYPE, render_metrics
 from tokenloom.entrypoints.openai.protocol import ModelCard, ModelList
 from tokenloom.entrypoints.openai.serving_chat import ChatServing
@@ -183,6 +185,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "model_type": config.architecture.removesuffix("ForCausalLM").lower(),
             "architectures": [config.architecture], "context_length": tm.context_len,
             "vocab_size": tm.vocab_size})
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return JSONResponse(legacy_load(await tm.get_internal_state()))
+
+    @app.get("/v1/loads")
+    async def get_loads(include: str | None = None, dp_rank: int | None = None, format: str = "json") -> Response:
+        if format not in ("json", "prometheus"):
+            return body_error(f"format must be 'json' or 'prometheus', got {format!r}")
+        try:
+            report = loads_report(await tm.get_internal_state(), tokenloom.__version__, include, dp_rank)
+        except ValueError as e:
+            return body_error(str(e))
+        if format == "prometheus":
+            return Response(loads_prometheus(report), media_type=CONTENT_TYPE)
+        return JSONResponse(report)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

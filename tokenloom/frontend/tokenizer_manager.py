@@ -10,10 +10,10 @@ to exit non-zero) is called once from the receiver thread.
 
 Request lifecycle: `generate_request` registers a `ReqState`, sends the `TokenizedRequest`, yields outputs
 until one carries a finish reason, and removes the state. If the caller goes away first (cancelled task,
-closed stream), the request is aborted so its KV is freed. Output logprobs arrive per message and are
-accumulated per request, so every output carries them from the first token ([logprob, token_id, null]
-triples, SGLang's shape). An abort the client asked for (`abort`) finishes with a finish reason without a
-status code, so callers return it as a normal response; scheduler-side aborts keep theirs (400/503/500).
+closed stream), the request is aborted so its KV is freed. Logprobs are accumulated per request
+(`LogprobAccumulator`), so every output carries all of them so far in SGLang's shape. An abort the client
+asked for (`abort`) finishes with a finish reason without a status code, so callers return it as a normal
+response; scheduler-side aborts keep theirs (400/503/500).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import multiprocessing as mp
 import threading
 import time
@@ -34,6 +33,7 @@ import zmq
 
 from tokenloom.config import ServerArgs
 from tokenloom.frontend.detokenizer import run_detokenizer_process
+from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
 from tokenloom.models.loader import resolve_model_source
 from tokenloom.protocol import (
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900
 CHILD_CHECK_S = 0.5
-LOGPROB_FLOOR = -9999.0
 
 
 class EngineDeadError(RuntimeError):
@@ -69,8 +68,7 @@ class ReqState:
     created: float = field(default_factory=time.perf_counter)
     finished: bool = False
     aborted_by_client: bool = False
-    output_token_logprobs: list[list[Any]] = field(default_factory=list)
-    output_top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+    logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
 
 
 @dataclass
@@ -249,7 +247,8 @@ class TokenizerManager:
 
     def tokenize_request(self, text: str | None, input_ids: list[int] | None, sampling: dict[str, Any] | None,
                          rid: str | None = None, stream: bool = False, return_logprob: bool = False,
-                         top_logprobs_num: int = 0, logprob_start_len: int = -1) -> TokenizedRequest:
+                         top_logprobs_num: int = 0, logprob_start_len: int = -1,
+                         token_ids_logprob: list[int] | None = None) -> TokenizedRequest:
         """Validate one request and tokenize it; raises ValueError with a client-facing message."""
         if text is None and input_ids is None:
             raise ValueError("Either text, input_ids or input_embeds should be provided.")
@@ -270,17 +269,37 @@ class TokenizerManager:
         self._check_length(len(input_ids), params)
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError("top_logprobs_num must be a non-negative integer")
+        _check_logprob_start_len(logprob_start_len)
+        if return_logprob and logprob_start_len >= len(input_ids):
+            raise ValueError(f"logprob_start_len ({logprob_start_len}) must be smaller than the number of input "
+                             f"tokens ({len(input_ids)}). Please use a smaller logprob_start_len.")
+        token_ids_logprob = self._check_token_ids(token_ids_logprob)
         return TokenizedRequest(rid=rid or uuid.uuid4().hex, input_text=text, input_ids=list(input_ids),
                                 sampling_params=params, stream=stream, return_logprob=return_logprob,
-                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                arrival_time=time.time())
+                                logprob_start_len=logprob_start_len if return_logprob else -1,
+                                top_logprobs_num=top_logprobs_num, arrival_time=time.time(),
+                                token_ids_logprob=token_ids_logprob if return_logprob else None)
+
+    def _check_token_ids(self, token_ids: Any) -> list[int] | None:
+        if token_ids is None:
+            return None
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                      for t in token_ids):
+            raise ValueError("token_ids_logprob must be a list of token ids (or one such list per prompt)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob contains token id {bad[0]} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return list(token_ids)
 
     def tokenize_batch(self, text: Any, input_ids: Any, sampling_params: Any = None, rid: Any = None, *,
                        stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
-                       logprob_start_len: int = -1) -> tuple[list[TokenizedRequest], bool]:
+                       logprob_start_len: int = -1, token_ids_logprob: Any = None
+                       ) -> tuple[list[TokenizedRequest], bool]:
         """Validate and tokenize a `/generate`-shaped input (one prompt or a batch; text wins over
-        input_ids). `n > 1` expands each prompt n times, prompt-major. Returns the requests and whether
-        the answer is a list. Raises ValueError with a client-facing message before anything is sent."""
+        input_ids). `n > 1` expands each prompt n times, prompt-major. `token_ids_logprob` is one list of
+        ids for every prompt, or for a batch one list per prompt. Returns the requests and whether the
+        answer is a list. Raises ValueError with a client-facing message before anything is sent."""
         if text is not None:
             is_batch = isinstance(text, list)
             texts, ids_list = (text if is_batch else [text]), None
@@ -297,8 +316,8 @@ class TokenizerManager:
         params = self._batch_params(sampling_params, count, is_batch)
         rids = _batch_rids(rid, count, is_batch)
         n = _common_n(params)
-        if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool):
-            raise ValueError(f"logprob_start_len must be an integer, got {logprob_start_len!r}")
+        _check_logprob_start_len(logprob_start_len)
+        token_ids = _per_prompt_token_ids(token_ids_logprob, count, is_batch)
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {self.vocab_size}], "
                              f"got {top_logprobs_num!r}")
@@ -309,7 +328,8 @@ class TokenizerManager:
                 reqs.append(self.tokenize_request(
                     texts[i] if texts is not None else None, ids_list[i] if ids_list is not None else None,
                     {**params[i], "n": 1}, rid=this_rid, stream=stream, return_logprob=bool(return_logprob),
-                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len))
+                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                    token_ids_logprob=token_ids[i]))
         given = [r for r in rids if r is not None]
         duplicate = next((r.rid for r in reqs if r.rid in self.rid_to_state), None)
         if len(set(given)) != len(given) or duplicate is not None:
@@ -329,10 +349,14 @@ class TokenizerManager:
             raise ValueError("sampling_params must be an object (or a list of objects, one per prompt)")
         return [dict(p or {}) for p in params]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        """The model's chat template with the generation prompt appended: (prompt text, token ids)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_options: Any) -> tuple[str, list[int]]:
+        """The model's chat template, by default with the generation prompt appended: (prompt text, token
+        ids). `template_options` go to the template renderer (continue_final_message, documents, and the
+        variables a template reads, e.g. enable_thinking)."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **template_options)
         except Exception as e:  # noqa: BLE001 - template errors (no template, bad roles) are client-facing
             raise ValueError(f"Cannot apply the model's chat template: {e}") from None
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
@@ -360,7 +384,9 @@ class TokenizerManager:
         """Yield outputs of one request (every one when streaming, else only the final one)."""
         if req.rid in self.rid_to_state:
             raise ValueError(f"Duplicate request id {req.rid!r}")
-        state = ReqState(req.rid, asyncio.get_running_loop(), asyncio.Queue())
+        logprobs = LogprobAccumulator(req.return_logprob and req.logprob_start_len >= 0, req.top_logprobs_num > 0,
+                                      req.token_ids_logprob)
+        state = ReqState(req.rid, asyncio.get_running_loop(), asyncio.Queue(), logprobs=logprobs)
         self.rid_to_state[req.rid] = state
         try:
             self._send(req)
@@ -412,12 +438,7 @@ def _response(msg: BatchStrOutput, i: int, state: ReqState) -> dict[str, Any]:
     meta["finish_reason"] = finish
     if finish is not None:
         meta["e2e_latency"] = time.perf_counter() - state.created
-    if "output_token_logprobs" in meta:
-        state.output_token_logprobs.extend(_triple(lp, tid) for lp, tid in meta["output_token_logprobs"])
-        meta["output_token_logprobs"] = list(state.output_token_logprobs)
-    if "output_top_logprobs" in meta:
-        state.output_top_logprobs.extend([_triple(lp, tid) for lp, tid in pos] for pos in meta["output_top_logprobs"])
-        meta["output_top_logprobs"] = list(state.output_top_logprobs)
+    state.logprobs.apply(meta)
     return {"text": msg.texts[i], "output_ids": msg.output_ids[i], "meta_info": meta}
 
 
@@ -444,11 +465,24 @@ def _common_n(params: list[dict[str, Any]]) -> int:
     return ns[0]
 
 
-def _triple(logprob: float, token_id: int) -> list[Any]:
-    """SGLang's [logprob, token_id, text] entry; -inf (a token that cannot be sampled) becomes a finite
-    floor so the response stays valid JSON."""
-    value = float(logprob)
-    return [value if math.isfinite(value) else LOGPROB_FLOOR, int(token_id), None]
+def _check_logprob_start_len(value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"logprob_start_len must be an integer, got {value!r}")
+    if value < -1:
+        raise ValueError(f"logprob_start_len must be -1 (output logprobs only) or a prompt position >= 0, "
+                         f"got {value}")
+
+
+def _per_prompt_token_ids(token_ids: Any, count: int, is_batch: bool) -> list[Any]:
+    """`token_ids_logprob` for each of `count` prompts: a list of ids is shared, a list of lists (batch
+    only) gives each prompt its own; checked per prompt by `_check_token_ids`."""
+    if token_ids is None or not isinstance(token_ids, list) or not token_ids or not isinstance(token_ids[0], list):
+        return [token_ids] * count
+    if not is_batch:
+        raise ValueError("token_ids_logprob must be a list of token ids for a single prompt")
+    if len(token_ids) != count:
+        raise ValueError(f"token_ids_logprob has {len(token_ids)} lists for {count} prompts")
+    return token_ids
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

@@ -1,17 +1,33 @@
 """Pydantic schemas of the OpenAI-compatible API: request bodies (with SGLang's extra sampling fields)
 and response objects for /v1/completions, /v1/chat/completions and /v1/models.
 
-Requests ignore fields they do not know (OpenAI clients send optional fields freely); the fields they
-declare are type-checked here and range-checked by the serving classes and `SamplingParams`.
+Requests follow `request_fields`: the fields used are declared and type-checked here (and range-checked by
+the serving classes and `SamplingParams`); the other fields SGLang's and vLLM's request schemas declare are
+classified as ignored hints or as unsupported features (a non-default value is a 400 naming the field);
+unknown fields are ignored (OpenAI clients send optional fields freely).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
+
+from tokenloom.entrypoints.request_fields import (
+    NO_CACHE_NAMESPACES,
+    NO_CONSTRAINED,
+    NO_EMBEDS,
+    NO_HIDDEN_STATES,
+    NO_LOGIT_PROCESSORS,
+    NO_LORA,
+    NO_MOE_CAPTURE,
+    NO_MULTIMODAL,
+    NO_SESSIONS,
+    ONE_DP_RANK,
+    LenientRequest,
+)
 
 
 def _now() -> int:
@@ -23,8 +39,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingExtras(BaseModel):
-    """Fields shared by both request kinds: OpenAI's sampling knobs plus SGLang's extras."""
+class SamplingExtras(LenientRequest):
+    """Fields shared by both request kinds: OpenAI's sampling knobs plus SGLang's and vLLM's extras."""
 
     model: str | None = None
     n: int = 1
@@ -32,10 +48,12 @@ class SamplingExtras(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name for seed (its router forwards it)
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    user: str | None = None
+    best_of: int | None = None  # only best_of == n (no server-side ranking of extra candidates)
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     # SGLang extras
     top_k: int | None = None
     min_p: float | None = None
@@ -45,10 +63,53 @@ class SamplingExtras(BaseModel):
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    custom_params: dict[str, Any] | None = None
     rid: str | list[str] | None = None
+    # vLLM extras
+    include_stop_str_in_output: bool = False  # = no_stop_trim
+
+    # Hints with no effect on one tokenloom server (routing, priorities, tracing, PD, speculative corpora,
+    # reasoning controls of reasoning models, guided-decoding options without a guide).
+    IGNORED: ClassVar[frozenset[str]] = frozenset({
+        "user", "priority", "service_tier", "store", "metadata", "session_id", "request_id", "routing_id",
+        "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank", "kv_transfer_params",
+        "ngram_corpus_id", "custom_labels", "routed_experts_start_len", "guided_decoding_backend",
+        "guided_whitespace_pattern", "prompt_cache_key", "safety_identifier"})
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        "lora_path": (None, NO_LORA),
+        "session_params": (None, NO_SESSIONS),
+        "custom_logit_processor": (None, NO_LOGIT_PROCESSORS),
+        "logits_processors": (None, NO_LOGIT_PROCESSORS),
+        "return_hidden_states": (False, NO_HIDDEN_STATES),
+        "return_routed_experts": (False, NO_MOE_CAPTURE),
+        "return_cached_tokens_details": (False, "cached-token details are not reported (usage only)"),
+        "return_token_ids": (False, "token ids are not returned on the OpenAI routes (use /generate)"),
+        "images_config": (None, NO_MULTIMODAL),
+        "mm_processor_kwargs": (None, NO_MULTIMODAL),
+        "extra_key": (None, NO_CACHE_NAMESPACES),
+        "cache_salt": (None, NO_CACHE_NAMESPACES),
+        "routed_dp_rank": (0, ONE_DP_RANK),
+        "data_parallel_rank": (0, ONE_DP_RANK),
+        "use_beam_search": (False, "it has no beam search"),
+        "length_penalty": (1.0, "it has no beam search"),
+        "allowed_token_ids": (None, "sampling cannot be restricted to a token list (use logit_bias)"),
+        "bad_words": (None, "it has no bad-word filtering"),
+        "prompt_logprobs": (None, "prompt logprobs are not returned on the OpenAI routes (use /generate)"),
+        "return_tokens_as_token_ids": (False, "logprob tokens are always token strings"),
+        "truncate_prompt_tokens": (None, "prompts are not truncated (a prompt over the context is a 400)"),
+        "guided_json": (None, NO_CONSTRAINED),
+        "guided_regex": (None, NO_CONSTRAINED),
+        "guided_choice": (None, NO_CONSTRAINED),
+        "guided_grammar": (None, NO_CONSTRAINED),
+        "structural_tag": (None, NO_CONSTRAINED),
+        "structured_outputs": (None, NO_CONSTRAINED),
+        "vllm_xargs": (None, "it has no request extensions"),
+    }
 
 
 class CompletionRequest(SamplingExtras):
@@ -58,6 +119,13 @@ class CompletionRequest(SamplingExtras):
     top_p: float | None = None
     logprobs: int | None = None
     echo: bool = False
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        **SamplingExtras.UNSUPPORTED,
+        "suffix": (None, "it has no insertion (fill-in-the-middle) mode"),
+        "prompt_embeds": (None, NO_EMBEDS),
+        "add_special_tokens": (True, "prompts are always tokenized with the tokenizer's special tokens"),
+    }
 
 
 class ContentPart(BaseModel):
@@ -81,7 +149,31 @@ class ChatCompletionRequest(SamplingExtras):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    # chat-template controls (SGLang and vLLM)
+    add_generation_prompt: bool | None = None  # default: true unless continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None  # SGLang: the prompt already rendered, used instead of the template
+
+    IGNORED: ClassVar[frozenset[str]] = SamplingExtras.IGNORED | {
+        "parallel_tool_calls", "function_call", "reasoning_effort", "include_reasoning", "separate_reasoning",
+        "stream_reasoning", "verbosity", "prediction", "task"}
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        **SamplingExtras.UNSUPPORTED,
+        "functions": (None, "it has no function calling"),
+        "modalities": (["text"], "it answers with text only"),
+        "audio": (None, "it answers with text only"),
+        "web_search_options": (None, "it has no web search"),
+        "chat_template": (None, "the served model's chat template is always used"),
+        "echo": (False, "chat echo is not supported"),
+        "add_special_tokens": (False, "the chat template's text is tokenized without extra special tokens"),
+        "return_prompt_token_ids": (False, "token ids are not returned on the OpenAI routes (use /generate)"),
+        "return_meta_info": (False, "SGLang's meta_info is returned only by /generate"),
+        "max_dynamic_patch": (None, NO_MULTIMODAL),
+        "min_dynamic_patch": (None, NO_MULTIMODAL),
+        "use_audio_in_video": (False, NO_MULTIMODAL),
+    }
 
 
 # --- responses ---------------------------------------------------------------------------------------
@@ -93,8 +185,8 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # echo: the first prompt token's is null
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -4,7 +4,8 @@ usage, finish reasons, and errors in the OpenAI shape.
 
 A subclass says how a request becomes `TokenizedRequest`s (`tokenize`) and how outputs become a response
 (`make_response`) or stream chunks (`first_chunks`, `delta_chunks`). Outputs are ordered prompt-major: choice
-index = prompt index * n + copy, and usage counts each prompt's tokens once however large n is.
+index = prompt index * n + copy, and usage counts each prompt's tokens once however large n is. Before
+tokenizing, a body's unsupported fields (`request_fields`) and `check_common`'s partial ones are checked.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class OpenAIServingBase:
         except ValidationError as e:
             return body_error(format_validation_errors(e.errors()))
         try:
+            req.check_supported()
+            check_common(req)
             reqs = self.tokenize(req)
         except ValueError as e:
             return openai_error(str(e))
@@ -88,6 +91,7 @@ class OpenAIServingBase:
             error = abort_error(out)
             if error is not None:
                 return openai_error(error[1], error[0])
+        outs = [end_at_stop(req, out) for out in outs]
         return JSONResponse(self.make_response(req, outs, usage_of(enumerate(outs), req.n)).model_dump())
 
     async def _last(self, req: TokenizedRequest) -> dict[str, Any]:
@@ -110,6 +114,7 @@ class OpenAIServingBase:
                 if error is not None:
                     yield sse({"error": openai_error_body(error[1], error[0])})
                     break
+                out = end_at_stop(req, out)
                 meta = out["meta_info"]
                 if i not in text_len:
                     text_len[i], logprob_len[i] = 0, 0
@@ -151,14 +156,39 @@ class OpenAIServingBase:
             "max_new_tokens": max_new_tokens, "min_new_tokens": req.min_tokens,
             "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
             "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-            "no_stop_trim": req.no_stop_trim, "skip_special_tokens": req.skip_special_tokens, "n": req.n,
-            "logit_bias": req.logit_bias, "sampling_seed": req.seed, "regex": req.regex,
-            "json_schema": req.json_schema, "ebnf": req.ebnf,
+            "no_stop_trim": req.no_stop_trim or req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens, "n": req.n,
+            "logit_bias": req.logit_bias, "sampling_seed": req.seed if req.seed is not None else req.sampling_seed,
+            "regex": req.regex, "json_schema": req.json_schema, "ebnf": req.ebnf, "stop_regex": req.stop_regex,
+            "custom_params": req.custom_params,
         }
         return {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
 
     def response_model_name(self, req: SamplingExtras) -> str:
         return req.model or self.model_name
+
+
+def check_common(req: SamplingExtras) -> None:
+    """The value checks of fields both routes declare but support only in part."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise ValueError(f"best_of must equal n ({req.n}) in tokenloom (no server-side ranking of extra "
+                         f"candidates), got {req.best_of}")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ValueError(f"response_format {kind!r} is not supported by tokenloom (no constrained decoding)")
+
+
+def end_at_stop(req: SamplingExtras, out: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's include_stop_str_in_output: the text ends with the matched stop string. It runs with
+    no_stop_trim, which also keeps the rest of the token that completed the stop string; that rest is cut
+    here. Only the finishing output can hold it (the token completing a stop string is the last)."""
+    finish = out["meta_info"]["finish_reason"]
+    if not req.include_stop_str_in_output or req.no_stop_trim or not finish or finish.get("type") != "stop":
+        return out
+    matched, text = finish.get("matched"), out["text"]
+    end = text.find(matched) + len(matched) if isinstance(matched, str) and matched in text else len(text)
+    return out if end == len(text) else {**out, "text": text[:end]}
 
 
 def usage_of(outputs: Iterable[tuple[int, dict[str, Any]]], n: int) -> UsageInfo:

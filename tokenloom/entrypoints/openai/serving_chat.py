@@ -4,7 +4,9 @@
 max_new_tokens; unset temperature/top_p/top_k/min_p/repetition_penalty take the model's generation config,
 then OpenAI's defaults. Streams send, per choice, a role chunk, content deltas and a finish chunk. Text
 content parts are joined; other part types, tools and structured response formats are refused (tokenloom
-has no multimodal input, function calling or constrained decoding).
+has no multimodal input, function calling or constrained decoding). The prompt is the model's chat template
+(with `continue_final_message`, `add_generation_prompt`, `chat_template_kwargs` and `documents` as SGLang and
+vLLM take them), or SGLang's pre-rendered `input_ids`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from tokenloom.frontend.tokenizer_manager import TokenizerManager
 from tokenloom.protocol import TokenizedRequest
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+# Arguments of the tokenizer's template renderer that chat_template_kwargs must not override (they change
+# what the renderer returns, or have their own request fields).
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ChatServing(OpenAIServingBase):
@@ -49,20 +57,40 @@ class ChatServing(OpenAIServingBase):
         if req.top_logprobs is not None:
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
-            if not req.logprobs:
+            if req.top_logprobs and not req.logprobs:  # 0 (vLLM's default) asks for nothing
                 raise ValueError("top_logprobs requires logprobs to be true")
         if req.tools and req.tool_choice != "none":
             raise ValueError("tools are not supported by tokenloom (no function calling)")
-        kind = (req.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not supported by tokenloom (no constrained decoding)")
-        prompt, ids = self.tm.apply_chat_template(messages)
+        prompt, ids = self._prompt(req, messages)
         reqs, _ = self.tm.tokenize_batch(None, ids, self.sampling_params(req, max_new, self.generation_defaults),
                                          req.rid, stream=req.stream, return_logprob=req.logprobs,
                                          top_logprobs_num=req.top_logprobs or 0)
         for r in reqs:
             r.input_text = prompt
         return reqs
+
+    def _prompt(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> tuple[str | None, list[int]]:
+        """The prompt: SGLang's pre-rendered `input_ids` if given, else the chat template with the request's
+        template controls (continue_final_message leaves the last message open instead of adding the
+        generation prompt; chat_template_kwargs and documents are variables for the template)."""
+        if req.input_ids is not None:
+            return None, req.input_ids
+        add_generation_prompt = req.add_generation_prompt
+        if add_generation_prompt is None:
+            add_generation_prompt = not req.continue_final_message
+        if add_generation_prompt and req.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if req.continue_final_message and messages[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        variables = dict(req.chat_template_kwargs or {})
+        reserved = sorted(variables.keys() & RESERVED_TEMPLATE_ARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        if req.continue_final_message:
+            variables["continue_final_message"] = True
+        if req.documents is not None:
+            variables["documents"] = req.documents
+        return self.tm.apply_chat_template(messages, add_generation_prompt, **variables)
 
     @staticmethod
     def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
