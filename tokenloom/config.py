@@ -4,6 +4,12 @@ Every field is a flag with SGLang's spelling (`dtype` -> `--dtype`, `page_size` 
 argparse parser is generated from the dataclass so the two cannot drift apart. `ServerArgs.from_kwargs`
 is what `Engine(**kwargs)` uses: unknown keywords are an error, not silently ignored.
 
+Every flag either acts or is refused with the reason (`--tp-size` > 1, `--kv-cache-dtype` other than auto).
+A few SGLang flags that launch scripts pass by habit and that change nothing here (`--trust-remote-code`,
+`--disable-cuda-graph`, `--cuda-graph-max-bs`, `--enable-torch-compile`) are accepted, and
+`warn_ignored_flags` logs one line for each that was set; the launcher, `tokenloom generate` and `Engine`
+call it once at start, after `check_device` has refused a device this machine does not have.
+
 Invariant: a `ServerArgs` that exists has passed `validate()`; components read it and never mutate it.
 """
 
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +27,16 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLAP_MODES = ("auto", "on", "off")
+
+logger = logging.getLogger(__name__)
+
+# SGLang flags accepted so launch scripts run unchanged, though they change nothing here: field -> why.
+_IGNORED_FLAGS = {
+    "trust_remote_code": "tokenloom runs only its own model code, never code shipped with a checkpoint",
+    "disable_cuda_graph": "tokenloom captures no CUDA graphs",
+    "cuda_graph_max_bs": "tokenloom captures no CUDA graphs",
+    "enable_torch_compile": "tokenloom does not torch.compile the model",
+}
 
 
 class ConfigError(ValueError):
@@ -44,6 +61,8 @@ class ServerArgs:
     context_length: int | None = _flag(None, "Override the model's context length.")
     served_model_name: str | None = _flag(None, "Model id reported by the API (default: the model path).")
     random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
+    trust_remote_code: bool = _flag(False, "Accepted for SGLang compatibility; no effect (tokenloom runs only its "
+                                    "own model code).")
     # Memory
     page_size: int = _flag(1, "Tokens per KV page.")
     decode_slot_run: int = _flag(16, "With page size 1: KV slots a decoding request takes at once as one "
@@ -51,14 +70,22 @@ class ServerArgs:
                                  "contiguous for the attention kernel; 1 takes one slot per step.")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens (default: from the memory budget).")
     mem_fraction_static: float | None = _flag(
-        None, "Fraction of available memory for the KV pool (default 0.25 on the CPU).")
+        None, "Share of the memory available at start (free GPU memory; available RAM on the CPU) that the "
+        "weights plus the KV pool may take, as in SGLang (e.g. 0.85). Default: 0.85 on CUDA; on the CPU the KV "
+        "pool takes a quarter of the memory left after the weights.")
+    kv_cache_dtype: str = _flag("auto", "KV cache dtype; only auto (the model's dtype) is implemented.")
     max_running_requests: int | None = _flag(None, "Request slots in the req-to-token pool.")
     # Execution
     device: str = _flag("cpu", "Device to run on: cpu or cuda.")
     attention_backend: str = _flag("auto", "Attention kernels: torch_native (pure torch), cpu (native paged "
                                    "decode kernel), auto (cpu when it builds here).", ATTENTION_BACKENDS)
-    tp_size: int = _flag(1, "Tensor-parallel ranks.", aliases=("--tensor-parallel-size",))
+    tp_size: int = _flag(1, "Tensor-parallel ranks; only 1 for now (tensor parallelism is not implemented "
+                         "yet).", aliases=("--tensor-parallel-size",))
     num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
+    disable_cuda_graph: bool = _flag(False, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
+    cuda_graph_max_bs: int | None = _flag(None, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
+    enable_torch_compile: bool = _flag(False, "Accepted for SGLang compatibility; no effect (the model is not "
+                                       "torch.compiled).")
     disable_native_decode: bool = _flag(False, "Run small decode batches (1-4 requests) through the modular "
                                         "model instead of the one-call native step (CPU, bfloat16, one process).")
     disable_cascade_attention: bool = _flag(False, "In decode, attend each request's KV on its own even when "
@@ -125,6 +152,18 @@ class ServerArgs:
             raise ConfigError("--stream-interval and --decode-log-interval must be >= 1")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
+        if self.tp_size > 1:
+            raise ConfigError(f"--tp-size (--tensor-parallel-size) {self.tp_size}: tensor parallelism is not "
+                              "implemented yet; only --tp-size 1 runs")
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the KV cache in the model's "
+                              "dtype) is implemented; a quantized KV cache is not")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num-threads must be >= 1; got {self.num_threads}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1; got {self.cuda_graph_max_bs}")
+        if not 0 <= self.random_seed < 2**64:
+            raise ConfigError(f"--random-seed must be in [0, 2**64); got {self.random_seed}")
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [1, 65535]; got {self.port}")
         if not self.host:
@@ -159,6 +198,33 @@ class ServerArgs:
     def from_cli_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def check_device(args: ServerArgs) -> None:
+    """Refuse, before anything is loaded, a `--device` this machine does not have (a CUDA device with a
+    CPU-only torch, or an index past the last GPU), instead of failing inside the scheduler process."""
+    if args.device == "cpu":
+        return
+    from tokenloom.device import device_unavailable_reason
+
+    reason = device_unavailable_reason(args.device)
+    if reason is not None:
+        raise ConfigError(f"--device {args.device}: {reason}")
+
+
+def ignored_flag_warnings(args: ServerArgs) -> list[str]:
+    """One line per accepted-but-ignored SGLang flag that is set (see `_IGNORED_FLAGS`)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    return [f"--{_dash(name)} has no effect ({why}); ignored" for name, why in _IGNORED_FLAGS.items()
+            if getattr(args, name) != defaults[name]]
+
+
+def warn_ignored_flags(args: ServerArgs) -> list[str]:
+    """Log `ignored_flag_warnings(args)` as warnings (once, at start) and return them."""
+    lines = ignored_flag_warnings(args)
+    for line in lines:
+        logger.warning(line)
+    return lines
 
 
 _ARG_TYPES = {

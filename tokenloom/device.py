@@ -14,9 +14,25 @@ import torch
 def resolve_device(name: str) -> torch.device:
     """Turn a `--device` value into a torch.device, failing clearly when CUDA is asked for but absent."""
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name} was requested but torch reports no CUDA device")
+    reason = device_unavailable_reason(name)
+    if reason is not None:
+        raise RuntimeError(f"--device {name}: {reason}")
     return device
+
+
+def device_unavailable_reason(name: str) -> str | None:
+    """Why `--device name` cannot run on this machine, or None when it can."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        build = "this torch build has no CUDA support" if torch.version.cuda is None else \
+            "torch finds no usable CUDA device"
+        return f"no CUDA device ({build}); run on the CPU with --device cpu"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return f"there is no CUDA device {device.index} (this machine has {count})"
+    return None
 
 
 def synchronize(device: torch.device) -> None:
@@ -26,7 +42,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory the KV pool may be carved from: free GPU memory on CUDA, available RAM on the CPU."""
+    """Memory this process may take now: free GPU memory on CUDA, available RAM (MemAvailable) on the CPU."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -37,9 +53,11 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def default_kv_memory_fraction(device: torch.device) -> float:
-    """Share of available memory given to the KV pool when `--mem-fraction-static` is not set."""
-    return 0.85 if device.type == "cuda" else 0.25
+def default_mem_fraction_static(device: torch.device) -> float | None:
+    """`--mem-fraction-static` when it is not set: 0.85 on CUDA (SGLang's range), None on the CPU, whose RAM
+    is shared with the OS and other processes, so the KV pool takes a share of what the weights left
+    (`executor.memory_budget`)."""
+    return 0.85 if device.type == "cuda" else None
 
 
 def configure_threads(num_threads: int | None) -> None:

@@ -21,7 +21,11 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     from transformers import AutoTokenizer
 
     if tokenizer_path:
-        return AutoTokenizer.from_pretrained(tokenizer_path)
+        folder = os.path.expanduser(tokenizer_path)
+        if not os.path.isdir(folder):  # else transformers would take it for a Hub id and try to download it
+            raise ValueError(f"--tokenizer-path {tokenizer_path!r} is not a folder (a local tokenizer folder is "
+                             "needed; nothing is downloaded)")
+        return AutoTokenizer.from_pretrained(folder)
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(source.path)
     st = os.stat(source.path)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.e2e.server_process import REPO
 
@@ -23,7 +24,12 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["--dtype", "float64"], "argument --dtype: invalid choice"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be >= 1"),
     (["--api-key", " "], "--api-key must not be empty"),
-], ids=["unknown", "port_range", "port_type", "dtype", "queue", "api_key"])
+    (["--tp-size", "2"], "--tp-size (--tensor-parallel-size) 2: tensor parallelism is not implemented yet"),
+    (["--tensor-parallel-size", "4"], "tensor parallelism is not implemented yet"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: only auto"),
+    (["--num-threads", "0"], "--num-threads must be >= 1"),
+], ids=["unknown", "port_range", "port_type", "dtype", "queue", "api_key", "tp", "tp_alias", "kv_dtype",
+        "threads"])
 def test_bad_flags_are_usage_errors(flags, fragment):
     result = run("-m", "tokenloom.launch_server", *flags)
     assert result.returncode == 2, result.stderr
@@ -35,10 +41,28 @@ def test_serve_subcommand_and_help():
     result = run("-m", "tokenloom.cli", "serve", "--help")
     assert result.returncode == 0 and "usage: tokenloom serve" in result.stdout
     for flag in ("--model-path", "--host", "--port", "--api-key", "--served-model-name", "--max-queued-requests",
-                 "--enable-metrics", "--stream-interval", "--context-length"):
+                 "--enable-metrics", "--stream-interval", "--context-length", "--mem-fraction-static",
+                 "--trust-remote-code", "--disable-cuda-graph", "--cuda-graph-max-bs", "--enable-torch-compile",
+                 "--kv-cache-dtype"):
         assert flag in result.stdout
     result = run("-m", "tokenloom.cli")
     assert result.returncode == 2 and "serve" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_a_usage_error_before_loading():
+    result = run("-m", "tokenloom.launch_server", "--device", "cuda")
+    assert result.returncode == 2, result.stderr
+    assert "--device cuda: no CUDA device" in result.stderr and "--device cpu" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_ignored_sglang_flags_warn_once_each_at_start():
+    result = run("-m", "tokenloom.launch_server", "--model-path", "/no/such/model", "--trust-remote-code",
+                 "--disable-cuda-graph", "--cuda-graph-max-bs", "8", "--enable-torch-compile")
+    assert result.returncode == 1  # the missing model stops it after the warnings
+    for flag in ("--trust-remote-code", "--disable-cuda-graph", "--cuda-graph-max-bs", "--enable-torch-compile"):
+        assert result.stderr.count(f"WARNING {flag} has no effect") == 1, result.stderr
 
 
 def test_missing_model_is_a_clear_error():

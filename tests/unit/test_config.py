@@ -1,13 +1,20 @@
-"""ServerArgs: validation errors name the flag, from_kwargs, and the generated argparse parser."""
+"""ServerArgs: validation errors name the flag, every value of every flag, refused flags with their reason, the
+accepted-but-ignored SGLang flags and their one warning line each, the device check, from_kwargs, and the
+generated argparse parser."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 
 import pytest
+import torch
 
-from tokenloom.config import ConfigError, ServerArgs
+from tokenloom.config import ConfigError, ServerArgs, check_device, ignored_flag_warnings, warn_ignored_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +39,26 @@ def parser() -> argparse.ArgumentParser:
     ({"max_running_requests": 0}, "--max-running-requests"),
     ({"context_length": 1}, "--context-length"),
     ({"tp_size": 0}, "--tp-size"),
+    ({"tp_size": 2}, "--tp-size"),
     ({"device": "tpu"}, "--device"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
+    ({"kv_cache_dtype": "bfloat16"}, "--kv-cache-dtype"),
+    ({"num_threads": 0}, "--num-threads"),
+    ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs"),
+    ({"random_seed": -1}, "--random-seed"),
+    ({"random_seed": 2**64}, "--random-seed"),
+    ({"decode_slot_run": 0}, "--decode-slot-run"),
+    ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
+    ({"chunked_prefill_size": -2}, "--chunked-prefill-size"),
+    ({"chunked_prefill_size": 8, "page_size": 16}, "--chunked-prefill-size"),
+    ({"max_prefill_tokens": 0}, "--max-prefill-tokens"),
+    ({"schedule_conservativeness": 0.0}, "--schedule-conservativeness"),
+    ({"max_queued_requests": 0}, "--max-queued-requests"),
+    ({"stream_interval": 0}, "--stream-interval"),
+    ({"decode_log_interval": 0}, "--decode-log-interval"),
+    ({"schedule_policy": "lifo"}, "--schedule-policy"),
+    ({"overlap_schedule": "maybe"}, "--overlap-schedule"),
+    ({"log_level": "trace"}, "--log-level"),
     ({"port": 0}, "--port"),
     ({"port": 65536}, "--port"),
     ({"host": ""}, "--host"),
@@ -52,8 +78,13 @@ def test_config_error_is_value_error():
 @pytest.mark.parametrize("kwargs", [
     {}, {"dtype": "float32"}, {"dtype": "bfloat16"}, {"page_size": 16, "max_total_tokens": 32},
     {"mem_fraction_static": 0.5}, {"device": "cuda"}, {"device": "cuda:1"}, {"load_format": "dummy"},
-    {"max_running_requests": 1}, {"context_length": 2}, {"tp_size": 2},
+    {"max_running_requests": 1}, {"context_length": 2}, {"tp_size": 1},
     {"port": 1}, {"port": 65535}, {"host": "0.0.0.0"}, {"api_key": "k"}, {"enable_metrics": True},
+    {"mem_fraction_static": 0.88}, {"kv_cache_dtype": "auto"}, {"num_threads": 1}, {"cuda_graph_max_bs": 8},
+    {"random_seed": 2**64 - 1}, {"decode_slot_run": 1}, {"chunked_prefill_size": -1},
+    {"chunked_prefill_size": 16, "page_size": 16}, {"max_prefill_tokens": 1}, {"schedule_conservativeness": 0.3},
+    {"max_queued_requests": 1}, {"stream_interval": 4}, {"decode_log_interval": 1},
+    {"trust_remote_code": True}, {"disable_cuda_graph": True}, {"enable_torch_compile": True},
 ])
 def test_good_values_accepted(kwargs):
     args = ServerArgs.from_kwargs(**kwargs)
@@ -92,10 +123,10 @@ def test_cli_parses_flags_and_aliases():
     assert args == ServerArgs(page_size=16, dtype="float32", model_path="x")
     assert isinstance(args.page_size, int)
     ns = parser().parse_args(["--model-path", "y", "--mem-fraction-static", "0.4", "--max-total-tokens", "64",
-                              "--tensor-parallel-size", "2", "--random-seed", "7", "--context-length", "128"])
+                              "--tensor-parallel-size", "1", "--random-seed", "7", "--context-length", "128"])
     args = ServerArgs.from_cli_namespace(ns)
     assert (args.model_path, args.mem_fraction_static, args.max_total_tokens, args.tp_size,
-            args.random_seed, args.context_length) == ("y", 0.4, 64, 2, 7, 128)
+            args.random_seed, args.context_length) == ("y", 0.4, 64, 1, 7, 128)
     assert isinstance(args.mem_fraction_static, float) and isinstance(args.max_total_tokens, int)
 
 
@@ -131,3 +162,133 @@ def test_cli_bool_fields_are_switches():
         assert getattr(parser().parse_args([]), f.name) is False
         ns = parser().parse_args(["--" + f.name.replace("_", "-")])
         assert getattr(ServerArgs.from_cli_namespace(ns), f.name) is True
+
+
+@pytest.mark.parametrize("field, choice", [
+    (f.name, c) for f in dataclasses.fields(ServerArgs) for c in (f.metadata.get("choices") or ())])
+def test_every_choice_of_every_choice_flag_is_accepted(field, choice):
+    assert getattr(ServerArgs(**{field: choice}), field) == choice
+    ns = parser().parse_args([f"--{field.replace('_', '-')}", choice])
+    assert getattr(ServerArgs.from_cli_namespace(ns), field) == choice
+
+
+@pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--tensor-parallel-size", "4"], ["--tp", "2"]])
+def test_tensor_parallelism_is_refused_with_the_reason(flags):
+    ns = parser().parse_args(flags)  # argparse also takes SGLang's `--tp` (an unambiguous prefix)
+    with pytest.raises(ConfigError, match=r"--tp-size .*tensor parallelism is not implemented yet"):
+        ServerArgs.from_cli_namespace(ns)
+
+
+def test_quantized_kv_cache_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="only auto .* is implemented"):
+        ServerArgs(kv_cache_dtype="fp8_e5m2")
+    assert ServerArgs.from_cli_namespace(parser().parse_args(["--kv-cache-dtype", "auto"])) == ServerArgs()
+
+
+IGNORED = {"trust_remote_code": True, "disable_cuda_graph": True, "cuda_graph_max_bs": 16,
+           "enable_torch_compile": True}
+
+
+def test_no_warning_without_ignored_flags():
+    assert ignored_flag_warnings(ServerArgs()) == []
+    assert ignored_flag_warnings(ServerArgs(dtype="float32", page_size=16, max_total_tokens=64)) == []
+
+
+@pytest.mark.parametrize("field", sorted(IGNORED))
+def test_each_ignored_flag_gives_exactly_one_warning_line(field):
+    flag = "--" + field.replace("_", "-")
+    lines = ignored_flag_warnings(ServerArgs(**{field: IGNORED[field]}))
+    assert len(lines) == 1 and lines[0].startswith(f"{flag} has no effect") and lines[0].endswith("; ignored")
+    assert "\n" not in lines[0]
+
+
+def test_warn_ignored_flags_logs_one_warning_per_flag(caplog):
+    args = ServerArgs(**IGNORED)
+    with caplog.at_level(logging.WARNING, logger="tokenloom.config"):
+        lines = warn_ignored_flags(args)
+    assert len(lines) == len(IGNORED) == len(caplog.records)
+    assert [r.getMessage() for r in caplog.records] == lines
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert {line.split()[0] for line in lines} == {"--" + f.replace("_", "-") for f in IGNORED}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tokenloom.config"):
+        assert warn_ignored_flags(ServerArgs()) == []
+    assert caplog.records == []
+
+
+def test_ignored_flags_parse_from_the_cli():
+    ns = parser().parse_args(["--trust-remote-code", "--disable-cuda-graph", "--cuda-graph-max-bs", "16",
+                              "--enable-torch-compile"])
+    assert ServerArgs.from_cli_namespace(ns) == ServerArgs(**IGNORED)
+
+
+def test_check_device_cpu_always_passes():
+    check_device(ServerArgs(device="cpu"))
+
+
+def test_check_device_refuses_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match=f"--device {device}: no CUDA device .*--device cpu"):
+            check_device(ServerArgs(device=device))
+
+
+def test_check_device_refuses_a_gpu_index_past_the_last(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device(ServerArgs(device="cuda"))
+    check_device(ServerArgs(device="cuda:1"))
+    with pytest.raises(ConfigError, match="--device cuda:2: there is no CUDA device 2 .*has 2"):
+        check_device(ServerArgs(device="cuda:2"))
+
+
+# Where each flag's effect is tested (besides its values here). A new flag must be added, with a test.
+EFFECT_TESTS = {
+    "model_path": "tests/integration/test_load_errors.py",
+    "tokenizer_path": "tests/integration/test_server_flags.py",
+    "load_format": "tests/integration/test_server_flags.py",
+    "dtype": "tests/integration/test_server_flags.py",
+    "context_length": "tests/integration/test_scheduler_abort_stop.py",
+    "served_model_name": "tests/unit/test_http_asgi.py",
+    "random_seed": "tests/integration/test_server_flags.py",
+    "trust_remote_code": "tests/unit/test_config.py",
+    "page_size": "tests/integration/test_scheduler_equivalence.py",
+    "decode_slot_run": "tests/integration/test_server_flags.py",
+    "max_total_tokens": "tests/integration/test_server_flags.py",
+    "mem_fraction_static": "tests/integration/test_server_flags.py",
+    "kv_cache_dtype": "tests/unit/test_config.py",
+    "max_running_requests": "tests/integration/test_scheduler_abort_stop.py",
+    "device": "tests/e2e/test_launch_cli.py",
+    "attention_backend": "tests/integration/test_forward_consistency.py",
+    "tp_size": "tests/e2e/test_launch_cli.py",
+    "num_threads": "tests/integration/test_server_flags.py",
+    "disable_cuda_graph": "tests/unit/test_config.py",
+    "cuda_graph_max_bs": "tests/unit/test_config.py",
+    "enable_torch_compile": "tests/unit/test_config.py",
+    "disable_native_decode": "tests/integration/test_native_decode.py",
+    "disable_cascade_attention": "tests/integration/test_cascade_decode.py",
+    "chunked_prefill_size": "tests/integration/test_scheduler_equivalence.py",
+    "max_prefill_tokens": "tests/integration/test_scheduler_equivalence.py",
+    "schedule_policy": "tests/integration/test_scheduler_equivalence.py",
+    "schedule_conservativeness": "tests/integration/test_scheduler_equivalence.py",
+    "disable_radix_cache": "tests/integration/test_scheduler_equivalence.py",
+    "overlap_schedule": "tests/integration/test_overlap_scheduler.py",
+    "disable_overlap_schedule": "tests/integration/test_overlap_scheduler.py",
+    "enable_step_profile": "tests/integration/test_overlap_scheduler.py",
+    "max_queued_requests": "tests/integration/test_scheduler_abort_stop.py",
+    "stream_interval": "tests/integration/test_server_flags.py",
+    "decode_log_interval": "tests/integration/test_scheduler_abort_stop.py",
+    "log_level": "tests/integration/test_engine.py",
+    "host": "tests/e2e/test_launch_cli.py",
+    "port": "tests/e2e/test_launch_cli.py",
+    "api_key": "tests/unit/test_http_asgi.py",
+    "enable_metrics": "tests/unit/test_http_asgi.py",
+}
+
+
+def test_every_flag_has_an_effect_test():
+    assert set(EFFECT_TESTS) == {f.name for f in dataclasses.fields(ServerArgs)}
+    for name, path in EFFECT_TESTS.items():
+        with open(os.path.join(REPO, path)) as f:
+            text = f.read()
+        assert name in text or f"--{name.replace('_', '-')}" in text, (name, path)

@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from tokenloom.config import ServerArgs
+from tokenloom.config import ServerArgs, check_device, warn_ignored_flags
 from tokenloom.frontend.tokenizer_manager import TokenizerManager
 from tokenloom.protocol import TokenizedRequest
 
@@ -26,6 +26,8 @@ from tokenloom.protocol import TokenizedRequest
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        check_device(self.server_args)
+        warn_ignored_flags(self.server_args)
         self.tokenizer_manager = TokenizerManager(self.server_args)
         self.tokenizer = self.tokenizer_manager.tokenizer
         self._loop = asyncio.new_event_loop()
@@ -35,11 +37,15 @@ class Engine:
     # --- public API ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0) -> Any:
-        """Blocking generate; with stream=True an iterator of cumulative outputs (single prompt only)."""
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                 logprob_start_len: int = -1, token_ids_logprob: list[int] | list[list[int]] | None = None) -> Any:
+        """Blocking generate; with stream=True an iterator of cumulative outputs (single prompt only).
+        With return_logprob, `logprob_start_len` k >= 0 adds prompt logprobs from position k on and
+        `token_ids_logprob` the logprobs of those ids at every position (SGLang's meta_info keys)."""
         reqs, batch = self.tokenizer_manager.tokenize_batch(
             prompt, input_ids, sampling_params, rid, stream=stream, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num)
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob)
         if stream:
             if batch:
                 raise ValueError("stream=True supports a single prompt")
@@ -49,11 +55,13 @@ class Engine:
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                              input_ids: Any = None, rid: Any = None, stream: bool = False,
-                             return_logprob: bool = False, top_logprobs_num: int = 0) -> Any:
+                             return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+                             token_ids_logprob: Any = None) -> Any:
         """Like `generate`, in the caller's event loop; with stream=True an async iterator."""
         reqs, batch = self.tokenizer_manager.tokenize_batch(
             prompt, input_ids, sampling_params, rid, stream=stream, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num)
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob)
         if stream:
             if batch:
                 raise ValueError("stream=True supports a single prompt")

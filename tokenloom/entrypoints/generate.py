@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from tokenloom.config import ConfigError, ServerArgs
+from tokenloom.config import ConfigError, ServerArgs, check_device, warn_ignored_flags
 from tokenloom.models.model_config import ModelConfigError
 
 
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         args = ServerArgs.from_cli_namespace(ns)
+        check_device(args)
+        warn_ignored_flags(args)
         return _run(ns, args)
     except (ConfigError, ModelConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

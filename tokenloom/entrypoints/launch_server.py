@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from tokenloom.config import ConfigError, ServerArgs
+from tokenloom.config import ConfigError, ServerArgs, check_device, warn_ignored_flags
 
 if TYPE_CHECKING:
     from tokenloom.frontend.tokenizer_manager import TokenizerManager
@@ -34,11 +34,14 @@ def build_parser(prog: str = "tokenloom serve") -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None, prog: str = "tokenloom serve") -> ServerArgs:
-    """Flags → ServerArgs; exits with a usage error (status 2) on anything invalid."""
+    """Flags → ServerArgs; exits with a usage error (status 2) on anything invalid, a device this machine
+    lacks included."""
     parser = build_parser(prog)
     ns = parser.parse_args(argv)
     try:
-        return ServerArgs.from_cli_namespace(ns)
+        args = ServerArgs.from_cli_namespace(ns)
+        check_device(args)
+        return args
     except ConfigError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None, prog: str = "tokenloom serve") -> int:
     from tokenloom.frontend.process_utils import configure_logging
 
     configure_logging(args.log_level, "server")
+    warn_ignored_flags(args)
     problem = check_listen_address(args.host, args.port)
     if problem is not None:  # fail before the model load, not after it
         print(f"error: {problem}", file=sys.stderr)

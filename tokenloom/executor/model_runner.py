@@ -21,11 +21,12 @@ from tokenloom.config import ServerArgs
 from tokenloom.device import (
     available_memory_bytes,
     configure_threads,
-    default_kv_memory_fraction,
+    default_mem_fraction_static,
     resolve_device,
 )
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.executor.memory_budget import CPU_KV_SHARE_OF_FREE, kv_pool_bytes, model_nbytes
 from tokenloom.executor.native_decode import NativeDecode
 from tokenloom.layers.attention.registry import create_attention_backend
 from tokenloom.layers.sampler import SampleOutput, Sampler
@@ -48,6 +49,7 @@ class ModelRunner:
         self.model_config = self.source.config
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.parallel = parallel
+        self.memory_at_start = available_memory_bytes(self.device)  # before the weights: --mem-fraction-static
         self.model = load_model(self.source, self.dtype, self.device, parallel, start_layer, end_layer,
                                 seed=args.random_seed)
         self.context_len = self.model_config.context_length
@@ -65,11 +67,19 @@ class ModelRunner:
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:
-            fraction = args.mem_fraction_static or default_kv_memory_fraction(self.device)
-            tokens = int(available_memory_bytes(self.device) * fraction) // per_token
+            fraction = args.mem_fraction_static
+            if fraction is None:
+                fraction = default_mem_fraction_static(self.device)
+            weights = model_nbytes(self.model)
+            tokens = kv_pool_bytes(self.memory_at_start, weights, fraction) // per_token
+            logger.info("Memory: %.2f GiB available at start, weights %.2f GiB, KV budget %.2f GiB (%s)",
+                        self.memory_at_start / 2**30, weights / 2**30, tokens * per_token / 2**30,
+                        f"--mem-fraction-static {fraction}" if fraction is not None else
+                        f"{CPU_KV_SHARE_OF_FREE:.0%} of the memory left after the weights")
         tokens = tokens // args.page_size * args.page_size
         if tokens < 2 * args.page_size:
-            raise RuntimeError(f"KV pool would hold only {tokens} tokens; raise --max-total-tokens or memory")
+            raise RuntimeError(f"KV pool would hold only {tokens} tokens; raise --max-total-tokens, "
+                               "--mem-fraction-static or memory")
         self.max_total_num_tokens = tokens
         requests = args.max_running_requests or min(max(tokens * 512 // self.context_len, 256), 4096)
         self.req_to_token_pool = ReqToTokenPool(requests, self.context_len + _REQ_TO_TOKEN_SLACK, self.device)

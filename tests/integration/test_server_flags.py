@@ -1,0 +1,203 @@
+"""Server flags do what they say, for the flags whose effect no other test checks: --mem-fraction-static
+(SGLang's meaning, with the machine's memory injected), --max-total-tokens over it, --random-seed,
+--dtype, --load-format, --tokenizer-path, --decode-slot-run, --num-threads, --stream-interval,
+--enable-metrics / --api-key and --log-level. Tiny random model, in-process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.scheduler_harness import Harness
+from tokenloom.config import ServerArgs
+from tokenloom.executor import model_runner
+from tokenloom.executor.memory_budget import MemoryBudgetError
+from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.models.loader import resolve_model_source
+from tokenloom.models.model_config import ModelConfigError
+
+MIB = 2**20
+# The tiny Llama (tests/model_factory.TINY) in float32, by hand: per layer qkv 128x64 + o 64x64 + gate_up
+# 256x64 + down 64x128 + 2 norms of 64 = 36992 params; 2 layers, embed and untied lm_head 256x64 each, final
+# norm 64: 106816 params = 427264 bytes; the rotary cos/sin tables 2 x 512 x 16 float32 = 65536 bytes.
+TINY_FP32_WEIGHT_BYTES = 427264 + 65536
+# KV per token: 2 layers x (K, V) x 2 kv heads x head_dim 16 x 4 bytes.
+TINY_FP32_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    """Set the memory the runner sees as available at start (instead of reading the machine)."""
+    def set_memory(nbytes: int) -> None:
+        monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: nbytes)
+    return set_memory
+
+
+def _runner(folder: str, **kw) -> ModelRunner:
+    return ModelRunner(ServerArgs(model_path=folder, **{"dtype": "float32", "max_running_requests": 4, **kw}))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.85, 0.9])
+def test_mem_fraction_static_is_the_share_for_weights_plus_kv(folder, memory, fraction):
+    memory(64 * MIB)
+    runner = _runner(folder, mem_fraction_static=fraction)
+    expected = int(fraction * 64 * MIB - TINY_FP32_WEIGHT_BYTES) // TINY_FP32_KV_BYTES_PER_TOKEN
+    assert runner.max_total_num_tokens == expected
+    assert runner.kv_pool.nbytes() == (expected + 1) * TINY_FP32_KV_BYTES_PER_TOKEN  # + the dummy slot
+
+
+def test_default_on_the_cpu_is_a_quarter_of_what_the_weights_left(folder, memory):
+    memory(64 * MIB)
+    expected = int((64 * MIB - TINY_FP32_WEIGHT_BYTES) * 0.25) // TINY_FP32_KV_BYTES_PER_TOKEN
+    assert _runner(folder).max_total_num_tokens == expected
+    paged = _runner(folder, page_size=16)
+    assert paged.max_total_num_tokens == expected // 16 * 16
+
+
+def test_weights_above_the_fraction_are_a_clear_error(folder, memory):
+    memory(1 * MIB)  # 0.3 MiB for weights + KV, but the weights take 0.47 MiB
+    with pytest.raises(MemoryBudgetError, match="--mem-fraction-static 0.3 .*the weights alone take"):
+        _runner(folder, mem_fraction_static=0.3)
+
+
+def test_max_total_tokens_overrides_the_memory_budget(folder, memory):
+    memory(1 * MIB)
+    assert _runner(folder, mem_fraction_static=0.3, max_total_tokens=96).max_total_num_tokens == 96
+
+
+def test_random_seed_seeds_dummy_weights_and_the_sampler(folder):
+    def weights(seed: int) -> torch.Tensor:
+        runner = _runner(folder, load_format="dummy", random_seed=seed, max_total_tokens=64)
+        assert runner.sampler.generator.initial_seed() == seed
+        return runner.model.layers[0].mlp.down_proj.weight.clone()
+
+    a, b, c = weights(1), weights(1), weights(2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", torch.bfloat16), ("float32", torch.float32),
+                                             ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_dtype_sets_weights_and_kv_cache(folder, dtype, expected):
+    from tokenloom.executor.sequence_driver import SequenceDriver
+    from tokenloom.sampling.sampling_params import SamplingParams
+
+    runner = _runner(folder, dtype=dtype, max_total_tokens=128)
+    assert runner.dtype == expected == runner.kv_pool.dtype
+    assert runner.model.layers[0].self_attn.qkv_proj.weight.dtype == expected
+    params = SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, 256)
+    out = SequenceDriver(runner).generate([[1, 2, 3, 4]], [params], [0])
+    assert len(out[0]) == 3 and all(0 <= t < 256 for t in out[0])
+
+
+def test_load_format_each_value(folder, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from tokenloom.models import loader
+
+    def fmt(path: str, load_format: str) -> str:
+        return resolve_model_source(ServerArgs(model_path=path, load_format=load_format)).load_format
+
+    assert [fmt(folder, f) for f in ("auto", "safetensors", "dummy")] == ["safetensors", "safetensors", "dummy"]
+    with pytest.raises(ModelConfigError, match="--load-format gguf needs a .gguf file"):
+        fmt(folder, "gguf")
+    config = resolve_model_source(ServerArgs(model_path=folder)).config
+    monkeypatch.setattr(loader, "GGUFFile", lambda path: SimpleNamespace(model_config=lambda: config))
+    gguf = tmp_path / "model.gguf"  # parsing a real file is test_load_errors' job; here only the choice
+    gguf.write_bytes(b"")
+    assert [fmt(str(gguf), f) for f in ("auto", "gguf", "dummy")] == ["gguf", "gguf", "dummy"]
+    with pytest.raises(ModelConfigError, match="needs --load-format gguf"):
+        fmt(str(gguf), "safetensors")
+
+
+def test_tokenizer_path_is_used_and_must_be_a_folder(folder, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenloom.tokenizer import load_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 7, "world": 9}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    source = resolve_model_source(ServerArgs(model_path=folder))
+    assert load_tokenizer(source, str(tmp_path / "tok"))("hello world").input_ids == [7, 9]
+    with pytest.raises(ValueError, match="--tokenizer-path '/no/such/tokenizer' is not a folder"):
+        load_tokenizer(source, "/no/such/tokenizer")
+
+
+@pytest.mark.parametrize("run", [1, 4, 16])
+def test_decode_slot_run_reaches_the_allocator(folder, run):
+    assert _runner(folder, decode_slot_run=run, max_total_tokens=128).token_allocator.decode_run == run
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_num_threads_sets_torch_threads(folder, threads):
+    old = torch.get_num_threads()
+    try:
+        _runner(folder, num_threads=threads, max_total_tokens=64)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(old)
+
+
+class _ChunkRecorder(Harness):
+    """Records how many new tokens each output message carried, per request."""
+
+    def _collect(self) -> None:
+        for msg in self.outbox.recv_all():
+            for i, rid in enumerate(msg.rids):
+                self.results.setdefault(rid, []).append(len(msg.new_token_ids[i]))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("interval, per_request, stream, chunks", [
+    (1, None, True, [1] * 10),
+    (3, None, True, [3, 3, 3, 1]),
+    (3, 5, True, [5, 5]),          # the request's own stream_interval wins
+    (3, None, False, [10]),        # not streaming: one message at the end
+])
+def test_stream_interval_sets_streamed_chunk_size(folder, interval, per_request, stream, chunks):
+    h = _ChunkRecorder(folder, stream_interval=interval)
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 10}
+    if per_request is not None:
+        params["stream_interval"] = per_request
+    h.submit("r", list(range(1, 9)), params, stream=stream)
+    h.run()
+    assert h.results["r"] == chunks
+
+
+@pytest.mark.parametrize("flags", [[], ["--enable-metrics"], ["--api-key", "k"],
+                                   ["--enable-metrics", "--api-key", "k"]])
+def test_enable_metrics_and_api_key_shape_the_app(folder, flags):
+    from types import SimpleNamespace
+
+    from tokenloom.entrypoints.http_server import ApiKeyMiddleware, create_app
+    from tokenloom.entrypoints.launch_server import parse_args
+
+    args = parse_args(flags)
+    tm = SimpleNamespace(source=resolve_model_source(ServerArgs(model_path=folder)))  # routes call nothing yet
+    app = create_app(tm, args)  # type: ignore[arg-type]
+    assert ("/metrics" in {getattr(r, "path", None) for r in app.routes}) == args.enable_metrics
+    assert any(m.cls is ApiKeyMiddleware for m in app.user_middleware) == (args.api_key is not None)
+
+
+@pytest.mark.parametrize("level", ["debug", "info", "warning", "error"])
+def test_log_level_sets_the_root_level(level):
+    from tokenloom.frontend.process_utils import configure_logging
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    try:
+        configure_logging(level, "test")
+        assert root.level == getattr(logging, level.upper())
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        for handler in saved_handlers:
+            root.addHandler(handler)
+        root.setLevel(saved_level)
