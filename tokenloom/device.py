@@ -117,4 +117,7 @@ def keep_this_thread_single_threaded() -> None:
         libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*"))
         setter = getattr(ctypes.CDLL(libs[0]), "omp_set_num_threads", None) if libs else None
     if setter is not None:
+        # torch sets a thread's OpenMP team size on that thread's first parallel op (its lazy per-thread init,
+        # also run by get_num_threads); without running it first, that init would undo the setting below.
+        torch.get_num_threads()
         setter(1)
