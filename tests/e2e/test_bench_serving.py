@@ -35,6 +35,8 @@ def block_rows(stdout: str) -> dict[str, str]:
     ("tokenloom", "random-ids", ["--plot", "PLOT"]),
     ("sglang-oai", "random-ids", ["--request-rate", "50", "--max-concurrency", "2"]),
     ("sglang-oai-chat", "random", ["--disable-stream"]),
+    ("sglang-oai", "random-ids", ["--extra-request-body",
+                                  '{"stream_options": {"include_usage": true, "continuous_usage_stats": true}}']),
 ])
 def test_backends(tiny_server, tmp_path, backend, dataset, extra):
     out_file = tmp_path / "out.jsonl"
@@ -62,6 +64,9 @@ def test_backends(tiny_server, tmp_path, backend, dataset, extra):
     elif "--disable-stream" in extra:
         assert line["itls"] == [[], [], [], []]
         assert line["mean_ttft_ms"] == pytest.approx(line["mean_e2e_latency_ms"])
+    elif "--extra-request-body" in extra:
+        # per-chunk usage gives each chunk's token count: per-token ITL, 5 gaps for 6 tokens as on /generate
+        assert all(len(itl) == 5 for itl in line["itls"])
     else:
         assert float(rows["Peak concurrent requests:"]) <= 4 and line["max_concurrency"] == 2
 

@@ -1,6 +1,7 @@
 """bench_serving metrics on synthetic request timings (known TTFT/ITL/TPOT/E2E), peak throughput and
-concurrency buckets, cache hit rate, failed requests; and the request functions against a scripted fake server
-(chunk gaps spread over the tokens a chunk carried, errors never raised)."""
+concurrency buckets, cache hit rate, failed requests, per-token ITL from chunk timings and OpenAI chunk token
+counts; and the request functions against a scripted fake server (a chunk's gap spread over the tokens it
+carried on every backend, native and OpenAI measured alike, errors never raised)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from tokenloom.bench.backends import RequestInput, request_chat, request_complet
 from tokenloom.bench.metrics import (
     RequestOutput,
     calculate_metrics,
+    chunk_token_counts,
     peak_concurrent_requests,
     peak_output_throughput,
     spread_gap,
+    stream_timing,
 )
 
 
@@ -41,6 +44,33 @@ def make_output(start: float, ttft: float, itl: list[float], prompt_len: int = 1
 def test_spread_gap():
     assert spread_gap(0.3, 3) == pytest.approx([0.1, 0.1, 0.1])
     assert spread_gap(0.5, 0) == []
+
+
+def test_stream_timing_per_token():
+    # first chunk: 2 tokens at once (TTFT, no gap); then 3 tokens after 0.3 s, a 0-token chunk, 1 token 0.3 s later
+    itl, times = stream_timing([(1.0, 2), (1.3, 3), (1.45, 0), (1.6, 1)])
+    assert itl == pytest.approx([0.1, 0.1, 0.1, 0.3])  # the skipped chunk's wait counts in the next gap
+    assert times == pytest.approx([1.0, 1.0, 1.1, 1.2, 1.3, 1.6])
+    assert len(times) == 2 + 3 + 1 and len(itl) == len(times) - 2
+    assert stream_timing([]) == ([], [])
+    assert stream_timing([(2.0, 1)]) == ([], [2.0])
+
+
+def test_chunk_token_counts_rules():
+    texts = ["Hel", "lo", " you"]
+    by_chars = len  # a stand-in tokenizer: one token per character
+    # 1. cumulative counts reported per chunk win (exact), whatever the other hints say
+    assert chunk_token_counts(texts, [1, 3, 4], 4, by_chars) == [1, 2, 1]
+    # ... unless one is missing or goes backwards: then the next rule
+    assert chunk_token_counts(texts, [1, None, 4], 3, by_chars) == [1, 1, 1]
+    assert chunk_token_counts(texts, [2, 1, 4], None, by_chars) == [3, 2, 4]
+    # 2. final usage == number of text chunks: one token each (exact)
+    assert chunk_token_counts(texts, [None] * 3, 3, by_chars) == [1, 1, 1]
+    # 3. otherwise tokenize each chunk (at least 1), 4. else 1 per chunk
+    assert chunk_token_counts(texts, [None] * 3, 9, by_chars) == [3, 2, 4]
+    assert chunk_token_counts(["x", " "], [None] * 2, 5, lambda t: len(t.split())) == [1, 1]
+    assert chunk_token_counts(texts, [None] * 3, 9, None) == [1, 1, 1]
+    assert chunk_token_counts([], [], 0, by_chars) == []
 
 
 def test_known_latencies():
@@ -130,20 +160,32 @@ async def native_error(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+OAI_PIECES = ["", "Hel", "lo", " you"]  # an empty first chunk, then 3 text chunks carrying 1, 2 and 1 tokens
+OAI_CUMULATIVE = [0, 1, 3, 4]
+
+
 async def oai_stream(request: web.Request) -> web.StreamResponse:
+    """The model name picks how the stream reports its token counts: "m"/"strict": only a final usage (4 tokens
+    in 3 text chunks); "continuous": usage in every chunk; "llama": llama-server's per-chunk `timings`;
+    "one-per-chunk": a final usage of 3."""
     body = await request.json()
-    chat = "messages" in body
+    chat, mode = "messages" in body, body["model"]
     assert body["max_tokens"] == 5 and body["stream_options"] == {"include_usage": True}
     # ignore_eos is an extension: sent only when wanted (strict OpenAI servers reject unknown fields)
-    assert body.get("ignore_eos") is (None if body["model"] == "strict" else True)
+    assert body.get("ignore_eos") is (None if mode == "strict" else True)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    pieces = ["", "Hel", "lo", " you"]
-    for p in pieces:
+    for p, so_far in zip(OAI_PIECES, OAI_CUMULATIVE, strict=True):
         choice = {"index": 0, "delta": {"content": p}} if chat else {"index": 0, "text": p}
-        await resp.write(sse({"choices": [choice], "usage": None}))
+        event = {"choices": [choice], "usage": None}
+        if mode == "continuous":
+            event["usage"] = {"prompt_tokens": 7, "completion_tokens": so_far, "total_tokens": 7 + so_far}
+        elif mode == "llama":
+            event["timings"] = {"predicted_n": so_far, "predicted_ms": 1.0}
+        await resp.write(sse(event))
         await asyncio.sleep(GAP)
-    usage = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11, "prompt_tokens_details":
+    total = 3 if mode == "one-per-chunk" else 4
+    usage = {"prompt_tokens": 7, "completion_tokens": total, "total_tokens": 7 + total, "prompt_tokens_details":
              {"cached_tokens": 2}}
     await resp.write(sse({"choices": [], "usage": usage}))
     await resp.write(sse(b"[DONE]"))
@@ -194,18 +236,83 @@ def test_native_stream_spreads_chunk_gaps():
     assert len(out.token_times) == 5 and out.token_times == sorted(out.token_times)
 
 
+def chars_halved(text: str) -> int:
+    """A stand-in tokenizer for chunk texts: "Hel" -> 1, "lo" -> 1, " you" -> 2."""
+    return len(text) // 2
+
+
 @pytest.mark.parametrize("func,path", [(request_completions, "/v1/completions"),
                                        (request_chat, "/v1/chat/completions")])
-@pytest.mark.parametrize("model,ignore_eos", [("m", True), ("strict", False)])
-def test_openai_stream_raw_gaps_and_usage(func, path, model, ignore_eos):
+@pytest.mark.parametrize("model,ignore_eos,count_tokens,per_chunk", [
+    ("continuous", True, chars_halved, [1, 2, 1]),  # per-chunk usage: exact, the tokenizer not consulted
+    ("llama", True, None, [1, 2, 1]),  # llama-server timings.predicted_n: exact
+    ("one-per-chunk", True, chars_halved, [1, 1, 1]),  # final usage == text chunks: exact
+    ("m", True, chars_halved, [1, 1, 2]),  # only a final usage of 4 over 3 chunks: the chunks tokenized
+    ("strict", False, None, [1, 1, 1]),  # no tokenizer either: one token per chunk
+])
+def test_openai_stream_per_token_itl_and_usage(func, path, model, ignore_eos, count_tokens, per_chunk):
     out = with_server(lambda session, url: func(session, RequestInput("hi", 7, 5, url + path, model=model,
-                                                                      ignore_eos=ignore_eos)))
+                                                                      ignore_eos=ignore_eos,
+                                                                      count_tokens=count_tokens)))
     assert out.success, out.error
     assert out.generated_text == "Hello you"
-    assert out.output_len == 4  # from usage, not the requested 5
-    assert len(out.itl) == 2 and all(g >= GAP * 0.9 for g in out.itl)
+    assert out.output_len == (3 if model == "one-per-chunk" else 4)  # from usage, not the requested 5
     assert out.cached_tokens == 2 and out.server_prompt_tokens == 7
-    assert len(out.token_times) == 4
+    # per token: the first chunk's tokens make the TTFT; each later chunk's gap is split over its k tokens
+    assert len(out.itl) == sum(per_chunk) - per_chunk[0]
+    expected = [GAP / k for k in per_chunk[1:] for _ in range(k)]
+    assert out.itl == pytest.approx(expected, rel=0.5)
+    assert sum(out.itl) == pytest.approx(2 * GAP, rel=0.3)
+    assert len(out.token_times) == out.output_len and out.token_times == sorted(out.token_times)
+
+
+async def native_two_per_chunk(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for n in (2, 4, 6):
+        await resp.write(sse({"text": "ab" * n, "meta_info": {"prompt_tokens": 4, "completion_tokens": n}}))
+        await asyncio.sleep(GAP)
+    await resp.write(sse(b"[DONE]"))
+    return resp
+
+
+async def oai_two_per_chunk(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(3):
+        await resp.write(sse({"choices": [{"index": 0, "text": "abab"}]}))
+        await asyncio.sleep(GAP)
+    await resp.write(sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}))
+    await resp.write(sse(b"[DONE]"))
+    return resp
+
+
+def test_native_and_openai_measure_itl_alike():
+    """The same stream (2 tokens per chunk, GAP apart) gives the same per-token ITL on both families."""
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", native_two_per_chunk)
+        app.router.add_post("/v1/completions", oai_two_per_chunk)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                native = await request_native(session, RequestInput("hi", 4, 6, url + "/generate"))
+                oai = await request_completions(session, RequestInput("hi", 4, 6, url + "/v1/completions",
+                                                                      count_tokens=lambda t: len(t) // 2))
+                return native, oai
+        finally:
+            await runner.cleanup()
+
+    native, oai = asyncio.run(main())
+    assert native.success and oai.success, (native.error, oai.error)
+    for out in (native, oai):
+        assert out.output_len == 6 and len(out.itl) == 4 and len(out.token_times) == 6
+        assert out.itl == pytest.approx([GAP / 2] * 4, rel=0.5)
+    assert sum(oai.itl) == pytest.approx(sum(native.itl), rel=0.3)
 
 
 def test_request_errors_are_outputs():

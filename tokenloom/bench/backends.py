@@ -4,10 +4,15 @@ the SSE stream, and fills a `RequestOutput` (see `metrics.py` for what each time
 Families (SGLang's backend names, plus `tokenloom` and `openai*`):
 - native `/generate` (`tokenloom`, `sglang`, `sglang-native`): body `{text | input_ids, sampling_params:
   {temperature 0, max_new_tokens, ignore_eos}, stream}`; streamed events carry the cumulative text and
-  `meta_info.completion_tokens`, so ITL spreads each chunk's gap over the tokens it carried.
+  `meta_info.completion_tokens`: the new tokens a chunk carried.
 - OpenAI completions (`sglang-oai`, `vllm`, `openai`): `/v1/completions` with `prompt`, `max_tokens`.
 - OpenAI chat (`sglang-oai-chat`, `vllm-chat`, `openai-chat`): `/v1/chat/completions`, the prompt as one user
   message. OpenAI streams ask for a final usage chunk; without one, the output length is the requested one.
+  The new tokens of each text chunk come from `metrics.chunk_token_counts`: a cumulative count the chunk
+  carries (`usage.completion_tokens`, or llama-server's `timings.predicted_n` when asked for
+  `timings_per_token`), else the final usage, else `RequestInput.count_tokens` on the chunk's text.
+
+ITL is per token on every backend (`metrics.stream_timing`): a chunk carrying k tokens adds k gaps of gap/k.
 
 `--extra-request-body` keys go to the top level of the body; on the native backend a `sampling_params` key
 in it is merged into the sampling parameters instead. Errors (HTTP status, error events, aborted requests,
@@ -24,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from tokenloom.bench.metrics import RequestOutput, spread_gap
+from tokenloom.bench.metrics import RequestOutput, chunk_token_counts, stream_timing
 
 NATIVE_BACKENDS = ("tokenloom", "sglang", "sglang-native")
 COMPLETION_BACKENDS = ("sglang-oai", "vllm", "openai")
@@ -44,6 +49,7 @@ class RequestInput:
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    count_tokens: Callable[[str], int] | None = None  # tokens in a streamed text piece, for OpenAI chunk ITL
 
 
 RequestFunc = Callable[[aiohttp.ClientSession, RequestInput], Awaitable[RequestOutput]]
@@ -150,7 +156,8 @@ async def request_native(session: aiohttp.ClientSession, req: RequestInput) -> R
             _native_final(out, body)
             _finish_token_times(out, start + out.latency)
             return
-        prev_time, prev_tokens, last = 0.0, 0, None
+        chunks: list[tuple[float, int]] = []  # (arrival, new tokens) from the first chunk carrying text on
+        prev_tokens, last = 0, None
         end = start
         async for now, data in sse_events(resp):
             end = now
@@ -161,19 +168,16 @@ async def request_native(session: aiohttp.ClientSession, req: RequestInput) -> R
                 return
             last = data
             tokens = int(data.get("meta_info", {}).get("completion_tokens", 0))
-            if not out.ttft:
+            if not chunks:
                 if data.get("text"):
                     out.ttft = now - start
-                    out.token_times += [now] * tokens
-                    prev_time, prev_tokens = now, tokens
+                    chunks.append((now, tokens))
+                    prev_tokens = tokens
                 continue
-            new = tokens - prev_tokens
-            if new <= 0:
-                continue
-            gap = now - prev_time
-            out.itl += spread_gap(gap, new)
-            out.token_times += [prev_time + gap * (k + 1) / new for k in range(new)]
-            prev_time, prev_tokens = now, tokens
+            if tokens > prev_tokens:
+                chunks.append((now, tokens - prev_tokens))
+                prev_tokens = tokens
+        out.itl, out.token_times = stream_timing(chunks)
         out.latency = end - start
         if last is None:
             out.error = "the stream ended without any output"
@@ -251,7 +255,9 @@ def _openai_request(chat: bool) -> RequestFunc:
                 out.success = True
                 return
             pieces: list[str] = []
-            prev, end = start, start
+            arrivals: list[float] = []
+            cumulative: list[int | None] = []  # the completion tokens so far, as each text chunk reports it
+            end = start
             async for now, data in sse_events(resp):
                 end = now
                 if data is None:
@@ -261,22 +267,25 @@ def _openai_request(chat: bool) -> RequestFunc:
                     return
                 choices = data.get("choices") or []
                 text = piece(choices[0]) if choices else ""
+                so_far = _usage(out, data.get("usage")) if data.get("usage") else None
+                reported = so_far if so_far is not None else reported
                 if text:
                     if not pieces:
                         out.ttft = now - start
-                    else:
-                        out.itl.append(now - prev)
                     pieces.append(text)
-                    out.token_times.append(now)
-                    prev = now
+                    arrivals.append(now)
+                    cumulative.append(so_far if so_far is not None else _predicted_n(data))
                 if choices and choices[0].get("finish_reason") == "abort":
                     out.error = "request aborted"
                     return
-                reported = _usage(out, data.get("usage")) if data.get("usage") else reported
             out.latency = end - start
             if not out.ttft:
                 out.ttft = out.latency
             out.generated_text = "".join(pieces)
+            if reported is None and cumulative and cumulative[-1] is not None:
+                reported = cumulative[-1]
+            counts = chunk_token_counts(pieces, cumulative, reported, req.count_tokens)
+            out.itl, out.token_times = stream_timing(list(zip(arrivals, counts, strict=True)))
             out.output_len = reported if reported is not None else req.output_len
             _finish_token_times(out, end)
             out.success = True
@@ -284,6 +293,14 @@ def _openai_request(chat: bool) -> RequestFunc:
         return await _send(session, req, payload, read)
 
     return request
+
+
+def _predicted_n(data: dict[str, Any]) -> int | None:
+    """llama-server's cumulative generated-token count (`timings.predicted_n`, sent per chunk when the request
+    asks for `timings_per_token`)."""
+    timings = data.get("timings")
+    value = timings.get("predicted_n") if isinstance(timings, dict) else None
+    return int(value) if isinstance(value, int | float) else None
 
 
 request_completions = _openai_request(chat=False)

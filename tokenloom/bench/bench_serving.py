@@ -157,7 +157,7 @@ async def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow], reques
                             output_len=row.output_len if output_len is None else output_len,
                             api_url=template.api_url, model=template.model, stream=template.stream,
                             ignore_eos=template.ignore_eos, extra_body=template.extra_body,
-                            headers=template.headers)
+                            headers=template.headers, count_tokens=template.count_tokens)
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> tuple[BenchmarkMetrics, dict[str, Any]]:
                             model=args.served_model_name or args.model, stream=not args.disable_stream,
                             ignore_eos=not args.disable_ignore_eos,
                             extra_body=json.loads(args.extra_request_body) if args.extra_request_body else {},
-                            headers=headers)
+                            headers=headers,
+                            count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     print(f"Backend {args.backend} at {template.api_url}, model {template.model}, request rate "
           f"{args.request_rate}, max concurrency {args.max_concurrency or 'not set'}")
     outputs, duration, server_info = asyncio.run(run_benchmark(args, rows, request_func_of(args.backend), template,

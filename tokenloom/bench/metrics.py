@@ -2,9 +2,14 @@
 (`BenchmarkMetrics`, computed by `calculate_metrics`) with SGLang `bench_serving` definitions:
 
 - TTFT: send -> first chunk carrying text. E2E latency: send -> last line of the response read.
-- ITL: the gaps between later chunks; on the native backend a chunk's gap is spread evenly over the tokens it
-  carried (its `completion_tokens` delta) and chunks with no new token are skipped; on the OpenAI backends
-  the raw gap between non-empty chunks.
+- ITL, per token on every backend (`stream_timing`): the first chunk carrying text ends the TTFT and adds no
+  gap; each later chunk carrying k new tokens adds k gaps of gap/k (gap = its arrival - the previous counted
+  chunk's), so a server that sends one chunk per token and one that batches tokens into chunks are measured
+  alike. Chunks with no new token are skipped (their wait counts in the next gap). The native backend reads k
+  from `meta_info.completion_tokens`; the OpenAI backends from `chunk_token_counts` (a cumulative count in each
+  chunk, else 1 per chunk when the final usage equals the number of chunks, else the chunk's text tokenized,
+  else 1 per chunk). This is SGLang's native-backend rule applied to all backends; SGLang's own OpenAI
+  backends take the raw gap per chunk instead, which equals this rule when every chunk is one token.
 - TPOT per request: (latency - ttft) / (output_len - 1), for requests with more than one output token.
 - Concurrency: sum of E2E latencies / duration. Peak output throughput: the most tokens that arrived within
   one 1-second bucket (buckets counted from the earliest send). Peak concurrent requests: the most requests
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +107,47 @@ class BenchmarkMetrics:
 def spread_gap(gap: float, new_tokens: int) -> list[float]:
     """A chunk's gap split evenly over the tokens it carried (SGLang's native-backend ITL)."""
     return [gap / new_tokens] * new_tokens if new_tokens > 0 else []
+
+
+def stream_timing(chunks: list[tuple[float, int]]) -> tuple[list[float], list[float]]:
+    """(ITL gaps, token arrival times) of one stream from (arrival time, new tokens) of its text-carrying chunks,
+    in order. The first chunk's tokens all arrive at its time (the TTFT; no gap); a later chunk with k > 0 new
+    tokens adds k gaps of gap/k and k token times evenly spaced over its gap; k <= 0 chunks are skipped."""
+    itl: list[float] = []
+    times: list[float] = []
+    if not chunks:
+        return itl, times
+    prev, first = chunks[0]
+    times += [prev] * max(first, 0)
+    for now, new in chunks[1:]:
+        if new <= 0:
+            continue
+        gap = now - prev
+        itl += spread_gap(gap, new)
+        times += [prev + gap * (k + 1) / new for k in range(new)]
+        prev = now
+    return itl, times
+
+
+def chunk_token_counts(texts: list[str], cumulative: list[int | None], total: int | None,
+                       count_tokens: Callable[[str], int] | None) -> list[int]:
+    """New tokens per text-carrying chunk of an OpenAI stream, by the first rule that applies:
+    1. every chunk reported a cumulative completion-token count (vLLM/SGLang `continuous_usage_stats`,
+       llama-server `timings_per_token`): the deltas, exact;
+    2. the final usage equals the number of chunks: 1 each, exact (each text chunk carries at least one token);
+    3. a tokenizer: each chunk's text tokenized on its own (at least 1; approximate at token boundaries);
+    4. 1 per chunk."""
+    n = len(texts)
+    known = [c for c in cumulative if c is not None]
+    if n and len(known) == n:
+        counts = [c - p for c, p in zip(known, [0, *known[:-1]], strict=True)]
+        if all(k >= 0 for k in counts):  # a count that went backwards is not a cumulative count
+            return counts
+    if total == n:
+        return [1] * n
+    if count_tokens is not None:
+        return [max(1, count_tokens(t)) for t in texts]
+    return [1] * n
 
 
 def bucket_counts(times: list[float], origin: float) -> Counter[int]:
