@@ -42,6 +42,38 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     _close(out, F.rms_norm(summed, (hidden,), w, eps), dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_float32_residual_under_bf16(rows):
+    """The decoder's residual stream is float32 under a bf16 model: the sum is kept and normalized unrounded,
+    and matches the modular path's torch fallback (`RMSNorm` without native kernels)."""
+    from tokenloom.layers.norm import RMSNorm
+
+    hidden, eps = 576, 1e-5
+    x = _randn(rows, 2 * hidden, dtype=torch.bfloat16, seed=6)[:, hidden:]  # strided rows, as a packed output
+    res = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7))  # float32, off the bf16 grid
+    w = _randn(hidden, dtype=torch.bfloat16, seed=8)
+    out, res_out = cpu_ops.rms_norm(x, w, eps, res)
+    exact = x.double() + res.double()
+    assert res_out.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.allclose(res_out.double(), exact, rtol=0, atol=1e-6)  # one float32 rounding of an exact sum
+    assert (res_out != res_out.bfloat16().float()).any()  # not rounded to bf16
+    ref = (exact * torch.rsqrt(exact.pow(2).mean(-1, keepdim=True) + eps) * w.double()).bfloat16()
+    assert (out.float() - ref.float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
+    norm = RMSNorm(hidden, eps, torch.bfloat16)
+    norm.weight.data.copy_(w)
+    fallback_out, fallback_res = _torch_rms_norm(norm, x, res)
+    assert torch.equal(fallback_res, res_out)
+    _close(fallback_out, out, torch.bfloat16)
+
+
+def _torch_rms_norm(norm, x, residual):
+    """RMSNorm's torch expression (what runs where the native kernels are unavailable)."""
+    import unittest.mock
+
+    with unittest.mock.patch.object(cpu_ops, "available", return_value=False):
+        return norm(x, residual)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_input(dtype):
     packed = _randn(5, 2 * 64, dtype=dtype, seed=4)
