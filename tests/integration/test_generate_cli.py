@@ -1,11 +1,13 @@
-"""The one-shot `tokenloom generate` command: runs prompts through the forward path; bad input exits 2
-with one clear line."""
+"""The one-shot `tokenloom generate` command: runs prompts through the forward path (the README's examples on
+the real SmolLM2 in the default configuration, bf16); bad input exits 2 with one clear line."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,6 +24,30 @@ def test_generate_runs_prompts(tiny_runtime_model):
     lines = [line for line in result.stdout.splitlines() if "->" in line]
     assert len(lines) == 2 and lines[0].startswith("'Hello there' -> ")
     assert "10 tokens" in result.stderr
+
+
+def _completions(result: subprocess.CompletedProcess) -> list[str]:
+    return [line.split(" -> ", 1)[1] for line in result.stdout.splitlines() if " -> " in line]
+
+
+@pytest.mark.slow
+def test_readme_example_answers_paris():
+    """README: `tokenloom generate "The capital city of France is" --max-new-tokens 16` (no model, no dtype)."""
+    result = _cli("The capital city of France is", "--max-new-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    [completion] = _completions(result)
+    assert "Paris" in completion, completion
+
+
+@pytest.mark.slow
+def test_readme_seeded_gguf_example_is_reproducible(smollm2_file):
+    """README: `--model-path model.gguf --temperature 0.7 --seed 1 "Once upon a time"`; the prompt twice in
+    one batch: the same per-request seed samples the same tokens."""
+    result = _cli("--model-path", smollm2_file, "--temperature", "0.7", "--seed", "1", "Once upon a time",
+                  "Once upon a time")
+    assert result.returncode == 0, result.stderr
+    first, second = _completions(result)
+    assert first == second and first.strip("'\" ")
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
