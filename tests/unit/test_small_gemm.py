@@ -54,19 +54,31 @@ def test_linear_dispatch_same_as_onednn_within_rounding():
     assert torch.equal(batch[0], onednn[0])
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 33, 64])
-@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (1, 96)])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (1, 96), (100, 2)])
 def test_float32_output_is_unrounded_sums(m, n, k):
-    """The LM head's kernel: float32 sums of exact bf16 products, never rounded to bf16, at any row count."""
+    """The LM head's kernel (csrc/pair_gemm.c, or AMX): float32 sums of exact bf16 products, never rounded to
+    bf16, at any row count (full and partial 6-row bands, full and partial 4-block feature groups)."""
     x, w, _ = _data(m, n, k, m * 7 + n + k, False)
-    got = cpu_gemm.native_linear_f32(x, w, cpu_gemm.pack_weight(w, onednn=False))
+    packed = cpu_gemm.pack_weight(w, onednn=False)
+    got = cpu_gemm.native_linear_f32(x, w, packed)
     ref = x.double() @ w.double().T
     assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
     # only float32 summation order differs from the exact sums: far below bf16's 2^-8 rounding
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
-    assert (got.float() != got.bfloat16().float()).any() or n * m < 8  # values off the bf16 grid survive
+    if m * n >= 8:
+        assert (got != got.bfloat16().float()).any()  # values off the bf16 grid survive
     # a row's logits do not depend on how many rows share the call
-    assert torch.equal(got[:1], cpu_gemm.native_linear_f32(x[:1].contiguous(), w, None))
+    assert torch.equal(got[:1], cpu_gemm.native_linear_f32(x[:1].contiguous(), w, packed))
+    strided = torch.cat([x, x], dim=1)[:, k:]
+    assert torch.equal(cpu_gemm.native_linear_f32(strided, w, packed), got)
+
+
+def test_float32_output_declines_what_it_cannot_run():
+    x, w, _ = _data(3, 48, 64, 1, False)
+    assert cpu_gemm.native_linear_f32(x, w, None) is None  # no packed copy
+    assert cpu_gemm.native_linear_f32(x.float(), w, cpu_gemm.pack_weight(w, onednn=False)) is None  # bf16 only
+    assert cpu_gemm.pack_weight(w.float(), onednn=False) is None
 
 
 def test_lm_head_returns_float32_logits_off_the_bf16_grid():
@@ -78,6 +90,9 @@ def test_lm_head_returns_float32_logits_off_the_bf16_grid():
     emb.weight.data.copy_(w)
     head = ParallelLMHead(emb, True, SINGLE_PROCESS, torch.bfloat16)
     head.prepare_for_inference()
+    assert head.packed is not None and head.weight_f32 is None  # the native kernel, no float32 copy
     logits = head(x)
     assert logits.dtype == torch.float32 and logits.shape == (5, 300)
     assert torch.allclose(logits.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    head.packed, head.weight_f32 = None, w.float()  # where no native kernel runs: the float32 copy
+    assert torch.allclose(head(x).double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)

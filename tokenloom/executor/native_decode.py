@@ -73,6 +73,8 @@ class NativeDecode:
         self._kv_rows = kv_pool.k_buffers[0].shape[1]
         self._lm_head = model.lm_head.weight
         self._lm_head_amx = _amx_copy(model.lm_head) if self.uses_amx else None
+        head_packed = model.lm_head.packed  # the LM head's float32-output copy: AMX, else feature pairs
+        self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None else head_packed.pair
         self._vocab = model.lm_head.vocab_size
         self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         self._eps = cfg.rms_norm_eps
@@ -112,6 +114,8 @@ class NativeDecode:
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:
             return "the rotary tables are not float32"
+        if model.lm_head.packed is None:
+            return "the LM head has no float32-output kernel here (AMX or AVX512-BF16)"
         cfg = model.cfg
         widths = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size)
         if any(w % 32 for w in widths):
@@ -141,7 +145,8 @@ class NativeDecode:
         ptr = ctypes.c_void_p
         rc = self._lib.decode_forward_bf16(
             ptr(self._layer_ptrs.data_ptr()), ctypes.c_int(len(model.layers)), ptr(model.norm.weight.data_ptr()),
-            ptr(self._lm_head.data_ptr()), ptr(None if self._lm_head_amx is None else self._lm_head_amx.data_ptr()),
+            ptr(None if self._lm_head_amx is None else self._lm_head_amx.data_ptr()),
+            ptr(None if self._lm_head_pair is None else self._lm_head_pair.data_ptr()),
             ctypes.c_int64(self._lm_head.shape[0]), ptr(rotary.cos.data_ptr()),
             ptr(rotary.sin.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(heads), ctypes.c_int(kv_heads),
             ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps), ctypes.c_int64(self._kv_rows),

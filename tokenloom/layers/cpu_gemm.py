@@ -9,9 +9,10 @@ faster. Without AMX, csrc/small_gemm.c (AVX512-BF16) takes `SMALL_M_MAX` rows. E
 products in float32 and rounds once; only the summation order differs. Used only where the hardware
 supports bf16; everything else keeps `F.linear`.
 
-`linear_f32` is the LM head's matmul: the same exact float32 sums, stored unrounded (logits rounded to bf16 tie
-often enough to flip greedy choices). It takes the AMX kernel, else the streaming kernel (at any row count: the
-weight block stays in L1 while every row uses it), else a float32 matmul on a float32 copy of the weight.
+`native_linear_f32` is the LM head's matmul: the same exact float32 sums, stored unrounded (logits rounded to
+bf16 tie often enough to flip greedy choices). It takes the AMX kernel, else csrc/pair_gemm.c (AVX512-BF16,
+register-blocked, no horizontal sums: as fast as oneDNN's bf16 matmul, which cannot write float32); where
+neither runs, the LM head keeps a float32 copy of its weight (tokenloom/layers/embedding.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ AMX_M_MAX = 32  # rows up to which the AMX kernel beats oneDNN (bench/small_gemm
 @dataclass(frozen=True)
 class PackedWeight:
     """A linear weight's load-time copies: oneDNN's opaque layout (None when the caller never uses oneDNN, like
-    the LM head), and the AMX tile order (None without AMX)."""
+    the LM head), the AMX tile order (None without AMX), and the feature-pair order of csrc/pair_gemm.c (only
+    for `native_linear_f32`, where AMX is absent)."""
 
     onednn: torch.Tensor | None
     amx: torch.Tensor | None = None
+    pair: torch.Tensor | None = None
 
 
 @functools.cache
@@ -80,14 +83,38 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+@functools.cache
+def _pair_gemm() -> ctypes.CDLL | None:
+    lib = load_library("kernels")
+    if lib is None or not lib.pair_gemm_supported():
+        return None
+    lib.pair_packed_numel.restype = ctypes.c_int64
+    return lib
+
+
+def pack_pair(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] (bf16, even `in`) in csrc/pair_gemm.c's feature-pair order, or None where that kernel
+    does not run."""
+    lib = _pair_gemm()
+    if lib is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
+            or weight.shape[1] % 2:
+        return None
+    n, k = weight.shape
+    packed = torch.empty(lib.pair_packed_numel(ctypes.c_int64(n), ctypes.c_int64(k)), dtype=torch.bfloat16)
+    lib.pair_pack_weight(ctypes.c_void_p(weight.data_ptr()), ctypes.c_int64(weight.stride(0)), ctypes.c_int64(n),
+                         ctypes.c_int64(k), ctypes.c_void_p(packed.data_ptr()))
+    return packed
+
+
 def pack_weight(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
-    """Packed copies of `weight` [out, in] for `linear` (`onednn=False`: only the AMX copy, for
-    `native_linear_f32`), or None where packing does not apply."""
+    """Packed copies of `weight` [out, in] for `linear`, or with `onednn=False` for `native_linear_f32` (the
+    AMX copy, else the feature-pair copy); None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     if not onednn:
         amx = pack_amx(weight)
-        return None if amx is None else PackedWeight(None, amx)
+        pair = None if amx is not None else pack_pair(weight)
+        return None if amx is None and pair is None else PackedWeight(None, amx, pair)
     if not _onednn_bf16():
         return None
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), pack_amx(weight))
@@ -131,39 +158,26 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out if rc == 0 else None
 
 
-def _f32_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.stride(-1) == 1 and weight.is_contiguous())
-
-
 def native_linear_f32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
-    """x [M, K] @ weight.T as unrounded float32 sums of exact bf16 products, through the AMX kernel (when
-    `packed` has its copy) or the streaming kernel; None where neither applies."""
-    if not _f32_kernel_applies(x, weight) or x.shape[0] < 1:
+    """x [M, K] @ weight.T as unrounded float32 sums of exact bf16 products, through the AMX kernel or the
+    feature-pair kernel (whichever copy `packed` holds, from `pack_weight(weight, onednn=False)`); None where
+    neither applies."""
+    if packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1 \
+            or x.shape[0] < 1 or x.stride(0) % 2:
         return None
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     threads = ctypes.c_int(torch.get_num_threads())
-    lib = _amx()
-    if lib is not None and packed is not None and packed.amx is not None:
-        rc = lib.amx_linear_bf16_f32(ptr(x.data_ptr()), i64(x.stride(0)), ptr(packed.amx.data_ptr()), ptr(None),
-                                     ptr(out.data_ptr()), i64(n), i64(m), i64(n), i64(k), threads)
-        return out if rc == 0 else None
-    kernel = _small_gemm()
-    if kernel is None or k % 32 or k > kernel[2]:
+    if packed.amx is not None and _amx() is not None:
+        rc = _amx().amx_linear_bf16_f32(ptr(x.data_ptr()), i64(x.stride(0)), ptr(packed.amx.data_ptr()), ptr(None),
+                                        ptr(out.data_ptr()), i64(n), i64(m), i64(n), i64(k), threads)
+    elif packed.pair is not None and _pair_gemm() is not None:
+        rc = _pair_gemm().pair_linear_bf16_f32(ptr(x.data_ptr()), i64(x.stride(0)), ptr(packed.pair.data_ptr()),
+                                               ptr(out.data_ptr()), i64(n), i64(m), i64(n), i64(k), threads)
+    else:
         return None
-    rc = kernel[0].linear_small_bf16_f32(ptr(x.data_ptr()), i64(x.stride(0)), ptr(weight.data_ptr()), ptr(None),
-                                         ptr(out.data_ptr()), ctypes.c_int(m), i64(n), i64(k), threads)
     return out if rc == 0 else None
-
-
-def f32_kernel_available(weight: torch.Tensor) -> bool:
-    """Whether `native_linear_f32` runs for this weight on this machine (else callers keep a float32 copy)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
-        return False
-    kernel = _small_gemm()
-    return _amx() is not None or (kernel is not None and weight.shape[1] % 32 == 0 and weight.shape[1] <= kernel[2])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,

@@ -74,7 +74,7 @@ class ParallelLMHead(nn.Module):
 
     def prepare_for_inference(self) -> None:
         self.packed = cpu_gemm.pack_weight(self.weight, onednn=False)
-        if self.weight.dtype != torch.float32 and not cpu_gemm.f32_kernel_available(self.weight):
+        if self.weight.dtype != torch.float32 and self.packed is None:
             self.weight_f32 = self.weight.float()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

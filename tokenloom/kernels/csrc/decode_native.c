@@ -35,11 +35,13 @@ static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx
     return linear_small_bf16(x, k, w, bias, out, m, n, k, threads);
 }
 
-/* The LM head: as step_linear, but the float32 sums are stored unrounded (logits are never rounded to bf16). */
-static int step_linear_f32(const uint16_t *x, const uint16_t *w, const uint16_t *amx, float *out, int m, int64_t n,
-                           int64_t k, int threads) {
+/* The LM head: the float32 sums stored unrounded (logits are never rounded to bf16), through the AMX kernel
+ * (`amx` set) or the feature-pair kernel (`pair`, W packed by pair_pack_weight). */
+static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_t *pair, float *out, int m,
+                           int64_t n, int64_t k, int threads) {
     if (amx != NULL) return amx_linear_bf16_f32(x, k, amx, NULL, out, n, m, n, k, threads);
-    return linear_small_bf16_f32(x, k, w, NULL, out, m, n, k, threads);
+    if (pair != NULL) return pair_linear_bf16_f32(x, k, pair, out, n, m, n, k, threads);
+    return -1;
 }
 
 /* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (float32, before any slicing).
@@ -48,7 +50,7 @@ static int step_linear_f32(const uint16_t *x, const uint16_t *w, const uint16_t 
  * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, or -1
  * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
-                                   const uint16_t *lm_head, const uint16_t *lm_head_amx, int64_t vocab_rows,
+                                   const uint16_t *lm_head_amx, const uint16_t *lm_head_pair, int64_t vocab_rows,
                                    const float *cos_table, const float *sin_table, int hidden, int heads,
                                    int kv_heads, int head_dim, int inter, float eps, int64_t kv_rows, int m,
                                    const uint16_t *embedded,
@@ -104,7 +106,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     }
     if (rc == 0) {
         rms_norm_bf16_res32(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
-        rc |= step_linear_f32(normed, lm_head, lm_head_amx, logits, m, vocab_rows, hidden, threads);
+        rc |= step_linear_f32(normed, lm_head_amx, lm_head_pair, logits, m, vocab_rows, hidden, threads);
     }
     free(scratch);
     return rc == 0 ? 0 : -1;

@@ -6,6 +6,7 @@
 #include "cpu_ops.c"
 #include "paged_attention.c"
 #include "small_gemm.c"
+#include "pair_gemm.c"
 #include "amx_gemm.c"
 #include "decode_native.c"
 #include "kv_indices.c"

@@ -4,9 +4,7 @@
  * At M <= 8 a linear layer is a stream over its weight: every weight byte is used M times, so the time is the
  * weight's bytes over the memory bandwidth. This kernel streams W once, 16 output rows at a time, with
  * AVX512-BF16 dot products (exact products, float32 sums) and one batched horizontal reduction per 16 outputs;
- * output rows are split over OpenMP threads (torch's libgomp). Results are rounded once to bf16, or stored as
- * float32 (linear_small_bf16_f32: the LM head, whose logits must not be rounded to bf16; it takes any M, the
- * weight block staying in L1 while every row uses it, so the weight is still read from memory once).
+ * output rows are split over OpenMP threads (torch's libgomp). Results are rounded once to bf16.
  *
  * Requires AVX512-BF16 and K % 32 == 0; `small_gemm_supported()` says whether this build has the kernel.
  */
@@ -38,8 +36,7 @@ KERNEL_API int small_gemm_supported(int *max_m, int *max_k) {
 static inline __attribute__((always_inline)) void block_rows(const uint16_t *const *rows, const uint16_t *x,
                                                              int64_t x_stride, int r0, const int RB,
                                                              int64_t chunks, __m512 bias, __mmask16 mask,
-                                                             uint16_t *out, float *out_f32, int64_t n,
-                                                             int64_t n0) {
+                                                             uint16_t *out, int64_t n, int64_t n0) {
     __m512 acc[2][ROWS];
     for (int j = 0; j < RB; ++j)
         for (int t = 0; t < ROWS; ++t) acc[j][t] = _mm512_setzero_ps();
@@ -57,18 +54,16 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *con
     }
     for (int j = 0; j < RB; ++j) {
         const __m512 y = _mm512_add_ps(reduce16(acc[j]), bias);
-        if (out_f32 != NULL)
-            _mm512_mask_storeu_ps(out_f32 + (r0 + j) * n + n0, mask, y);
-        else
-            _mm256_mask_storeu_epi16(out + (r0 + j) * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));
+        _mm256_mask_storeu_epi16(out + (r0 + j) * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));
     }
 }
 #endif
 
+/* Returns 0, or -1 when the shape is outside what the kernel handles (nothing is written then). */
+KERNEL_API int linear_small_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                                 uint16_t *out, int m, int64_t n, int64_t k, int threads) {
 #if HAVE_KERNEL
-/* Every output block of 16 features for rows 0..m-1; exactly one of out / out_f32 is set. */
-static void linear_blocks(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                          uint16_t *out, float *out_f32, int m, int64_t n, int64_t k, int threads) {
+    if (m < 1 || m > MAX_M || k % 32 != 0 || k > MAX_K) return -1;
     const int64_t chunks = k / 32, blocks = (n + ROWS - 1) / ROWS;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -87,31 +82,9 @@ static void linear_blocks(const uint16_t *x, int64_t x_stride, const uint16_t *w
             b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
         }
         int r = 0;
-        for (; r + 2 <= m; r += 2) block_rows(rows, x, x_stride, r, 2, chunks, b, mask, out, out_f32, n, n0);
-        if (r < m) block_rows(rows, x, x_stride, r, 1, chunks, b, mask, out, out_f32, n, n0);
+        for (; r + 2 <= m; r += 2) block_rows(rows, x, x_stride, r, 2, chunks, b, mask, out, n, n0);
+        if (r < m) block_rows(rows, x, x_stride, r, 1, chunks, b, mask, out, n, n0);
     }
-}
-#endif
-
-/* Returns 0, or -1 when the shape is outside what the kernel handles (nothing is written then). */
-KERNEL_API int linear_small_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                                 uint16_t *out, int m, int64_t n, int64_t k, int threads) {
-#if HAVE_KERNEL
-    if (m < 1 || m > MAX_M || k % 32 != 0 || k > MAX_K) return -1;
-    linear_blocks(x, x_stride, w, bias, out, NULL, m, n, k, threads);
-    return 0;
-#else
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)m; (void)n; (void)k; (void)threads;
-    return -1;
-#endif
-}
-
-/* The same sums stored as float32, for any number of rows m >= 1. Returns 0, or -1 when K is unsupported. */
-KERNEL_API int linear_small_bf16_f32(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                                     float *out, int m, int64_t n, int64_t k, int threads) {
-#if HAVE_KERNEL
-    if (m < 1 || k % 32 != 0 || k > MAX_K) return -1;
-    linear_blocks(x, x_stride, w, bias, NULL, out, m, n, k, threads);
     return 0;
 #else
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)m; (void)n; (void)k; (void)threads;
