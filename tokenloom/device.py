@@ -35,6 +35,24 @@ def device_unavailable_reason(name: str) -> str | None:
     return None
 
 
+def distributed_backend(device: torch.device | str) -> str:
+    """The torch.distributed backend of the compute group for `device`: gloo on the CPU, NCCL on CUDA.
+    (Control groups are gloo everywhere: they carry CPU tensors.)"""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":
+        return "nccl"
+    raise ValueError(f"no torch.distributed backend for device {device} (tokenloom supports cpu and cuda)")
+
+
+def set_process_device(device: torch.device) -> None:
+    """Make `device` this process's current device before its groups are built (NCCL binds a communicator to
+    the current CUDA device; each rank must own its own); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (timing, hand-offs); a no-op on the CPU where ops run eagerly."""
     if device.type == "cuda":
