@@ -1,6 +1,10 @@
 """Runs the real `Scheduler` + its event loop (`--overlap-schedule`, off unless given) in-process over
 in-memory channels (no subprocesses), so the
-scheduling matrix (radix on/off, chunk sizes, page sizes, retraction, aborts) runs in seconds."""
+scheduling matrix (radix on/off, chunk sizes, page sizes, retraction, aborts) runs in seconds.
+
+`LoopHarness` drives any worker over a given `KVMemory` (tests/unit/test_scheduler_fake_runner.py gives it a
+fake one); `Harness` builds the real one as the scheduler process does: the weights, one `KVMemory` handed
+to both the model runner and the scheduler, the `ModelWorker`."""
 
 from __future__ import annotations
 
@@ -8,14 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.executor.model_runner import LoadedModel, ModelRunner
 from tokenloom.executor.worker import ModelWorker
 from tokenloom.ipc import LocalChannel
 from tokenloom.protocol import AbortRequest, TokenizedRequest
 from tokenloom.sampling.sampling_params import SamplingParams
 from tokenloom.scheduler.loops import make_event_loop
-from tokenloom.scheduler.scheduler import Scheduler
+from tokenloom.scheduler.scheduler import Scheduler, SchedulerWorker
 
 
 @dataclass
@@ -25,26 +30,26 @@ class Result:
     meta: dict = field(default_factory=dict)
 
 
-class Harness:
-    def __init__(self, folder: str, tokenizer: Any = None, eos: tuple[int, ...] = (0,), **server_args: Any) -> None:
-        defaults = dict(model_path=folder, dtype="float32", max_total_tokens=4096, max_running_requests=32,
-                        overlap_schedule="off")
-        self.args = ServerArgs(**{**defaults, **server_args})
-        self.runner = ModelRunner(self.args)
+class LoopHarness:
+    def __init__(self, args: ServerArgs, worker: SchedulerWorker, memory: KVMemory, vocab_size: int,
+                 tokenizer: Any = None) -> None:
+        self.args = args
+        self.memory = memory
+        self.vocab_size = vocab_size
         self.inbox, self.outbox = LocalChannel(), LocalChannel()
-        self.scheduler = Scheduler(self.args, ModelWorker(self.runner, eos), tokenizer, self.outbox.send)
-        self.loop = make_event_loop(self.args, self.scheduler, self.inbox)
+        self.scheduler = Scheduler(args, worker, tokenizer, self.outbox.send, memory)
+        self.loop = make_event_loop(args, self.scheduler, self.inbox)
         self.results: dict[str, Result] = {}
         self.steps = 0
 
     def submit(self, rid: str, ids: list[int], params: dict[str, Any], **kw: Any) -> None:
-        sp = SamplingParams.from_dict(params, self.runner.vocab_size)
+        sp = SamplingParams.from_dict(params, self.vocab_size)
         self.inbox.send(TokenizedRequest(rid, None, list(ids), sp, **kw))
 
     def abort(self, rid: str) -> None:
         self.inbox.send(AbortRequest(rid))
 
-    def run(self, until: Callable[[Harness], bool] | None = None, max_steps: int = 100_000) -> dict[str, Result]:
+    def run(self, until: Callable[[LoopHarness], bool] | None = None, max_steps: int = 100_000) -> dict[str, Result]:
         """Step until idle (or `until(self)`), collecting outputs; checks pools are full when idle."""
         while self.steps < max_steps:
             busy = self.loop.run_once()
@@ -68,7 +73,16 @@ class Harness:
                     res.finish_reason = msg.finished_reasons[i]
 
     def assert_pools_full(self) -> None:
-        sched = self.scheduler
-        assert sched.is_idle()
-        sched.tree_cache.check_integrity()
-        assert self.runner.req_to_token_pool.available_size() == self.runner.req_to_token_pool.size
+        assert self.scheduler.is_idle()
+        self.memory.check_idle_integrity()
+
+
+class Harness(LoopHarness):
+    def __init__(self, folder: str, tokenizer: Any = None, eos: tuple[int, ...] = (0,), **server_args: Any) -> None:
+        defaults = dict(model_path=folder, dtype="float32", max_total_tokens=4096, max_running_requests=32,
+                        overlap_schedule="off")
+        args = ServerArgs(**{**defaults, **server_args})
+        loaded = LoadedModel.load(args)  # as the scheduler process does: one KVMemory for runner and scheduler
+        memory = loaded.kv_memory(args)
+        self.runner = ModelRunner(args, loaded=loaded, memory=memory)
+        super().__init__(args, ModelWorker(self.runner, eos), memory, self.runner.vocab_size, tokenizer)

@@ -3,6 +3,8 @@
 Shape per layer: [kv_heads_local, size + page_size, head_dim] (head-major, so gathering a batch's slots
 gives [heads, tokens, dim] that batched matmuls use without copies); slot 0 is the dummy slot padded tokens
 write to, and the pool is allocated for layers [start_layer, end_layer) only (a pipeline stage holds its own).
+The native attention kernels read this layout with fixed strides; so a page of a layer is 2 * kv_heads
+contiguous runs (K and V of each head), not one (see cache/kv_memory.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ class KVPool:
         self.size = size
         self.page_size = page_size
         self.dtype = dtype
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.start_layer = start_layer
         self.end_layer = end_layer
         rows = size + page_size

@@ -29,7 +29,7 @@ from tokenloom.executor.worker import ForwardOutput, ModelWorker, PreparedStep
 class ForwardThread:
     def __init__(self, worker: ModelWorker, num_threads: int | None = None) -> None:
         self.worker = worker
-        self.stream = ForwardStream(worker.runner.device)
+        self.stream = ForwardStream(worker.device)
         threads = num_threads if num_threads is not None else torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-forward",
                                         initializer=configure_threads, initargs=(threads,))
@@ -54,7 +54,7 @@ class ForwardOnCaller:
 
     def __init__(self, worker: ModelWorker) -> None:
         self.worker = worker
-        self.stream = ForwardStream(worker.runner.device)
+        self.stream = ForwardStream(worker.device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0
 

@@ -1,95 +1,122 @@
-"""`ModelRunner`: loads the model, owns the KV memory (request table, allocator, KV pool), the attention
-backend and the sampler, and runs one `ForwardBatch` at a time.
+"""`ModelRunner`: the loaded model of one rank, its attention backend and sampler over the rank's `KVMemory`;
+runs one `ForwardBatch` at a time.
+
+Construction: `LoadedModel.load` reads the memory available at start, then loads the weights (the memory
+budget of `--mem-fraction-static` covers both, so the KV memory is sized after them); the rank's entry builds
+the `KVMemory` from it and hands the same object to the runner and the scheduler. Given no memory, the runner
+builds its own (the scheduler-less users: `SequenceDriver`, benchmarks, forward-path tests).
 
 Per step: `prepare(batch)` writes the new tokens' KV slots into `req_to_token` and lets the attention backend
 build its metadata once (`forward` does it when the caller did not); `forward(batch)` runs the model and
 returns float32 logits (one row per request, or per token with `return_all_logits`), through the one-call
 native step (`NativeDecode`) for small decode batches where it applies; `sample(logits, info)` turns them
-into next tokens. The runner never decides what to run: that is the scheduler's job (or a test's).
+into next tokens. The runner never decides what to run, and never allocates or frees KV memory: that is the
+scheduler's job (or a test's).
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 import torch
 
 from tokenloom.cache.allocator import PagedAllocator, TokenAllocator
+from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.config import ServerArgs
-from tokenloom.device import (
-    available_memory_bytes,
-    configure_threads,
-    default_mem_fraction_static,
-    resolve_device,
-)
+from tokenloom.device import available_memory_bytes, configure_threads, resolve_device
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_batch import ForwardBatch
-from tokenloom.executor.memory_budget import CPU_KV_SHARE_OF_FREE, kv_pool_bytes, model_nbytes
+from tokenloom.executor.memory_budget import model_nbytes
 from tokenloom.executor.native_decode import NativeDecode
 from tokenloom.layers.attention.registry import create_attention_backend
 from tokenloom.layers.sampler import SampleOutput, Sampler
+from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import ModelSource, load_model, resolve_dtype, resolve_model_source
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 
-logger = logging.getLogger(__name__)
 
-# Extra columns in req_to_token beyond the context length (room for a token sampled at the limit).
-_REQ_TO_TOKEN_SLACK = 4
+@dataclass
+class LoadedModel:
+    """One rank's weights, loaded, and what its KV memory is sized beside."""
+
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    model: LlamaForCausalLM
+    memory_at_start: int  # bytes available before the weights loaded (what --mem-fraction-static shares)
+
+    @classmethod
+    def load(cls, args: ServerArgs, parallel: ParallelContext = SINGLE_PROCESS, source: ModelSource | None = None,
+             start_layer: int = 0, end_layer: int | None = None) -> LoadedModel:
+        device = resolve_device(args.device)
+        configure_threads(args.num_threads)
+        source = source or resolve_model_source(args)
+        dtype = resolve_dtype(args.dtype, device)
+        memory_at_start = available_memory_bytes(device)  # before the weights: --mem-fraction-static
+        model = load_model(source, dtype, device, parallel, start_layer, end_layer, seed=args.random_seed)
+        return cls(source, device, dtype, model, memory_at_start)
+
+    def kv_memory(self, args: ServerArgs, parallel: ParallelContext = SINGLE_PROCESS) -> KVMemory:
+        """The KV memory for this model's layers and TP shard, sized from the flags and the memory budget."""
+        return KVMemory.from_server_args(args, self.source.config, self.dtype, self.device, parallel,
+                                         self.model.start_layer, self.model.end_layer,
+                                         memory_at_start=self.memory_at_start, weight_bytes=model_nbytes(self.model))
 
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, parallel: ParallelContext = SINGLE_PROCESS,
-                 source: ModelSource | None = None, start_layer: int = 0, end_layer: int | None = None) -> None:
+                 source: ModelSource | None = None, start_layer: int = 0, end_layer: int | None = None,
+                 memory: KVMemory | None = None, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: weights loaded already (else loaded here from `source`/args and the layer range);
+        `memory`: the rank's KV memory (else built here for the loaded model)."""
         self.args = args
-        self.device = resolve_device(args.device)
-        configure_threads(args.num_threads)
-        self.source = source or resolve_model_source(args)
+        loaded = loaded or LoadedModel.load(args, parallel, source, start_layer, end_layer)
+        self.device, self.source, self.dtype, self.model = loaded.device, loaded.source, loaded.dtype, loaded.model
         self.model_config = self.source.config
-        self.dtype = resolve_dtype(args.dtype, self.device)
         self.parallel = parallel
-        self.memory_at_start = available_memory_bytes(self.device)  # before the weights: --mem-fraction-static
-        self.model = load_model(self.source, self.dtype, self.device, parallel, start_layer, end_layer,
-                                seed=args.random_seed)
         self.context_len = self.model_config.context_length
-        self._init_memory(start_layer, self.model.end_layer)
+        self.memory = memory if memory is not None else loaded.kv_memory(args, parallel)
+        self._check_memory_fits()
         heads = max(1, self.model_config.num_attention_heads // parallel.tp_size)
-        self.attn_backend = create_attention_backend(args.attention_backend, self.req_to_token_pool, self.kv_pool,
-                                                     heads, cascade=not args.disable_cascade_attention)
+        self.attn_backend = create_attention_backend(args.attention_backend, self.memory.req_to_token_pool,
+                                                     self.memory.kv_pool, heads,
+                                                     cascade=not args.disable_cascade_attention)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         self.native_decode = None if args.disable_native_decode else NativeDecode.build(
-            self.model, self.kv_pool, self.attn_backend, self.dtype, self.device, parallel.tp_size)
+            self.model, self.memory.kv_pool, self.attn_backend, self.dtype, self.device, parallel.tp_size)
 
-    def _init_memory(self, start_layer: int, end_layer: int) -> None:
-        cfg, args = self.model_config, self.args
-        per_token = cfg.kv_bytes_per_token(self.dtype, self.parallel.tp_size, end_layer - start_layer)
-        if args.max_total_tokens is not None:
-            tokens = args.max_total_tokens
-        else:
-            fraction = args.mem_fraction_static
-            if fraction is None:
-                fraction = default_mem_fraction_static(self.device)
-            weights = model_nbytes(self.model)
-            tokens = kv_pool_bytes(self.memory_at_start, weights, fraction) // per_token
-            logger.info("Memory: %.2f GiB available at start, weights %.2f GiB, KV budget %.2f GiB (%s)",
-                        self.memory_at_start / 2**30, weights / 2**30, tokens * per_token / 2**30,
-                        f"--mem-fraction-static {fraction}" if fraction is not None else
-                        f"{CPU_KV_SHARE_OF_FREE:.0%} of the memory left after the weights")
-        tokens = tokens // args.page_size * args.page_size
-        if tokens < 2 * args.page_size:
-            raise RuntimeError(f"KV pool would hold only {tokens} tokens; raise --max-total-tokens, "
-                               "--mem-fraction-static or memory")
-        self.max_total_num_tokens = tokens
-        requests = args.max_running_requests or min(max(tokens * 512 // self.context_len, 256), 4096)
-        self.req_to_token_pool = ReqToTokenPool(requests, self.context_len + _REQ_TO_TOKEN_SLACK, self.device)
-        self.token_allocator = (TokenAllocator(tokens, self.device, args.decode_slot_run) if args.page_size == 1
-                                else PagedAllocator(tokens, args.page_size, self.device))
+    def _check_memory_fits(self) -> None:
+        """A KV memory built elsewhere must be shaped for this model's layers, shard, dtype and device."""
+        pool, cfg = self.memory.kv_pool, self.model_config
         kv_heads = max(1, cfg.num_key_value_heads // self.parallel.tp_size)
-        self.kv_pool = KVPool(tokens, args.page_size, kv_heads, cfg.head_dim, self.dtype, self.device,
-                              start_layer, end_layer)
-        logger.info("KV pool: %d tokens (%.1f MiB), %d request slots, page size %d", tokens,
-                    self.kv_pool.nbytes() / 2**20, requests, args.page_size)
+        want = ((self.model.start_layer, self.model.end_layer), kv_heads, cfg.head_dim, self.dtype, self.device.type)
+        have = ((pool.start_layer, pool.end_layer), pool.num_kv_heads, pool.head_dim, pool.dtype,
+                self.memory.device.type)
+        if want != have:
+            raise ValueError(f"KVMemory (layers, kv heads, head_dim, dtype, device) {have} does not fit the "
+                             f"model's {want}")
+        if self.memory.context_len < self.context_len:
+            raise ValueError(f"KVMemory rows hold {self.memory.context_len} tokens; the model's context is "
+                             f"{self.context_len}")
+
+    # Aliases of the memory's parts, read by the scheduler-less users (SequenceDriver, benchmarks, tests).
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool:
+        return self.memory.req_to_token_pool
+
+    @property
+    def token_allocator(self) -> TokenAllocator | PagedAllocator:
+        return self.memory.token_allocator
+
+    @property
+    def kv_pool(self) -> KVPool:
+        return self.memory.kv_pool
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.memory.max_total_num_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +128,7 @@ class ModelRunner:
         the KV indices). The overlap scheduler calls this on its own thread, so the forward thread never
         reads `req_to_token` while the scheduler edits it."""
         rows = batch.req_pool_indices[batch.token_req_index]
-        self.req_to_token_pool.write(rows, batch.positions, batch.out_cache_loc)
+        self.memory.req_to_token_pool.write(rows, batch.positions, batch.out_cache_loc)
         self.attn_backend.init_forward_metadata(batch)
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
 """`ModelWorker`: runs a `ScheduleBatch` on the `ModelRunner` and returns a `ForwardOutput`.
 
-It is the seam between scheduler (CPU plan, `Req`s) and device, in two halves so the overlap scheduler can
-run them on different threads:
+It is the seam between scheduler (CPU plan, `Req`s) and device (the scheduler uses only `prepare`, `execute`,
+`eos_token_ids` and `device`: `scheduler.SchedulerWorker`), in two halves so the overlap scheduler can run
+them on different threads:
 - `prepare(batch)` (scheduler thread): builds the `ForwardBatch`, writes `req_to_token`, snapshots the
   attention metadata and the `SamplingBatchInfo`, and reserves future-token slots for the batch's outputs;
 - `execute(step)` (forward thread, or inline): resolves placeholder input ids from the future-token buffer,
@@ -77,7 +78,8 @@ class ModelWorker:
                  ) -> None:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
-        size = max_batch_size or runner.req_to_token_pool.size
+        self.device = runner.device  # where forwards run (the forward thread's stream is made for it)
+        size = max_batch_size or runner.memory.request_slots
         self.future_tokens = FutureTokenBuffer(max(size, 1), runner.device)
         self.sampling_rows = SamplingRows(runner.vocab_size, eos_token_ids, runner.device)
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)

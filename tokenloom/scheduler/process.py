@@ -1,4 +1,5 @@
-"""Scheduler process entry: build the model runner, worker and scheduler, report readiness, run the loop.
+"""Scheduler process entry: load the weights, build the rank's `KVMemory` once and hand it to both the model
+runner and the scheduler, wrap the runner in the worker, report readiness, run the loop.
 
 Readiness is reported through a pipe as {"status": "ready", "max_total_num_tokens", "max_req_input_len",
 "context_len", "vocab_size"} (or {"status": "error", ...}); after that, a fatal error is reported to the
@@ -15,7 +16,7 @@ from tokenloom.config import ServerArgs
 def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any) -> None:
     import zmq
 
-    from tokenloom.executor.model_runner import ModelRunner
+    from tokenloom.executor.model_runner import LoadedModel, ModelRunner
     from tokenloom.executor.worker import ModelWorker
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
     from tokenloom.ipc import Receiver, Sender
@@ -27,10 +28,12 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any) -> None:
     ctx = zmq.Context()
     sender = Sender(ctx, addresses.detokenizer)
     try:
-        runner = ModelRunner(args)
+        loaded = LoadedModel.load(args)
+        memory = loaded.kv_memory(args)  # sized beside the loaded weights; the one owner of the KV memory
+        runner = ModelRunner(args, loaded=loaded, memory=memory)
         tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
         worker = ModelWorker(runner, eos_token_ids(runner.source, tokenizer))
-        scheduler = Scheduler(args, worker, tokenizer, sender.send)
+        scheduler = Scheduler(args, worker, tokenizer, sender.send, memory)
         receiver = Receiver(ctx, addresses.scheduler)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,

@@ -1,6 +1,7 @@
-"""`Scheduler`: owns the waiting queue, the running requests, the prefix cache and the worker, and turns
-them into one batch per step. It does no I/O itself: requests arrive through `handle(msg)`, outputs leave
-through the `send` callable, and an event loop (loops.py) decides when to call what.
+"""`Scheduler`: owns the waiting queue and the running requests, drives the worker and the rank's KV memory
+(request rows, KV slots, prefix cache), and turns them into one batch per step. It does no I/O itself:
+requests arrive through `handle(msg)`, outputs leave through the `send` callable, and an event loop
+(loops.py) decides when to call what.
 
 Per step: `get_next_batch_to_run()` → `launch(batch)` (prepare on this thread) → the loop runs the step
 (inline, or on the forward thread while it plans the next batch) → `process_batch_result(batch, out)`.
@@ -11,6 +12,12 @@ Prefill has priority: a new prefill batch is built whenever waiting requests fit
 requests decode one token. Before a decode step that would not fit in KV memory, cached KV is evicted, then
 requests are retracted (fewest output tokens first) and re-queued; they are recomputed later. Nothing is
 dropped: every request ends with a finish reason sent to the detokenizer.
+
+The KV memory (request table, allocator, prefix cache) is the rank's `KVMemory`, handed in by the rank's
+entry, which hands the same object to the model runner; the scheduler is the only one that allocates, frees,
+caches or evicts in it. The worker is reached only through `SchedulerWorker` (prepare, execute, its EOS
+ids, its device), so scheduling runs against a fake worker in unit tests
+(tests/unit/test_scheduler_fake_runner.py).
 """
 
 from __future__ import annotations
@@ -18,12 +25,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from tokenloom.cache.chunk_cache import ChunkCache
-from tokenloom.cache.radix_cache import RadixCache
+import torch
+
+from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.executor.worker import ForwardOutput, ModelWorker, PreparedStep
+from tokenloom.executor.worker import ForwardOutput
 from tokenloom.protocol import (
     AbortRequest,
     FlushCacheReply,
@@ -42,20 +50,43 @@ from tokenloom.scheduler.stats import NewTokenRatio, StepStats
 logger = logging.getLogger(__name__)
 
 
+class PreparedStepLike(Protocol):
+    out_slots: torch.Tensor  # [B] future-token slots the step's sampled tokens are stored at
+
+
+class SchedulerWorker(Protocol):
+    """What the scheduler and its event loops use of the worker (`executor.worker.ModelWorker`, or a fake).
+
+    `prepare(batch)` runs on the scheduler's thread: it records the batch's KV slots in the request table
+    and reserves future-token slots for its outputs; `execute(step)` runs on the forward side, resolves
+    placeholder inputs and returns the sampled tokens. Neither allocates or frees KV memory. `device` is
+    where the forwards run (the overlap loop's forward thread makes its stream for it).
+    """
+
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+
+    def prepare(self, batch: ScheduleBatch) -> PreparedStepLike: ...
+
+    def execute(self, step: Any) -> ForwardOutput: ...
+
+
 class Scheduler:
-    def __init__(self, args: ServerArgs, worker: ModelWorker, tokenizer: Any, send: Callable[[Any], None]) -> None:
+    def __init__(self, args: ServerArgs, worker: SchedulerWorker, tokenizer: Any, send: Callable[[Any], None],
+                 memory: KVMemory) -> None:
+        if memory.page_size != args.page_size:
+            raise ValueError(f"KVMemory has page size {memory.page_size}, --page-size is {args.page_size}")
         self.args = args
         self.worker = worker
-        runner = worker.runner
-        self.req_to_token_pool = runner.req_to_token_pool
-        self.allocator = runner.token_allocator
-        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, args.page_size)
-        self.memory = BatchMemory(self.req_to_token_pool, self.allocator, self.tree_cache, runner.device)
+        self.kv_memory = memory
+        self.req_to_token_pool = memory.req_to_token_pool
+        self.allocator = memory.token_allocator
+        self.tree_cache = memory.tree_cache
+        self.memory = BatchMemory(self.req_to_token_pool, self.allocator, self.tree_cache, memory.device)
         self.output = OutputProcessor(self.tree_cache, self.req_to_token_pool, tokenizer, send, args.stream_interval)
         self.send = send
-        self.max_total_num_tokens = runner.max_total_num_tokens
-        self.context_len = runner.context_len
+        self.max_total_num_tokens = memory.max_total_num_tokens
+        self.context_len = memory.context_len
         self.max_req_input_len = min(self.context_len - 1, self.max_total_num_tokens - 1) - 1
         self.max_running_requests = min(self.req_to_token_pool.size,
                                         args.max_running_requests or max(self.max_total_num_tokens // 2, 1))
@@ -231,7 +262,7 @@ class Scheduler:
                        len(retracted), self.ratio.value)
 
     # --- running ------------------------------------------------------------------------------------
-    def launch(self, batch: ScheduleBatch) -> PreparedStep:
+    def launch(self, batch: ScheduleBatch) -> PreparedStepLike:
         """Prepare `batch` for the forward (this thread) and mark its requests as in flight; a decode
         request's next input is then this batch's future token until the result is processed."""
         step = self.worker.prepare(batch)
@@ -264,10 +295,7 @@ class Scheduler:
 
     def check_idle_integrity(self) -> None:
         if self.is_idle():
-            self.tree_cache.check_integrity()
-            free_rows = self.req_to_token_pool.available_size()
-            if free_rows != self.req_to_token_pool.size:
-                raise AssertionError(f"request-row leak: {free_rows} free of {self.req_to_token_pool.size}")
+            self.kv_memory.check_idle_integrity()
             if self.warming_heads:
                 raise AssertionError(f"{len(self.warming_heads)} prefill heads still marked in flight while idle")
 
