@@ -13,7 +13,8 @@ On the default model (SmolLM2-135M-Instruct, its GGUF weights), four engines:
 
 The corpus is text shipped with Python (`pydoc_data.topics`, the reference manual's topics, sorted by key and
 joined), tokenized once with the model's tokenizer; window i starts at token i * (len / windows). Nothing is
-downloaded. Greedy prompts are the first `--prompt-len` tokens of the windows.
+downloaded. Greedy prompts are the first `--prompt-len` tokens of the windows. The run is deterministic: a
+repeated run measures another sample with `--shift N` (every window moved by N tokens).
 
 Metrics, each against transformers float32 on the same tokens:
 - perplexity over every window position but the first, and its relative distance from float32's;
@@ -53,8 +54,8 @@ REQUEST_TIMEOUT_S = 600
 # corpus
 
 
-def corpus_windows(tokenizer: Any, windows: int, length: int) -> list[list[int]]:
-    """`windows` token windows of `length`, evenly spaced over the pydoc topics text."""
+def corpus_windows(tokenizer: Any, windows: int, length: int, shift: int = 0) -> list[list[int]]:
+    """`windows` token windows of `length`, evenly spaced over the pydoc topics text, the first at `shift`."""
     import pydoc_data.topics as topics
 
     text = "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
@@ -62,7 +63,8 @@ def corpus_windows(tokenizer: Any, windows: int, length: int) -> list[list[int]]
     stride = len(ids) // windows
     if stride < length:
         raise SystemExit(f"corpus has {len(ids)} tokens: too few for {windows} windows of {length}")
-    return [ids[i * stride: i * stride + length] for i in range(windows)]
+    starts = [(i * stride + shift) % (len(ids) - length) for i in range(windows)]
+    return [ids[start: start + length] for start in starts]
 
 
 def perplexity(nlls: list[float]) -> float:
@@ -198,6 +200,9 @@ def main() -> int:
     parser.add_argument("--greedy-prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--shift", type=int, default=0,
+                        help="tokens to move every window by: another sample of the same corpus (runs are "
+                        "deterministic, so repeated runs should differ in --shift)")
     args = parser.parse_args()
     if args.quick:
         args.windows, args.greedy_prompts = 8, 6
@@ -206,7 +211,7 @@ def main() -> int:
     from tokenloom.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_source(ServerArgs()))
-    windows = corpus_windows(tokenizer, args.windows, args.window_len)
+    windows = corpus_windows(tokenizer, args.windows, args.window_len, args.shift)
     prompts = [w[: args.prompt_len] for w in windows[: args.greedy_prompts]]
     started = time.time()
     runs: dict[str, dict[str, Any]] = {}
@@ -236,7 +241,7 @@ def main() -> int:
     }
     for name, ok in targets.items():
         print(f"target {name}: {'met' if ok else 'NOT met'}")
-    print(json.dumps({"bench": "accuracy", "quick": args.quick, "windows": args.windows,
+    print(json.dumps({"bench": "accuracy", "quick": args.quick, "windows": args.windows, "shift": args.shift,
                       "window_len": args.window_len, "greedy_prompts": args.greedy_prompts,
                       "new_tokens": args.new_tokens, "engines": rows, "targets": targets}))
     return 0
