@@ -54,9 +54,10 @@ def make_hf_model(variant: str, folder: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0) -> str:
+def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0, **overrides: Any) -> str:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer saved beside it, so the full runtime
-    (tokenizer, detokenizer, stop strings) runs in seconds."""
+    (tokenizer, detokenizer, stop strings) runs in seconds. `overrides`: LlamaConfig fields (e.g.
+    num_key_value_heads)."""
     import transformers
 
     from tokenloom.config import ServerArgs
@@ -65,7 +66,8 @@ def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0) -> str:
 
     tokenizer = load_tokenizer(resolve_model_source(ServerArgs()))
     config = transformers.LlamaConfig(**{**TINY, "vocab_size": 49152, "max_position_embeddings": 2048,
-                                         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True})
+                                         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+                                         **overrides})
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     os.makedirs(folder, exist_ok=True)

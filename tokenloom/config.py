@@ -4,7 +4,9 @@ Every field is a flag with SGLang's spelling (`dtype` -> `--dtype`, `page_size` 
 argparse parser is generated from the dataclass so the two cannot drift apart. `ServerArgs.from_kwargs`
 is what `Engine(**kwargs)` uses: unknown keywords are an error, not silently ignored.
 
-Every flag either acts or is refused with the reason (`--tp-size` > 1, `--kv-cache-dtype` other than auto).
+Every flag either acts or is refused with the reason (`--pp-size` > 1, `--nnodes` > 1, `--kv-cache-dtype` other
+than auto). Whether the model's heads split over `--tp-size` is checked once the model's config is known
+(`check_parallel_fits`, called by the launcher before any rank starts).
 A few SGLang flags that launch scripts pass by habit and that change nothing here (`--trust-remote-code`,
 `--disable-cuda-graph`, `--cuda-graph-max-bs`, `--enable-torch-compile`) are accepted, and
 `warn_ignored_flags` logs one line for each that was set; the launcher, `tokenloom generate` and `Engine`
@@ -79,9 +81,17 @@ class ServerArgs:
     device: str = _flag("cpu", "Device to run on: cpu or cuda.")
     attention_backend: str = _flag("auto", "Attention kernels: torch_native (pure torch), cpu (native paged "
                                    "decode kernel), auto (cpu when it builds here).", ATTENTION_BACKENDS)
-    tp_size: int = _flag(1, "Tensor-parallel ranks; only 1 for now (tensor parallelism is not implemented "
-                         "yet).", aliases=("--tensor-parallel-size",))
-    num_threads: int | None = _flag(None, "torch intra-op threads for the forward (default: all cores).")
+    tp_size: int = _flag(1, "Tensor-parallel ranks: one scheduler process per rank, each holding a shard of every "
+                         "layer (attention heads, MLP, vocabulary).", aliases=("--tensor-parallel-size",))
+    pp_size: int = _flag(1, "Pipeline-parallel stages; only 1 for now (pipeline parallelism is not implemented "
+                         "yet).", aliases=("--pipeline-parallel-size",))
+    nnodes: int = _flag(1, "Machines the tp x pp ranks are spread over; only 1 for now (multi-node launch is not "
+                        "implemented yet).")
+    node_rank: int = _flag(0, "This machine's index among --nnodes (0 runs the server).")
+    dist_init_addr: str | None = _flag(None, "host:port of the ranks' rendezvous (torch.distributed TCP store, "
+                                       "hosted by rank 0); default 127.0.0.1 and a free port.")
+    num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
+                                    "with several ranks on this machine, cores / ranks each).")
     disable_cuda_graph: bool = _flag(False, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
     cuda_graph_max_bs: int | None = _flag(None, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
     enable_torch_compile: bool = _flag(False, "Accepted for SGLang compatibility; no effect (the model is not "
@@ -152,9 +162,7 @@ class ServerArgs:
             raise ConfigError("--stream-interval and --decode-log-interval must be >= 1")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
-        if self.tp_size > 1:
-            raise ConfigError(f"--tp-size (--tensor-parallel-size) {self.tp_size}: tensor parallelism is not "
-                              "implemented yet; only --tp-size 1 runs")
+        self._validate_topology()
         if self.kv_cache_dtype != "auto":
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the KV cache in the model's "
                               "dtype) is implemented; a quantized KV cache is not")
@@ -172,6 +180,31 @@ class ServerArgs:
             raise ConfigError("--api-key must not be empty")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda; got {self.device!r}")
+
+    def _validate_topology(self) -> None:
+        if self.pp_size < 1:
+            raise ConfigError(f"--pp-size must be >= 1; got {self.pp_size}")
+        if self.pp_size > 1:
+            raise ConfigError(f"--pp-size (--pipeline-parallel-size) {self.pp_size}: pipeline parallelism is not "
+                              "implemented yet; only --pp-size 1 runs")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1; got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}); got {self.node_rank}")
+        world = self.tp_size * self.pp_size
+        if world % self.nnodes:
+            raise ConfigError(f"--tp-size x --pp-size ({world}) must be divisible by --nnodes ({self.nnodes}): "
+                              "every node runs the same number of ranks")
+        if self.nnodes > 1:
+            raise ConfigError(f"--nnodes {self.nnodes}: multi-node launch is not implemented yet; only --nnodes 1 "
+                              "runs")
+        if self.dist_init_addr is not None:
+            from tokenloom.distributed.topology import parse_dist_init_addr
+
+            try:
+                parse_dist_init_addr(self.dist_init_addr)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -210,6 +243,31 @@ def check_device(args: ServerArgs) -> None:
     reason = device_unavailable_reason(args.device)
     if reason is not None:
         raise ConfigError(f"--device {args.device}: {reason}")
+
+
+def check_parallel_fits(args: ServerArgs, config: Any) -> None:
+    """Refuse a `--tp-size` the model's shapes cannot be split by (`config`: the model's `ModelConfig`).
+
+    Query heads and the MLP's intermediate features are split evenly; KV heads are split when there are at
+    least as many as ranks, else replicated, so `tp_size` must then be a multiple of them (REFERENCE.md §7).
+    The vocabulary is padded to a multiple of 64 x tp_size, so it always splits."""
+    tp = args.tp_size
+    if tp == 1:
+        return
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % tp:
+        problems.append(f"its {heads} attention heads")
+    if kv_heads >= tp and kv_heads % tp:
+        problems.append(f"its {kv_heads} KV heads")
+    if kv_heads < tp and tp % kv_heads:
+        problems.append(f"its {kv_heads} KV heads (fewer than the ranks: tp_size must be a multiple of them, "
+                        "each rank keeping a replica of one)")
+    if config.intermediate_size % tp:
+        problems.append(f"its MLP's {config.intermediate_size} intermediate features")
+    if problems:
+        raise ConfigError(f"--tp-size {tp} cannot split the model: " + "; ".join(problems)
+                          + f" are not divisible by {tp}")
 
 
 def ignored_flag_warnings(args: ServerArgs) -> list[str]:

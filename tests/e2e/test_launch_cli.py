@@ -24,11 +24,11 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["--dtype", "float64"], "argument --dtype: invalid choice"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be >= 1"),
     (["--api-key", " "], "--api-key must not be empty"),
-    (["--tp-size", "2"], "--tp-size (--tensor-parallel-size) 2: tensor parallelism is not implemented yet"),
-    (["--tensor-parallel-size", "4"], "tensor parallelism is not implemented yet"),
+    (["--pp-size", "2"], "--pp-size (--pipeline-parallel-size) 2: pipeline parallelism is not implemented yet"),
+    (["--tensor-parallel-size", "3", "--nnodes", "2"], "--tp-size x --pp-size (3) must be divisible by --nnodes"),
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: only auto"),
     (["--num-threads", "0"], "--num-threads must be >= 1"),
-], ids=["unknown", "port_range", "port_type", "dtype", "queue", "api_key", "tp", "tp_alias", "kv_dtype",
+], ids=["unknown", "port_range", "port_type", "dtype", "queue", "api_key", "pp", "tp_nnodes", "kv_dtype",
         "threads"])
 def test_bad_flags_are_usage_errors(flags, fragment):
     result = run("-m", "tokenloom.launch_server", *flags)

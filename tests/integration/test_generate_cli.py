@@ -59,3 +59,9 @@ def test_missing_model_is_a_clear_error(tmp_path):
 def test_bad_flag_is_a_usage_error():
     result = _cli("--dtype", "float64", "hi")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_generate_refuses_tensor_parallelism():
+    result = _cli("--tp-size", "2", "Hello")
+    assert result.returncode == 2
+    assert "--tp-size 2: `tokenloom generate` runs one process" in result.stderr and "Traceback" not in result.stderr

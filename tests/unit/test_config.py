@@ -39,7 +39,14 @@ def parser() -> argparse.ArgumentParser:
     ({"max_running_requests": 0}, "--max-running-requests"),
     ({"context_length": 1}, "--context-length"),
     ({"tp_size": 0}, "--tp-size"),
-    ({"tp_size": 2}, "--tp-size"),
+    ({"pp_size": 2}, "--pp-size"),
+    ({"pp_size": 0}, "--pp-size"),
+    ({"nnodes": 0}, "--nnodes"),
+    ({"nnodes": 2, "tp_size": 2}, "--nnodes"),
+    ({"nnodes": 2, "tp_size": 3}, "--nnodes"),
+    ({"node_rank": 1}, "--node-rank"),
+    ({"dist_init_addr": "localhost"}, "--dist-init-addr"),
+    ({"dist_init_addr": "::1:80"}, "--dist-init-addr"),
     ({"device": "tpu"}, "--device"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
     ({"kv_cache_dtype": "bfloat16"}, "--kv-cache-dtype"),
@@ -172,11 +179,51 @@ def test_every_choice_of_every_choice_flag_is_accepted(field, choice):
     assert getattr(ServerArgs.from_cli_namespace(ns), field) == choice
 
 
-@pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--tensor-parallel-size", "4"], ["--tp", "2"]])
-def test_tensor_parallelism_is_refused_with_the_reason(flags):
+@pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--tensor-parallel-size", "2"], ["--tp", "2"]])
+def test_tensor_parallel_size_flags(flags):
     ns = parser().parse_args(flags)  # argparse also takes SGLang's `--tp` (an unambiguous prefix)
-    with pytest.raises(ConfigError, match=r"--tp-size .*tensor parallelism is not implemented yet"):
-        ServerArgs.from_cli_namespace(ns)
+    assert ServerArgs.from_cli_namespace(ns).tp_size == 2
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--pp-size", "2"], r"--pp-size \(--pipeline-parallel-size\) 2: pipeline parallelism is not implemented yet"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not implemented yet"),
+    (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"],
+     "--nnodes 2: multi-node launch is not implemented yet"),
+    (["--tp-size", "3", "--nnodes", "2"], r"--tp-size x --pp-size \(3\) must be divisible by --nnodes \(2\)"),
+])
+def test_unimplemented_topologies_are_refused_with_the_reason(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        ServerArgs.from_cli_namespace(parser().parse_args(flags))
+
+
+def test_dist_init_addr_is_checked():
+    assert ServerArgs(tp_size=2, dist_init_addr="127.0.0.1:29500").dist_init_addr == "127.0.0.1:29500"
+    assert ServerArgs(dist_init_addr="[::1]:29500").dist_init_addr == "[::1]:29500"
+    with pytest.raises(ConfigError, match="expected host:port"):
+        ServerArgs(dist_init_addr="127.0.0.1:0")
+
+
+@pytest.mark.parametrize("tp, heads, kv_heads, inter, problem", [
+    (2, 4, 1, 128, None),  # kv heads replicated
+    (2, 4, 2, 128, None),
+    (4, 8, 2, 128, None),  # 2 replicas of each kv head
+    (2, 9, 3, 128, "its 9 attention heads"),
+    (4, 8, 6, 128, "its 6 KV heads are not divisible"),
+    (4, 8, 3, 128, "its 3 KV heads .fewer than the ranks"),
+    (2, 4, 2, 127, "intermediate features"),
+])
+def test_model_split_over_tp_is_checked(tp, heads, kv_heads, inter, problem):
+    from types import SimpleNamespace
+
+    from tokenloom.config import check_parallel_fits
+
+    config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter)
+    if problem is None:
+        check_parallel_fits(ServerArgs(tp_size=tp), config)
+    else:
+        with pytest.raises(ConfigError, match=f"--tp-size {tp} cannot split the model: .*{problem}"):
+            check_parallel_fits(ServerArgs(tp_size=tp), config)
 
 
 def test_quantized_kv_cache_is_refused_with_the_reason():
@@ -260,7 +307,11 @@ EFFECT_TESTS = {
     "max_running_requests": "tests/integration/test_scheduler_abort_stop.py",
     "device": "tests/e2e/test_launch_cli.py",
     "attention_backend": "tests/integration/test_forward_consistency.py",
-    "tp_size": "tests/e2e/test_launch_cli.py",
+    "tp_size": "tests/integration/test_tensor_parallel.py",
+    "pp_size": "tests/unit/test_config.py",
+    "nnodes": "tests/unit/test_config.py",
+    "node_rank": "tests/unit/test_config.py",
+    "dist_init_addr": "tests/e2e/test_tensor_parallel_server.py",
     "num_threads": "tests/integration/test_server_flags.py",
     "disable_cuda_graph": "tests/unit/test_config.py",
     "cuda_graph_max_bs": "tests/unit/test_config.py",

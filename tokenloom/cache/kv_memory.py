@@ -32,6 +32,7 @@ would need the kernels' indexing changed, so it is left for the step that brings
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -124,15 +125,20 @@ class KVMemory:
     @classmethod
     def from_server_args(cls, args: ServerArgs, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                          parallel: ParallelContext, start_layer: int, end_layer: int, *,
-                         memory_at_start: int | None = None, weight_bytes: int | None = None) -> KVMemory:
+                         memory_at_start: int | None = None, weight_bytes: int | None = None,
+                         agree: Callable[[list[int]], list[int]] | None = None) -> KVMemory:
         """Size and build the memory of this rank's layers [start_layer, end_layer) and TP shard from the
         flags; `memory_at_start` (bytes available before the weights loaded) and `weight_bytes` are needed
-        unless `--max-total-tokens` is set."""
+        unless `--max-total-tokens` is set. `agree` maps this rank's [KV tokens, request slots] to the ones
+        every rank uses (the MIN over the world, so all ranks schedule within the smallest pool); the pool
+        is built at the agreed size."""
         layers = end_layer - start_layer
         per_token = model_config.kv_bytes_per_token(dtype, parallel.tp_size, layers)
         tokens = kv_capacity_tokens(args, per_token, device, memory_at_start, weight_bytes)
         context_len = model_config.context_length
         requests = request_slots_for(args, tokens, context_len)
+        if agree is not None:
+            tokens, requests = agree([tokens, requests])
         memory = cls.build(tokens=tokens, request_slots=requests, context_len=context_len, page_size=args.page_size,
                            num_kv_heads=max(1, model_config.num_key_value_heads // parallel.tp_size),
                            head_dim=model_config.head_dim, dtype=dtype, device=device, start_layer=start_layer,

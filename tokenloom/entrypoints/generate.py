@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli_namespace(ns)
         check_device(args)
+        if args.tp_size > 1:  # one process, no ranks: the forward path only (`tokenloom serve` runs TP)
+            raise ConfigError(f"--tp-size {args.tp_size}: `tokenloom generate` runs one process; use "
+                              "`tokenloom serve` or tokenloom.Engine for tensor parallelism")
         warn_ignored_flags(args)
         return _run(ns, args)
     except (ConfigError, ModelConfigError, ValueError) as e:

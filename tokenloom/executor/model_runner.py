@@ -16,6 +16,7 @@ scheduler's job (or a test's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +59,14 @@ class LoadedModel:
         model = load_model(source, dtype, device, parallel, start_layer, end_layer, seed=args.random_seed)
         return cls(source, device, dtype, model, memory_at_start)
 
-    def kv_memory(self, args: ServerArgs, parallel: ParallelContext = SINGLE_PROCESS) -> KVMemory:
-        """The KV memory for this model's layers and TP shard, sized from the flags and the memory budget."""
+    def kv_memory(self, args: ServerArgs, parallel: ParallelContext = SINGLE_PROCESS,
+                  agree: Callable[[list[int]], list[int]] | None = None) -> KVMemory:
+        """The KV memory for this model's layers and TP shard, sized from the flags and the memory budget
+        (`agree`: see `KVMemory.from_server_args`)."""
         return KVMemory.from_server_args(args, self.source.config, self.dtype, self.device, parallel,
                                          self.model.start_layer, self.model.end_layer,
-                                         memory_at_start=self.memory_at_start, weight_bytes=model_nbytes(self.model))
+                                         memory_at_start=self.memory_at_start, weight_bytes=model_nbytes(self.model),
+                                         agree=agree)
 
 
 class ModelRunner:

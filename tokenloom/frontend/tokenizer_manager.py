@@ -1,10 +1,12 @@
-"""`TokenizerManager`: the engine/server side of the runtime. It launches the scheduler and detokenizer
-processes, validates and tokenizes requests, sends them to the scheduler, and routes outputs coming back
-from the detokenizer to the waiting caller (one `ReqState` per request id).
+"""`TokenizerManager`: the engine/server side of the runtime. Through a `RuntimeLauncher` it starts the
+scheduler ranks and the detokenizer (tokenloom/launcher.py owns the topology); it validates and tokenizes
+requests, sends them to the scheduler's entry rank, and routes outputs coming back from the detokenizer to the waiting
+caller (one `ReqState` per request id).
 
 Threads: a receiver thread owns the incoming socket and hands each output to the caller's asyncio loop
 (`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user or
-server loop (async_generate, the HTTP server). It also watches the children: if one dies, every pending
+server loop (async_generate, the HTTP server). It also watches the children (`launcher.dead()`): if one
+dies (a scheduler rank is named by rank, e.g. "scheduler rank 1 (tp 1, pp 0)"), every pending
 request fails with a clear error, new requests are refused, and `on_dead` (if set; the HTTP server sets it
 to exit non-zero) is called once from the receiver thread.
 
@@ -19,7 +21,6 @@ response; scheduler-side aborts keep theirs (400/503/500).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing as mp
 import threading
@@ -32,9 +33,9 @@ from typing import Any
 import zmq
 
 from tokenloom.config import ServerArgs
-from tokenloom.frontend.detokenizer import run_detokenizer_process
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
+from tokenloom.launcher import RuntimeLauncher
 from tokenloom.models.loader import resolve_model_source
 from tokenloom.protocol import (
     AbortRequest,
@@ -47,13 +48,12 @@ from tokenloom.protocol import (
     TokenizedRequest,
 )
 from tokenloom.sampling.sampling_params import SamplingParams
-from tokenloom.scheduler.process import run_scheduler_process
 from tokenloom.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 900
 CHILD_CHECK_S = 0.5
+DEAD_PEER_WAIT_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -122,61 +122,22 @@ class TokenizerManager:
 
     # --- processes ----------------------------------------------------------------------------------
     def _launch(self) -> None:
-        ctx = mp.get_context("spawn")
-        pipes = {}
-        targets = {
-            "scheduler": (run_scheduler_process, (self.args, self.addresses)),
-            "detokenizer": (run_detokenizer_process, (dataclasses.replace(self.source, gguf=None),
-                                                      self.args.tokenizer_path, self.addresses)),
-        }
-        for name, (target, args) in targets.items():
-            reader, writer = ctx.Pipe(duplex=False)
-            extra = (self.args.log_level,) if name == "detokenizer" else ()
-            proc = ctx.Process(target=target, args=(*args, writer, *extra), name=f"tokenloom-{name}", daemon=True)
-            proc.start()
-            writer.close()
-            self.processes[name], pipes[name] = proc, reader
+        """The launcher spawns and supervises the scheduler ranks and the detokenizer (tokenloom/launcher.py)."""
+        self.launcher = RuntimeLauncher(self.args, self.source, self.addresses)
+        self.processes = self.launcher.processes  # filled as they start
         try:
-            for name, pipe in pipes.items():
-                info = self._wait_ready(name, pipe)
-                if name == "scheduler":
-                    self.scheduler_info = info
+            self.scheduler_info = self.launcher.start()
         except Exception:
             self.shutdown()
             raise
-
-    def _wait_ready(self, name: str, pipe: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        proc = self.processes[name]
-        while time.monotonic() < deadline:
-            if pipe.poll(0.2):
-                try:
-                    info = pipe.recv()
-                except EOFError:
-                    break
-                if info.get("status") == "ready":
-                    return info
-                raise RuntimeError(f"{name} process failed to start: {info.get('error')}")
-            if not proc.is_alive():
-                break
-        proc.join(timeout=2)
-        if proc.exitcode is not None:
-            raise RuntimeError(f"{name} process exited during startup (exit code {proc.exitcode}); see its log "
-                               "above (a script using the Engine needs an `if __name__ == '__main__':` guard)")
-        raise RuntimeError(f"{name} process did not start in {STARTUP_TIMEOUT_S} s")
 
     def shutdown(self) -> None:
         """Stop the children and close the sockets; idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
-        for proc in self.processes.values():
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.processes.values():
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        if hasattr(self, "launcher"):
+            self.launcher.stop_all()
         self._fail_all("the engine was shut down")
         if hasattr(self, "_thread") and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
@@ -196,9 +157,9 @@ class TokenizerManager:
                 self._dispatch(msg)
             if time.monotonic() - last_check > CHILD_CHECK_S:
                 last_check = time.monotonic()
-                for name, proc in self.processes.items():
-                    if not proc.is_alive() and not self._stopping.is_set():
-                        self._mark_dead(f"the {name} process died (exit code {proc.exitcode})")
+                reason = self.launcher.dead()
+                if reason is not None and not self._stopping.is_set():
+                    self._mark_dead(f"the {reason}")
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOutput):
@@ -213,18 +174,34 @@ class TokenizerManager:
                     self.rid_to_state.pop(rid, None)
                 state.loop.call_soon_threadsafe(state.queue.put_nowait, out)
         elif isinstance(msg, ProcessFailed):
-            self._mark_dead(f"the {msg.process} process failed: {msg.error}")
+            self._mark_dead(self._failure_reason(msg))
         elif isinstance(msg, FlushCacheReply | InternalStateReply):
             waiters = self._control_waiters.get(type(msg), [])
             if waiters:
                 loop, future = waiters.pop(0)
                 loop.call_soon_threadsafe(_resolve, future, msg)
 
+    def _failure_reason(self, msg: ProcessFailed) -> str:
+        """With several ranks, a rank that died makes its peers fail in their next collective; name the
+        dead one first (it has exited by the time a peer's report arrives; allow a moment for the OS)."""
+        if self.args.tp_size * self.args.pp_size > 1 and msg.process.startswith("scheduler"):
+            deadline = time.monotonic() + DEAD_PEER_WAIT_S
+            while True:
+                dead = self.launcher.dead_besides(msg.process)
+                if dead or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if dead:
+                return f"the {'; the '.join(dead)}; then {msg.process} failed: {msg.error}"
+        return f"the {msg.process} process failed: {msg.error}"
+
     def _mark_dead(self, reason: str) -> None:
         first = self.dead_error is None
         if first:
             self.dead_error = reason
             logger.error("tokenloom engine is dead: %s", reason)
+            if self.args.tp_size * self.args.pp_size > 1:
+                self.launcher.stop_all()  # the other ranks would wait forever in their collectives
         self._fail_all(reason)
         if first and self.on_dead is not None:
             self.on_dead(reason)

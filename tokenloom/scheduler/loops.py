@@ -12,6 +12,9 @@ issues implement the same protocol around the same `Scheduler`.
   in flight (overlap) or to process each batch right after launching it.
 
 `make_event_loop(args, scheduler, inbox)` picks the loop for `--overlap-schedule on|off|auto`.
+At tp_size > 1 every rank runs the same loop in lockstep: the inbox is a `rank_sync.BroadcastInbox` (one
+broadcast per iteration) and the adaptive policy a `BroadcastOverlap` (rank 0 decides); these collectives
+run on the scheduling thread's control group, the forward's on the compute group (the forward thread).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from typing import Any, Protocol
 
 from tokenloom.config import ServerArgs
 from tokenloom.device import keep_this_thread_single_threaded
+from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
+from tokenloom.scheduler.rank_sync import BroadcastOverlap
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 from tokenloom.scheduler.scheduler import Scheduler
 from tokenloom.scheduler.step_profile import StepProfiler, StepTiming, profiling_requested
@@ -129,7 +134,7 @@ class NormalLoop(_LoopBase):
 class OverlapLoop(_LoopBase):
     """Launch batch k+1 on the forward thread, then process batch k while k+1 computes."""
 
-    def __init__(self, scheduler: Scheduler, inbox: Inbox, policy: FixedOverlap | AdaptiveOverlap,
+    def __init__(self, scheduler: Scheduler, inbox: Inbox, policy: FixedOverlap | AdaptiveOverlap | BroadcastOverlap,
                  forward_thread: ForwardThread | ForwardOnCaller, profiler: StepProfiler | None = None) -> None:
         super().__init__(scheduler, inbox, profiler)
         self.policy = policy
@@ -199,16 +204,20 @@ def overlap_mode(args: ServerArgs) -> str:
     return "off" if args.disable_overlap_schedule else args.overlap_schedule
 
 
-def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forward_on_caller: bool = False
-                    ) -> NormalLoop | OverlapLoop:
+def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forward_on_caller: bool = False,
+                    parallel: ParallelContext = SINGLE_PROCESS) -> NormalLoop | OverlapLoop:
     """`forward_on_caller`: the overlap loop's forwards run on the thread that calls `run_forever()` (the
     scheduler process's main thread) and scheduling on a new thread; otherwise on a dedicated thread, so a
-    caller can drive `run_once()` itself (tests)."""
+    caller can drive `run_once()` itself (tests). At tp_size > 1 the adaptive policy's decisions are TP
+    rank 0's, broadcast (`rank_sync.BroadcastOverlap`); `inbox` must then be a `BroadcastInbox`."""
     profiler = StepProfiler(profiling_requested(args.enable_step_profile))
     mode = overlap_mode(args)
     if mode == "off":
         return NormalLoop(scheduler, inbox, profiler)
-    policy = FixedOverlap(True) if mode == "on" else AdaptiveOverlap()
+    policy: FixedOverlap | AdaptiveOverlap | BroadcastOverlap = FixedOverlap(True) if mode == "on" \
+        else AdaptiveOverlap()
+    if mode == "auto" and parallel.tp_size > 1:
+        policy = BroadcastOverlap(policy, parallel)
     executor = (ForwardOnCaller(scheduler.worker) if forward_on_caller
                 else ForwardThread(scheduler.worker, args.num_threads))
     return OverlapLoop(scheduler, inbox, policy, executor, profiler)

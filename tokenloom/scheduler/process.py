@@ -1,9 +1,22 @@
-"""Scheduler process entry: load the weights, build the rank's `KVMemory` once and hand it to both the model
-runner and the scheduler, wrap the runner in the worker, report readiness, run the loop.
+"""Scheduler process entry (one per rank): join the world, load this rank's shard of the weights, build the
+rank's `KVMemory` once and hand it to both the model runner and the scheduler, wrap the runner in the
+worker, report readiness, run the loop.
+
+At tp_size > 1 (launched by `tokenloom/launcher.py`, one process per rank):
+- `init_distributed` joins the rendezvous at `dist_init_addr` and builds the rank's `ParallelContext`;
+- the KV capacity and request slots are MIN-reduced over the world before the pool is built, so every rank
+  holds pools of the same size and schedules within the same limits;
+- only the entry rank (tp 0) binds the socket the tokenizer manager sends to, and only its outputs go to the
+  detokenizer; every rank runs the same loop over the entry's broadcast messages (scheduler/rank_sync.py);
+- sampling: every rank samples from the same all-gathered float32 logits with the same seeds (the Sampler's
+  generator is seeded from --random-seed and advanced by the same calls; per-request seeds hash the request's
+  seed and position), so every rank draws the same tokens without a broadcast. Checked with temperature > 0
+  in tests/integration/test_tensor_parallel.py.
 
 Readiness is reported through a pipe as {"status": "ready", "max_total_num_tokens", "max_req_input_len",
 "context_len", "vocab_size"} (or {"status": "error", ...}); after that, a fatal error is reported to the
-engine as a `ProcessFailed` message through the detokenizer before the process exits non-zero.
+engine as a `ProcessFailed` message (naming the rank) through the detokenizer before the process exits
+non-zero. Every rank has that failure channel; only the entry rank sends outputs on it.
 """
 
 from __future__ import annotations
@@ -12,33 +25,54 @@ from typing import Any
 
 from tokenloom.config import ServerArgs
 
+RENDEZVOUS_TIMEOUT_S = 120.0
 
-def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any) -> None:
+
+def rank_label(rank: int, tp_size: int, pp_size: int) -> str:
+    """How logs and errors name a scheduler rank: "scheduler" alone in a one-rank world."""
+    if tp_size * pp_size == 1:
+        return "scheduler"
+    return f"scheduler rank {rank} (tp {rank % tp_size}, pp {rank // tp_size})"
+
+
+def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: int = 0,
+                          dist_init_addr: str | None = None) -> None:
     import zmq
 
+    from tokenloom.device import resolve_device
+    from tokenloom.distributed.comm import all_equal, min_reduce_ints
+    from tokenloom.distributed.groups import init_distributed
     from tokenloom.executor.model_runner import LoadedModel, ModelRunner
     from tokenloom.executor.worker import ModelWorker
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
     from tokenloom.ipc import Receiver, Sender
     from tokenloom.scheduler.loops import make_event_loop
+    from tokenloom.scheduler.rank_sync import BroadcastInbox, discard
     from tokenloom.scheduler.scheduler import Scheduler
     from tokenloom.tokenizer import eos_token_ids, load_tokenizer
 
-    child_process_setup("scheduler", args.log_level)
+    name = rank_label(rank, args.tp_size, args.pp_size)
+    child_process_setup("scheduler" if args.tp_size * args.pp_size == 1 else f"scheduler-r{rank}", args.log_level)
     ctx = zmq.Context()
     sender = Sender(ctx, addresses.detokenizer)
     try:
-        loaded = LoadedModel.load(args)
-        memory = loaded.kv_memory(args)  # sized beside the loaded weights; the one owner of the KV memory
-        runner = ModelRunner(args, loaded=loaded, memory=memory)
+        parallel = init_distributed(args.tp_size, args.pp_size, rank, dist_init_addr, resolve_device(args.device),
+                                    init_timeout_s=RENDEZVOUS_TIMEOUT_S)
+        loaded = LoadedModel.load(args, parallel)
+        # sized beside the loaded weights, at the world's smallest capacity; the one owner of the KV memory
+        memory = loaded.kv_memory(args, parallel, agree=lambda values: min_reduce_ints(values, parallel))
+        runner = ModelRunner(args, parallel, loaded=loaded, memory=memory)
         tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
         worker = ModelWorker(runner, eos_token_ids(runner.source, tokenizer))
-        scheduler = Scheduler(args, worker, tokenizer, sender.send, memory)
-        receiver = Receiver(ctx, addresses.scheduler)
+        scheduler = Scheduler(args, worker, tokenizer, sender.send if parallel.is_entry else discard, memory)
+        inbox: Any = Receiver(ctx, addresses.scheduler) if parallel.is_entry else None
+        if parallel.tp_size > 1:
+            inbox = BroadcastInbox(inbox, parallel)
+            scheduler.ranks_agree = lambda value: all_equal(value, parallel)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
                     "vocab_size": runner.vocab_size})
-        make_event_loop(args, scheduler, receiver, forward_on_caller=True).run_forever()
+        make_event_loop(args, scheduler, inbox, forward_on_caller=True, parallel=parallel).run_forever()
     except Exception as e:
-        report_failure("scheduler", e, ready, sender)
+        report_failure(name, e, ready, sender)
         raise SystemExit(1) from None

@@ -18,6 +18,15 @@ entry, which hands the same object to the model runner; the scheduler is the onl
 caches or evicts in it. The worker is reached only through `SchedulerWorker` (prepare, execute, its EOS
 ids, its device), so scheduling runs against a fake worker in unit tests
 (tests/unit/test_scheduler_fake_runner.py).
+
+Tensor parallelism: every TP rank runs its own `Scheduler` over its shard's `KVMemory` (same capacities, MIN-
+reduced at start) and handles the entry rank's broadcast messages in the same order (scheduler/rank_sync.py).
+Every decision here is a function of those messages, the pool sizes and the sampled tokens (no clocks, no
+per-process hashing; the prefix cache's LRU is a logical tick), so the ranks make the same decisions. Sampled
+tokens are identical on every rank by construction, not broadcast: each rank samples from the same
+all-gathered float32 logits with the same generator seed and per-request seeds (checked at temperature 0.8 in
+tests/integration/test_tensor_parallel.py; `internal_state()["tp_ranks_agree"]` compares every rank's pool
+sizes, queues and a running hash of its sampled tokens).
 """
 
 from __future__ import annotations
@@ -101,6 +110,11 @@ class Scheduler:
         self.eos_token_ids = worker.eos_token_ids
         self.drain_inflight: Callable[[], None] = lambda: None
         self.loop_info: Callable[[], dict[str, Any]] = dict
+        # At tp_size > 1: whether every TP rank holds the same value (rank_sync / comm.all_equal); called only
+        # from `handle`, which every rank runs on the same messages in the same order.
+        self.ranks_agree: Callable[[object], bool] | None = None
+        self.num_retracted = 0  # requests retracted so far (reported in internal_state)
+        self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
 
     # --- inputs --------------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
@@ -256,6 +270,7 @@ class Scheduler:
             req.reset_for_retract()
             retracted.append(req)
         self.running = [r for r in self.running if r in order]
+        self.num_retracted += len(retracted)
         self.waiting_queue[:0] = reversed(retracted)  # retracted requests go first, oldest first
         self.ratio.after_retract(self.running)
         logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
@@ -288,6 +303,9 @@ class Scheduler:
             self.output.process_decode(batch, out)
             self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
         self.running = [r for r in self.running if not r.finished]
+        if self.ranks_agree is not None:  # ints hash alike in every process (no hash seed)
+            self.token_digest = hash((self.token_digest, tuple(r.output_ids[-1] if r.output_ids else -1
+                                                                for r in batch.reqs)))
 
     # --- control ------------------------------------------------------------------------------------
     def is_idle(self) -> bool:
@@ -307,7 +325,14 @@ class Scheduler:
 
     def internal_state(self) -> dict[str, Any]:
         used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        agree = {}
+        if self.ranks_agree is not None:  # every rank's pools, queues and sampled tokens equal rank 0's
+            agree["tp_ranks_agree"] = self.ranks_agree(
+                (self.allocator.available_size(), self.tree_cache.evictable_size(),
+                 self.req_to_token_pool.available_size(), [r.rid for r in self.running],
+                 [r.rid for r in self.waiting_queue], self.token_digest))
         return {
+            **agree,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len,
             "max_running_requests": self.max_running_requests,
@@ -317,6 +342,7 @@ class Scheduler:
             "free_request_slots": self.req_to_token_pool.available_size(),
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_retracted_reqs": self.num_retracted,
             "last_gen_throughput": self.stats.last_gen_throughput,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             **self.loop_info(),

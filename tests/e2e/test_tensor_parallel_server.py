@@ -1,0 +1,57 @@
+"""`tokenloom serve --tp-size 2` end to end: /generate answers equal the TP=1 server's (same flags), every
+rank agrees on its pools, and killing scheduler rank 1 fails the pending request with the rank named, the
+server exits 1 and no child survives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from tests.e2e.conftest import TINY_FLAGS
+from tests.e2e.server_process import ServerProcess, free_port, http
+
+PROMPTS = ["The capital city of France is", "1, 2, 3, 4, 5,", "Once upon a time", "def fibonacci(n):"]
+BATCH = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
+SEEDED = {"text": PROMPTS, "sampling_params": {"temperature": 0.8, "top_k": 16, "max_new_tokens": 16,
+                                               "ignore_eos": True, "sampling_seed": 5}}
+
+
+def test_tp2_server_matches_tp1_and_dies_cleanly_with_a_rank(tiny_server, tiny_runtime_model):
+    server = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--tp-size", "2",
+                           "--dist-init-addr", f"127.0.0.1:{free_port()}").wait_healthy()
+    try:
+        for body in (BATCH, SEEDED):
+            status1, ref = http("POST", tiny_server.url + "/generate", body)
+            status2, out = http("POST", server.url + "/generate", body)
+            assert status1 == status2 == 200, (ref, out)
+            assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+            assert [o["text"] for o in out] == [o["text"] for o in ref]
+        info = server.wait_idle_and_pool_full()
+        assert info["tp_ranks_agree"] is True and info["tp_size"] == 2
+        rank1 = info["process_ids"]["scheduler1"]
+
+        result: dict = {}
+
+        def pending() -> None:
+            result["reply"] = http("POST", server.url + "/generate",
+                                   {"text": "A", "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}})
+
+        thread = threading.Thread(target=pending)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while server.server_info()["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        thread.join(timeout=30)
+        status, body = result["reply"]
+        assert status in (500, 503) and "scheduler rank 1 (tp 1, pp 0) died" in body["error"]["message"], body
+        assert server.wait_exit(timeout=60) == 1
+        assert "error: the scheduler rank 1 (tp 1, pp 0) died (exit code -9)" in server.logs()
+        assert time.monotonic() - start < 30
+        assert not server.children()
+    finally:
+        server.stop()

@@ -1,0 +1,152 @@
+"""Tensor parallelism end to end through `tokenloom.Engine`: two scheduler ranks (launcher, rendezvous,
+MIN-reduced pools, the entry rank's broadcast inbox) must serve exactly what one rank serves.
+
+Reference: the same Engine at --tp-size 1 with the same scheduling flags (so batches are composed alike),
+fp32 tiny random Llamas with SmolLM2's tokenizer: one with 1 KV head (< tp: replicated KV heads) and one with
+2 (split). Each configuration runs one workload per Engine — greedy with logprobs, seeded sampling at
+temperature 0.8, shared prefixes twice (radix hits), an abort mid-flight — then checks that the pools are
+back to full and that every rank's pools and queues equal rank 0's (`tp_ranks_agree`, an all_equal over the
+TP group; each rank also checks its own pool integrity whenever it goes idle, and would die on a leak).
+Last, killing rank 1 must fail the pending request with an error naming that rank, and end every process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.model_factory import make_tiny_with_smollm2_tokenizer
+from tokenloom import Engine
+from tokenloom.frontend.tokenizer_manager import EngineDeadError
+
+PREFIX = "A shared preamble about the weather in the mountains, repeated for the cache: "
+PROMPTS = [PREFIX + s for s in ("sunny", "rainy days", "snow and wind")] + ["1, 2, 3, 4, 5,", "Once upon a time"]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+# A random model's next-token distribution is nearly flat over 49152 tokens, where the inverse-CDF draw is
+# sensitive to the last bits of the logits (sharded sums add in another order); top_k keeps a few candidates,
+# so fp32 rounding cannot move a draw across a boundary.
+SEEDED = [{"temperature": 0.8, "top_k": 16, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 11 + i}
+          for i in range(len(PROMPTS))]
+COMMON = dict(dtype="float32", log_level="warning")
+
+
+@pytest.fixture(scope="module")
+def tiny_kv1(tmp_path_factory) -> str:
+    """1 KV head: at tp 2 each rank keeps a replica of it."""
+    return make_tiny_with_smollm2_tokenizer(str(tmp_path_factory.mktemp("tiny_kv1")), num_key_value_heads=1)
+
+
+def _workload(eng: Engine, abort: bool, max_new_tokens: int = 16) -> dict:
+    out: dict = {}
+    greedy = eng.generate(PROMPTS, dict(GREEDY, max_new_tokens=max_new_tokens), return_logprob=True)
+    out["greedy"] = [o["output_ids"] for o in greedy]
+    out["logprobs"] = [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in greedy]
+    out["seeded"] = [o["output_ids"] for o in eng.generate(PROMPTS, SEEDED)]
+    again = eng.generate(PROMPTS, GREEDY)  # every prompt's prefix is cached now
+    out["again"] = [o["output_ids"] for o in again]
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+    if abort:
+        out["with_abort"] = asyncio.run(_abort_mid_flight(eng))
+    return out
+
+
+async def _abort_mid_flight(eng: Engine) -> list[list[int]]:
+    stream = await eng.async_generate("a request to abort " * 4, {"max_new_tokens": 1500, "ignore_eos": True},
+                                      rid="abort-me", stream=True)
+    others = asyncio.ensure_future(eng.async_generate(PROMPTS, [dict(p, max_new_tokens=8) for p in SEEDED]))
+    chunks, last = 0, None
+    async for item in stream:
+        chunks, last = chunks + 1, item
+        if chunks == 3:
+            eng.abort("abort-me")
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(last["output_ids"]) < 1500
+    return [o["output_ids"] for o in await others]
+
+
+def _assert_pools_full(eng: Engine, tp_size: int) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        info = eng.get_server_info()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+    assert info["kv_tokens_in_use"] == 0
+    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"]
+    # Request rows: each rank checks free rows == its table size whenever it goes idle (and dies on a leak).
+    assert all(p.is_alive() for p in eng.tokenizer_manager.processes.values())
+    if tp_size > 1:
+        assert info["tp_ranks_agree"] is True
+
+
+def _run(model: str, tp_size: int, abort: bool, max_new_tokens: int = 16, **flags) -> dict:
+    with Engine(model, tp_size=tp_size, **COMMON, **flags) as eng:
+        out = _workload(eng, abort, max_new_tokens)
+        _assert_pools_full(eng, tp_size)
+        out["retracted"] = eng.get_server_info()["num_retracted_reqs"]
+        assert eng.flush_cache()["success"]
+    return out
+
+
+def _assert_same(tp2: dict, tp1: dict) -> None:
+    for key in sorted(tp1.keys() & tp2.keys()):
+        if key == "logprobs":
+            for a, b in zip(tp2[key], tp1[key], strict=True):
+                assert a == pytest.approx(b, abs=1e-4)
+        else:
+            assert tp2[key] == tp1[key], key
+
+
+def test_replicated_kv_heads_small_pool_chunked_overlap_on(tiny_kv1):
+    """kv_heads 1 < tp; chunks of 16 tokens, 2 request slots, a pool small enough to force retraction."""
+    flags = dict(max_total_tokens=96, max_running_requests=2, chunked_prefill_size=16, overlap_schedule="on",
+                 schedule_conservativeness=0.3, max_new_tokens=40)
+    tp1 = _run(tiny_kv1, 1, False, **flags)
+    tp2 = _run(tiny_kv1, 2, False, **flags)
+    _assert_same(tp2, tp1)
+    assert tp1["retracted"] > 0  # the small pool did force retraction (the same ones at tp 2: equal counts)
+
+
+@pytest.fixture(scope="module")
+def split_kv_reference(tiny_runtime_model) -> dict:
+    return _run(tiny_runtime_model, 1, True, max_total_tokens=8192, overlap_schedule="off")
+
+
+def test_split_kv_heads_overlap_off(tiny_runtime_model, split_kv_reference):
+    """kv_heads 2 == tp: each rank holds one KV head; normal (non-overlapped) loop."""
+    tp2 = _run(tiny_runtime_model, 2, True, max_total_tokens=8192, overlap_schedule="off")
+    _assert_same(tp2, split_kv_reference)
+
+
+def test_adaptive_overlap_then_killed_rank(tiny_runtime_model, split_kv_reference):
+    """`--overlap-schedule auto` (rank 0's decisions broadcast) serves the same; then rank 1 is killed: the
+    pending request fails naming that rank, new requests are refused, and every process ends."""
+    eng = Engine(tiny_runtime_model, tp_size=2, max_total_tokens=8192, overlap_schedule="auto", **COMMON)
+    try:
+        _assert_same(_workload(eng, True), split_kv_reference)
+        _assert_pools_full(eng, 2)
+        procs = eng.tokenizer_manager.processes
+
+        async def scenario() -> float:
+            task = asyncio.ensure_future(eng.async_generate("hello", {"max_new_tokens": 1500, "ignore_eos": True}))
+            await asyncio.sleep(0.5)
+            os.kill(procs["scheduler1"].pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError, match=r"scheduler rank 1 \(tp 1, pp 0\) died \(exit code -9\)"):
+                await asyncio.wait_for(task, timeout=30)
+            return time.monotonic() - start
+
+        assert asyncio.run(scenario()) < 30
+        with pytest.raises(EngineDeadError, match="scheduler rank 1"):
+            eng.generate("again")
+        deadline = time.monotonic() + 20
+        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(p.is_alive() for p in procs.values())
+    finally:
+        eng.shutdown()

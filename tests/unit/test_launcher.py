@@ -1,0 +1,110 @@
+"""`RuntimeLauncher`'s start-up wait and supervision, over stand-in child processes (forked, no model):
+a rank that reports an error, exits, or never reports ready is named within the bound; a dead child is
+named with its exit code; `stop_all` ends the rest; threads per rank follow the local rank count."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tokenloom.config import ConfigError, ServerArgs
+from tokenloom.launcher import RuntimeLauncher
+from tokenloom.models.loader import ModelSource
+
+
+def _ready(pipe) -> None:
+    pipe.send({"status": "ready", "max_total_num_tokens": 64})
+    time.sleep(60)
+
+
+def _exits(pipe) -> None:
+    os._exit(3)
+
+
+def _hangs(pipe) -> None:
+    time.sleep(60)
+
+
+def _fails(pipe) -> None:
+    pipe.send({"status": "error", "error": "RuntimeError: no memory"})
+    time.sleep(60)
+
+
+def _launcher(targets: dict, timeout_s: float = 30.0) -> tuple[RuntimeLauncher, dict]:
+    launcher = RuntimeLauncher.__new__(RuntimeLauncher)  # the wait and supervision only, no real ranks
+    launcher.startup_timeout_s = timeout_s
+    launcher.processes, launcher.labels, launcher.scheduler_info = {}, {}, {}
+    ctx = mp.get_context("fork")
+    pipes = {}
+    for rank, (key, target) in enumerate(targets.items()):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(writer,), daemon=True)
+        proc.start()
+        writer.close()
+        launcher.processes[key], pipes[key] = proc, reader
+        launcher.labels[key] = f"scheduler rank {rank} (tp {rank}, pp 0)"
+    return launcher, pipes
+
+
+@pytest.mark.parametrize("bad, message", [
+    (_exits, r"scheduler rank 1 \(tp 1, pp 0\) exited during startup \(exit code 3\)"),
+    (_fails, r"scheduler rank 1 \(tp 1, pp 0\) failed to start: RuntimeError: no memory"),
+])
+def test_a_rank_that_fails_at_start_is_named(bad, message):
+    launcher, pipes = _launcher({"scheduler": _ready, "scheduler1": bad})
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            launcher._wait_ready(pipes)
+    finally:
+        launcher.stop_all()
+    assert not any(p.is_alive() for p in launcher.processes.values())
+
+
+def test_a_rank_that_hangs_at_start_is_named_after_the_bound():
+    launcher, pipes = _launcher({"scheduler": _ready, "scheduler1": _hangs}, timeout_s=1.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"not ready after 1.5 s: scheduler rank 1 \(tp 1, pp 0\)$"):
+            launcher._wait_ready(pipes)
+        assert time.monotonic() - start < 5
+        assert launcher.scheduler_info["max_total_num_tokens"] == 64  # rank 0 did report
+    finally:
+        launcher.stop_all()
+
+
+def test_a_dead_rank_is_named_with_its_exit_code():
+    launcher, pipes = _launcher({"scheduler": _ready, "scheduler1": _ready})
+    try:
+        launcher._wait_ready(pipes)
+        assert launcher.dead() is None
+        launcher.processes["scheduler1"].kill()
+        launcher.processes["scheduler1"].join(5)
+        assert launcher.dead() == "scheduler rank 1 (tp 1, pp 0) died (exit code -9)"
+        assert launcher.dead_besides("scheduler rank 0 (tp 0, pp 0)") == [launcher.dead()]
+        assert launcher.dead_besides("scheduler rank 1 (tp 1, pp 0)") == []
+    finally:
+        launcher.stop_all()
+    assert not any(p.is_alive() for p in launcher.processes.values())
+
+
+def _source(**sizes) -> ModelSource:
+    """What the launcher reads of a model before any rank starts: the shapes `check_parallel_fits` splits."""
+    config = SimpleNamespace(**{**dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=128), **sizes})
+    return ModelSource(kind="hf", path="unused", config=config, load_format="dummy")
+
+
+@pytest.mark.parametrize("flags, threads", [({}, None), ({"tp_size": 2}, max(1, len(os.sched_getaffinity(0)) // 2)),
+                                             ({"tp_size": 2, "num_threads": 3}, 3)])
+def test_threads_per_rank(flags, threads):
+    launcher = RuntimeLauncher(ServerArgs(**flags), _source(), addresses=None)
+    assert launcher.rank_args().num_threads == threads
+    assert (launcher.dist_init_addr is not None) == (flags.get("tp_size", 1) > 1)
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_rank_starts():
+    with pytest.raises(ConfigError, match="--tp-size 2 cannot split the model: its 3 attention heads"):
+        RuntimeLauncher(ServerArgs(tp_size=2), _source(num_attention_heads=3), addresses=None)

@@ -1,0 +1,152 @@
+"""`RuntimeLauncher`: owns the process topology of one engine — spawns this node's scheduler ranks (tp × pp,
+`topology.node_ranks`) and, on node 0, the detokenizer; waits for every one to be ready under one deadline;
+supervises them; stops them.
+
+Ranks: each scheduler rank is a spawned process running `scheduler.process.run_scheduler_process` with its
+global rank and the rendezvous address (`--dist-init-addr`, default 127.0.0.1 and a free port picked here).
+Threads per rank: `--num-threads` if given, else, with several ranks on this machine, cores / local ranks
+(`topology.threads_per_rank`), set in each rank before its model is built, so ranks never oversubscribe the
+cores; one rank alone keeps torch's default.
+
+Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
+-9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in
+their collectives, so `stop_all()` ends the rest. Start-up fails with the name of every rank that reported
+an error, exited, or did not report ready in time. Children exit on their own when this process goes
+(their parent watchdog, frontend/process_utils.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import socket
+import time
+from typing import Any
+
+from tokenloom.config import ServerArgs, check_parallel_fits
+from tokenloom.distributed import topology
+from tokenloom.frontend.detokenizer import run_detokenizer_process
+from tokenloom.ipc import IpcAddresses
+from tokenloom.models.loader import ModelSource
+from tokenloom.scheduler.process import rank_label, run_scheduler_process
+
+STARTUP_TIMEOUT_S = 900
+STOP_WAIT_S = 10
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RuntimeLauncher:
+    def __init__(self, args: ServerArgs, source: ModelSource, addresses: IpcAddresses,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        check_parallel_fits(args, source.config)
+        self.args = args
+        self.source = source
+        self.addresses = addresses
+        self.startup_timeout_s = startup_timeout_s
+        self.ranks = topology.node_ranks(args.tp_size, args.pp_size, args.nnodes, args.node_rank)
+        self.world = args.tp_size * args.pp_size
+        self.dist_init_addr = args.dist_init_addr
+        if self.world > 1 and self.dist_init_addr is None:
+            self.dist_init_addr = f"127.0.0.1:{free_port()}"
+        self.processes: dict[str, mp.Process] = {}  # key: "scheduler" (rank 0), "scheduler1", ..., "detokenizer"
+        self.labels: dict[str, str] = {}
+        self.scheduler_info: dict[str, Any] = {}  # the entry rank's ready message
+
+    def rank_args(self) -> ServerArgs:
+        """The args every local rank runs with: the thread count made explicit when ranks share this machine."""
+        if self.args.num_threads is not None or len(self.ranks) == 1:
+            return self.args
+        return dataclasses.replace(self.args, num_threads=topology.threads_per_rank(len(self.ranks)))
+
+    def start(self) -> dict[str, Any]:
+        """Spawn every local process and wait until all are ready; returns the entry rank's ready info.
+        On any failure every child is stopped and RuntimeError names what failed."""
+        ctx = mp.get_context("spawn")
+        rank_args = self.rank_args()
+        pipes: dict[str, Any] = {}
+        targets: list[tuple[str, str, Any, tuple, tuple]] = []  # key, label, target, args, args after the pipe
+        for rank in self.ranks:
+            key = "scheduler" if rank == 0 else f"scheduler{rank}"
+            label = rank_label(rank, self.args.tp_size, self.args.pp_size)
+            targets.append((key, "scheduler process" if self.world == 1 else label, run_scheduler_process,
+                            (rank_args, self.addresses), (rank, self.dist_init_addr)))
+        if self.args.node_rank == 0:
+            targets.append(("detokenizer", "detokenizer process", run_detokenizer_process,
+                            (dataclasses.replace(self.source, gguf=None), self.args.tokenizer_path, self.addresses),
+                            (self.args.log_level,)))
+        try:
+            for key, label, target, args, extra in targets:
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=target, args=(*args, writer, *extra), name=f"tokenloom-{key}", daemon=True)
+                proc.start()
+                writer.close()
+                self.processes[key], self.labels[key], pipes[key] = proc, label, reader
+            self._wait_ready(pipes)
+        except BaseException:
+            self.stop_all()
+            raise
+        return self.scheduler_info
+
+    def _wait_ready(self, pipes: dict[str, Any]) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = dict(pipes)
+        failures: list[str] = []
+        while pending and time.monotonic() < deadline:
+            for key, pipe in list(pending.items()):
+                proc, label = self.processes[key], self.labels[key]
+                if pipe.poll(0.05):
+                    try:
+                        info = pipe.recv()
+                    except EOFError:
+                        info = None
+                    if info is not None and info.get("status") == "ready":
+                        if key == "scheduler":
+                            self.scheduler_info = info
+                        del pending[key]
+                        continue
+                    if info is not None:
+                        failures.append(f"{label} failed to start: {info.get('error')}")
+                        del pending[key]
+                        continue
+                if not proc.is_alive():
+                    proc.join(timeout=2)
+                    failures.append(f"{label} exited during startup (exit code {proc.exitcode}); see its log above "
+                                    "(a script using the Engine needs an `if __name__ == '__main__':` guard)")
+                    del pending[key]
+            if failures:
+                # one failed rank leaves its peers waiting in the rendezvous; name the cause, not the echoes
+                raise RuntimeError("; ".join(failures))
+        if pending:
+            names = ", ".join(self.labels[k] for k in pending)
+            raise RuntimeError(f"not ready after {self.startup_timeout_s:g} s: {names}")
+
+    def label(self, key: str) -> str:
+        return self.labels.get(key, key)
+
+    def dead(self) -> str | None:
+        """Why the runtime cannot go on: the first child (in launch order) that has exited, or None."""
+        for key, proc in self.processes.items():
+            if not proc.is_alive():
+                return f"{self.labels[key]} died (exit code {proc.exitcode})"
+        return None
+
+    def dead_besides(self, process_name: str) -> list[str]:
+        """The children other than the one `process_name` names (a ProcessFailed's sender) that have exited."""
+        return [f"{self.labels[k]} died (exit code {p.exitcode})" for k, p in self.processes.items()
+                if not self.labels[k].startswith(process_name) and not p.is_alive()]
+
+    def stop_all(self) -> None:
+        """Terminate every child that is still running (then kill it after a grace period); idempotent."""
+        for proc in self.processes.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.processes.values():
+            proc.join(timeout=STOP_WAIT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
