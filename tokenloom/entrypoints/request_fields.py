@@ -39,6 +39,20 @@ ONE_DP_RANK = "it runs one data-parallel rank (only 0 is valid)"
 NO_CONSTRAINED = "it has no constrained decoding"
 NO_REASONING = "it serves no reasoning models"
 
+# Fields every route refuses when set (SGLang's /generate and both OpenAI routes declare them), with the
+# value that means "unset" and the reason.
+COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "lora_path": (None, NO_LORA),
+    "session_params": (None, NO_SESSIONS),
+    "custom_logit_processor": (None, NO_LOGIT_PROCESSORS),
+    "return_hidden_states": (False, NO_HIDDEN_STATES),
+    "return_routed_experts": (False, NO_MOE_CAPTURE),
+    "extra_key": (None, NO_CACHE_NAMESPACES),
+    "cache_salt": (None, NO_CACHE_NAMESPACES),
+    "routed_dp_rank": (0, ONE_DP_RANK),
+    "data_parallel_rank": (0, ONE_DP_RANK),
+}
+
 
 def _is_empty(value: Any) -> bool:
     if value is None or value is False or value == "":

@@ -25,16 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenloom.entrypoints.request_fields import (
-    NO_CACHE_NAMESPACES,
+    COMMON_UNSUPPORTED,
     NO_EMBEDS,
-    NO_HIDDEN_STATES,
-    NO_LOGIT_PROCESSORS,
     NO_LORA,
-    NO_MOE_CAPTURE,
     NO_MULTIMODAL,
     NO_REASONING,
-    NO_SESSIONS,
-    ONE_DP_RANK,
     LenientRequest,
 )
 from tokenloom.entrypoints.serving_utils import (
@@ -89,12 +84,8 @@ class GenerateReqInput(LenientRequest):
         "positional_embed_overrides": (None, NO_EMBEDS),
         **{name: (None, NO_MULTIMODAL) for name in _MULTIMODAL},
         "use_audio_in_video": (False, NO_MULTIMODAL),
-        "lora_path": (None, NO_LORA),
+        **COMMON_UNSUPPORTED,
         "lora_id": (None, NO_LORA),
-        "session_params": (None, NO_SESSIONS),
-        "custom_logit_processor": (None, NO_LOGIT_PROCESSORS),
-        "return_hidden_states": (False, NO_HIDDEN_STATES),
-        "return_routed_experts": (False, NO_MOE_CAPTURE),
         "return_indexer_topk": (False, "it has no sparse-attention indexer"),
         "return_entropy": (False, "per-token entropy is not computed"),
         "return_sampling_mask": (False, "the sampling support of each token is not returned"),
@@ -103,10 +94,6 @@ class GenerateReqInput(LenientRequest):
         "multi_item_delimiter_indices": (None, "it has no multi-item scoring"),
         "require_reasoning": (False, NO_REASONING),
         "max_thinking_tokens": (None, NO_REASONING),
-        "extra_key": (None, NO_CACHE_NAMESPACES),
-        "cache_salt": (None, NO_CACHE_NAMESPACES),
-        "routed_dp_rank": (0, ONE_DP_RANK),
-        "data_parallel_rank": (0, ONE_DP_RANK),
     }
 
 

@@ -16,16 +16,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from tokenloom.entrypoints.request_fields import (
-    NO_CACHE_NAMESPACES,
+    COMMON_UNSUPPORTED,
     NO_CONSTRAINED,
     NO_EMBEDS,
-    NO_HIDDEN_STATES,
     NO_LOGIT_PROCESSORS,
-    NO_LORA,
-    NO_MOE_CAPTURE,
     NO_MULTIMODAL,
-    NO_SESSIONS,
-    ONE_DP_RANK,
     LenientRequest,
 )
 
@@ -81,20 +76,12 @@ class SamplingExtras(LenientRequest):
         "ngram_corpus_id", "custom_labels", "routed_experts_start_len", "guided_decoding_backend",
         "guided_whitespace_pattern", "prompt_cache_key", "safety_identifier"})
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
-        "lora_path": (None, NO_LORA),
-        "session_params": (None, NO_SESSIONS),
-        "custom_logit_processor": (None, NO_LOGIT_PROCESSORS),
+        **COMMON_UNSUPPORTED,
         "logits_processors": (None, NO_LOGIT_PROCESSORS),
-        "return_hidden_states": (False, NO_HIDDEN_STATES),
-        "return_routed_experts": (False, NO_MOE_CAPTURE),
         "return_cached_tokens_details": (False, "cached-token details are not reported (usage only)"),
         "return_token_ids": (False, "token ids are not returned on the OpenAI routes (use /generate)"),
         "images_config": (None, NO_MULTIMODAL),
         "mm_processor_kwargs": (None, NO_MULTIMODAL),
-        "extra_key": (None, NO_CACHE_NAMESPACES),
-        "cache_salt": (None, NO_CACHE_NAMESPACES),
-        "routed_dp_rank": (0, ONE_DP_RANK),
-        "data_parallel_rank": (0, ONE_DP_RANK),
         "use_beam_search": (False, "it has no beam search"),
         "length_penalty": (1.0, "it has no beam search"),
         "allowed_token_ids": (None, "sampling cannot be restricted to a token list (use logit_bias)"),
