@@ -27,3 +27,17 @@ def tiny_server(tiny_runtime_model):
     assert code in (0, -signal.SIGTERM), f"exit status {code}:\n{server.logs()}"
     assert not server.children(), "child processes survived the server"
     assert "Traceback" not in server.logs(), server.logs()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    """The `openai` client on the tiny server (no retries: a failure shows as itself)."""
+    import openai
+
+    with openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

@@ -13,17 +13,6 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    with openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def generate(tiny_server, **body):
     status, out = http("POST", tiny_server.url + "/generate", body)
     assert status == 200, out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import openai
 import pytest
 import torch
 
@@ -15,17 +14,6 @@ from tests.e2e.server_process import http
 
 PROMPT = "The capital city of France is Paris, and the capital of Italy is"
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    with openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tests.engine_checks import wait_idle_pools_full
 from tokenloom import Engine
 from tokenloom.frontend.tokenizer_manager import EngineDeadError
 
@@ -28,15 +29,7 @@ def engine(tiny_runtime_model):
 
 
 def _assert_pools_full(eng: Engine) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        info = eng.get_server_info()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
-    assert info["kv_tokens_in_use"] == 0
-    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"]
+    info = wait_idle_pools_full(eng)
     assert info["free_request_slots"] >= 16
 
 

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests.engine_checks import wait_idle_pools_full
 from tests.model_factory import make_tiny_with_smollm2_tokenizer
 from tokenloom import Engine
 from tokenloom.frontend.tokenizer_manager import EngineDeadError
@@ -69,15 +70,7 @@ async def _abort_mid_flight(eng: Engine) -> list[list[int]]:
 
 
 def _assert_pools_full(eng: Engine, tp_size: int) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        info = eng.get_server_info()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
-    assert info["kv_tokens_in_use"] == 0
-    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"]
+    info = wait_idle_pools_full(eng)
     # Request rows: each rank checks free rows == its table size whenever it goes idle (and dies on a leak).
     assert all(p.is_alive() for p in eng.tokenizer_manager.processes.values())
     if tp_size > 1:
