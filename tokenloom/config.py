@@ -4,7 +4,7 @@ Every field is a flag with SGLang's spelling (`dtype` -> `--dtype`, `page_size` 
 argparse parser is generated from the dataclass so the two cannot drift apart. `ServerArgs.from_kwargs`
 is what `Engine(**kwargs)` uses: unknown keywords are an error, not silently ignored.
 
-Every flag either acts or is refused with the reason (`--pp-size` > 1, `--nnodes` > 1, `--kv-cache-dtype` other
+Every flag either acts or is refused with the reason (`--pp-size` > 1, `--kv-cache-dtype` other
 than auto). Whether the model's heads split over `--tp-size` is checked once the model's config is known
 (`check_parallel_fits`, called by the launcher before any rank starts).
 A few SGLang flags that launch scripts pass by habit and that change nothing here (`--trust-remote-code`,
@@ -85,11 +85,15 @@ class ServerArgs:
                          "layer (attention heads, MLP, vocabulary).", aliases=("--tensor-parallel-size",))
     pp_size: int = _flag(1, "Pipeline-parallel stages; only 1 for now (pipeline parallelism is not implemented "
                          "yet).", aliases=("--pipeline-parallel-size",))
-    nnodes: int = _flag(1, "Machines the tp x pp ranks are spread over; only 1 for now (multi-node launch is not "
-                        "implemented yet).")
-    node_rank: int = _flag(0, "This machine's index among --nnodes (0 runs the server).")
+    nnodes: int = _flag(1, "Machines the tp x pp ranks are spread over, each launched with the same flags and "
+                        "its own --node-rank; needs --dist-init-addr.")
+    node_rank: int = _flag(0, "This machine's index among --nnodes: 0 runs the HTTP server, tokenizer, detokenizer "
+                           "and the first ranks; the others run scheduler ranks only and exit when node 0 goes.")
     dist_init_addr: str | None = _flag(None, "host:port of the ranks' rendezvous (torch.distributed TCP store, "
-                                       "hosted by rank 0); default 127.0.0.1 and a free port.")
+                                       "hosted by rank 0 on node 0); default 127.0.0.1 and a free port (one node "
+                                       "only).")
+    dist_timeout: int | None = _flag(None, "Seconds a rank waits in a collective for its peers once serving (a "
+                                     "hung or unreachable rank fails the engine after this long); default 300.")
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
     disable_cuda_graph: bool = _flag(False, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
@@ -195,9 +199,11 @@ class ServerArgs:
         if world % self.nnodes:
             raise ConfigError(f"--tp-size x --pp-size ({world}) must be divisible by --nnodes ({self.nnodes}): "
                               "every node runs the same number of ranks")
-        if self.nnodes > 1:
-            raise ConfigError(f"--nnodes {self.nnodes}: multi-node launch is not implemented yet; only --nnodes 1 "
-                              "runs")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --dist-init-addr host:port: an address of node 0 that "
+                              "every node can reach, the same on every node")
+        if self.dist_timeout is not None and self.dist_timeout < 1:
+            raise ConfigError(f"--dist-timeout must be >= 1 second; got {self.dist_timeout}")
         if self.dist_init_addr is not None:
             from tokenloom.distributed.topology import parse_dist_init_addr
 

@@ -13,6 +13,13 @@ Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1
 their collectives, so `stop_all()` ends the rest. Start-up fails with the name of every rank that reported
 an error, exited, or did not report ready in time. Children exit on their own when this process goes
 (their parent watchdog, frontend/process_utils.py).
+
+Several nodes (`--nnodes`): each node's launcher starts only its own ranks (node 0 also the detokenizer; the
+other nodes have no IPC addresses: their ranks talk to node 0 only through torch.distributed). Once its ranks
+are up it joins the `WorldBoard` (distributed/world_board.py) on the rendezvous store: a launcher publishes
+the death of one of its ranks there, and `dead()` / `dead_besides()` also report the deaths other nodes
+published, so node 0 names a rank that died on node 1. `stop_all(clean=True)` on node 0 first announces the
+shutdown, so the other nodes exit quietly.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 from tokenloom.config import ServerArgs, check_parallel_fits
 from tokenloom.distributed import topology
+from tokenloom.distributed.world_board import BoardUnreachable, WorldBoard
 from tokenloom.frontend.detokenizer import run_detokenizer_process
 from tokenloom.ipc import IpcAddresses
 from tokenloom.models.loader import ModelSource
@@ -41,7 +49,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RuntimeLauncher:
-    def __init__(self, args: ServerArgs, source: ModelSource, addresses: IpcAddresses,
+    def __init__(self, args: ServerArgs, source: ModelSource, addresses: IpcAddresses | None,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         check_parallel_fits(args, source.config)
         self.args = args
@@ -56,6 +64,10 @@ class RuntimeLauncher:
         self.processes: dict[str, mp.Process] = {}  # key: "scheduler" (rank 0), "scheduler1", ..., "detokenizer"
         self.labels: dict[str, str] = {}
         self.scheduler_info: dict[str, Any] = {}  # the entry rank's ready message
+        self.rank_of: dict[str, int] = {}  # process key -> global rank (scheduler ranks only)
+        self.board: WorldBoard | None = None  # joined after start when the world spans several nodes
+        self._pipes: dict[str, Any] = {}  # kept open: a rank that fails later reports its error through it
+        self._reported: set[str] = set()  # local deaths already published on the board
 
     def rank_args(self) -> ServerArgs:
         """The args every local rank runs with: the thread count made explicit when ranks share this machine."""
@@ -73,6 +85,9 @@ class RuntimeLauncher:
         for rank in self.ranks:
             key = "scheduler" if rank == 0 else f"scheduler{rank}"
             label = rank_label(rank, self.args.tp_size, self.args.pp_size)
+            if self.args.nnodes > 1:
+                label += f" on node {self.args.node_rank}"
+            self.rank_of[key] = rank
             targets.append((key, "scheduler process" if self.world == 1 else label, run_scheduler_process,
                             (rank_args, self.addresses), (rank, self.dist_init_addr)))
         if self.args.node_rank == 0:
@@ -86,7 +101,10 @@ class RuntimeLauncher:
                 proc.start()
                 writer.close()
                 self.processes[key], self.labels[key], pipes[key] = proc, label, reader
+            self._pipes = pipes
             self._wait_ready(pipes)
+            if self.args.nnodes > 1:
+                self.board = WorldBoard(self.dist_init_addr, self.world)
         except BaseException:
             self.stop_all()
             raise
@@ -128,20 +146,59 @@ class RuntimeLauncher:
     def label(self, key: str) -> str:
         return self.labels.get(key, key)
 
-    def dead(self) -> str | None:
-        """Why the runtime cannot go on: the first child (in launch order) that has exited, or None."""
+    def _exit_reason(self, key: str) -> str:
+        """Why local child `key` is gone: its own error when it sent one through its pipe, else its exit code."""
+        proc, pipe = self.processes[key], self._pipes.get(key)
+        try:
+            while pipe is not None and pipe.poll(0):
+                info = pipe.recv()
+                if isinstance(info, dict) and info.get("status") == "error":
+                    return f"{self.labels[key]} failed (exit code {proc.exitcode}): {info.get('error')}"
+        except (EOFError, OSError):
+            pass
+        return f"{self.labels[key]} died (exit code {proc.exitcode})"
+
+    def local_deaths(self) -> list[str]:
+        """This node's children that have exited, in launch order; scheduler ranks' deaths are published on
+        the board (once each) for the other nodes."""
+        found = []
         for key, proc in self.processes.items():
-            if not proc.is_alive():
-                return f"{self.labels[key]} died (exit code {proc.exitcode})"
-        return None
+            if proc.is_alive():
+                continue
+            reason = self._exit_reason(key)
+            found.append(reason)
+            if self.board is not None and key in self.rank_of and key not in self._reported:
+                self._reported.add(key)
+                self.board.report_death(self.rank_of[key], reason)
+        return found
+
+    def remote_deaths(self) -> list[str]:
+        """Deaths the other nodes' launchers published (empty on one node, or once the board is gone)."""
+        if self.board is None:
+            return []
+        remote = [r for r in range(self.world) if r not in self.ranks]
+        try:
+            return self.board.deaths(remote)
+        except BoardUnreachable:
+            return []
+
+    def dead(self) -> str | None:
+        """Why the runtime cannot go on: the first local child (in launch order) that has exited, else the
+        first rank another node reported dead, or None."""
+        deaths = self.local_deaths() or self.remote_deaths()
+        return deaths[0] if deaths else None
 
     def dead_besides(self, process_name: str) -> list[str]:
-        """The children other than the one `process_name` names (a ProcessFailed's sender) that have exited."""
-        return [f"{self.labels[k]} died (exit code {p.exitcode})" for k, p in self.processes.items()
-                if not self.labels[k].startswith(process_name) and not p.is_alive()]
+        """The children other than the one `process_name` names (a ProcessFailed's sender) that have exited,
+        and the ranks other nodes reported dead."""
+        local = [reason for reason in self.local_deaths() if not reason.startswith(process_name)]
+        return local + self.remote_deaths()
 
-    def stop_all(self) -> None:
-        """Terminate every child that is still running (then kill it after a grace period); idempotent."""
+    def stop_all(self, clean: bool = False) -> None:
+        """Terminate every child that is still running (then kill it after a grace period); idempotent.
+        `clean` on node 0: a deliberate shutdown, announced on the board first so the other nodes exit 0."""
+        if clean and self.board is not None and self.args.node_rank == 0:
+            self.board.announce_shutdown(self.args.nnodes)
         for proc in self.processes.values():
             if proc.is_alive():
                 proc.terminate()

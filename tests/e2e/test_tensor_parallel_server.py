@@ -4,6 +4,7 @@ server exits 1 and no child survives."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -55,3 +56,38 @@ def test_tp2_server_matches_tp1_and_dies_cleanly_with_a_rank(tiny_server, tiny_r
         assert not server.children()
     finally:
         server.stop()
+
+
+def test_a_hung_rank_is_named_and_ends_the_server_within_a_bound(tiny_runtime_model):
+    """SIGSTOP on rank 1 (alive, never answering): rank 0's next collective times out after --dist-timeout,
+    its error names the rank whose heartbeat stopped, and the server answers the pending request and exits 1."""
+    timeout_s = 5
+    server = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--tp-size", "2",
+                           "--dist-timeout", str(timeout_s)).wait_healthy()
+    rank1 = server.server_info()["process_ids"]["scheduler1"]
+    try:
+        result: dict = {}
+
+        def pending() -> None:
+            result["reply"] = http("POST", server.url + "/generate",
+                                   {"text": "A", "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}})
+
+        thread = threading.Thread(target=pending)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while server.server_info()["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        os.kill(rank1, signal.SIGSTOP)
+        thread.join(timeout=60)
+        status, body = result["reply"]
+        assert status in (500, 503), body
+        assert "scheduler rank 1 (tp 1, pp 0) stopped responding" in body["error"]["message"], body
+        assert server.wait_exit(timeout=60) == 1
+        assert time.monotonic() - start < 4 * timeout_s + 10
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank1, signal.SIGCONT)
+        server.stop()
+    assert not server.children()

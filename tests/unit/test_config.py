@@ -188,8 +188,8 @@ def test_tensor_parallel_size_flags(flags):
 @pytest.mark.parametrize("flags, match", [
     (["--pp-size", "2"], r"--pp-size \(--pipeline-parallel-size\) 2: pipeline parallelism is not implemented yet"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not implemented yet"),
-    (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"],
-     "--nnodes 2: multi-node launch is not implemented yet"),
+    (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr host:port"),
+    (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
     (["--tp-size", "3", "--nnodes", "2"], r"--tp-size x --pp-size \(3\) must be divisible by --nnodes \(2\)"),
 ])
 def test_unimplemented_topologies_are_refused_with_the_reason(flags, match):
@@ -309,8 +309,9 @@ EFFECT_TESTS = {
     "attention_backend": "tests/integration/test_forward_consistency.py",
     "tp_size": "tests/integration/test_tensor_parallel.py",
     "pp_size": "tests/unit/test_config.py",
-    "nnodes": "tests/unit/test_config.py",
-    "node_rank": "tests/unit/test_config.py",
+    "nnodes": "tests/e2e/test_multi_node.py",
+    "node_rank": "tests/e2e/test_multi_node.py",
+    "dist_timeout": "tests/e2e/test_tensor_parallel_server.py",
     "dist_init_addr": "tests/e2e/test_tensor_parallel_server.py",
     "num_threads": "tests/integration/test_server_flags.py",
     "disable_cuda_graph": "tests/unit/test_config.py",

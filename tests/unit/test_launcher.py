@@ -38,6 +38,7 @@ def _launcher(targets: dict, timeout_s: float = 30.0) -> tuple[RuntimeLauncher, 
     launcher = RuntimeLauncher.__new__(RuntimeLauncher)  # the wait and supervision only, no real ranks
     launcher.startup_timeout_s = timeout_s
     launcher.processes, launcher.labels, launcher.scheduler_info = {}, {}, {}
+    launcher.board, launcher.rank_of, launcher._reported, launcher.ranks = None, {}, set(), range(len(targets))
     ctx = mp.get_context("fork")
     pipes = {}
     for rank, (key, target) in enumerate(targets.items()):
@@ -46,7 +47,9 @@ def _launcher(targets: dict, timeout_s: float = 30.0) -> tuple[RuntimeLauncher, 
         proc.start()
         writer.close()
         launcher.processes[key], pipes[key] = proc, reader
+        launcher.rank_of[key] = rank
         launcher.labels[key] = f"scheduler rank {rank} (tp {rank}, pp 0)"
+    launcher._pipes = pipes
     return launcher, pipes
 
 
@@ -89,6 +92,54 @@ def test_a_dead_rank_is_named_with_its_exit_code():
     finally:
         launcher.stop_all()
     assert not any(p.is_alive() for p in launcher.processes.values())
+
+
+def _fails_after_ready(pipe) -> None:
+    pipe.send({"status": "ready"})
+    time.sleep(0.3)
+    pipe.send({"status": "error", "error": "RuntimeError: lost its peer"})
+    raise SystemExit(1)
+
+
+class _Board:
+    """A world board in memory: what the launcher publishes and reads."""
+
+    def __init__(self, remote: dict[int, str]) -> None:
+        self.published: dict[int, str] = {}
+        self.remote = remote
+
+    def report_death(self, rank: int, text: str) -> None:
+        self.published.setdefault(rank, text)
+
+    def deaths(self, ranks) -> list[str]:
+        return [self.remote[r] for r in ranks if r in self.remote]
+
+
+def test_a_rank_that_fails_later_is_named_with_its_error_and_published_once():
+    launcher, pipes = _launcher({"scheduler": _ready, "scheduler1": _fails_after_ready})
+    launcher.board, launcher.world = _Board({}), 2
+    try:
+        launcher._wait_ready(pipes)
+        launcher.processes["scheduler1"].join(5)
+        reason = "scheduler rank 1 (tp 1, pp 0) failed (exit code 1): RuntimeError: lost its peer"
+        assert launcher.dead() == reason
+        assert launcher.board.published == {1: reason}
+        launcher.dead()
+        assert launcher.board.published == {1: reason}
+    finally:
+        launcher.stop_all()
+
+
+def test_deaths_published_by_other_nodes_are_reported():
+    launcher, pipes = _launcher({"scheduler": _ready})
+    launcher.world = 2  # rank 1 runs on another node
+    launcher.board = _Board({1: "scheduler rank 1 (tp 1, pp 0) on node 1 died (exit code -9)"})
+    try:
+        launcher._wait_ready(pipes)
+        assert launcher.dead() == "scheduler rank 1 (tp 1, pp 0) on node 1 died (exit code -9)"
+        assert launcher.dead_besides("scheduler rank 0 (tp 0, pp 0)") == [launcher.dead()]
+    finally:
+        launcher.stop_all()
 
 
 def _source(**sizes) -> ModelSource:

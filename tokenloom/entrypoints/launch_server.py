@@ -9,6 +9,9 @@ that host:port can be listened on (exit 1 at once if not), load the model (sched
 processes), bind, warm up, report healthy. SIGINT/SIGTERM stop the server and its processes (exit 0 after
 SIGINT; SIGTERM is re-raised, as uvicorn does). If a child process dies, or the warm-up fails, the server
 stops and exits 1 with the reason on stderr.
+
+Several machines: run the same command on each with `--nnodes N --node-rank K --dist-init-addr host:port`
+(an address of node 0). Node 0 serves HTTP; the others run scheduler ranks only (entrypoints/worker_node.py).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None, prog: str = "tokenloom serve") -> int:
 
     configure_logging(args.log_level, "server")
     warn_ignored_flags(args)
+    if args.node_rank > 0:  # a node other than 0 runs scheduler ranks only (entrypoints/worker_node.py)
+        from tokenloom.entrypoints.worker_node import run_worker_node
+
+        return run_worker_node(args)
     problem = check_listen_address(args.host, args.port)
     if problem is not None:  # fail before the model load, not after it
         print(f"error: {problem}", file=sys.stderr)

@@ -36,12 +36,14 @@ def child_process_setup(name: str, log_level: str) -> None:
 
 
 def report_failure(name: str, error: BaseException, ready: Any, sender: Any) -> None:
-    """Tell the engine why this process is about to exit: through the ready pipe before startup finished,
-    through the output socket after."""
+    """Tell the engine why this process is about to exit: through the ready pipe (its launcher reads it,
+    during startup or after), and through the output socket when it has one."""
     text = "".join(traceback.format_exception(error))
     logging.getLogger(name).error("%s failed:\n%s", name, text)
     with contextlib.suppress(BrokenPipeError, OSError):
         ready.send({"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": text})
+    if sender is None:  # a rank on a node other than 0: its launcher reports the exit
+        return
     try:
         sender.send(ProcessFailed(name, f"{type(error).__name__}: {error}"))
         time.sleep(0.2)  # let ZMQ flush before the process exits

@@ -137,7 +137,7 @@ class TokenizerManager:
             return
         self._stopping.set()
         if hasattr(self, "launcher"):
-            self.launcher.stop_all()
+            self.launcher.stop_all(clean=self.dead_error is None)
         self._fail_all("the engine was shut down")
         if hasattr(self, "_thread") and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)

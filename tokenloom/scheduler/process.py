@@ -13,6 +13,9 @@ At tp_size > 1 (launched by `tokenloom/launcher.py`, one process per rank):
   seed and position), so every rank draws the same tokens without a broadcast. Checked with temperature > 0
   in tests/integration/test_tensor_parallel.py.
 
+A hung peer: collectives wait at most --dist-timeout (default 300 s); a rank whose collective failed names
+the peers whose heartbeat stopped (distributed/heartbeat.py) in its error.
+
 Readiness is reported through a pipe as {"status": "ready", "max_total_num_tokens", "max_req_input_len",
 "context_len", "vocab_size"} (or {"status": "error", ...}); after that, a fatal error is reported to the
 engine as a `ProcessFailed` message (naming the rank) through the detokenizer before the process exits
@@ -26,6 +29,10 @@ from typing import Any
 from tokenloom.config import ServerArgs
 
 RENDEZVOUS_TIMEOUT_S = 120.0
+# How long a collective waits for its peers once the world is assembled (--dist-timeout): it bounds how long a
+# hung or unreachable rank can stall the others, and must cover the longest legitimate wait between ranks
+# (one rank still loading weights while the others wait in the start-up MIN-reduce).
+DEFAULT_DIST_TIMEOUT_S = 300.0
 
 
 def rank_label(rank: int, tp_size: int, pp_size: int) -> str:
@@ -42,6 +49,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     from tokenloom.device import resolve_device
     from tokenloom.distributed.comm import all_equal, min_reduce_ints
     from tokenloom.distributed.groups import init_distributed
+    from tokenloom.distributed.heartbeat import Heartbeat, name_silent_peers
     from tokenloom.executor.model_runner import LoadedModel, ModelRunner
     from tokenloom.executor.worker import ModelWorker
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
@@ -54,10 +62,16 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     name = rank_label(rank, args.tp_size, args.pp_size)
     child_process_setup("scheduler" if args.tp_size * args.pp_size == 1 else f"scheduler-r{rank}", args.log_level)
     ctx = zmq.Context()
-    sender = Sender(ctx, addresses.detokenizer)
+    # ranks on nodes other than 0 have no IPC addresses: their failures reach node 0 through their launcher
+    sender = Sender(ctx, addresses.detokenizer) if addresses is not None else None
+    world = args.tp_size * args.pp_size
+    heartbeat = None
     try:
         parallel = init_distributed(args.tp_size, args.pp_size, rank, dist_init_addr, resolve_device(args.device),
-                                    init_timeout_s=RENDEZVOUS_TIMEOUT_S)
+                                    init_timeout_s=RENDEZVOUS_TIMEOUT_S,
+                                    op_timeout_s=args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
+        if world > 1:  # lets a rank whose collective failed name a hung peer (distributed/heartbeat.py)
+            heartbeat = Heartbeat(dist_init_addr, rank).start()
         loaded = LoadedModel.load(args, parallel)
         # sized beside the loaded weights, at the world's smallest capacity; the one owner of the KV memory
         memory = loaded.kv_memory(args, parallel, agree=lambda values: min_reduce_ints(values, parallel))
@@ -74,5 +88,6 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
                     "vocab_size": runner.vocab_size})
         make_event_loop(args, scheduler, inbox, forward_on_caller=True, parallel=parallel).run_forever()
     except Exception as e:
-        report_failure(name, e, ready, sender)
+        error = name_silent_peers(heartbeat, range(world), lambda r: rank_label(r, args.tp_size, args.pp_size), e)
+        report_failure(name, error, ready, sender)
         raise SystemExit(1) from None
