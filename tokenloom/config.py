@@ -94,6 +94,9 @@ class ServerArgs:
                                        "only).")
     dist_timeout: int | None = _flag(None, "Seconds a rank waits in a collective for its peers once serving (a "
                                      "hung or unreachable rank fails the engine after this long); default 300.")
+    disable_custom_all_reduce: bool = _flag(False, "Keep the tensor-parallel all-reduces on torch.distributed "
+                                            "(gloo) instead of the shared-memory all-reduce the ranks of one "
+                                            "host use by default.")
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
     disable_cuda_graph: bool = _flag(False, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")

@@ -23,6 +23,7 @@ from tests.engine_checks import wait_idle_pools_full
 from tests.model_factory import make_tiny_with_smollm2_tokenizer
 from tokenloom import Engine
 from tokenloom.frontend.tokenizer_manager import EngineDeadError
+from tokenloom.layers import cpu_gemm
 
 PREFIX = "A shared preamble about the weather in the mountains, repeated for the cache: "
 PROMPTS = [PREFIX + s for s in ("sunny", "rainy days", "snow and wind")] + ["1, 2, 3, 4, 5,", "Once upon a time"]
@@ -96,11 +97,12 @@ def _assert_same(tp2: dict, tp1: dict) -> None:
 
 
 def test_replicated_kv_heads_small_pool_chunked_overlap_on(tiny_kv1):
-    """kv_heads 1 < tp; chunks of 16 tokens, 2 request slots, a pool small enough to force retraction."""
+    """kv_heads 1 < tp; chunks of 16 tokens, 2 request slots, a pool small enough to force retraction; the
+    collectives on gloo (--disable-custom-all-reduce; the other tests use the shared-memory all-reduce)."""
     flags = dict(max_total_tokens=96, max_running_requests=2, chunked_prefill_size=16, overlap_schedule="on",
                  schedule_conservativeness=0.3, max_new_tokens=40)
     tp1 = _run(tiny_kv1, 1, False, **flags)
-    tp2 = _run(tiny_kv1, 2, False, **flags)
+    tp2 = _run(tiny_kv1, 2, False, disable_custom_all_reduce=True, **flags)  # every collective on gloo
     _assert_same(tp2, tp1)
     assert tp1["retracted"] > 0  # the small pool did force retraction (the same ones at tp 2: equal counts)
 
@@ -143,3 +145,33 @@ def test_adaptive_overlap_then_killed_rank(tiny_runtime_model, split_kv_referenc
         assert not any(p.is_alive() for p in procs.values())
     finally:
         eng.shutdown()
+
+
+def _bf16_run(model: str, tp_size: int, **flags) -> dict:
+    """The default dtype (bf16): one request at a time (1-row decode steps), greedy with logprobs."""
+    out: dict = {"tokens": [], "logprobs": []}
+    with Engine(model, tp_size=tp_size, log_level="warning", max_total_tokens=4096, **flags) as eng:
+        out["native_max_batch"] = eng.tokenizer_manager.scheduler_info["native_decode_max_batch"]
+        for prompt in PROMPTS[:3]:
+            o = eng.generate(prompt, GREEDY, return_logprob=True)
+            out["tokens"].append(o["output_ids"])
+            out["logprobs"].append([lp[0] for lp in o["meta_info"]["output_token_logprobs"]])
+        _assert_pools_full(eng, tp_size)
+    return out
+
+
+@pytest.mark.skipif(cpu_gemm._small_gemm() is None, reason="the native decode step needs AVX512-BF16 and a C compiler")
+def test_native_decode_step_at_tp2_equals_the_modular_path(tiny_runtime_model):
+    """bf16 at TP=2: the native one-call step (its C loop all-reducing o_proj's and down_proj's outputs through
+    the shared-memory communicator) gives bit-identical logprobs to the modular path at one row, and both
+    stay within bf16 rounding of TP=1."""
+    native = _bf16_run(tiny_runtime_model, 2)
+    modular = _bf16_run(tiny_runtime_model, 2, disable_native_decode=True)
+    assert native["native_max_batch"] >= 1 and modular["native_max_batch"] == 0
+    assert native["tokens"] == modular["tokens"]
+    assert native["logprobs"] == modular["logprobs"]
+    tp1 = _bf16_run(tiny_runtime_model, 1)
+    assert tp1["native_max_batch"] >= 1
+    for a, b in zip(native["logprobs"], tp1["logprobs"], strict=True):
+        n = min(len(a), len(b))
+        assert a[:n] == pytest.approx(b[:n], abs=0.05)

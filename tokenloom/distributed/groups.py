@@ -8,15 +8,20 @@
 2. `init_process_group` on that store with the compute backend (`device.distributed_backend`: gloo on the CPU,
    NCCL on CUDA).
 3. Groups, created on every rank in the same order (torch requires it, members or not): each stage's compute TP
-   group, each stage's gloo CPU control group, then one gloo group of the whole world. Which thread uses
+   group, each stage's gloo CPU control group, then one gloo group of the whole world.
+4. On the CPU, a TP group whose ranks all arrived from this host gets a shared-memory communicator
+   (`distributed/shm_comm.py`), which the layers' all-reduces and all-gathers then use. Which thread uses
    which group, and why they are separate: `parallel_state.py`.
 At world size 1 nothing is initialised: the context is `SINGLE_PROCESS`-equivalent and torch.distributed is
-never touched. `destroy_distributed` undoes steps 2 and 3 (the store goes with the default group).
+never touched. `destroy_distributed` undoes steps 2 and 3 (the store goes with the default group; the
+communicator with its context).
 Across hosts gloo picks its interface from the host name; set GLOO_SOCKET_IFNAME where that resolves wrongly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import socket
 import time
@@ -28,6 +33,8 @@ import torch.distributed as dist
 from tokenloom import device as device_util
 from tokenloom.distributed import topology
 from tokenloom.distributed.parallel_state import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 _ARRIVED = "tokenloom/arrived/"
 _READ = "tokenloom/read/"
@@ -43,12 +50,14 @@ class DistributedInitError(RuntimeError):
 
 def init_distributed(tp_size: int, pp_size: int, rank: int, dist_init_addr: str | None,
                      device: torch.device | str, *, init_timeout_s: float = 120.0,
-                     op_timeout_s: float | None = None) -> ParallelContext:
+                     op_timeout_s: float | None = None, shared_memory: bool = True) -> ParallelContext:
     """Join the world as global `rank` and return this rank's `ParallelContext`.
 
     `init_timeout_s` bounds the rendezvous (every rank must arrive within it). `op_timeout_s` is the groups'
     collective timeout (None: torch's default); it must cover the slowest legitimate wait between ranks, such as
-    one rank still loading weights while the others wait in the start-up MIN-reduce.
+    one rank still loading weights while the others wait in the start-up MIN-reduce. `shared_memory`: give
+    a TP group whose ranks share this host a shared-memory communicator (`ParallelContext.tp_comm`); False
+    (--disable-custom-all-reduce) keeps every collective on torch.distributed.
     """
     tp_rank, pp_rank = topology.rank_coords(rank, tp_size, pp_size)
     world = tp_size * pp_size
@@ -64,7 +73,7 @@ def init_distributed(tp_size: int, pp_size: int, rank: int, dist_init_addr: str 
     device_util.set_process_device(device)
     sizes = f"tp_size={tp_size} pp_size={pp_size} backend={backend}"
 
-    store = _rendezvous(host, port, rank, world, sizes, init_timeout_s)
+    store, arrivals = _rendezvous(host, port, rank, world, sizes, init_timeout_s)
     timeout = {} if op_timeout_s is None else {"timeout": timedelta(seconds=op_timeout_s)}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, **timeout)
     try:
@@ -76,10 +85,26 @@ def init_distributed(tp_size: int, pp_size: int, rank: int, dist_init_addr: str 
                     if rank in ranks:
                         mine[name] = group
         mine["world_cpu_group"] = dist.new_group(list(range(world)), backend="gloo", **timeout)
+        ctx = ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, **mine)
+        if tp_size > 1 and shared_memory and device.type == "cpu" \
+                and _one_host(arrivals, topology.tp_group_ranks(pp_rank, tp_size)):
+            from tokenloom.distributed.shm_comm import DEFAULT_TIMEOUT_S, ShmCommunicator
+
+            comm = ShmCommunicator.create(ctx, timeout_s=op_timeout_s or DEFAULT_TIMEOUT_S)
+            if comm is not None:
+                ctx = dataclasses.replace(ctx, tp_comm=comm)
+                logger.info("tensor-parallel collectives: shared memory (%d ranks on this host)", tp_size)
     except BaseException:
         dist.destroy_process_group()
         raise
-    return ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, **mine)
+    return ctx
+
+
+def _one_host(arrivals: list[str], ranks: list[int]) -> bool:
+    """Whether every rank of `ranks` arrived from the same host (the `host=` field of its arrival text).
+    Every rank reads the same arrivals, so every rank of a group decides alike."""
+    hosts = {next((f for f in arrivals[r].split() if f.startswith("host=")), "") for r in ranks}
+    return len(hosts) == 1
 
 
 def destroy_distributed() -> None:
@@ -88,7 +113,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _rendezvous(host: str, port: int, rank: int, world: int, sizes: str, timeout_s: float) -> dist.TCPStore:
+def _rendezvous(host: str, port: int, rank: int, world: int, sizes: str,
+                timeout_s: float) -> tuple[dist.TCPStore, list[str]]:
     deadline = time.monotonic() + timeout_s
     where = f"--dist-init-addr {host}:{port}"
     store_timeout = timedelta(seconds=timeout_s)
@@ -113,7 +139,7 @@ def _rendezvous(host: str, port: int, rank: int, world: int, sizes: str, timeout
     if disagree:
         raise DistributedInitError(f"rank {rank} ({sizes}): ranks were launched with different sizes: "
                                    + "; ".join(disagree))
-    return store
+    return store, arrivals
 
 
 def _arrive(store: dist.TCPStore, rank: int, world: int, arrival: str, deadline: float, what: str) -> list[str]:

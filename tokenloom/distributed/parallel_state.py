@@ -11,6 +11,9 @@ Groups (built by `distributed/init.py`, created on every rank in the same order)
   run on the scheduling thread. A collective group is a single ordered stream per rank: if both threads used
   one group, the all-reduces and broadcasts would interleave in a different order on different ranks and pair
   the wrong operations (a hang, or garbage). Two groups keep each thread's order self-consistent.
+- `tp_comm` (not a group): on one host, the TP group's shared-memory all-reduce / all-gather, used for CPU
+  tensors in place of `tp_group` (10-50x faster than gloo over loopback for decode-sized tensors; see
+  docs/benchmarks.md); created collectively at start, so every rank of the group has one or none.
 - `world_cpu_group` (gloo, every rank of every stage): start-up agreement across stages (MIN-reduced KV
   capacity), consistency checks, and later PP's pickled point-to-point messages.
 Invariant: all ranks of a group call the same collectives on it in the same order, each group from one thread.
@@ -36,6 +39,9 @@ class ParallelContext:
     pp_size: int = 1
     tp_cpu_group: Any = None  # gloo ProcessGroup of the same ranks as tp_group (tp_size > 1)
     world_cpu_group: Any = None  # gloo ProcessGroup of all ranks (world_size > 1)
+    # the TP group's shared-memory communicator (distributed/shm_comm.py) when all its ranks share this host
+    # and the CPU runs the model; the compute collectives of CPU tensors go through it instead of tp_group
+    tp_comm: Any = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -103,6 +109,8 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the TP group in place (row-parallel outputs, vocab-parallel embeddings)."""
         if self.tp_size > 1:
+            if self.tp_comm is not None and self.tp_comm.handles(x):
+                return self.tp_comm.all_reduce_(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -110,6 +118,8 @@ class ParallelContext:
         """Concatenate each rank's shard along the last dimension (vocab-parallel logits)."""
         if self.tp_size == 1:
             return x
+        if self.tp_comm is not None and self.tp_comm.handles(x):
+            return self.tp_comm.all_gather_last_dim(x)
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)

@@ -89,7 +89,7 @@ class ModelRunner:
                                                      cascade=not args.disable_cascade_attention)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         self.native_decode = None if args.disable_native_decode else NativeDecode.build(
-            self.model, self.memory.kv_pool, self.attn_backend, self.dtype, self.device, parallel.tp_size)
+            self.model, self.memory.kv_pool, self.attn_backend, self.dtype, self.device, parallel)
 
     def _check_memory_fits(self) -> None:
         """A KV memory built elsewhere must be shaped for this model's layers, shard, dtype and device."""

@@ -11,6 +11,14 @@ the two are bit-identical there; past that the modular path uses oneDNN. Without
 1-4 requests and streams the weights through csrc/small_gemm.c, bit-identical to the modular path at one row
 and equal up to float32 summation order at 2-4 (tests/integration/test_native_decode.py compares them).
 `--disable-native-decode` turns it off.
+
+Tensor parallelism: each rank runs the step over its own shard (its heads, KV heads and MLP features; the
+layer widths passed are the shard's), and the C loop all-reduces the outputs of o_proj and down_proj through
+the TP group's shared-memory communicator (`ParallelContext.tp_comm`, distributed/shm_comm.py) — the same
+all-reduce the modular path's RowParallelLinear calls, so the two paths stay comparable. The embedding's
+all-reduce and the LM head's all-gather stay in Python around the call. Without a shared-memory communicator
+(ranks on several hosts, --disable-custom-all-reduce) the step is not used at TP > 1: a gloo all-reduce per
+half-layer costs more than the step saves.
 """
 
 from __future__ import annotations
@@ -20,12 +28,15 @@ import logging
 
 import torch
 
+from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
 from tokenloom.kernels.cpu_build import load_library
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
 
 logger = logging.getLogger(__name__)
+
+DECODE_COMM_FAILED = -3  # decode_forward_bf16's return when a TP all-reduce timed out (csrc/decode_native.c)
 
 # Requests per step up to which the native step is used. Without AMX its matmuls are the streaming kernel:
 # bench/forward.py on SmolLM2 at context 256 (native vs modular, same run): 20.1 vs 26.9 ms at batch 1, 28.4
@@ -44,9 +55,12 @@ def _amx_copy(layer: torch.nn.Module) -> torch.Tensor | None:
 
 
 class NativeDecode:
-    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_pool) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_pool,
+                 parallel: ParallelContext = SINGLE_PROCESS) -> None:
         self._lib = lib
         self._model = model
+        self._parallel = parallel
+        self._comm = parallel.tp_comm if parallel.tp_size > 1 else None
         cfg = model.cfg
         fields = lib.decode_layer_fields()
         rows = []
@@ -76,15 +90,17 @@ class NativeDecode:
         head_packed = model.lm_head.packed  # the LM head's float32-output copy: AMX, else feature pairs
         self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None else head_packed.pair
         self._vocab = model.lm_head.vocab_size
-        self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, mlp.down_proj.in_local)
         self._eps = cfg.rms_norm_eps
         self.max_batch = AMX_MAX_BATCH if self.uses_amx else MAX_BATCH
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_pool, attn_backend, dtype: torch.dtype, device: torch.device,
-              tp_size: int) -> NativeDecode | None:
-        """A native decode step for this model, or None (with the reason logged) where it does not apply."""
-        reason = cls._unsupported(model, attn_backend, dtype, device, tp_size)
+              parallel: ParallelContext = SINGLE_PROCESS) -> NativeDecode | None:
+        """A native decode step for this model, or None (with the reason logged) where it does not apply.
+        At tp_size > 1 every rank of the group reaches the same answer (the checks read only shapes, the
+        machine and whether the group has a shared-memory communicator, all alike on every rank)."""
+        reason = cls._unsupported(model, attn_backend, dtype, device, parallel)
         lib = None if reason else load_library("kernels")
         if reason is None and lib is None:
             reason = "the native kernels are not built on this machine"
@@ -95,19 +111,23 @@ class NativeDecode:
         if reason is not None:
             logger.info("native decode step not used: %s", reason)
             return None
-        native = cls(lib, model, kv_pool)
+        native = cls(lib, model, kv_pool, parallel)
         logger.info("native decode step used for decode batches of up to %d request(s)%s", native.max_batch,
                     " (AMX matmuls)" if native.uses_amx else "")
         return native
 
     @staticmethod
-    def _unsupported(model, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int) -> str | None:
+    def _unsupported(model, attn_backend, dtype: torch.dtype, device: torch.device,
+                     parallel: ParallelContext) -> str | None:
         from tokenloom.models.llama import LlamaForCausalLM
 
         if device.type != "cpu" or dtype != torch.bfloat16:
             return "needs the CPU and bfloat16"
-        if tp_size != 1 or not (getattr(model, "is_first", False) and getattr(model, "is_last", False)):
-            return "needs one process holding every layer (no tensor or pipeline parallelism)"
+        if not (getattr(model, "is_first", False) and getattr(model, "is_last", False)):
+            return "needs every layer in this process (no pipeline parallelism)"
+        if parallel.tp_size > 1 and parallel.tp_comm is None:
+            return ("at tp_size > 1 it needs the shared-memory all-reduce (TP ranks on one host, without "
+                    "--disable-custom-all-reduce)")
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not a Llama-family model"
         if not isinstance(attn_backend, CpuPagedBackend):
@@ -116,8 +136,8 @@ class NativeDecode:
             return "the rotary tables are not float32"
         if model.lm_head.packed is None:
             return "the LM head has no float32-output kernel here (AMX or AVX512-BF16)"
-        cfg = model.cfg
-        widths = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size)
+        cfg, attn = model.cfg, model.layers[0].self_attn
+        widths = (cfg.hidden_size, attn.num_heads * cfg.head_dim, model.layers[0].mlp.down_proj.in_local)
         if any(w % 32 for w in widths):
             return f"layer widths {widths} are not multiples of 32"
         return None
@@ -153,7 +173,9 @@ class NativeDecode:
             ctypes.c_int(m), ptr(embedded.data_ptr()), ptr(positions.data_ptr()), ptr(kv_indptr.data_ptr()),
             ptr(kv_indices.data_ptr()), ptr(out_loc.data_ptr()), ptr(logits.data_ptr()),
             ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()),
-            *paged_attention.plan_arguments(md.shared))
+            *paged_attention.plan_arguments(md.shared), ptr(None if self._comm is None else self._comm.handle))
+        if rc == DECODE_COMM_FAILED:
+            self._comm.raise_timeout("tensor-parallel all-reduce in the native decode step")
         if rc != 0:
             raise RuntimeError("native decode step failed (unsupported shape or out of memory)")
-        return logits[:, : self._vocab]
+        return self._parallel.all_gather_last_dim(logits)[:, : self._vocab]

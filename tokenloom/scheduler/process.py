@@ -17,9 +17,10 @@ A hung peer: collectives wait at most --dist-timeout (default 300 s); a rank who
 the peers whose heartbeat stopped (distributed/heartbeat.py) in its error.
 
 Readiness is reported through a pipe as {"status": "ready", "max_total_num_tokens", "max_req_input_len",
-"context_len", "vocab_size"} (or {"status": "error", ...}); after that, a fatal error is reported to the
-engine as a `ProcessFailed` message (naming the rank) through the detokenizer before the process exits
-non-zero. Every rank has that failure channel; only the entry rank sends outputs on it.
+"context_len", "vocab_size", "native_decode_max_batch"} (or {"status": "error", ...}); after that, a fatal
+error is reported to the engine as a `ProcessFailed` message (naming the rank) through the detokenizer before
+the process exits non-zero. Every rank on node 0 has that failure channel; only the entry rank sends outputs
+on it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     try:
         parallel = init_distributed(args.tp_size, args.pp_size, rank, dist_init_addr, resolve_device(args.device),
                                     init_timeout_s=RENDEZVOUS_TIMEOUT_S,
-                                    op_timeout_s=args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
+                                    op_timeout_s=args.dist_timeout or DEFAULT_DIST_TIMEOUT_S,
+                                    shared_memory=not args.disable_custom_all_reduce)
         if world > 1:  # lets a rank whose collective failed name a hung peer (distributed/heartbeat.py)
             heartbeat = Heartbeat(dist_init_addr, rank).start()
         loaded = LoadedModel.load(args, parallel)
@@ -85,7 +87,8 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
             scheduler.ranks_agree = lambda value: all_equal(value, parallel)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
-                    "vocab_size": runner.vocab_size})
+                    "vocab_size": runner.vocab_size,
+                    "native_decode_max_batch": 0 if runner.native_decode is None else runner.native_decode.max_batch})
         make_event_loop(args, scheduler, inbox, forward_on_caller=True, parallel=parallel).run_forever()
     except Exception as e:
         error = name_silent_peers(heartbeat, range(world), lambda r: rank_label(r, args.tp_size, args.pp_size), e)

@@ -44,11 +44,18 @@ static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_
     return -1;
 }
 
+/* Returned when a tensor-parallel all-reduce failed (a peer did not arrive in time: shm_comm_missing_rank). */
+#define DECODE_COMM_FAILED (-3)
+
 /* embedded [m, hidden] (the step's token embeddings) -> logits [m, vocab_rows] (float32, before any slicing).
+ * Tensor parallelism: with `tp_comm` (the TP group's shared-memory communicator, NULL in one process) the
+ * weights, heads and `inter` are this rank's shard, and the outputs of o_proj and down_proj (partial sums)
+ * are all-reduced in place, as RowParallelLinear does in the modular path; the logits are this rank's vocab
+ * shard (the caller gathers them). Every rank must call with the same m, so the all-reduces pair up.
  * The residual stream is float32 (as in the modular path). `trace`, when not NULL, receives every layer's
  * output (bf16 [m, hidden]) then residual stream (float32 [m, hidden]), per layer (for tests). share_len ..
- * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, or -1
- * when a shape is unsupported or memory runs out (nothing meaningful is written then). */
+ * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, -1
+ * when a shape is unsupported or memory runs out, or DECODE_COMM_FAILED (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
                                    const uint16_t *lm_head_amx, const uint16_t *lm_head_pair, int64_t vocab_rows,
                                    const float *cos_table, const float *sin_table, int hidden, int heads,
@@ -57,7 +64,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
                                    const int64_t *out_loc, float *logits, uint16_t *trace, int threads,
                                    const int64_t *share_len, const int *group_ptr, const int *members,
-                                   int groups) {
+                                   int groups, tl_shm_comm *tp_comm) {
     const int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * head_dim, attn_width = (int64_t)heads * head_dim;
     const float scale = 1.f / sqrtf((float)head_dim);
     /* scratch buffers start on 64-byte boundaries like torch's tensors: vectorized float reductions peel
@@ -75,9 +82,9 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     uint16_t *x = scratch, *normed = x + sizes[0] + sizes[1], *qkv = normed + sizes[2];
     float *residual = (float *)(x + sizes[0]);
     uint16_t *attn = qkv + sizes[3], *gate_up = attn + sizes[4], *act = gate_up + sizes[5];
-    int rc = 0;
+    int rc = 0, comm_failed = 0;
     memcpy(x, embedded, sizeof(uint16_t) * (size_t)m * hidden);
-    for (int l = 0; l < layers && rc == 0; ++l) {
+    for (int l = 0; l < layers && rc == 0 && !comm_failed; ++l) {
         if (l == 0) { /* first layer: the residual stream starts as the embeddings, normalized without an add */
             for (int64_t i = 0; i < (int64_t)m * hidden; ++i) residual[i] = bf16_to_f32(x[i]);
             rms_norm_bf16(x, hidden, NULL, 0, P(l, F_LN_IN), normed, NULL, m, hidden, eps, threads);
@@ -93,21 +100,26 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                           qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
                                           qkv_width, out_loc, share_len, group_ptr, members, groups);
         rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), NULL, x, m, hidden, attn_width, threads);
+        if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
+            comm_failed = 1;
         rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
         rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), NULL, gate_up, m, 2 * (int64_t)inter,
                           hidden, threads);
         silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
         rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), NULL, x, m, hidden, inter, threads);
+        if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
+            comm_failed = 1;
         if (trace != NULL) { /* layer l's output and residual stream (float32), [layers][m][3][hidden] bf16 slots */
             uint16_t *at = trace + (int64_t)l * 3 * m * hidden;
             memcpy(at, x, sizeof(uint16_t) * (size_t)m * hidden);
             memcpy(at + (int64_t)m * hidden, residual, sizeof(float) * (size_t)m * hidden);
         }
     }
-    if (rc == 0) {
+    if (rc == 0 && !comm_failed) {
         rms_norm_bf16_res32(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
         rc |= step_linear_f32(normed, lm_head_amx, lm_head_pair, logits, m, vocab_rows, hidden, threads);
     }
     free(scratch);
+    if (comm_failed) return DECODE_COMM_FAILED;
     return rc == 0 ? 0 : -1;
 }

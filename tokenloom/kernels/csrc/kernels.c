@@ -8,5 +8,6 @@
 #include "small_gemm.c"
 #include "pair_gemm.c"
 #include "amx_gemm.c"
+#include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"
