@@ -318,6 +318,7 @@ EFFECT_TESTS = {
     "cuda_graph_max_bs": "tests/unit/test_config.py",
     "enable_torch_compile": "tests/unit/test_config.py",
     "disable_native_decode": "tests/integration/test_native_decode.py",
+    "disable_custom_all_reduce": "tests/integration/test_tensor_parallel.py",
     "disable_cascade_attention": "tests/integration/test_cascade_decode.py",
     "chunked_prefill_size": "tests/integration/test_scheduler_equivalence.py",
     "max_prefill_tokens": "tests/integration/test_scheduler_equivalence.py",
