@@ -11,13 +11,16 @@ runs at a time: per round, TP=1 runs `--steps` steps, then TP=2 (both ranks, in 
 alternates. Each turn starts after a pause (the idle side's libgomp threads stop spin-waiting) and one untimed
 step. Per point: each configuration's median step, and the median over rounds of the within-round ratio TP2/TP1.
 
-The native one-call decode step refuses tp_size > 1, so where it applies at TP=1 (small decode batches) the
-served TP=1 step is native while TP=2 runs the modular path; there the TP=1 process also times its modular path
-(`tp1_modular`, a second runner on the same weights and KV memory with `--disable-native-decode`), so the cost of
-the parallelism itself is read from modular vs modular.
+The native one-call decode step runs at TP=2 too (its C loop all-reduces through the shared-memory communicator)
+where it applies (small decode batches); there the TP=1 process also times its modular path (`tp1_modular`, a
+second runner on the same weights and KV memory with `--disable-native-decode`) for reference. The ratio is served
+vs served; modular vs modular only if TP=2 could not run the native step (`tp2_native` false).
 
 Communication: the TP=2 ranks run a `ParallelContext` subclass that times `all_reduce` / `all_gather_last_dim`
-and records every tensor through them (the library is not changed for this). Per step: the time inside the
+and records every tensor through them (the library is not changed for this). On one host these go through the
+shared-memory communicator (`ParallelContext.tp_comm`); `--gloo` runs TP=2 with every collective on gloo instead
+(--disable-custom-all-reduce). At a native point the C loop's all-reduces are not seen by the subclass: only the
+logits all-gather is recorded there. Per step: the time inside the
 collectives on rank 0 (this includes waiting for the slower rank), the payload bytes (the sum of the tensors'
 bytes each rank contributes), and in the same turn a bare gloo replay of the same list of collectives back to back
 -> "collective time in the step / bare collectives of the same bytes". Since a rank's time in a collective
@@ -111,7 +114,7 @@ def projection(tp1_s: float, tp2_s: float, comm_s: float, cores_per_rank: tuple[
     Model: a step is compute + communication. `eff` = TP=2's compute (its step less its collectives) / TP=1's step,
     measured at the same cores per weight (one core per half vs two cores for the whole): 1.0 is perfect sharding.
     Assumed: compute scales as 1/cores (optimistic for memory-bound decode, so these are best cases) and the
-    collectives cost what they cost here (the same bytes over loopback gloo).
+    collectives cost what they cost here (the same bytes over the same transport: shared memory, or gloo with --gloo).
     - `same_total` (TP=2 on 2P cores vs TP=1 on the same 2P cores): eff + comm / T1(2P); P = 1 is the measured ratio.
     - `gain_per_rank_cores` (TP=2 on 2P cores vs TP=1 on P, i.e. a second rank's cores added): T1(P) / T2(2P)."""
     eff = (tp2_s - comm_s) / tp1_s
@@ -268,7 +271,7 @@ class _Driver:
 
 
 def _worker(role: str, folder: str, max_tokens: int, max_requests: int, port: int,
-            commands: mp.Queue, replies: mp.Queue) -> None:
+            commands: mp.Queue, replies: mp.Queue, shared_memory: bool = True) -> None:
     """`role`: "tp1", "tp2-0" or "tp2-1". Answers each command on `replies` as (role, payload)."""
     try:
         ctx: ParallelContext
@@ -279,7 +282,7 @@ def _worker(role: str, folder: str, max_tokens: int, max_requests: int, port: in
         else:
             from tokenloom.distributed.groups import init_distributed
 
-            base = init_distributed(2, 1, int(role[-1]), f"127.0.0.1:{port}", "cpu")
+            base = init_distributed(2, 1, int(role[-1]), f"127.0.0.1:{port}", "cpu", shared_memory=shared_memory)
             ctx = TimedParallelContext(**{f.name: getattr(base, f.name) for f in fields(ParallelContext)})
             threads = 1
         driver = _Driver(folder, threads, ctx, role == "tp1", max_tokens, max_requests)
@@ -331,7 +334,7 @@ def _worker(role: str, folder: str, max_tokens: int, max_requests: int, port: in
 
 
 class _Workers:
-    def __init__(self, folder: str, max_tokens: int, max_requests: int) -> None:
+    def __init__(self, folder: str, max_tokens: int, max_requests: int, shared_memory: bool = True) -> None:
         import socket
 
         with socket.socket() as s:
@@ -342,7 +345,8 @@ class _Workers:
         self.roles = ("tp1", "tp2-0", "tp2-1")
         self.commands = {r: ctx.Queue() for r in self.roles}
         self.procs = {r: ctx.Process(target=_worker, args=(r, folder, max_tokens, max_requests, port,
-                                                           self.commands[r], self.replies), daemon=True)
+                                                           self.commands[r], self.replies, shared_memory),
+                                 daemon=True)
                       for r in self.roles}
         for p in self.procs.values():
             p.start()
@@ -411,7 +415,7 @@ def _measure_point(workers: _Workers, kind: str, batch: int, length: int, rounds
     noise = _Noise([p.pid for p in workers.procs.values() if p.pid is not None])
     setup = workers.ask(workers.roles, {"op": "setup", "kind": kind, "batch": batch, "length": length,
                                         "warmup": warmup})
-    native = setup["tp1"]["native"]
+    native, tp2_native = setup["tp1"]["native"], setup["tp2-0"]["native"]
     sides = ["tp1", "tp2"] + (["tp1_modular"] if native else [])
     times: dict[str, list[list[float]]] = {s: [] for s in sides}
     comm: list[list[float]] = []
@@ -436,9 +440,9 @@ def _measure_point(workers: _Workers, kind: str, batch: int, length: int, rounds
                 times[side].append(workers.ask(("tp1",), {"op": "steps", "n": steps, "variant": variant})
                                    ["tp1"]["times"])
     tp2_s, comm_s, bare_s = flat_median(times["tp2"]), flat_median(comm), flat_median(bare)
-    tp1_fair = "tp1_modular" if native else "tp1"
+    tp1_fair = "tp1_modular" if native and not tp2_native else "tp1"
     out: dict[str, Any] = {
-        "kind": kind, "batch": batch, "length": length, "tp1_native": native,
+        "kind": kind, "batch": batch, "length": length, "tp1_native": native, "tp2_native": tp2_native,
         "step_ms": {s: flat_median(v) * 1e3 for s, v in times.items()},
         "ratio_tp2_over_tp1": statistics.median(round_ratios(times["tp2"], times["tp1"])),
         "ratio_tp2_over_tp1_modular": statistics.median(round_ratios(times["tp2"], times[tp1_fair])),
@@ -481,6 +485,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per turn")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--gloo", action="store_true", help="TP=2 collectives on gloo (--disable-custom-all-reduce)")
     args = ap.parse_args()
     rounds = args.rounds or (4 if args.quick else 6)
     steps = args.steps or (4 if args.quick else 5)
@@ -488,13 +493,14 @@ def main() -> None:
     batches = [1, 64] if args.quick else [1, 16, 64]
     prefill = None if args.quick else (4, 256)
     print(f"rounds {rounds}, steps per turn {steps}, context {args.context}, cores {os.cpu_count()}; "
-          f"TP=1: 1 process x 2 threads, TP=2: 2 ranks x 1 thread (gloo, loopback)", flush=True)
+          f"TP=1: 1 process x 2 threads, TP=2: 2 ranks x 1 thread "
+          f"({'gloo, loopback' if args.gloo else 'shared-memory collectives'})", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
     for model in models:
         with tempfile.TemporaryDirectory(prefix="tl-tp-bench-") as folder:
             _write_config(folder, MODELS[model])
             max_requests = max(batches)
-            workers = _Workers(folder, max_requests * (args.context + 1) + 1100, max_requests)
+            workers = _Workers(folder, max_requests * (args.context + 1) + 1100, max_requests, not args.gloo)
             try:
                 points = []
                 for b in batches:

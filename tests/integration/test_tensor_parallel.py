@@ -175,3 +175,24 @@ def test_native_decode_step_at_tp2_equals_the_modular_path(tiny_runtime_model):
     for a, b in zip(native["logprobs"], tp1["logprobs"], strict=True):
         n = min(len(a), len(b))
         assert a[:n] == pytest.approx(b[:n], abs=0.05)
+
+
+def test_smollm2_at_tp3_equals_tp1(smollm2_file):
+    """The real model, split three ways (9 heads and 3 KV heads do not split by 2; they do by 3): greedy
+    tokens equal TP=1's and logprobs agree within fp32 tolerance, across a chunked prefill and radix hits."""
+    flags = dict(dtype="float32", log_level="warning", max_total_tokens=2048, chunked_prefill_size=32,
+                 num_threads=1)
+    prompts = [PREFIX + "sunny", PREFIX + "rainy days", "The capital city of France is"]
+    results = []
+    for tp_size in (1, 3):
+        with Engine(smollm2_file, tp_size=tp_size, **flags) as eng:
+            outs = eng.generate(prompts, dict(GREEDY, max_new_tokens=12), return_logprob=True)
+            again = eng.generate(prompts, dict(GREEDY, max_new_tokens=12))
+            assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+            results.append(([o["output_ids"] for o in outs], [o["output_ids"] for o in again],
+                             [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs]))
+            _assert_pools_full(eng, tp_size)
+    (tokens1, again1, lp1), (tokens3, again3, lp3) = results
+    assert tokens3 == tokens1 and again3 == again1 == tokens1
+    for a, b in zip(lp3, lp1, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
