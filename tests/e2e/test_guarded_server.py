@@ -137,7 +137,7 @@ def test_zz_scheduler_death_fails_requests_and_exits_nonzero(guarded):
 
     start = time.monotonic()
     status, body = asyncio.run(scenario())
-    assert status == 500 and "scheduler process died" in body["error"]["message"]
+    assert status == 503 and "scheduler process died" in body["error"]["message"]
     code = guarded.wait_exit(timeout=60)
     assert code == 1
     assert "error: the scheduler process died" in guarded.logs()

@@ -128,8 +128,8 @@ class GenerateServing:
             outs = await cancel_on_disconnect(request, self._collect(reqs))
         except ClientDisconnected:
             return Response(status_code=499)
-        except EngineDeadError as e:
-            return native_error(str(e), 500)
+        except EngineDeadError as e:  # the runtime died under the request: unavailable, not a bad request
+            return native_error(str(e), 503)
         for out in outs:
             error = abort_error(out)
             if error is not None:

@@ -85,8 +85,8 @@ class OpenAIServingBase:
             outs = await cancel_on_disconnect(request, gather_or_cancel([self._last(r) for r in reqs]))
         except ClientDisconnected:
             return Response(status_code=499)
-        except EngineDeadError as e:
-            return openai_error(str(e), 500)
+        except EngineDeadError as e:  # the runtime died under the request: unavailable, not a bad request
+            return openai_error(str(e), 503)
         for out in outs:
             error = abort_error(out)
             if error is not None:
@@ -141,7 +141,7 @@ class OpenAIServingBase:
                 if include_usage:
                     yield sse(self.usage_chunk(req, rid, usage_of(last.items(), req.n)))
         except (ValueError, EngineDeadError) as e:
-            yield sse({"error": openai_error_body(str(e), 500 if isinstance(e, EngineDeadError) else 400)})
+            yield sse({"error": openai_error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400)})
         yield SSE_DONE
 
     # --- shared translation --------------------------------------------------------------------------
