@@ -22,9 +22,9 @@ SEEDED = {"text": PROMPTS, "sampling_params": {"temperature": 0.8, "top_k": 16, 
 EXIT_BOUND_S = 30
 
 
-def launch_two_nodes(model: str) -> tuple[ServerProcess, ServerProcess]:
+def launch_two_nodes(model: str, *extra: str) -> tuple[ServerProcess, ServerProcess]:
     flags = ("--model-path", model, *TINY_FLAGS, "--tp-size", "2", "--nnodes", "2",
-             "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout", "30", "--log-level", "info")
+             "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout", "30", "--log-level", "info", *extra)
     node0 = ServerProcess(*flags, "--node-rank", "0")
     node1 = ServerProcess(*flags, "--node-rank", "1")
     try:
@@ -65,14 +65,17 @@ def start_long_request(node0: ServerProcess) -> tuple[threading.Thread, dict]:
 
 
 @pytest.fixture
-def two_nodes(tiny_runtime_model):
-    node0, node1 = launch_two_nodes(tiny_runtime_model)
+def two_nodes(tiny_runtime_model, request):
+    node0, node1 = launch_two_nodes(tiny_runtime_model, *getattr(request, "param", ()))
     yield node0, node1
     for node in (node0, node1):
         node.stop(signal.SIGKILL)
     assert not node0.children() and not node1.children()
 
 
+# Both "nodes" share this host, so by default their TP group uses the shared-memory all-reduce; with it
+# disabled every collective crosses between the nodes on gloo, as between two hosts.
+@pytest.mark.parametrize("two_nodes", [("--disable-custom-all-reduce",)], indirect=True)
 def test_two_nodes_match_one_process_then_a_dead_rank_on_node1_ends_both(two_nodes, tiny_server):
     node0, node1 = two_nodes
     for body in (BATCH, SEEDED):
@@ -82,6 +85,7 @@ def test_two_nodes_match_one_process_then_a_dead_rank_on_node1_ends_both(two_nod
         assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
     info = node0.wait_idle_and_pool_full()
     assert info["tp_size"] == 2 and info["tp_ranks_agree"] is True
+    assert "collectives: shared memory" not in node0.logs() + node1.logs()
 
     thread, result = start_long_request(node0)
     start = time.monotonic()
@@ -99,6 +103,7 @@ def test_two_nodes_match_one_process_then_a_dead_rank_on_node1_ends_both(two_nod
 
 def test_a_dead_rank_on_node0_ends_node1(two_nodes):
     node0, node1 = two_nodes
+    assert "tensor-parallel collectives: shared memory" in node0.logs()
     thread, result = start_long_request(node0)
     start = time.monotonic()
     os.kill(node0.server_info()["process_ids"]["scheduler"], signal.SIGKILL)
