@@ -47,11 +47,14 @@ class SequenceDriver:
         seq.token_ids = []
 
     def extend(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]],
-               return_all_logits: bool = False, as_decode: bool | None = None) -> torch.Tensor:
-        """Append `new_tokens[i]` to `seqs[i]` and run them; returns logits (last token or all tokens).
+               return_all_logits: bool = False, as_decode: bool | None = None,
+               pp_proxy: dict[str, torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Append `new_tokens[i]` to `seqs[i]` and run them; returns logits (last token or all tokens), or on
+        a runner that holds a pipeline stage other than the last, that stage's hidden states and residual.
 
         Uses decode mode when every sequence adds exactly one token on top of a non-empty cache (unless
-        `as_decode` says otherwise), extend mode otherwise.
+        `as_decode` says otherwise), extend mode otherwise. `pp_proxy`: the previous stage's output, the
+        input of a stage other than the first (whose `new_tokens` then only give the lengths).
         """
         device = self.runner.device
         prefix = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64, device=device)
@@ -70,6 +73,7 @@ class SequenceDriver:
         rows = torch.tensor([s.row for s in seqs], dtype=torch.int64, device=device)
         mode = ForwardMode.DECODE if as_decode else ForwardMode.EXTEND
         batch = ForwardBatch.build(mode, ids, rows, prefix, seq_lens, slots, return_all_logits)
+        batch.pp_proxy = pp_proxy
         logits = self.runner.forward(batch)
         for seq, part, tokens in zip(seqs, torch.split(slots, new_lens.tolist()), new_tokens, strict=True):
             seq.slots = torch.cat((seq.slots, part))

@@ -5,9 +5,10 @@ It is the seam between scheduler (CPU plan, `Req`s) and device (the scheduler us
 them on different threads:
 - `prepare(batch)` (scheduler thread): builds the `ForwardBatch`, writes `req_to_token`, snapshots the
   attention metadata and the `SamplingBatchInfo`, and reserves future-token slots for the batch's outputs;
-- `execute(step)` (forward thread, or inline): resolves placeholder input ids from the future-token buffer,
-  counts still-unknown previous tokens into the penalty state, runs forward and sampling, stores the sampled
-  tokens for batches scheduled behind this one, and hands back plain Python results.
+- `execute(step)` (forward thread, or inline) = `sample(step, forward(step))`: `forward` resolves placeholder
+  input ids from the future-token buffer, counts still-unknown previous tokens into the penalty state and runs
+  the model (logits, or on a non-last pipeline stage the hidden states for the next stage); `sample` samples,
+  stores the sampled tokens for batches scheduled behind this one, and hands back plain Python results.
 
 An extend step in which some request wants prompt logprobs computes the extra logits rows its `LogitPlan`
 (executor/prompt_logprobs.py) lists, for that request only; sampling reads each request's last row as usual.
@@ -57,6 +58,18 @@ class ForwardOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class ForwardResult:
+    """What `ModelWorker.forward` produced: logits on the last stage (float32, the rows sampling reads, and
+    the prompt logprobs the step's `LogitPlan` computed), else the hidden states and residual to send to the
+    next pipeline stage (`proxy`)."""
+
+    logits: torch.Tensor | None = None
+    input_logprobs: list[InputLogprobChunk | None] | None = None
+    proxy: dict[str, torch.Tensor] | None = None
+    forward_s: float = 0.0
 
 
 @dataclass
@@ -119,23 +132,42 @@ class ModelWorker:
     # --- forward side --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> ForwardOutput:
+        """Forward then sample: the whole step of a rank that holds the last layers (every rank but a
+        non-last pipeline stage, which calls `forward` alone and sends its hidden states on)."""
+        return self.sample(step, self.forward(step))
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep) -> ForwardResult:
+        """The model forward of a prepared step: logits (the last stage) or the stage's hidden states and
+        residual (`ForwardResult.proxy`, for the next stage). Resolves placeholder input ids first."""
         start = time.perf_counter()
         fb, info = step.forward_batch, step.sampling
         if step.has_placeholders:
             fb.input_ids = self.future_tokens.resolve(fb.input_ids)
         if step.pending_rows is not None and info.output_counts is not None and not info.penalties_carried:
             info.add_pending_tokens(step.pending_rows, self.future_tokens.lookup(step.pending_slots))
-        logits = self.runner.forward(fb)
+        out = self.runner.forward(fb)
+        if isinstance(out, dict):
+            return ForwardResult(proxy=out, forward_s=time.perf_counter() - start)
         input_logprobs = None
         if step.logit_plan is not None:
-            logits, input_logprobs = read_logits(step.logit_plan, logits)
-        mid = time.perf_counter()
+            out, input_logprobs = read_logits(step.logit_plan, out)
+        return ForwardResult(logits=out, input_logprobs=input_logprobs, forward_s=time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def sample(self, step: PreparedStep, forwarded: ForwardResult) -> ForwardOutput:
+        """Sample the next tokens from a forward's logits and hand back plain Python results; stores the
+        tokens for batches scheduled behind this one."""
+        if forwarded.logits is None:
+            raise ValueError("sample() needs logits: this rank's model does not hold the last layers")
+        start = time.perf_counter()
+        fb, info, logits = step.forward_batch, step.sampling, forwarded.logits
         sample = self.runner.sample(logits, info)
         if info.output_counts is not None and fb.forward_mode.is_decode():  # carried to the next step
             rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
             info.add_pending_tokens(rows, sample.next_token_ids)
         self.future_tokens.store(step.out_slots, sample.next_token_ids)
-        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(), input_logprobs=input_logprobs)
+        out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(), input_logprobs=forwarded.input_logprobs)
         if step.token_ids is not None:
             out.token_ids_logprobs = token_ids_logprobs(logits, step.token_ids)
         if fb.forward_mode.is_decode():  # extend results check every row (chunks discard their token)
@@ -145,6 +177,5 @@ class ModelWorker:
             if step.top_logprobs_num:
                 values, ids = sample.top_logprobs.tolist(), sample.top_logprob_ids.tolist()
                 out.top_logprobs = [list(zip(v, i, strict=True)) for v, i in zip(values, ids, strict=True)]
-        end = time.perf_counter()
-        out.forward_s, out.sample_s = mid - start, end - mid
+        out.forward_s, out.sample_s = forwarded.forward_s, time.perf_counter() - start
         return out
