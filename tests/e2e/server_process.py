@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -116,3 +117,22 @@ class ServerProcess:
         assert info["kv_tokens_in_use"] == 0, info
         assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"], info
         return info
+
+
+def start_pending_request(server: ServerProcess, max_new_tokens: int = 6000) -> tuple[threading.Thread, dict]:
+    """A long /generate on its own thread, returned once the server runs it; the thread leaves the
+    (status, body) reply in the dict under "reply"."""
+    result: dict = {}
+
+    def pending() -> None:
+        result["reply"] = http("POST", server.url + "/generate",
+                               {"text": "A", "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                                 "ignore_eos": True}})
+
+    thread = threading.Thread(target=pending)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.server_info()["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline, "the request did not start running within 30 s"
+        time.sleep(0.05)
+    return thread, result

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from tests.e2e.conftest import TINY_FLAGS
-from tests.e2e.server_process import ServerProcess, free_port, http
+from tests.e2e.server_process import ServerProcess, free_port, http, start_pending_request
 
 PROMPTS = ["The capital city of France is", "1, 2, 3, 4, 5,", "Once upon a time", "def fibonacci(n):"]
 BATCH = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
@@ -48,22 +47,6 @@ def scheduler_rank_pid(node: ServerProcess) -> int:
     return ranks[0]
 
 
-def start_long_request(node0: ServerProcess) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-
-    def pending() -> None:
-        result["reply"] = http("POST", node0.url + "/generate",
-                               {"text": "A", "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}})
-
-    thread = threading.Thread(target=pending)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while node0.server_info()["num_running_reqs"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return thread, result
-
-
 @pytest.fixture
 def two_nodes(tiny_runtime_model, request):
     node0, node1 = launch_two_nodes(tiny_runtime_model, *getattr(request, "param", ()))
@@ -87,7 +70,7 @@ def test_two_nodes_match_one_process_then_a_dead_rank_on_node1_ends_both(two_nod
     assert info["tp_size"] == 2 and info["tp_ranks_agree"] is True
     assert "collectives: shared memory" not in node0.logs() + node1.logs()
 
-    thread, result = start_long_request(node0)
+    thread, result = start_pending_request(node0)
     start = time.monotonic()
     os.kill(scheduler_rank_pid(node1), signal.SIGKILL)
     thread.join(timeout=EXIT_BOUND_S)
@@ -104,7 +87,7 @@ def test_two_nodes_match_one_process_then_a_dead_rank_on_node1_ends_both(two_nod
 def test_a_dead_rank_on_node0_ends_node1(two_nodes):
     node0, node1 = two_nodes
     assert "tensor-parallel collectives: shared memory" in node0.logs()
-    thread, result = start_long_request(node0)
+    thread, result = start_pending_request(node0)
     start = time.monotonic()
     os.kill(node0.server_info()["process_ids"]["scheduler"], signal.SIGKILL)
     thread.join(timeout=EXIT_BOUND_S)

@@ -7,11 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 
 from tests.e2e.conftest import TINY_FLAGS
-from tests.e2e.server_process import ServerProcess, free_port, http
+from tests.e2e.server_process import ServerProcess, free_port, http, start_pending_request
 
 PROMPTS = ["The capital city of France is", "1, 2, 3, 4, 5,", "Once upon a time", "def fibonacci(n):"]
 BATCH = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
@@ -33,18 +32,7 @@ def test_tp2_server_matches_tp1_and_dies_cleanly_with_a_rank(tiny_server, tiny_r
         assert info["tp_ranks_agree"] is True and info["tp_size"] == 2
         rank1 = info["process_ids"]["scheduler1"]
 
-        result: dict = {}
-
-        def pending() -> None:
-            result["reply"] = http("POST", server.url + "/generate",
-                                   {"text": "A", "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}})
-
-        thread = threading.Thread(target=pending)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while server.server_info()["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        thread, result = start_pending_request(server)
         start = time.monotonic()
         os.kill(rank1, signal.SIGKILL)
         thread.join(timeout=30)
@@ -66,18 +54,7 @@ def test_a_hung_rank_is_named_and_ends_the_server_within_a_bound(tiny_runtime_mo
                            "--dist-timeout", str(timeout_s)).wait_healthy()
     rank1 = server.server_info()["process_ids"]["scheduler1"]
     try:
-        result: dict = {}
-
-        def pending() -> None:
-            result["reply"] = http("POST", server.url + "/generate",
-                                   {"text": "A", "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}})
-
-        thread = threading.Thread(target=pending)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while server.server_info()["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        thread, result = start_pending_request(server)
         start = time.monotonic()
         os.kill(rank1, signal.SIGSTOP)
         thread.join(timeout=60)

@@ -5,7 +5,6 @@ cannot complete fails within its bound with an error naming the missing ranks an
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
@@ -14,8 +13,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.rank_processes import free_port, run_ranks
 from tokenloom.distributed.comm import all_equal, broadcast_pyobj, min_reduce_ints
 from tokenloom.distributed.groups import DistributedInitError, destroy_distributed, init_distributed
 from tokenloom.protocol import AbortRequest, TokenizedRequest
@@ -23,12 +22,6 @@ from tokenloom.sampling.sampling_params import SamplingParams
 
 OVERLAP_STEPS = 150
 JOIN_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _payload(pp_rank: int) -> dict:
@@ -113,33 +106,8 @@ def _worker(rank: int, tp: int, pp: int, port: int, results) -> None:
 
 
 def _run_world(tp: int, pp: int) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, tp, pp, port, results)) for r in range(tp * pp)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict] = {}
-    try:
-        deadline = time.monotonic() + JOIN_S
-        while len(got) < len(procs) and time.monotonic() < deadline:
-            try:
-                rank, out = results.get(timeout=1)
-                got[rank] = out
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs) and results.empty():
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    errors = {r: o["error"] for r, o in got.items() if "error" in o}
-    assert not errors, errors
-    assert sorted(got) == list(range(tp * pp)), f"ranks that reported: {sorted(got)}"
-    assert [p.exitcode for p in procs] == [0] * len(procs)
+    got, exit_codes = run_ranks(_worker, tp * pp, tp, pp, join_s=JOIN_S)
+    assert exit_codes == [0] * (tp * pp)
     return got
 
 
@@ -179,7 +147,7 @@ def _init_in_thread(rank: int, tp: int, pp: int, port: int, timeout_s: float, ou
 
 
 def test_missing_ranks_fail_within_the_bound_naming_them():
-    port, out, bound = _free_port(), {}, 3.0
+    port, out, bound = free_port(), {}, 3.0
     threads = [_init_in_thread(0, 2, 2, port, bound, out)]
     time.sleep(0.3)  # rank 0 (the store's host) gives up first and tells rank 1 which ranks never came
     threads.append(_init_in_thread(1, 2, 2, port, bound, out))
@@ -195,7 +163,7 @@ def test_missing_ranks_fail_within_the_bound_naming_them():
 
 
 def test_missing_store_host_fails_within_the_bound():
-    port, out, bound = _free_port(), {}, 2.0
+    port, out, bound = free_port(), {}, 2.0
     _init_in_thread(1, 2, 1, port, bound, out).join(timeout=bound + 10)
     error, elapsed = out[1]
     assert isinstance(error, DistributedInitError), error
@@ -205,7 +173,7 @@ def test_missing_store_host_fails_within_the_bound():
 
 
 def test_ranks_launched_with_different_sizes_are_refused():
-    port, out = _free_port(), {}
+    port, out = free_port(), {}
     threads = [_init_in_thread(0, 2, 1, port, 10.0, out), _init_in_thread(1, 1, 2, port, 10.0, out)]
     for t in threads:
         t.join(timeout=20)

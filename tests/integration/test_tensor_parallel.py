@@ -112,9 +112,11 @@ def split_kv_reference(tiny_runtime_model) -> dict:
     return _run(tiny_runtime_model, 1, True, max_total_tokens=8192, overlap_schedule="off")
 
 
-def test_split_kv_heads_overlap_off(tiny_runtime_model, split_kv_reference):
-    """kv_heads 2 == tp: each rank holds one KV head; normal (non-overlapped) loop."""
-    tp2 = _run(tiny_runtime_model, 2, True, max_total_tokens=8192, overlap_schedule="off")
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_split_kv_heads(tiny_runtime_model, split_kv_reference, overlap):
+    """kv_heads 2 == tp: each rank holds one KV head; the normal loop, and the overlap loop (the forward
+    thread's shared-memory all-reduces run while the scheduling thread broadcasts on gloo)."""
+    tp2 = _run(tiny_runtime_model, 2, True, max_total_tokens=8192, overlap_schedule=overlap)
     _assert_same(tp2, split_kv_reference)
 
 

@@ -184,6 +184,22 @@ def test_retraction_under_a_tiny_pool_loses_nothing(overlap, page_size):
     h.assert_pools_full()
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_abort_while_its_prefill_is_in_flight(chunked):
+    """With the overlap scheduler a request whose prefill batch is launched but whose result is not processed
+    yet sits in no queue; an abort then must still end it (it used to run on to its length limit)."""
+    flags = {"chunked_prefill_size": 8} if chunked else {}
+    h, _ = harness(overlap_schedule="on", **flags)
+    h.submit("a", prompt(1, 12), dict(GREEDY, max_new_tokens=30))
+    h.loop.run_once()  # the prefill (or its first chunk) of "a" is launched; its result waits a step
+    assert len(h.loop.inflight) == 1 and not h.scheduler.running and not h.scheduler.waiting_queue
+    h.abort("a")
+    results = h.run()
+    assert results["a"].finish_reason["type"] == "abort" and len(results["a"].output_ids) <= 1
+    assert not h.scheduler.prefilling
+    h.assert_pools_full()
+
+
 def test_abort_of_a_waiting_and_of_a_running_request():
     h, _ = harness(max_running_requests=1)
     ids_a, ids_b = prompt(20, 12), prompt(21, 12)

@@ -14,15 +14,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import queue
-import socket
 import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.rank_processes import run_ranks
 from tokenloom.kernels.cpu_build import load_library
 
 pytestmark = pytest.mark.skipif(load_library("kernels") is None, reason="native kernels unavailable")
@@ -31,12 +29,6 @@ SMALL_SLOT = 256  # bytes: 128 bf16 / 64 float32 elements per round
 MANY_CALLS = 1200
 TIMEOUT_S = 0.5
 JOIN_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _random_input(rank: int, call: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -177,33 +169,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 
 def _run(world: int) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict] = {}
-    try:
-        deadline = time.monotonic() + JOIN_S
-        while len(got) < world and time.monotonic() < deadline:
-            try:
-                rank, out = results.get(timeout=1)
-                got[rank] = out
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs) and results.empty():
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    errors = {r: o["error"] for r, o in got.items() if "error" in o}
-    assert not errors, errors
-    assert sorted(got) == list(range(world)), f"ranks that reported: {sorted(got)}"
-    return got
+    return run_ranks(_worker, world, world, join_s=JOIN_S)[0]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -102,6 +102,9 @@ class Scheduler:
         self.chunked_prefill_size = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
+        # Requests of launched prefill batches whose results are not processed yet: in no queue and not yet
+        # running (with the overlap scheduler a whole step long), but an abort must still find them.
+        self.prefilling: dict[int, Req] = {}
         self.chunked_req: Req | None = None
         # in-batch prefix caching: heads of admitted prompts whose KV reaches the tree when their batch is processed
         self.warming_heads: dict[int, tuple[int, ...]] = {}
@@ -177,6 +180,10 @@ class Scheduler:
         for req in self.running:
             if req.rid == rid:
                 self.running.remove(req)
+                self._finish_aborted(req, message)
+                return
+        for req in self.prefilling.values():
+            if req.rid == rid and not req.finished:  # processing its prefill's result releases it
                 self._finish_aborted(req, message)
                 return
 
@@ -288,6 +295,8 @@ class Scheduler:
             req.inflight += 1
             if decode:
                 req.future_slot = slot
+            else:
+                self.prefilling[id(req)] = req
         return step
 
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
@@ -298,6 +307,8 @@ class Scheduler:
         if batch.forward_mode.is_extend():
             for req in batch.reqs:
                 self.warming_heads.pop(id(req), None)
+                if req.inflight == 0:
+                    self.prefilling.pop(id(req), None)
             self.running.extend(self.output.process_extend(batch, out))
         else:
             self.output.process_decode(batch, out)

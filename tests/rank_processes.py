@@ -1,0 +1,51 @@
+"""Running a test's world of rank processes: spawn one process per rank, collect what each reports, and
+leave nothing running. Each target is called as `target(rank, *args, port, results)` and puts exactly one
+`(rank, dict)` on `results` — `{"error": traceback}` when it failed."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: Callable[..., None], world: int, *args: Any, join_s: float = 60.0
+              ) -> tuple[dict[int, dict], list[int | None]]:
+    """Every rank's report (asserting none failed and all reported) and the processes' exit codes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, *args, port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + join_s
+        while len(got) < world and time.monotonic() < deadline:
+            try:
+                rank, out = results.get(timeout=1)
+                got[rank] = out
+            except queue.Empty:
+                if all(p.exitcode is not None for p in procs) and results.empty():
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    errors = {r: o["error"] for r, o in got.items() if "error" in o}
+    assert not errors, errors
+    assert sorted(got) == list(range(world)), f"ranks that reported: {sorted(got)}"
+    return got, [p.exitcode for p in procs]
