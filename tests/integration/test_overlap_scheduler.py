@@ -122,7 +122,7 @@ def test_overlap_on_and_auto_match_normal(folder, tokenizer, stop, config, fast_
     for mode in ("on", "auto"):
         results, h = _run(folder, tokenizer, stop, overlap_schedule=mode, **server_args)
         assert _comparable(results) == _comparable(normal), mode
-        info = h.scheduler.internal_state()
+        info = h.scheduler.internal_state(h.loop.info())
         assert info["overlap_schedule"] == mode
         if config == "retract":
             assert max(r.meta["total_retractions"] for r in results.values()) > 0, mode
@@ -132,7 +132,7 @@ def test_overlap_on_and_auto_match_normal(folder, tokenizer, stop, config, fast_
 
 def test_auto_switches_between_modes_and_reports_decision(folder, tokenizer, stop, fast_auto_probe):
     results, h = _run(folder, tokenizer, stop, abort=False, overlap_schedule="auto", enable_step_profile=True)
-    info = h.scheduler.internal_state()
+    info = h.scheduler.internal_state(h.loop.info())
     assert info["overlap_decisions"] >= 1
     decision = info["overlap_decision"]
     assert decision["chosen"] in ("overlap", "normal")
@@ -144,7 +144,7 @@ def test_auto_switches_between_modes_and_reports_decision(folder, tokenizer, sto
 
 def test_disable_overlap_schedule_flag_means_off(folder):
     h = Harness(folder, overlap_schedule="on", disable_overlap_schedule=True)
-    assert h.scheduler.internal_state()["overlap_schedule"] == "off"
+    assert h.scheduler.internal_state(h.loop.info())["overlap_schedule"] == "off"
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])

@@ -21,6 +21,7 @@ from tokenloom.config import ServerArgs
 from tokenloom.executor.forward_batch import ForwardMode
 from tokenloom.executor.future_tokens import FutureTokenBuffer
 from tokenloom.executor.worker import ForwardOutput
+from tokenloom.protocol import FlushCacheReply, FlushCacheRequest, GetInternalStateRequest, InternalStateReply
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
 VOCAB = 997
@@ -220,3 +221,54 @@ def test_abort_of_a_waiting_and_of_a_running_request():
     assert h.run()["c"].output_ids == reference(ids_b, 5)
     h.assert_pools_full()
 
+
+
+class RecordingLoop:
+    """A `LoopControl` that records what the scheduler asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def settle_all(self) -> None:
+        self.calls.append("settle_all")
+
+    def info(self) -> dict[str, Any]:
+        self.calls.append("info")
+        return {"loop_marker": 7}
+
+
+def test_the_scheduler_asks_the_loop_passed_to_it_to_settle():
+    """Flush and state requests settle the loop that passes them in (the loop is an argument, not an
+    attribute the loops overwrite); the state report carries the loop's own info."""
+    h, _ = harness(overlap_schedule="on")
+    loop = RecordingLoop()
+    h.scheduler.handle(GetInternalStateRequest(), loop)
+    h.scheduler.handle(FlushCacheRequest(), loop)
+    assert loop.calls == ["settle_all", "info", "settle_all"]
+    replies = h.outbox.recv_all()
+    assert isinstance(replies[0], InternalStateReply) and replies[0].state["loop_marker"] == 7
+    assert isinstance(replies[1], FlushCacheReply) and replies[1].success
+    assert "loop_marker" not in h.scheduler.internal_state()
+
+
+def test_retraction_settles_the_loop_first():
+    """A decode step that does not fit settles the launched batches before it retracts (finished requests
+    may free enough): with the overlap loop driving, its state report then shows a retraction happened only
+    after everything in flight was processed, and every request still ends with its reference tokens."""
+    h, _ = harness(tokens=48, overlap_schedule="on", max_running_requests=4, schedule_conservativeness=0.3)
+    settles = []
+    drain = h.loop.settle_all
+
+    def counting_settle() -> None:
+        settles.append(len(h.loop.inflight))
+        drain()
+
+    h.loop.settle_all = counting_settle
+    ids = [prompt(30 + i, 10) for i in range(3)]
+    for i, p in enumerate(ids):
+        h.submit(f"r{i}", p, dict(GREEDY, max_new_tokens=12))
+    results = h.run()
+    assert h.scheduler.num_retracted > 0 and settles, (h.scheduler.num_retracted, settles)
+    for i, p in enumerate(ids):
+        assert results[f"r{i}"].output_ids == reference(p, 12)
+    h.assert_pools_full()

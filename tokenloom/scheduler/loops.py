@@ -61,7 +61,6 @@ class _LoopBase:
         # the forward, and decode steps with their summed periods.
         self.totals = {"forward_busy_s": 0.0, "scheduler_cpu_s": 0.0, "decode_steps": 0, "decode_period_s": 0.0,
                        "decode_tokens": 0}
-        scheduler.loop_info = self.info
 
     def _receive_and_schedule(self, timeout_ms: int) -> tuple[ScheduleBatch | None, float]:
         messages = self.inbox.recv_all(timeout_ms)
@@ -69,8 +68,8 @@ class _LoopBase:
             self._idle_checked = False
         start = time.perf_counter()  # waiting on an empty inbox is not scheduling work
         for msg in messages:
-            self.scheduler.handle(msg)
-        batch = self.scheduler.get_next_batch_to_run()
+            self.scheduler.handle(msg, self)
+        batch = self.scheduler.get_next_batch_to_run(self)
         return batch, time.perf_counter() - start
 
     def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming) -> None:
@@ -100,6 +99,9 @@ class _LoopBase:
         if not self._idle_checked:  # walking the tree and the free lists costs ms on a large pool
             self._idle_checked = True
             self.scheduler.check_idle_integrity()
+
+    def settle_all(self) -> None:
+        """`LoopControl`: nothing is in flight while this loop plans (each step runs to completion)."""
 
     def info(self) -> dict:
         return {"step_profile": self.profiler.summary(), "loop_wall_s": time.perf_counter() - self._started,
@@ -140,7 +142,6 @@ class OverlapLoop(_LoopBase):
         self.policy = policy
         self.forward_thread = forward_thread
         self.inflight: deque[tuple[ScheduleBatch, Future[ForwardOutput], StepTiming]] = deque()
-        scheduler.drain_inflight = self.drain
 
     def run_once(self, timeout_ms: int = 0) -> bool:
         batch, schedule_s = self._receive_and_schedule(0 if self.inflight else timeout_ms)
@@ -168,6 +169,10 @@ class OverlapLoop(_LoopBase):
         """Process every launched batch (for decisions that need settled requests)."""
         while self.inflight:
             self._process_oldest()
+
+    def settle_all(self) -> None:
+        """`LoopControl`: the scheduler's retraction, cache flush and state report need settled requests."""
+        self.drain()
 
     def _on_step(self, timing: StepTiming) -> None:
         self.policy.record(timing)

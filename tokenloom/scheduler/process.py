@@ -80,11 +80,12 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
         runner = ModelRunner(args, parallel, loaded=loaded, memory=memory)
         tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
         worker = ModelWorker(runner, eos_token_ids(runner.source, tokenizer))
-        scheduler = Scheduler(args, worker, tokenizer, sender.send if parallel.is_entry else discard, memory)
+        agree = (lambda value: all_equal(value, parallel)) if parallel.tp_size > 1 else None
+        scheduler = Scheduler(args, worker, tokenizer, sender.send if parallel.is_entry else discard, memory,
+                              ranks_agree=agree)
         inbox: Any = Receiver(ctx, addresses.scheduler) if parallel.is_entry else None
         if parallel.tp_size > 1:
             inbox = BroadcastInbox(inbox, parallel)
-            scheduler.ranks_agree = lambda value: all_equal(value, parallel)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
                     "vocab_size": runner.vocab_size,

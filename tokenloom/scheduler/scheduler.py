@@ -3,11 +3,13 @@
 requests arrive through `handle(msg)`, outputs leave through the `send` callable, and an event loop
 (loops.py) decides when to call what.
 
-Per step: `get_next_batch_to_run()` → `launch(batch)` (prepare on this thread) → the loop runs the step
+Per step: `get_next_batch_to_run(loop)` → `launch(batch)` (prepare on this thread) → the loop runs the step
 (inline, or on the forward thread while it plans the next batch) → `process_batch_result(batch, out)`.
 With overlap, a batch is planned before the results of the one in flight are processed; the few decisions
-that need exact state (retraction, flushing the cache) first call `drain_inflight`, which the overlap loop
-sets to "process every launched batch".
+that need exact state (retraction, flushing the cache, reporting the state) first ask the loop that drives
+the scheduler to settle: `LoopControl.settle_all()`, "process every launched batch". The loop is passed to
+`handle` and `get_next_batch_to_run` on each call (never stored here), so the scheduler holds no callbacks
+the loops overwrite.
 Prefill has priority: a new prefill batch is built whenever waiting requests fit; otherwise all running
 requests decode one token. Before a decode step that would not fit in KV memory, cached KV is evicted, then
 requests are retracted (fewest output tokens first) and re-queued; they are recomputed later. Nothing is
@@ -59,6 +61,29 @@ from tokenloom.scheduler.stats import NewTokenRatio, StepStats
 logger = logging.getLogger(__name__)
 
 
+class LoopControl(Protocol):
+    """What the scheduler may ask of the event loop driving it (loops.py), passed with each call."""
+
+    def settle_all(self) -> None:
+        """Process every launched batch whose result is pending (a no-op when none can be)."""
+
+    def info(self) -> dict[str, Any]:
+        """The loop's own state for `internal_state` (overlap mode, step profile, counters)."""
+
+
+class NoLoop:
+    """The control of a scheduler driven without a loop (tests stepping it by hand): nothing is in flight."""
+
+    def settle_all(self) -> None:
+        pass
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+
+NO_LOOP = NoLoop()
+
+
 class PreparedStepLike(Protocol):
     out_slots: torch.Tensor  # [B] future-token slots the step's sampled tokens are stored at
 
@@ -82,7 +107,10 @@ class SchedulerWorker(Protocol):
 
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: SchedulerWorker, tokenizer: Any, send: Callable[[Any], None],
-                 memory: KVMemory) -> None:
+                 memory: KVMemory, ranks_agree: Callable[[object], bool] | None = None) -> None:
+        """`ranks_agree` (tp_size > 1): whether every TP rank holds the same value (rank_sync /
+        comm.all_equal); called only from `handle`, which every rank runs on the same messages in the same
+        order."""
         if memory.page_size != args.page_size:
             raise ValueError(f"KVMemory has page size {memory.page_size}, --page-size is {args.page_size}")
         self.args = args
@@ -111,26 +139,22 @@ class Scheduler:
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.stats = StepStats(args.decode_log_interval)
         self.eos_token_ids = worker.eos_token_ids
-        self.drain_inflight: Callable[[], None] = lambda: None
-        self.loop_info: Callable[[], dict[str, Any]] = dict
-        # At tp_size > 1: whether every TP rank holds the same value (rank_sync / comm.all_equal); called only
-        # from `handle`, which every rank runs on the same messages in the same order.
-        self.ranks_agree: Callable[[object], bool] | None = None
+        self.ranks_agree = ranks_agree
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
 
     # --- inputs --------------------------------------------------------------------------------------
-    def handle(self, msg: Any) -> None:
+    def handle(self, msg: Any, loop: LoopControl = NO_LOOP) -> None:
         if isinstance(msg, TokenizedRequest):
             self.add_request(msg)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.rid, msg.message)
         elif isinstance(msg, FlushCacheRequest):
-            self.drain_inflight()
+            loop.settle_all()
             self.send(self.flush_cache())
         elif isinstance(msg, GetInternalStateRequest):
-            self.drain_inflight()  # report settled numbers (e.g. no KV held by requests that finished)
-            self.send(InternalStateReply(self.internal_state()))
+            loop.settle_all()  # report settled numbers (e.g. no KV held by requests that finished)
+            self.send(InternalStateReply(self.internal_state(loop.info())))
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 
@@ -193,12 +217,12 @@ class Scheduler:
         self.output.emit([req])
 
     # --- batch selection -----------------------------------------------------------------------------
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+    def get_next_batch_to_run(self, loop: LoopControl = NO_LOOP) -> ScheduleBatch | None:
         batch = self._get_new_batch_prefill()
         if batch is not None:
             return batch
         if self.running:
-            return self._update_running_batch()
+            return self._update_running_batch(loop)
         return None
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -252,9 +276,9 @@ class Scheduler:
         self.stats.on_prefill(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
         return batch
 
-    def _update_running_batch(self) -> ScheduleBatch | None:
+    def _update_running_batch(self, loop: LoopControl) -> ScheduleBatch | None:
         if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
-            self.drain_inflight()  # finished requests may free enough; retraction needs settled requests
+            loop.settle_all()  # finished requests may free enough; retraction needs settled requests
             if not self.running:
                 return None
         if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
@@ -334,7 +358,8 @@ class Scheduler:
         self.tree_cache.reset()
         return FlushCacheReply(True, "Cache flushed.")
 
-    def internal_state(self) -> dict[str, Any]:
+    def internal_state(self, loop_info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The scheduler's state (pools, queues, counters), with the driving loop's `loop_info` merged in."""
         used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
         agree = {}
         if self.ranks_agree is not None:  # every rank's pools, queues and sampled tokens equal rank 0's
@@ -356,6 +381,6 @@ class Scheduler:
             "num_retracted_reqs": self.num_retracted,
             "last_gen_throughput": self.stats.last_gen_throughput,
             "cache_hit_rate": self.stats.cache_hit_rate(),
-            **self.loop_info(),
+            **(loop_info or {}),
             "time": time.time(),
         }
