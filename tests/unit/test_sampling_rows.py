@@ -34,15 +34,15 @@ class FakeReq:
         self.sampling_params = SamplingParams.from_dict(params, VOCAB)
         self.origin_input_ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6))]
         self.output_ids: list[int] = []
-        self.future_slot: int | None = None
-        self.pending_token = -1  # the token behind future_slot, known to the "forward side" only
+        self.pending_tokens = 0  # generated tokens not in output_ids yet (0 or 1 here)
+        self.pending_token = -1  # the token behind pending_tokens, known to the "forward side" only
         self.name = f"q{i}"
 
 
 def _reference(reqs: list[FakeReq]) -> SamplingBatchInfo:
     return SamplingBatchInfo.from_requests(
         [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
-        VOCAB, EOS, torch.device("cpu"), pending_outputs=[r.future_slot is not None for r in reqs])
+        VOCAB, EOS, torch.device("cpu"), pending_outputs=[r.pending_tokens > 0 for r in reqs])
 
 
 def _assert_same(got: SamplingBatchInfo, want: SamplingBatchInfo) -> None:
@@ -66,7 +66,7 @@ def _assert_same(got: SamplingBatchInfo, want: SamplingBatchInfo) -> None:
 
 def _forward_side(info: SamplingBatchInfo, reqs: list[FakeReq]) -> None:
     """What `ModelWorker.execute` does before sampling: count pending tokens unless the state was carried."""
-    pending = [i for i, r in enumerate(reqs) if r.future_slot is not None]
+    pending = [i for i, r in enumerate(reqs) if r.pending_tokens > 0]
     if pending and info.output_counts is not None and not info.penalties_carried:
         info.add_pending_tokens(torch.tensor(pending), torch.tensor([reqs[i].pending_token for i in pending]))
 
@@ -120,11 +120,11 @@ def test_incremental_rows_match_rebuild(seed):
         _assert_same(info, _reference_after_pending(batch))
         tokens = _sample(info, batch, rng, is_decode=True)
         for r, tok in zip(batch, tokens, strict=True):  # the step's token: pending until the next step if overlapped
-            if r.future_slot is not None:
+            if r.pending_tokens:
                 r.output_ids.append(r.pending_token)
-                r.future_slot = None
+                r.pending_tokens = 0
             if overlapped:
-                r.future_slot, r.pending_token = 1, tok
+                r.pending_tokens, r.pending_token = 1, tok
             else:
                 r.output_ids.append(tok)
     assert fast_steps > 10  # the steady state took the no-rebuild path

@@ -19,7 +19,7 @@ from tests.scheduler_harness import LoopHarness, Result
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
 from tokenloom.executor.forward_batch import ForwardMode
-from tokenloom.executor.future_tokens import FutureTokenBuffer
+from tokenloom.executor.token_table import TokenTable
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.protocol import FlushCacheReply, FlushCacheRequest, GetInternalStateRequest, InternalStateReply
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -42,8 +42,8 @@ class FakeStep:
     input_ids: torch.Tensor  # may hold future-token placeholders
     out_cache_loc: torch.Tensor
     seq_slots: list[torch.Tensor]  # per request, the KV slots of its positions [0, seq_len), as at prepare
-    out_slots: torch.Tensor
-    has_placeholders: bool
+    rows: torch.Tensor  # request rows (where the token table holds a decode step's inputs)
+    is_decode: bool
 
 
 @dataclass
@@ -56,7 +56,7 @@ class FakeWorker:
 
     def __post_init__(self) -> None:
         self.device = self.memory.device
-        self.future = FutureTokenBuffer(self.memory.request_slots, self.device)
+        self.tokens = TokenTable(self.memory.req_to_token_pool.req_to_token.shape[0], self.device)
 
     def prepare(self, batch: ScheduleBatch) -> FakeStep:
         fb = batch.to_forward_batch()
@@ -66,15 +66,15 @@ class FakeWorker:
         seq_slots = [table[row, :n].to(torch.int64).clone()
                      for row, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens.tolist(), strict=True)]
         self.batches.append((fb.forward_mode, [r.rid for r in batch.reqs], fb.extend_seq_lens.tolist()))
-        return FakeStep(fb.input_ids.clone(), fb.out_cache_loc.clone(), seq_slots,
-                        self.future.reserve(len(batch.reqs)), batch.has_placeholders)
+        return FakeStep(fb.input_ids.clone(), fb.out_cache_loc.clone(), seq_slots, fb.req_pool_indices.clone(),
+                        fb.forward_mode.is_decode())
 
     def execute(self, step: FakeStep) -> ForwardOutput:
-        ids = self.future.resolve(step.input_ids) if step.has_placeholders else step.input_ids
+        ids = self.tokens.gather(step.rows) if step.is_decode else step.input_ids
         k = self.memory.kv_pool.k_buffers[0]
         k[0, step.out_cache_loc, 0] = ids.to(k.dtype)  # the "attention backend" stores this step's KV
         next_ids = [int(k[0, slots, 0].to(torch.int64).sum()) % VOCAB for slots in step.seq_slots]
-        self.future.store(step.out_slots, torch.tensor(next_ids, dtype=torch.int64, device=self.device))
+        self.tokens.write(step.rows, torch.tensor(next_ids, dtype=torch.int64, device=self.device))
         return ForwardOutput(next_token_ids=next_ids)
 
 

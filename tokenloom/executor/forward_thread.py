@@ -9,9 +9,10 @@
 
 torch releases the GIL inside its ops, so while this thread computes batch k the scheduler thread plans
 batch k+1 and processes batch k-1's results. Steps run strictly in submission order (one worker), which is
-what makes future-token placeholders and slot reuse safe. On CUDA the steps run on a dedicated stream that
-waits for the scheduler's preparation (`device.ForwardStream`). The thread's intra-op thread count is set
-once, in the thread. `busy_s` accumulates the time spent executing steps (for idle-fraction reporting).
+what makes reading decode inputs from the token table (executor/token_table.py) safe. On CUDA the steps
+run on a dedicated stream that waits for the scheduler's preparation (`device.ForwardStream`). The thread's
+intra-op thread count is set once, in the thread. `busy_s` accumulates the time spent executing steps (for
+idle-fraction reporting).
 """
 
 from __future__ import annotations

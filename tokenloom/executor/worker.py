@@ -4,16 +4,17 @@ It is the seam between scheduler (CPU plan, `Req`s) and device (the scheduler us
 `eos_token_ids` and `device`: `scheduler.SchedulerWorker`), in two halves so the overlap scheduler can run
 them on different threads:
 - `prepare(batch)` (scheduler thread): builds the `ForwardBatch`, writes `req_to_token`, snapshots the
-  attention metadata and the `SamplingBatchInfo`, and reserves future-token slots for the batch's outputs;
-- `execute(step)` (forward thread, or inline) = `sample(step, forward(step))`: `forward` resolves placeholder
-  input ids from the future-token buffer, counts still-unknown previous tokens into the penalty state and runs
-  the model (logits, or on a non-last pipeline stage the hidden states for the next stage); `sample` samples,
-  stores the sampled tokens for batches scheduled behind this one, and hands back plain Python results.
+  attention metadata and the `SamplingBatchInfo`;
+- `execute(step)` (forward thread, or inline) = `sample(step, forward(step))`: `forward` reads a decode
+  step's input ids from the token table by request row (executor/token_table.py), counts still-unprocessed
+  previous tokens into the penalty state and runs the model (logits, or on a non-last pipeline stage the
+  hidden states for the next stage); `sample` samples, writes the tokens to the table for the steps behind
+  this one, and hands back plain Python results.
 
 An extend step in which some request wants prompt logprobs computes the extra logits rows its `LogitPlan`
 (executor/prompt_logprobs.py) lists, for that request only; sampling reads each request's last row as usual.
 
-A request whose previous token is not processed yet (`req.future_slot` set) has that token counted as
+A request whose previous token is not processed yet (`req.pending_tokens` > 0) has that token counted as
 generated: its `output_lens` entry includes it and, when penalties apply, it is added to its counts on the
 forward side, so overlapped and normal scheduling sample identically. After a decode step's sampling the
 sampled tokens are counted into the penalty state too, which `SamplingRows` carries to the next step of the
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloom.executor.forward_batch import ForwardBatch
-from tokenloom.executor.future_tokens import FutureTokenBuffer
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.executor.prompt_logprobs import (
     InputLogprobChunk,
@@ -37,6 +37,7 @@ from tokenloom.executor.prompt_logprobs import (
     read_logits,
     token_ids_logprobs,
 )
+from tokenloom.executor.token_table import TokenTable
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_rows import SamplingRows
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -76,10 +77,7 @@ class ForwardResult:
 class PreparedStep:
     forward_batch: ForwardBatch
     sampling: SamplingBatchInfo
-    out_slots: torch.Tensor  # [B] future-token slots this step's sampled tokens are stored at
-    has_placeholders: bool  # some input id is a placeholder to resolve
-    pending_rows: torch.Tensor | None  # rows whose last output token is still a future token
-    pending_slots: torch.Tensor | None  # ... and where it will be stored
+    pending_rows: torch.Tensor | None  # rows whose last sampled token is not processed yet (in the table only)
     top_logprobs_num: int = 0
     want_logprob: bool = False
     logit_plan: LogitPlan | None = None  # extra logits rows for prompt logprobs
@@ -87,13 +85,11 @@ class PreparedStep:
 
 
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_batch_size: int | None = None
-                 ) -> None:
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...]) -> None:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.device = runner.device  # where forwards run (the forward thread's stream is made for it)
-        size = max_batch_size or runner.memory.request_slots
-        self.future_tokens = FutureTokenBuffer(max(size, 1), runner.device)
+        self.token_table = TokenTable(runner.memory.req_to_token_pool.req_to_token.shape[0], runner.device)
         self.sampling_rows = SamplingRows(runner.vocab_size, eos_token_ids, runner.device)
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
 
@@ -109,25 +105,19 @@ class ModelWorker:
         want_logprob = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         device = self.runner.device
-        pending_rows = pending_slots = None
+        pending_rows = None
         if batch.same_reqs_as_last_decode:  # every request's previous token is pending, or none is
-            pending = reqs[0].future_slot is not None
-            if pending:
+            if reqs[0].pending_tokens:
                 pending_rows = torch.arange(len(reqs), device=device)
-                pending_slots = batch.last_out_slots
         else:
-            flags = [r.future_slot is not None for r in reqs]
-            pending = any(flags)
-            if pending:
+            flags = [r.pending_tokens > 0 for r in reqs]
+            if any(flags):
                 pending_rows = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=device)
-                pending_slots = torch.tensor([r.future_slot for r in reqs if r.future_slot is not None],
-                                             dtype=torch.int64, device=device)
         info = self.sampling_rows.info_for(reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob,
                                            top_logprobs_num=top_k)
         token_ids = [r.token_ids_logprob for r in reqs] if any(r.token_ids_logprob is not None for r in reqs) \
             else None
-        return PreparedStep(fb, info, self.future_tokens.reserve(len(reqs)), batch.has_placeholders, pending_rows,
-                            pending_slots, top_k, want_logprob, plan, token_ids)
+        return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids)
 
     # --- forward side --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -139,13 +129,15 @@ class ModelWorker:
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> ForwardResult:
         """The model forward of a prepared step: logits (the last stage) or the stage's hidden states and
-        residual (`ForwardResult.proxy`, for the next stage). Resolves placeholder input ids first."""
+        residual (`ForwardResult.proxy`, for the next stage). A decode step's input ids are read from the
+        token table first (the tokens the steps before it sampled)."""
         start = time.perf_counter()
         fb, info = step.forward_batch, step.sampling
-        if step.has_placeholders:
-            fb.input_ids = self.future_tokens.resolve(fb.input_ids)
+        if fb.forward_mode.is_decode():
+            fb.input_ids = self.token_table.gather(fb.req_pool_indices)
         if step.pending_rows is not None and info.output_counts is not None and not info.penalties_carried:
-            info.add_pending_tokens(step.pending_rows, self.future_tokens.lookup(step.pending_slots))
+            rows = fb.req_pool_indices.index_select(0, step.pending_rows)
+            info.add_pending_tokens(step.pending_rows, self.token_table.gather(rows))
         out = self.runner.forward(fb)
         if isinstance(out, dict):
             return ForwardResult(proxy=out, forward_s=time.perf_counter() - start)
@@ -166,7 +158,7 @@ class ModelWorker:
         if info.output_counts is not None and fb.forward_mode.is_decode():  # carried to the next step
             rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
             info.add_pending_tokens(rows, sample.next_token_ids)
-        self.future_tokens.store(step.out_slots, sample.next_token_ids)
+        self.token_table.write(fb.req_pool_indices, sample.next_token_ids)
         out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(), input_logprobs=forwarded.input_logprobs)
         if step.token_ids is not None:
             out.token_ids_logprobs = token_ids_logprobs(logits, step.token_ids)

@@ -56,7 +56,7 @@ class SamplingRows:
     def info_for(self, reqs: Sequence, is_decode: bool, return_logprob: bool = False, top_logprobs_num: int = 0
                  ) -> SamplingBatchInfo:
         """Sampling tensors for `reqs` (objects with `sampling_params`, `origin_input_ids`, `output_ids` and
-        `future_slot`, which is set while the request has one generated token not in `output_ids` yet)."""
+        `pending_tokens`, the generated tokens not in `output_ids` yet)."""
         steady = is_decode and self._last_was_decode and list(reqs) == self._reqs
         if steady:
             self._output_lens = self._output_lens + 1
@@ -107,7 +107,7 @@ class SamplingRows:
                 merged[name] = out
             self._static = merged
         self._reqs = list(reqs)
-        lens = [len(r.output_ids) + (r.future_slot is not None) for r in reqs]
+        lens = [len(r.output_ids) + r.pending_tokens for r in reqs]
         self._output_lens = torch.tensor(lens, dtype=torch.int64, device=self.device)
         params = [r.sampling_params for r in reqs]
         self._all_greedy = all(p.is_greedy for p in params)

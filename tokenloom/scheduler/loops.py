@@ -7,9 +7,10 @@ issues implement the same protocol around the same `Scheduler`.
 - `NormalLoop`: receive → schedule → prepare → forward → process, each step to completion.
 - `OverlapLoop` ("zero-overhead" scheduling, seed documents 002/004): the forward runs on a
   `ForwardThread`; after launching batch k+1 the loop processes batch k's results while k+1 computes, so the
-  forward never waits for the scheduler. Batch k+1 is planned before k's tokens are known (future-token
-  placeholders, see executor/future_tokens.py). Its policy decides, step by step, whether to keep one batch
-  in flight (overlap) or to process each batch right after launching it.
+  forward never waits for the scheduler. Batch k+1 is planned before k's tokens are known (its inputs are
+  read from the worker's token table on the forward side, executor/token_table.py). Its policy decides,
+  step by step, whether to keep one batch in flight (overlap) or to process each batch right after
+  launching it.
 
 `make_event_loop(args, scheduler, inbox)` picks the loop for `--overlap-schedule on|off|auto`.
 At tp_size > 1 every rank runs the same loop in lockstep: the inbox is a `rank_sync.BroadcastInbox` (one

@@ -62,10 +62,10 @@ class Req:
         self.retraction_count = 0
         self.sent_len = 0  # output tokens already handed to the detokenizer
         self.finish_sent = False  # the finish reason was handed over (a request finishes exactly once)
-        # Overlap scheduling: batches launched with this request and not processed yet, and the future-token
-        # slot of its newest sampled-but-unprocessed token (None when every token is in `output_ids`).
+        # Overlap scheduling: batches launched with this request and not processed yet, and how many of them
+        # are decode steps whose sampled token is not in `output_ids` yet (it is in the worker's token table).
         self.inflight = 0
-        self.future_slot: int | None = None
+        self.pending_tokens = 0
         # Logprobs of output tokens: (logprob, token id) and per position top-k lists.
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []

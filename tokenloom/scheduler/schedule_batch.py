@@ -7,7 +7,9 @@ the prefix cache first when the allocator is short. Per-request tensors are buil
 
 Both advance `req.kv_len` when the batch is planned, not when its results arrive: with the overlap
 scheduler the next batch is planned while this one runs, and must already see these tokens as placed.
-A decode input whose token is not known yet (`req.future_slot` set) is a future-token placeholder.
+A decode batch carries no input ids: the worker reads each request's newest sampled token from its token
+table by request row on the forward side (executor/token_table.py), known there even when the step that
+sampled it is not processed yet (the overlap scheduler).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
-from tokenloom.executor.future_tokens import placeholder
 from tokenloom.scheduler.req import Req
 
 
@@ -36,15 +37,10 @@ class ScheduleBatch:
     prefix_lens: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     out_cache_loc: torch.Tensor | None = None
-    # Future-token slots of this batch's sampled tokens, set when it is launched (list and tensor).
-    out_slots: list[int] | None = None
-    out_slots_tensor: torch.Tensor | None = None
-    # Some input id is a future-token placeholder.
-    has_placeholders: bool = False
-    # Decode batch of exactly the previous step's decode requests, in order (the vectorized fast path);
-    # then `last_out_slots` are where the previous step stored their tokens.
+    # Launched (prepared for the forward) by the scheduler.
+    launched: bool = False
+    # Decode batch of exactly the previous (launched) step's decode requests, in order: the vectorized path.
     same_reqs_as_last_decode: bool = False
-    last_out_slots: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -113,12 +109,13 @@ class BatchMemory:
 
     def prepare_for_decode(self, reqs: list[Req]) -> ScheduleBatch:
         """One new slot per request. When the requests are exactly the previous step's decode requests (the
-        steady state), rows and lengths are the previous step's tensors advanced by one and every input is
-        the previous step's sampled token read from the future-token buffer: no Python loop builds them."""
+        steady state), rows and lengths are the previous step's tensors advanced by one: no Python loop
+        builds them. The input ids are not built here at all (the worker gathers them from its token table);
+        `input_ids` is a placeholder of the right shape."""
         device = self.device
         self._ensure(self.decode_tokens_needed(reqs))
         last = self._last_decode
-        same = last is not None and last.out_slots_tensor is not None and last.reqs == reqs
+        same = last is not None and last.launched and last.reqs == reqs
         if same:
             row_t, kv = last.req_pool_indices, last.seq_lens
         else:
@@ -128,19 +125,12 @@ class BatchMemory:
         slots = self.allocator.alloc_decode(seq, self._last_slots(row_t, kv))
         if slots is None:
             raise KVCacheOOM("KV pool cannot hold a decode step (retraction should have prevented this)")
-        if same:
-            ids = -(last.out_slots_tensor + 1)
-            has_placeholders = True
-        else:
-            ids_list = [r.output_ids[-1] if r.future_slot is None else placeholder(r.future_slot) for r in reqs]
-            has_placeholders = any(r.future_slot is not None for r in reqs)
-            ids = torch.tensor(ids_list, dtype=torch.int64, device=device)
+        ids = torch.zeros(len(reqs), dtype=torch.int64, device=device)  # read from the token table later
         for req in reqs:
             req.kv_len += 1
         batch = ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids,
                               req_pool_indices=row_t, prefix_lens=kv, seq_lens=seq, out_cache_loc=slots,
-                              has_placeholders=has_placeholders, same_reqs_as_last_decode=same,
-                              last_out_slots=last.out_slots_tensor if same else None)
+                              same_reqs_as_last_decode=same)
         self._last_decode = batch
         return batch
 

@@ -85,15 +85,15 @@ NO_LOOP = NoLoop()
 
 
 class PreparedStepLike(Protocol):
-    out_slots: torch.Tensor  # [B] future-token slots the step's sampled tokens are stored at
+    """What `prepare` returns and `execute` takes; opaque to the scheduler."""
 
 
 class SchedulerWorker(Protocol):
     """What the scheduler and its event loops use of the worker (`executor.worker.ModelWorker`, or a fake).
 
-    `prepare(batch)` runs on the scheduler's thread: it records the batch's KV slots in the request table
-    and reserves future-token slots for its outputs; `execute(step)` runs on the forward side, resolves
-    placeholder inputs and returns the sampled tokens. Neither allocates or frees KV memory. `device` is
+    `prepare(batch)` runs on the scheduler's thread: it records the batch's KV slots in the request table;
+    `execute(step)` runs on the forward side, reads a decode step's inputs from its token table by request row
+    and returns the sampled tokens. Neither allocates or frees KV memory. `device` is
     where the forwards run (the overlap loop's forward thread makes its stream for it).
     """
 
@@ -310,24 +310,24 @@ class Scheduler:
     # --- running ------------------------------------------------------------------------------------
     def launch(self, batch: ScheduleBatch) -> PreparedStepLike:
         """Prepare `batch` for the forward (this thread) and mark its requests as in flight; a decode
-        request's next input is then this batch's future token until the result is processed."""
+        request's newest token is then known only to the worker's token table until the result is processed."""
         step = self.worker.prepare(batch)
-        batch.out_slots_tensor = step.out_slots
-        batch.out_slots = step.out_slots.tolist()
         decode = batch.forward_mode.is_decode()
-        for req, slot in zip(batch.reqs, batch.out_slots, strict=True):
+        for req in batch.reqs:
             req.inflight += 1
             if decode:
-                req.future_slot = slot
+                req.pending_tokens += 1
             else:
                 self.prefilling[id(req)] = req
+        batch.launched = True
         return step
 
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
-        for req, slot in zip(batch.reqs, batch.out_slots, strict=True):
+        decode = batch.forward_mode.is_decode()
+        for req in batch.reqs:
             req.inflight -= 1
-            if req.future_slot == slot:
-                req.future_slot = None
+            if decode:
+                req.pending_tokens -= 1
         if batch.forward_mode.is_extend():
             for req in batch.reqs:
                 self.warming_heads.pop(id(req), None)
