@@ -49,3 +49,26 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, join_s: float
     assert not errors, errors
     assert sorted(got) == list(range(world)), f"ranks that reported: {sorted(got)}"
     return got, [p.exitcode for p in procs]
+
+
+def report_from_world(rank: int, tp: int, pp: int, port: int, results: Any,
+                      body: Callable[[Any], dict]) -> None:
+    """Inside a rank process: join the tp x pp world on loopback (1 thread), put `(rank, body(ctx))` on
+    `results` — or `(rank, {"error": traceback})` — and leave the world."""
+    import traceback
+
+    import torch
+
+    from tokenloom.distributed.groups import destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    try:
+        ctx = init_distributed(tp, pp, rank, f"127.0.0.1:{port}", "cpu", init_timeout_s=30, op_timeout_s=30)
+        try:
+            out = body(ctx)
+        finally:
+            destroy_distributed()
+        results.put((rank, out))
+    except BaseException:
+        results.put((rank, {"error": traceback.format_exc()}))
+        raise

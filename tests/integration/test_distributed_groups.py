@@ -8,15 +8,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.rank_processes import free_port, run_ranks
+from tests.rank_processes import free_port, report_from_world, run_ranks
 from tokenloom.distributed.comm import all_equal, broadcast_pyobj, min_reduce_ints
-from tokenloom.distributed.groups import DistributedInitError, destroy_distributed, init_distributed
+from tokenloom.distributed.groups import DistributedInitError, init_distributed
 from tokenloom.protocol import AbortRequest, TokenizedRequest
 from tokenloom.sampling.sampling_params import SamplingParams
 
@@ -78,31 +77,24 @@ def _overlap(ctx) -> list[str]:
 
 
 def _worker(rank: int, tp: int, pp: int, port: int, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        ctx = init_distributed(tp, pp, rank, f"127.0.0.1:{port}", "cpu", init_timeout_s=30, op_timeout_s=30)
-        try:
-            out = {
-                "coords": (ctx.tp_rank, ctx.pp_rank, ctx.rank, ctx.is_entry, ctx.is_output),
-                "backends": (dist.get_backend(ctx.tp_group), dist.get_backend(ctx.tp_cpu_group),
-                             dist.get_backend(ctx.world_cpu_group)),
-                "distinct_groups": ctx.tp_group is not ctx.tp_cpu_group,
-                "bcast": broadcast_pyobj(_payload(ctx.pp_rank) if ctx.tp_rank == 0 else None, ctx),
-                "min": min_reduce_ints([1000 - 7 * rank, 50 + rank, (rank - 1) ** 2], ctx),
-                "tp_equal": all_equal(("batch", 3, [1, 2]), ctx),
-                "tp_differ": all_equal(("batch", ctx.tp_rank), ctx),
-                "world_equal": all_equal(("stage?", ctx.tp_rank), ctx, across="world") if tp == 1 else
-                all_equal("same", ctx, across="world"),
-                "world_differ": all_equal(ctx.pp_rank, ctx, across="world"),
-                "gather": ctx.all_gather_last_dim(torch.full((2, 3), _value(ctx.rank))),
-                "overlap_errors": _overlap(ctx),
-            }
-        finally:
-            destroy_distributed()
-        results.put((rank, out))
-    except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
+    def body(ctx) -> dict:
+        return {
+            "coords": (ctx.tp_rank, ctx.pp_rank, ctx.rank, ctx.is_entry, ctx.is_output),
+            "backends": (dist.get_backend(ctx.tp_group), dist.get_backend(ctx.tp_cpu_group),
+                         dist.get_backend(ctx.world_cpu_group)),
+            "distinct_groups": ctx.tp_group is not ctx.tp_cpu_group,
+            "bcast": broadcast_pyobj(_payload(ctx.pp_rank) if ctx.tp_rank == 0 else None, ctx),
+            "min": min_reduce_ints([1000 - 7 * rank, 50 + rank, (rank - 1) ** 2], ctx),
+            "tp_equal": all_equal(("batch", 3, [1, 2]), ctx),
+            "tp_differ": all_equal(("batch", ctx.tp_rank), ctx),
+            "world_equal": all_equal(("stage?", ctx.tp_rank), ctx, across="world") if tp == 1 else
+            all_equal("same", ctx, across="world"),
+            "world_differ": all_equal(ctx.pp_rank, ctx, across="world"),
+            "gather": ctx.all_gather_last_dim(torch.full((2, 3), _value(ctx.rank))),
+            "overlap_errors": _overlap(ctx),
+        }
+
+    report_from_world(rank, tp, pp, port, results, body)
 
 
 def _run_world(tp: int, pp: int) -> dict[int, dict]:

@@ -15,12 +15,11 @@ import glob
 import hashlib
 import os
 import time
-import traceback
 
 import pytest
 import torch
 
-from tests.rank_processes import run_ranks
+from tests.rank_processes import report_from_world, run_ranks
 from tokenloom.kernels.cpu_build import load_library
 
 pytestmark = pytest.mark.skipif(load_library("kernels") is None, reason="native kernels unavailable")
@@ -151,21 +150,14 @@ def _exercise(ctx, world: int, rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        from tokenloom.distributed.comm import broadcast_pyobj
-        from tokenloom.distributed.groups import destroy_distributed, init_distributed
+    from tokenloom.distributed.comm import broadcast_pyobj
 
-        ctx = init_distributed(world, 1, rank, f"127.0.0.1:{port}", "cpu", init_timeout_s=30, op_timeout_s=30)
-        try:
-            out = _exercise(ctx, world, rank)
-            broadcast_pyobj("done", ctx)  # nobody tears down the groups while a peer still waits in them
-        finally:
-            destroy_distributed()
-        results.put((rank, out))
-    except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
+    def body(ctx) -> dict:
+        out = _exercise(ctx, world, rank)
+        broadcast_pyobj("done", ctx)  # nobody tears down the groups while a peer still waits in them
+        return out
+
+    report_from_world(rank, world, 1, port, results, body)
 
 
 def _run(world: int) -> dict[int, dict]:
