@@ -72,6 +72,14 @@ def test_missing_model_is_a_clear_error():
     assert "Traceback" not in result.stderr
 
 
+def test_missing_model_on_a_worker_node_is_a_clear_error():
+    result = run("-m", "tokenloom.cli", "serve", "--model-path", "/no/such/model", "--tp-size", "2", "--nnodes",
+                 "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:29999")
+    assert result.returncode == 1
+    assert "error: node 1: model path '/no/such/model' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_busy_port_fails_before_loading_the_model():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

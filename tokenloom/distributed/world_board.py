@@ -16,15 +16,12 @@ Invariant: the board only carries notices; no rank reads it, so a slow or lost b
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from tokenloom.distributed import topology
-
-logger = logging.getLogger(__name__)
 
 _PREFIX = "tokenloom/board/"
 _DEATH = _PREFIX + "death/"

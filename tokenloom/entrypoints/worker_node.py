@@ -36,8 +36,11 @@ def run_worker_node(args: ServerArgs) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        source = resolve_model_source(args)
-        launcher = RuntimeLauncher(args, source, addresses=None)
+        try:
+            launcher = RuntimeLauncher(args, resolve_model_source(args), addresses=None)
+        except (ValueError, RuntimeError, OSError) as e:  # bad model path or config, shapes TP cannot split
+            print(f"error: node {args.node_rank}: {e}", file=sys.stderr)
+            return 1
         ranks = launcher.ranks
         names = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         logger.info("node %d of %d: starting scheduler %s; rendezvous at %s", args.node_rank, args.nnodes, names,
