@@ -28,6 +28,7 @@ import dataclasses
 import multiprocessing as mp
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tokenloom.config import ServerArgs, check_parallel_fits
@@ -75,9 +76,10 @@ class RuntimeLauncher:
             return self.args
         return dataclasses.replace(self.args, num_threads=topology.threads_per_rank(len(self.ranks)))
 
-    def start(self) -> dict[str, Any]:
+    def start(self, cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Spawn every local process and wait until all are ready; returns the entry rank's ready info.
-        On any failure every child is stopped and RuntimeError names what failed."""
+        On any failure every child is stopped and RuntimeError names what failed; `cancelled()` turning true
+        (a signal arrived) stops the wait the same way."""
         ctx = mp.get_context("spawn")
         rank_args = self.rank_args()
         pipes: dict[str, Any] = {}
@@ -102,7 +104,7 @@ class RuntimeLauncher:
                 writer.close()
                 self.processes[key], self.labels[key], pipes[key] = proc, label, reader
             self._pipes = pipes
-            self._wait_ready(pipes)
+            self._wait_ready(pipes, cancelled)
             if self.args.nnodes > 1:
                 self.board = WorldBoard(self.dist_init_addr, self.world)
         except BaseException:
@@ -110,11 +112,13 @@ class RuntimeLauncher:
             raise
         return self.scheduler_info
 
-    def _wait_ready(self, pipes: dict[str, Any]) -> None:
+    def _wait_ready(self, pipes: dict[str, Any], cancelled: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = dict(pipes)
         failures: list[str] = []
         while pending and time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise RuntimeError("start-up cancelled before every process was ready")
             for key, pipe in list(pending.items()):
                 proc, label = self.processes[key], self.labels[key]
                 if pipe.poll(0.05):

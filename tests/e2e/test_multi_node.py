@@ -107,3 +107,22 @@ def test_a_clean_stop_of_node0_ends_node1_with_exit_0(two_nodes):
     assert node0.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
     assert node1.wait_exit(timeout=EXIT_BOUND_S) == 0, node1.logs()
     assert "node 0 shut down" in node1.logs()
+
+
+def test_a_worker_node_stops_on_sigterm_while_waiting_for_node0(tiny_runtime_model):
+    """Node 1 started without a node 0 waits in the rendezvous; SIGTERM ends it at once (exit 0), its
+    ranks included, instead of after the start-up timeout."""
+    node1 = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--tp-size", "2", "--nnodes", "2",
+                          "--dist-init-addr", f"127.0.0.1:{free_port()}", "--node-rank", "1", "--log-level", "info")
+    try:
+        deadline = time.monotonic() + 60
+        while "starting scheduler rank 1" not in node1.logs():
+            assert node1.proc.poll() is None and time.monotonic() < deadline, node1.logs()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        start = time.monotonic()
+        assert node1.stop(signal.SIGTERM, timeout=30) == 0, node1.logs()
+        assert time.monotonic() - start < 15
+        assert not node1.children()
+    finally:
+        node1.stop(signal.SIGKILL)

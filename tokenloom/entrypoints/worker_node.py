@@ -46,8 +46,10 @@ def run_worker_node(args: ServerArgs) -> int:
         logger.info("node %d of %d: starting scheduler %s; rendezvous at %s", args.node_rank, args.nnodes, names,
                     args.dist_init_addr)
         try:
-            launcher.start()
+            launcher.start(cancelled=stop.is_set)
         except (RuntimeError, OSError) as e:
+            if stop.is_set():  # SIGINT/SIGTERM while the ranks were starting: stopped on request
+                return 0
             print(f"error: node {args.node_rank}: {e}", file=sys.stderr)
             return 1
         logger.info("node %d: scheduler %s ready", args.node_rank, names)
