@@ -32,13 +32,18 @@ class Result:
 
 class LoopHarness:
     def __init__(self, args: ServerArgs, worker: SchedulerWorker, memory: KVMemory, vocab_size: int,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, num_lanes: int = 1, lane_cap: int | None = None,
+                 make_loop: Callable[[Scheduler, LocalChannel], Any] | None = None) -> None:
+        """`num_lanes`/`lane_cap`: the scheduler's micro-batch lanes; `make_loop(scheduler, inbox)`: the loop
+        driving it (default: the one `make_event_loop` picks for `args`)."""
         self.args = args
         self.memory = memory
         self.vocab_size = vocab_size
         self.inbox, self.outbox = LocalChannel(), LocalChannel()
-        self.scheduler = Scheduler(args, worker, tokenizer, self.outbox.send, memory)
-        self.loop = make_event_loop(args, self.scheduler, self.inbox)
+        self.scheduler = Scheduler(args, worker, tokenizer, self.outbox.send, memory, num_lanes=num_lanes,
+                                   lane_cap=lane_cap)
+        self.loop = (make_loop or (lambda sched, inbox: make_event_loop(args, sched, inbox)))(self.scheduler,
+                                                                                            self.inbox)
         self.results: dict[str, Result] = {}
         self.steps = 0
 

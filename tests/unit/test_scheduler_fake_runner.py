@@ -58,7 +58,10 @@ class FakeWorker:
         self.device = self.memory.device
         self.tokens = TokenTable(self.memory.req_to_token_pool.req_to_token.shape[0], self.device)
 
-    def prepare(self, batch: ScheduleBatch) -> FakeStep:
+    def new_lane_state(self) -> None:
+        return None
+
+    def prepare(self, batch: ScheduleBatch, lane_state: None = None) -> FakeStep:
         fb = batch.to_forward_batch()
         # What ModelRunner.prepare does: record the new tokens' slots, then snapshot each request's KV indices.
         self.memory.req_to_token_pool.write(fb.req_pool_indices[fb.token_req_index], fb.positions, fb.out_cache_loc)
@@ -257,13 +260,13 @@ def test_retraction_settles_the_loop_first():
     after everything in flight was processed, and every request still ends with its reference tokens."""
     h, _ = harness(tokens=48, overlap_schedule="on", max_running_requests=4, schedule_conservativeness=0.3)
     settles = []
-    drain = h.loop.settle_all
+    drain = h.loop.settle
 
-    def counting_settle() -> None:
+    def counting_settle(lane) -> None:
         settles.append(len(h.loop.inflight))
-        drain()
+        drain(lane)
 
-    h.loop.settle_all = counting_settle
+    h.loop.settle = counting_settle
     ids = [prompt(30 + i, 10) for i in range(3)]
     for i, p in enumerate(ids):
         h.submit(f"r{i}", p, dict(GREEDY, max_new_tokens=12))

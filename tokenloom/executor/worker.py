@@ -90,11 +90,15 @@ class ModelWorker:
         self.eos_token_ids = eos_token_ids
         self.device = runner.device  # where forwards run (the forward thread's stream is made for it)
         self.token_table = TokenTable(runner.memory.req_to_token_pool.req_to_token.shape[0], runner.device)
-        self.sampling_rows = SamplingRows(runner.vocab_size, eos_token_ids, runner.device)
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
 
     # --- scheduler side ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduleBatch) -> PreparedStep:
+    def new_lane_state(self) -> SamplingRows:
+        """The sampling state of one micro-batch lane (scheduler/lane.py): its penalty counts carry from one
+        of the lane's steps to its next."""
+        return SamplingRows(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
+
+    def prepare(self, batch: ScheduleBatch, lane_state: SamplingRows) -> PreparedStep:
         reqs = batch.reqs
         fb = batch.to_forward_batch()
         plan = None
@@ -113,7 +117,7 @@ class ModelWorker:
             flags = [r.pending_tokens > 0 for r in reqs]
             if any(flags):
                 pending_rows = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=device)
-        info = self.sampling_rows.info_for(reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob,
+        info = lane_state.info_for(reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob,
                                            top_logprobs_num=top_k)
         token_ids = [r.token_ids_logprob for r in reqs] if any(r.token_ids_logprob is not None for r in reqs) \
             else None

@@ -31,6 +31,7 @@ from tokenloom.device import keep_this_thread_single_threaded
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
 from tokenloom.executor.worker import ForwardOutput
+from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
 from tokenloom.scheduler.rank_sync import BroadcastOverlap
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -100,6 +101,9 @@ class _LoopBase:
         if not self._idle_checked:  # walking the tree and the free lists costs ms on a large pool
             self._idle_checked = True
             self.scheduler.check_idle_integrity()
+
+    def settle(self, lane: Lane) -> None:
+        """`LoopControl`: nothing is in flight while this loop plans (each step runs to completion)."""
 
     def settle_all(self) -> None:
         """`LoopControl`: nothing is in flight while this loop plans (each step runs to completion)."""
@@ -171,8 +175,12 @@ class OverlapLoop(_LoopBase):
         while self.inflight:
             self._process_oldest()
 
+    def settle(self, lane: Lane) -> None:
+        """`LoopControl`: retraction needs the (one) lane's requests settled."""
+        self.drain()
+
     def settle_all(self) -> None:
-        """`LoopControl`: the scheduler's retraction, cache flush and state report need settled requests."""
+        """`LoopControl`: the scheduler's cache flush and state report need settled requests."""
         self.drain()
 
     def _on_step(self, timing: StepTiming) -> None:

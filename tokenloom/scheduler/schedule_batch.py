@@ -63,7 +63,6 @@ class BatchMemory:
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.device = device
-        self._last_decode: ScheduleBatch | None = None
 
     def available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -74,7 +73,6 @@ class BatchMemory:
             self.tree_cache.evict(short)
 
     def prepare_for_extend(self, reqs: list[Req]) -> ScheduleBatch:
-        self._last_decode = None
         device = self.device
         need_rows = [r for r in reqs if r.req_pool_idx is None]
         rows = self.req_to_token_pool.alloc(len(need_rows))
@@ -107,14 +105,13 @@ class BatchMemory:
             return len(reqs)
         return sum(page for r in reqs if r.kv_len % page == 0)
 
-    def prepare_for_decode(self, reqs: list[Req]) -> ScheduleBatch:
-        """One new slot per request. When the requests are exactly the previous step's decode requests (the
-        steady state), rows and lengths are the previous step's tensors advanced by one: no Python loop
+    def prepare_for_decode(self, reqs: list[Req], last: ScheduleBatch | None = None) -> ScheduleBatch:
+        """One new slot per request. When the requests are exactly those of `last` (the lane's previous decode
+        batch, launched: the steady state), rows and lengths are its tensors advanced by one: no Python loop
         builds them. The input ids are not built here at all (the worker gathers them from its token table);
         `input_ids` is a placeholder of the right shape."""
         device = self.device
         self._ensure(self.decode_tokens_needed(reqs))
-        last = self._last_decode
         same = last is not None and last.launched and last.reqs == reqs
         if same:
             row_t, kv = last.req_pool_indices, last.seq_lens
@@ -131,7 +128,6 @@ class BatchMemory:
         batch = ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids,
                               req_pool_indices=row_t, prefix_lens=kv, seq_lens=seq, out_cache_loc=slots,
                               same_reqs_as_last_decode=same)
-        self._last_decode = batch
         return batch
 
     def _last_slots(self, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ from tokenloom.protocol import (
     InternalStateReply,
     TokenizedRequest,
 )
+from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
 from tokenloom.scheduler.prefill_adder import AddResult, PrefillAdder
@@ -64,6 +65,9 @@ logger = logging.getLogger(__name__)
 class LoopControl(Protocol):
     """What the scheduler may ask of the event loop driving it (loops.py), passed with each call."""
 
+    def settle(self, lane: Lane) -> None:
+        """Process every launched batch of `lane` whose result is pending (a no-op when none can be)."""
+
     def settle_all(self) -> None:
         """Process every launched batch whose result is pending (a no-op when none can be)."""
 
@@ -73,6 +77,9 @@ class LoopControl(Protocol):
 
 class NoLoop:
     """The control of a scheduler driven without a loop (tests stepping it by hand): nothing is in flight."""
+
+    def settle(self, lane: Lane) -> None:
+        pass
 
     def settle_all(self) -> None:
         pass
@@ -91,26 +98,31 @@ class PreparedStepLike(Protocol):
 class SchedulerWorker(Protocol):
     """What the scheduler and its event loops use of the worker (`executor.worker.ModelWorker`, or a fake).
 
-    `prepare(batch)` runs on the scheduler's thread: it records the batch's KV slots in the request table;
-    `execute(step)` runs on the forward side, reads a decode step's inputs from its token table by request row
-    and returns the sampled tokens. Neither allocates or frees KV memory. `device` is
-    where the forwards run (the overlap loop's forward thread makes its stream for it).
+    `prepare(batch, lane_state)` runs on the scheduler's thread: it records the batch's KV slots in the request
+    table (`lane_state`: the lane's `new_lane_state()`, its sampling state); `execute(step)` runs on the forward
+    side, reads a decode step's inputs from its token table by request row and returns the sampled tokens.
+    Neither allocates or frees KV memory. `device` is where the forwards run (the overlap loop's forward thread
+    makes its stream for it).
     """
 
     eos_token_ids: tuple[int, ...]
     device: torch.device
 
-    def prepare(self, batch: ScheduleBatch) -> PreparedStepLike: ...
+    def new_lane_state(self) -> Any: ...
+
+    def prepare(self, batch: ScheduleBatch, lane_state: Any) -> PreparedStepLike: ...
 
     def execute(self, step: Any) -> ForwardOutput: ...
 
 
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: SchedulerWorker, tokenizer: Any, send: Callable[[Any], None],
-                 memory: KVMemory, ranks_agree: Callable[[object], bool] | None = None) -> None:
+                 memory: KVMemory, ranks_agree: Callable[[object], bool] | None = None, num_lanes: int = 1,
+                 lane_cap: int | None = None) -> None:
         """`ranks_agree` (tp_size > 1): whether every TP rank holds the same value (rank_sync /
         comm.all_equal); called only from `handle`, which every rank runs on the same messages in the same
-        order."""
+        order. `num_lanes` micro-batch lanes (scheduler/lane.py), each holding at most `lane_cap` requests
+        (default: `max_running_requests`, which bounds all lanes together too)."""
         if memory.page_size != args.page_size:
             raise ValueError(f"KVMemory has page size {memory.page_size}, --page-size is {args.page_size}")
         self.args = args
@@ -129,7 +141,8 @@ class Scheduler:
                                         args.max_running_requests or max(self.max_total_num_tokens // 2, 1))
         self.chunked_prefill_size = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
         self.waiting_queue: list[Req] = []
-        self.running: list[Req] = []
+        cap = self.max_running_requests if lane_cap is None else max(1, min(lane_cap, self.max_running_requests))
+        self.lanes = [Lane(i, cap, worker.new_lane_state()) for i in range(num_lanes)]
         # Requests of launched prefill batches whose results are not processed yet: in no queue and not yet
         # running (with the overlap scheduler a whole step long), but an abort must still find them.
         self.prefilling: dict[int, Req] = {}
@@ -142,6 +155,11 @@ class Scheduler:
         self.ranks_agree = ranks_agree
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
+
+    @property
+    def running(self) -> list[Req]:
+        """Every lane's running requests (a new list; lanes own them)."""
+        return [r for lane in self.lanes for r in lane.running]
 
     # --- inputs --------------------------------------------------------------------------------------
     def handle(self, msg: Any, loop: LoopControl = NO_LOOP) -> None:
@@ -201,11 +219,12 @@ class Scheduler:
             req.is_chunked = 0
             self._finish_aborted(req, message)
             return
-        for req in self.running:
-            if req.rid == rid:
-                self.running.remove(req)
-                self._finish_aborted(req, message)
-                return
+        for lane in self.lanes:
+            for req in lane.running:
+                if req.rid == rid:
+                    lane.running.remove(req)
+                    self._finish_aborted(req, message)
+                    return
         for req in self.prefilling.values():
             if req.rid == rid and not req.finished:  # processing its prefill's result releases it
                 self._finish_aborted(req, message)
@@ -217,27 +236,40 @@ class Scheduler:
         self.output.emit([req])
 
     # --- batch selection -----------------------------------------------------------------------------
-    def get_next_batch_to_run(self, loop: LoopControl = NO_LOOP) -> ScheduleBatch | None:
-        batch = self._get_new_batch_prefill()
+    def get_next_batch_to_run(self, loop: LoopControl = NO_LOOP, lane: Lane | None = None) -> ScheduleBatch | None:
+        """The next batch of `lane` (the first lane by default): a prefill when waiting requests fit, else a
+        decode step of the lane's running requests."""
+        lane = lane or self.lanes[0]
+        batch = self._get_new_batch_prefill(lane)
         if batch is not None:
+            lane.last_decode = None
             return batch
-        if self.running:
-            return self._update_running_batch(loop)
+        if lane.running:
+            batch = self._update_running_batch(lane, loop)
+            if batch is not None:
+                lane.last_decode = batch
+            return batch
         return None
 
-    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def _in_flight_prefills(self) -> list[Req]:
+        """Requests of launched prefill batches that will start decoding when processed (not yet running)."""
+        return [r for r in self.prefilling.values() if not r.finished and r is not self.chunked_req]
+
+    def _get_new_batch_prefill(self, lane: Lane) -> ScheduleBatch | None:
         # A request row is free only once no launched batch uses it: with the overlap scheduler a request that
         # finished may still hold its row while riding the batch in flight, so rows can be scarcer than slots.
         # (A chunked request already holds its row and counts as one of the admitted.)
         free_rows = self.req_to_token_pool.available_size() + (self.chunked_req is not None)
-        running_slots = min(self.max_running_requests - len(self.running), free_rows)
+        admitted = sum(other.admitted() for other in self.lanes)
+        running_slots = min(self.max_running_requests - admitted, lane.cap - lane.admitted(), free_rows)
         if self.chunked_req is None and (not self.waiting_queue or running_slots <= 0):
             return None
         match = self.tree_cache.match_prefix
         order_waiting_queue(self.waiting_queue, self.args.schedule_policy, match, not self.args.disable_radix_cache,
                             warming=set(self.warming_heads.values()))
         adder = PrefillAdder(self.args.page_size, self.memory.available_tokens, self.tree_cache.inc_lock_ref,
-                             self.tree_cache.dec_lock_ref, self.running, self.ratio.value, self.args.max_prefill_tokens,
+                             self.tree_cache.dec_lock_ref, self.running + self._in_flight_prefills(), self.ratio.value,
+                             self.args.max_prefill_tokens,
                              self.chunked_prefill_size, running_slots)
         if self.chunked_req is not None:
             self.output.cache_progress(self.chunked_req)  # its previous chunk becomes its locked prefix
@@ -276,42 +308,61 @@ class Scheduler:
         self.stats.on_prefill(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
         return batch
 
-    def _update_running_batch(self, loop: LoopControl) -> ScheduleBatch | None:
-        if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
-            loop.settle_all()  # finished requests may free enough; retraction needs settled requests
-            if not self.running:
+    def _update_running_batch(self, lane: Lane, loop: LoopControl) -> ScheduleBatch | None:
+        if self.memory.available_tokens() < self.memory.decode_tokens_needed(lane.running):
+            loop.settle(lane)  # finished requests may free enough; retraction needs settled requests
+            if not lane.running:
                 return None
-        if self.memory.available_tokens() < self.memory.decode_tokens_needed(self.running):
-            self._retract()
+        if self.memory.available_tokens() < self.memory.decode_tokens_needed(lane.running):
+            if not self._retract(lane):
+                return None  # the lane waits a round: other lanes' batches in flight hold the KV it needs
         else:
-            self.ratio.decay()
-        return self.memory.prepare_for_decode(self.running)
+            self.ratio.decay(1 / len(self.lanes))  # one decay per round of every lane's decode
+        return self.memory.prepare_for_decode(lane.running, lane.last_decode)
 
-    def _retract(self) -> None:
-        """Free KV by re-queueing the requests with the fewest outputs (then the longest prompts)."""
-        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        retracted = []
-        while self.memory.available_tokens() < self.memory.decode_tokens_needed(order):
-            if len(order) == 1:
-                raise RuntimeError("Out of memory even after retracting every other request; "
-                                   "raise --max-total-tokens")
-            req = order.pop()
+    def _retract(self, lane: Lane) -> bool:
+        """Free KV for `lane`'s decode step by re-queueing the requests with the fewest outputs (then the
+        longest prompts). Candidates: the lane's running requests and those of lanes with nothing in flight
+        (settled; a launched batch's KV is in use on some stage). False when even the lane's last request does
+        not fit while other lanes' batches are in flight: the lane idles until they return."""
+        settled = [r for other in self.lanes if other is not lane and not other.launched for r in other.running]
+        order = sorted([*lane.running, *settled], key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)),
+                       reverse=True)
+        retracted: list[Req] = []
+        fits = True
+        while self.memory.available_tokens() < self.memory.decode_tokens_needed(lane.running):
+            victims = [r for r in order if not (len(lane.running) == 1 and r is lane.running[0])]
+            if not victims:
+                if not any(other.launched for other in self.lanes if other is not lane):
+                    raise RuntimeError("Out of memory even after retracting every other request; "
+                                       "raise --max-total-tokens")
+                fits = False
+                break
+            req = victims[-1]
+            order.remove(req)
+            for each in self.lanes:
+                if req in each.running:
+                    each.running.remove(req)
             self.tree_cache.release_unfinished(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
             self.req_to_token_pool.free(req.req_pool_idx)
             req.reset_for_retract()
             retracted.append(req)
-        self.running = [r for r in self.running if r in order]
+        if not retracted:
+            return fits
         self.num_retracted += len(retracted)
         self.waiting_queue[:0] = reversed(retracted)  # retracted requests go first, oldest first
         self.ratio.after_retract(self.running)
         logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                        len(retracted), self.ratio.value)
+        return fits
 
     # --- running ------------------------------------------------------------------------------------
-    def launch(self, batch: ScheduleBatch) -> PreparedStepLike:
-        """Prepare `batch` for the forward (this thread) and mark its requests as in flight; a decode
-        request's newest token is then known only to the worker's token table until the result is processed."""
-        step = self.worker.prepare(batch)
+    def launch(self, batch: ScheduleBatch, lane: Lane | None = None) -> PreparedStepLike:
+        """Prepare `batch` (planned for `lane`, the first by default) for the forward (this thread) and mark
+        its requests as in flight; a decode request's newest token is then known only to the worker's token
+        table until the result is processed."""
+        lane = lane or self.lanes[0]
+        step = self.worker.prepare(batch, lane.sampling)
         decode = batch.forward_mode.is_decode()
         for req in batch.reqs:
             req.inflight += 1
@@ -320,9 +371,15 @@ class Scheduler:
             else:
                 self.prefilling[id(req)] = req
         batch.launched = True
+        lane.launched.append(batch)
         return step
 
-    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput, lane: Lane | None = None) -> None:
+        """Apply `out` to `batch`, the oldest launched batch of `lane` (the first by default)."""
+        lane = lane or self.lanes[0]
+        if not lane.launched or lane.launched[0] is not batch:
+            raise AssertionError(f"lane {lane.index}: results must be processed in launch order")
+        lane.launched.popleft()
         decode = batch.forward_mode.is_decode()
         for req in batch.reqs:
             req.inflight -= 1
@@ -333,18 +390,18 @@ class Scheduler:
                 self.warming_heads.pop(id(req), None)
                 if req.inflight == 0:
                     self.prefilling.pop(id(req), None)
-            self.running.extend(self.output.process_extend(batch, out))
+            lane.running.extend(self.output.process_extend(batch, out))
         else:
             self.output.process_decode(batch, out)
             self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
-        self.running = [r for r in self.running if not r.finished]
+        lane.running = [r for r in lane.running if not r.finished]
         if self.ranks_agree is not None:  # ints hash alike in every process (no hash seed)
             self.token_digest = hash((self.token_digest, tuple(r.output_ids[-1] if r.output_ids else -1
                                                                 for r in batch.reqs)))
 
     # --- control ------------------------------------------------------------------------------------
     def is_idle(self) -> bool:
-        return not self.waiting_queue and not self.running and self.chunked_req is None
+        return not self.waiting_queue and self.chunked_req is None and all(lane.is_empty() for lane in self.lanes)
 
     def check_idle_integrity(self) -> None:
         if self.is_idle():

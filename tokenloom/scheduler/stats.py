@@ -27,8 +27,9 @@ class NewTokenRatio:
         self.step = (self.init - self.min) / DECAY_STEPS
         self.value = self.init
 
-    def decay(self) -> None:
-        self.value = max(self.value - self.step, self.min)
+    def decay(self, steps: float = 1.0) -> None:
+        """One decode step's decay (`steps` < 1: a share of one, for each of several micro-batch lanes)."""
+        self.value = max(self.value - self.step * steps, self.min)
 
     def after_retract(self, running: list[Any]) -> None:
         decoded = sum(len(r.output_ids) for r in running)
