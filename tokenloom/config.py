@@ -4,9 +4,9 @@ Every field is a flag with SGLang's spelling (`dtype` -> `--dtype`, `page_size` 
 argparse parser is generated from the dataclass so the two cannot drift apart. `ServerArgs.from_kwargs`
 is what `Engine(**kwargs)` uses: unknown keywords are an error, not silently ignored.
 
-Every flag either acts or is refused with the reason (`--pp-size` > 1, `--kv-cache-dtype` other
-than auto). Whether the model's heads split over `--tp-size` is checked once the model's config is known
-(`check_parallel_fits`, called by the launcher before any rank starts).
+Every flag either acts or is refused with the reason (`--kv-cache-dtype` other than auto). Whether the
+model's heads split over `--tp-size`, and its layers over `--pp-size`, is checked once the model's config is
+known (`check_parallel_fits`, called by the launcher before any rank starts).
 A few SGLang flags that launch scripts pass by habit and that change nothing here (`--trust-remote-code`,
 `--disable-cuda-graph`, `--cuda-graph-max-bs`, `--enable-torch-compile`) are accepted, and
 `warn_ignored_flags` logs one line for each that was set; the launcher, `tokenloom generate` and `Engine`
@@ -83,8 +83,13 @@ class ServerArgs:
                                    "decode kernel), auto (cpu when it builds here).", ATTENTION_BACKENDS)
     tp_size: int = _flag(1, "Tensor-parallel ranks: one scheduler process per rank, each holding a shard of every "
                          "layer (attention heads, MLP, vocabulary).", aliases=("--tensor-parallel-size",))
-    pp_size: int = _flag(1, "Pipeline-parallel stages; only 1 for now (pipeline parallelism is not implemented "
-                         "yet).", aliases=("--pipeline-parallel-size",))
+    pp_size: int = _flag(1, "Pipeline-parallel stages: one process per stage (times --tp-size), each holding a "
+                         "contiguous range of layers (SGLang's split; override with TOKENLOOM_PP_LAYER_PARTITION="
+                         "\"a,b,...\").", aliases=("--pipeline-parallel-size",))
+    pp_async_batch_depth: int = _flag(0, "Micro-batches in flight beyond --pp-size (0, 1, 2, ...): more hides the "
+                                      "return of sampled tokens to stage 0, at the cost of smaller micro-batches.")
+    pp_max_micro_batch_size: int | None = _flag(None, "Most requests in one pipeline micro-batch; default "
+                                                "--max-running-requests // --pp-size.")
     nnodes: int = _flag(1, "Machines the tp x pp ranks are spread over, each launched with the same flags and "
                         "its own --node-rank; needs --dist-init-addr.")
     node_rank: int = _flag(0, "This machine's index among --nnodes: 0 runs the HTTP server, tokenizer, detokenizer "
@@ -191,9 +196,10 @@ class ServerArgs:
     def _validate_topology(self) -> None:
         if self.pp_size < 1:
             raise ConfigError(f"--pp-size must be >= 1; got {self.pp_size}")
-        if self.pp_size > 1:
-            raise ConfigError(f"--pp-size (--pipeline-parallel-size) {self.pp_size}: pipeline parallelism is not "
-                              "implemented yet; only --pp-size 1 runs")
+        if self.pp_async_batch_depth < 0:
+            raise ConfigError(f"--pp-async-batch-depth must be >= 0; got {self.pp_async_batch_depth}")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ConfigError(f"--pp-max-micro-batch-size must be >= 1; got {self.pp_max_micro_batch_size}")
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes must be >= 1; got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -255,11 +261,19 @@ def check_device(args: ServerArgs) -> None:
 
 
 def check_parallel_fits(args: ServerArgs, config: Any) -> None:
-    """Refuse a `--tp-size` the model's shapes cannot be split by (`config`: the model's `ModelConfig`).
+    """Refuse a `--tp-size` the model's shapes cannot be split by (`config`: the model's `ModelConfig`), and a
+    `--pp-size` (or TOKENLOOM_PP_LAYER_PARTITION) its layers cannot be split by.
 
     Query heads and the MLP's intermediate features are split evenly; KV heads are split when there are at
     least as many as ranks, else replicated, so `tp_size` must then be a multiple of them (REFERENCE.md §7).
     The vocabulary is padded to a multiple of 64 x tp_size, so it always splits."""
+    if args.pp_size > 1:
+        from tokenloom.distributed.pp_partition import stage_layer_ranges
+
+        try:
+            stage_layer_ranges(config.num_hidden_layers, args.pp_size)
+        except ValueError as e:
+            raise ConfigError(f"--pp-size {args.pp_size} cannot split the model: {e}") from None
     tp = args.tp_size
     if tp == 1:
         return

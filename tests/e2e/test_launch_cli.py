@@ -24,7 +24,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["--dtype", "float64"], "argument --dtype: invalid choice"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be >= 1"),
     (["--api-key", " "], "--api-key must not be empty"),
-    (["--pp-size", "2"], "--pp-size (--pipeline-parallel-size) 2: pipeline parallelism is not implemented yet"),
+    (["--pp-size", "2", "--pp-max-micro-batch-size", "0"], "--pp-max-micro-batch-size must be >= 1"),
     (["--tensor-parallel-size", "3", "--nnodes", "2"], "--tp-size x --pp-size (3) must be divisible by --nnodes"),
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: only auto"),
     (["--num-threads", "0"], "--num-threads must be >= 1"),

@@ -39,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
     ({"max_running_requests": 0}, "--max-running-requests"),
     ({"context_length": 1}, "--context-length"),
     ({"tp_size": 0}, "--tp-size"),
-    ({"pp_size": 2}, "--pp-size"),
+    ({"pp_async_batch_depth": -1}, "--pp-async-batch-depth"),
+    ({"pp_max_micro_batch_size": 0}, "--pp-max-micro-batch-size"),
     ({"pp_size": 0}, "--pp-size"),
     ({"nnodes": 0}, "--nnodes"),
     ({"nnodes": 2, "tp_size": 2}, "--nnodes"),
@@ -186,8 +187,8 @@ def test_tensor_parallel_size_flags(flags):
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--pp-size", "2"], r"--pp-size \(--pipeline-parallel-size\) 2: pipeline parallelism is not implemented yet"),
-    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not implemented yet"),
+    (["--pipeline-parallel-size", "0"], "--pp-size must be >= 1"),
+    (["--pp-size", "2", "--pp-async-batch-depth", "-1"], "--pp-async-batch-depth must be >= 0"),
     (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr host:port"),
     (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
     (["--tp-size", "3", "--nnodes", "2"], r"--tp-size x --pp-size \(3\) must be divisible by --nnodes \(2\)"),
@@ -308,7 +309,9 @@ EFFECT_TESTS = {
     "device": "tests/e2e/test_launch_cli.py",
     "attention_backend": "tests/integration/test_forward_consistency.py",
     "tp_size": "tests/integration/test_tensor_parallel.py",
-    "pp_size": "tests/unit/test_config.py",
+    "pp_size": "tests/integration/test_pipeline_loop.py",
+    "pp_async_batch_depth": "tests/integration/test_pipeline_loop.py",
+    "pp_max_micro_batch_size": "tests/unit/test_scheduler_lanes.py",
     "nnodes": "tests/e2e/test_multi_node.py",
     "node_rank": "tests/e2e/test_multi_node.py",
     "dist_timeout": "tests/e2e/test_tensor_parallel_server.py",

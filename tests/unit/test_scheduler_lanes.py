@@ -135,3 +135,16 @@ def test_abort_of_a_request_whose_prefill_is_in_flight_in_another_lane():
     results = h.run()
     assert results["a"].finish_reason["type"] == "abort" and len(results["a"].output_ids) <= 1
     h.assert_pools_full()
+
+
+@pytest.mark.parametrize("flag, expected", [(None, 4), (3, 3), (100, 8)])
+def test_pp_max_micro_batch_size_caps_each_lane(flag, expected):
+    """--pp-max-micro-batch-size (default --max-running-requests // --pp-size) is every lane's cap, within
+    --max-running-requests; the lanes then never hold more than it per micro-batch."""
+    h, worker = lanes_harness(2, lane_cap=None, pp_size=2, pp_max_micro_batch_size=flag)
+    assert [lane.cap for lane in h.scheduler.lanes] == [expected, expected]
+    for i in range(10):
+        h.submit(f"r{i}", prompt(70 + i, 5), dict(GREEDY, max_new_tokens=4))
+    h.run()
+    assert max(len(rids) for mode, rids, _ in worker.batches) == expected
+    h.assert_pools_full()

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -36,14 +38,16 @@ class ForwardThread:
                                         initializer=configure_threads, initargs=(threads,))
         self.busy_s = 0.0
 
-    def submit(self, step: PreparedStep) -> Future[ForwardOutput]:
-        return self._pool.submit(self._run, step, self.stream.handoff())
+    def submit(self, step: PreparedStep, run: Callable[[PreparedStep], Any] | None = None) -> Future[ForwardOutput]:
+        """Queue `run(step)` (default `worker.execute`: forward and sample; a pipeline stage that does not
+        sample passes its forward)."""
+        return self._pool.submit(self._run, step, self.stream.handoff(), run or self.worker.execute)
 
-    def _run(self, step: PreparedStep, mark: object | None) -> ForwardOutput:
+    def _run(self, step: PreparedStep, mark: object | None, run: Callable[[PreparedStep], Any]) -> ForwardOutput:
         start = time.perf_counter()
         try:
             with self.stream.context(mark):
-                out = self.worker.execute(step)
+                out = run(step)
             self.stream.finish()
             return out
         finally:
@@ -59,9 +63,10 @@ class ForwardOnCaller:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0
 
-    def submit(self, step: PreparedStep) -> Future[ForwardOutput]:
+    def submit(self, step: PreparedStep, run: Callable[[PreparedStep], Any] | None = None) -> Future[ForwardOutput]:
+        """Queue `run(step)` (default `worker.execute`) for the serving thread."""
         future: Future[ForwardOutput] = Future()
-        self._queue.put((step, self.stream.handoff(), future))
+        self._queue.put((step, self.stream.handoff(), future, run or self.worker.execute))
         return future
 
     def serve_forever(self) -> None:
@@ -70,13 +75,13 @@ class ForwardOnCaller:
             item = self._queue.get()
             if item is None:
                 return
-            step, mark, future = item
+            step, mark, future, run = item
             if not future.set_running_or_notify_cancel():
                 continue
             start = time.perf_counter()
             try:
                 with self.stream.context(mark):
-                    out = self.worker.execute(step)
+                    out = run(step)
                 self.stream.finish()
             except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
                 future.set_exception(e)

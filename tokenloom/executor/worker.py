@@ -76,7 +76,7 @@ class ForwardResult:
 @dataclass
 class PreparedStep:
     forward_batch: ForwardBatch
-    sampling: SamplingBatchInfo
+    sampling: SamplingBatchInfo | None  # None on a pipeline stage that does not sample
     pending_rows: torch.Tensor | None  # rows whose last sampled token is not processed yet (in the table only)
     top_logprobs_num: int = 0
     want_logprob: bool = False
@@ -93,16 +93,24 @@ class ModelWorker:
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
 
     # --- scheduler side ------------------------------------------------------------------------------
-    def new_lane_state(self) -> SamplingRows:
+    @property
+    def samples(self) -> bool:
+        """Whether this rank's model holds the last layers (every rank but a non-last pipeline stage)."""
+        return self.runner.parallel.is_last_stage
+
+    def new_lane_state(self) -> SamplingRows | None:
         """The sampling state of one micro-batch lane (scheduler/lane.py): its penalty counts carry from one
-        of the lane's steps to its next."""
+        of the lane's steps to its next. None on a pipeline stage that does not sample."""
+        if not self.samples:
+            return None
         return SamplingRows(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
 
-    def prepare(self, batch: ScheduleBatch, lane_state: SamplingRows) -> PreparedStep:
+    def prepare(self, batch: ScheduleBatch, lane_state: SamplingRows | None) -> PreparedStep:
+        """`lane_state` None (a non-last pipeline stage): a forward-only step, no sampling information."""
         reqs = batch.reqs
         fb = batch.to_forward_batch()
         plan = None
-        if fb.forward_mode.is_extend() and any(r.wants_input_logprobs for r in reqs):
+        if lane_state is not None and fb.forward_mode.is_extend() and any(r.wants_input_logprobs for r in reqs):
             plan = plan_logits(reqs, fb.extend_prefix_lens.tolist(), fb.seq_lens.tolist(), self.runner.device)
             fb.logit_rows = plan.rows
         self.runner.prepare(fb)
@@ -117,8 +125,8 @@ class ModelWorker:
             flags = [r.pending_tokens > 0 for r in reqs]
             if any(flags):
                 pending_rows = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=device)
-        info = lane_state.info_for(reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob,
-                                           top_logprobs_num=top_k)
+        info = None if lane_state is None else lane_state.info_for(
+            reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob, top_logprobs_num=top_k)
         token_ids = [r.token_ids_logprob for r in reqs] if any(r.token_ids_logprob is not None for r in reqs) \
             else None
         return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids)
@@ -131,15 +139,18 @@ class ModelWorker:
         return self.sample(step, self.forward(step))
 
     @torch.inference_mode()
-    def forward(self, step: PreparedStep) -> ForwardResult:
+    def forward(self, step: PreparedStep, proxy: dict[str, torch.Tensor] | None = None) -> ForwardResult:
         """The model forward of a prepared step: logits (the last stage) or the stage's hidden states and
-        residual (`ForwardResult.proxy`, for the next stage). A decode step's input ids are read from the
-        token table first (the tokens the steps before it sampled)."""
+        residual (`ForwardResult.proxy`, for the next stage). `proxy`: the previous stage's output (every
+        stage but the first). A decode step's input ids are read from the token table first (the tokens the
+        steps before it sampled)."""
         start = time.perf_counter()
         fb, info = step.forward_batch, step.sampling
+        fb.pp_proxy = proxy
         if fb.forward_mode.is_decode():
             fb.input_ids = self.token_table.gather(fb.req_pool_indices)
-        if step.pending_rows is not None and info.output_counts is not None and not info.penalties_carried:
+        if step.pending_rows is not None and info is not None and info.output_counts is not None \
+                and not info.penalties_carried:
             rows = fb.req_pool_indices.index_select(0, step.pending_rows)
             info.add_pending_tokens(step.pending_rows, self.token_table.gather(rows))
         out = self.runner.forward(fb)
@@ -149,6 +160,15 @@ class ModelWorker:
         if step.logit_plan is not None:
             out, input_logprobs = read_logits(step.logit_plan, out)
         return ForwardResult(logits=out, input_logprobs=input_logprobs, forward_s=time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def record_tokens(self, step: PreparedStep, next_token_ids: list[int]) -> None:
+        """Write the tokens another stage sampled for `step` into the token table (pipeline stage 0, the one
+        that embeds, when the step's output arrives back around the ring): the lane's next decode reads
+        them. Called on the scheduling thread before the lane's next step is submitted, so the write
+        precedes the read (the forward executor runs steps in submission order)."""
+        ids = torch.tensor(next_token_ids, dtype=torch.int64, device=self.device)
+        self.token_table.write(step.forward_batch.req_pool_indices, ids)
 
     @torch.inference_mode()
     def sample(self, step: PreparedStep, forwarded: ForwardResult) -> ForwardOutput:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -56,7 +57,7 @@ class _LoopBase:
         self.scheduler = scheduler
         self.inbox = inbox
         self.profiler = profiler or StepProfiler(enabled=False)
-        self._last_end: float | None = None
+        self._last_end: dict[int, float] = {}  # per lane: when its previous result was processed
         self._idle_checked = False  # the integrity check runs once per idle period, not on every idle poll
         self._started = time.perf_counter()
         # Cumulative counters (benchmarks take differences): forward+sample time, scheduler CPU time outside
@@ -74,15 +75,20 @@ class _LoopBase:
         batch = self.scheduler.get_next_batch_to_run(self)
         return batch, time.perf_counter() - start
 
-    def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming) -> None:
+    def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming,
+                     lane: Lane | None = None) -> None:
+        """Process `batch`'s results (of `lane`, the first by default) and account its timing; a decode step's
+        period is the time since the same lane's previous result (one token of its requests)."""
         start = time.perf_counter()
         self._idle_checked = False
-        self.scheduler.process_batch_result(batch, out)
+        self.scheduler.process_batch_result(batch, out, lane)
         end = time.perf_counter()
         timing.process = end - start
         timing.forward, timing.sample = out.forward_s, out.sample_s
-        timing.period = end - self._last_end if self._last_end is not None else 0.0
-        self._last_end = end
+        key = 0 if lane is None else lane.index
+        previous = self._last_end.get(key)
+        timing.period = end - previous if previous is not None else 0.0
+        self._last_end[key] = end
         totals = self.totals
         totals["forward_busy_s"] += timing.forward + timing.sample
         totals["scheduler_cpu_s"] += timing.cpu_outside_forward
@@ -97,7 +103,7 @@ class _LoopBase:
         pass
 
     def _went_idle(self) -> None:
-        self._last_end = None
+        self._last_end.clear()
         if not self._idle_checked:  # walking the tree and the free lists costs ms on a large pool
             self._idle_checked = True
             self.scheduler.check_idle_integrity()
@@ -187,30 +193,34 @@ class OverlapLoop(_LoopBase):
         self.policy.record(timing)
 
     def run_forever(self) -> None:
-        """With a `ForwardOnCaller`, this thread serves forward steps and the loop runs on a new thread;
-        an error on either side ends both and is raised here."""
-        if not isinstance(self.forward_thread, ForwardOnCaller):
-            super().run_forever()
-            return
-        errors: list[BaseException] = []
-
-        def schedule() -> None:
-            keep_this_thread_single_threaded()
-            try:
-                super(OverlapLoop, self).run_forever()
-            except BaseException as e:  # noqa: BLE001 - re-raised on the serving thread
-                errors.append(e)
-            finally:
-                self.forward_thread.stop()
-
-        threading.Thread(target=schedule, name="tokenloom-scheduler", daemon=True).start()
-        self.forward_thread.serve_forever()
-        raise errors[0] if errors else RuntimeError("the scheduling thread stopped")
+        serve_with_executor(self.forward_thread, super().run_forever)
 
     def info(self) -> dict:
         wall = time.perf_counter() - self._started
         idle = max(0.0, 1.0 - self.forward_thread.busy_s / wall) if wall > 0 else 0.0
         return {**self.policy.info(), "forward_thread_idle_fraction": idle, **super().info()}
+
+
+def serve_with_executor(executor: ForwardThread | ForwardOnCaller, schedule_forever: Callable[[], None]) -> None:
+    """Run `schedule_forever` (a loop's scheduling side). With a `ForwardOnCaller`, this thread serves the
+    forward steps and scheduling runs on a new thread; an error on either side ends both and is raised here."""
+    if not isinstance(executor, ForwardOnCaller):
+        schedule_forever()
+        return
+    errors: list[BaseException] = []
+
+    def schedule() -> None:
+        keep_this_thread_single_threaded()
+        try:
+            schedule_forever()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the serving thread
+            errors.append(e)
+        finally:
+            executor.stop()
+
+    threading.Thread(target=schedule, name="tokenloom-scheduler", daemon=True).start()
+    executor.serve_forever()
+    raise errors[0] if errors else RuntimeError("the scheduling thread stopped")
 
 
 def overlap_mode(args: ServerArgs) -> str:
@@ -219,12 +229,20 @@ def overlap_mode(args: ServerArgs) -> str:
 
 
 def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forward_on_caller: bool = False,
-                    parallel: ParallelContext = SINGLE_PROCESS) -> NormalLoop | OverlapLoop:
+                    parallel: ParallelContext = SINGLE_PROCESS) -> EventLoop:
     """`forward_on_caller`: the overlap loop's forwards run on the thread that calls `run_forever()` (the
     scheduler process's main thread) and scheduling on a new thread; otherwise on a dedicated thread, so a
     caller can drive `run_once()` itself (tests). At tp_size > 1 the adaptive policy's decisions are TP
-    rank 0's, broadcast (`rank_sync.BroadcastOverlap`); `inbox` must then be a `BroadcastInbox`."""
+    rank 0's, broadcast (`rank_sync.BroadcastOverlap`); `inbox` must then be a `BroadcastInbox`. At
+    pp_size > 1 every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py); only stage 0 has an inbox."""
     profiler = StepProfiler(profiling_requested(args.enable_step_profile))
+    if parallel.pp_size > 1:  # the pipeline overlaps by itself: --overlap-schedule does not apply
+        from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, seed_options
+
+        executor = (ForwardOnCaller(scheduler.worker) if forward_on_caller
+                    else ForwardThread(scheduler.worker, args.num_threads))
+        return PipelineLoop(scheduler, inbox, StageChannels.build(parallel), parallel, executor,
+                            args.pp_async_batch_depth, profiler=profiler, **seed_options())
     mode = overlap_mode(args)
     if mode == "off":
         return NormalLoop(scheduler, inbox, profiler)

@@ -13,6 +13,10 @@ At tp_size > 1 (launched by `tokenloom/launcher.py`, one process per rank):
   seed and position), so every rank draws the same tokens without a broadcast. Checked with temperature > 0
   in tests/integration/test_tensor_parallel.py.
 
+At pp_size > 1 each stage loads only its layers (`pp_partition.stage_layers`) and holds KV for them only;
+every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py) with pp_size + --pp-async-batch-depth lanes;
+only stage 0 reads requests (its TP ranks through the broadcast inbox) and passes them down the stages.
+
 A hung peer: collectives wait at most --dist-timeout (default 300 s); a rank whose collective failed names
 the peers whose heartbeat stopped (distributed/heartbeat.py) in its error.
 
@@ -51,10 +55,12 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     from tokenloom.distributed.comm import all_equal, min_reduce_ints
     from tokenloom.distributed.groups import init_distributed
     from tokenloom.distributed.heartbeat import Heartbeat, name_silent_peers
+    from tokenloom.distributed.pp_partition import stage_layers
     from tokenloom.executor.model_runner import LoadedModel, ModelRunner
     from tokenloom.executor.worker import ModelWorker
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
     from tokenloom.ipc import Receiver, Sender
+    from tokenloom.models.loader import resolve_model_source
     from tokenloom.scheduler.loops import make_event_loop
     from tokenloom.scheduler.rank_sync import BroadcastInbox, discard
     from tokenloom.scheduler.scheduler import Scheduler
@@ -74,17 +80,20 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
                                     shared_memory=not args.disable_custom_all_reduce)
         if world > 1:  # lets a rank whose collective failed name a hung peer (distributed/heartbeat.py)
             heartbeat = Heartbeat(dist_init_addr, rank).start()
-        loaded = LoadedModel.load(args, parallel)
+        source = resolve_model_source(args)
+        start_layer, end_layer = stage_layers(source.config.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
+        loaded = LoadedModel.load(args, parallel, source, start_layer, end_layer)  # only this stage's layers
         # sized beside the loaded weights, at the world's smallest capacity; the one owner of the KV memory
         memory = loaded.kv_memory(args, parallel, agree=lambda values: min_reduce_ints(values, parallel))
         runner = ModelRunner(args, parallel, loaded=loaded, memory=memory)
         tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
         worker = ModelWorker(runner, eos_token_ids(runner.source, tokenizer))
         agree = (lambda value: all_equal(value, parallel)) if parallel.tp_size > 1 else None
+        lanes = parallel.pp_size + args.pp_async_batch_depth if parallel.pp_size > 1 else 1
         scheduler = Scheduler(args, worker, tokenizer, sender.send if parallel.is_entry else discard, memory,
-                              ranks_agree=agree)
+                              ranks_agree=agree, num_lanes=lanes)
         inbox: Any = Receiver(ctx, addresses.scheduler) if parallel.is_entry else None
-        if parallel.tp_size > 1:
+        if parallel.tp_size > 1 and parallel.is_first_stage:  # later stages get requests from the previous one
             inbox = BroadcastInbox(inbox, parallel)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,

@@ -122,7 +122,8 @@ class Scheduler:
         """`ranks_agree` (tp_size > 1): whether every TP rank holds the same value (rank_sync /
         comm.all_equal); called only from `handle`, which every rank runs on the same messages in the same
         order. `num_lanes` micro-batch lanes (scheduler/lane.py), each holding at most `lane_cap` requests
-        (default: `max_running_requests`, which bounds all lanes together too)."""
+        (default: `--pp-max-micro-batch-size`, else max_running_requests // pp_size under PP, else
+        max_running_requests; max_running_requests bounds all lanes together too)."""
         if memory.page_size != args.page_size:
             raise ValueError(f"KVMemory has page size {memory.page_size}, --page-size is {args.page_size}")
         self.args = args
@@ -141,6 +142,8 @@ class Scheduler:
                                         args.max_running_requests or max(self.max_total_num_tokens // 2, 1))
         self.chunked_prefill_size = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
         self.waiting_queue: list[Req] = []
+        if lane_cap is None and args.pp_size > 1:  # SGLang's pp_max_micro_batch_size default
+            lane_cap = args.pp_max_micro_batch_size or max(self.max_running_requests // args.pp_size, 1)
         cap = self.max_running_requests if lane_cap is None else max(1, min(lane_cap, self.max_running_requests))
         self.lanes = [Lane(i, cap, worker.new_lane_state()) for i in range(num_lanes)]
         # Requests of launched prefill batches whose results are not processed yet: in no queue and not yet

@@ -1,0 +1,285 @@
+"""`PipelineLoop`: the event loop of one pipeline stage (`--pp-size` > 1), behind the same `EventLoop` protocol.
+
+Every stage runs a full `Scheduler` over its own layers' `KVMemory` (capacities MIN-reduced over the world at
+start) with L = pp_size + `--pp-async-batch-depth` micro-batch lanes (scheduler/lane.py). Stage 0 reads the
+requests and every stage handles the same messages at the same iteration and applies the same sampled tokens
+at the same iteration, so every stage makes the same decisions (admission, chunking, retraction, aborts) and
+holds the same requests in the same lanes; nothing else is exchanged to keep them in step.
+
+Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 addenda, seed 000):
+1. requests: stage 0 drains its inbox; every other stage receives the list from s - 1; every non-last stage
+   sends it on (the list is sent even when empty, so the stages iterate in step). Aborts and control
+   requests thus reach every stage at the same iteration (SGLang #28881: a per-stage abort desynchronised
+   stages). Flush / get-internal-state wait until no lane has a batch in flight, scheduling nothing new
+   meanwhile (every stage drains alike), then are handled.
+2. every stage schedules lane mb and launches its batch (`Scheduler.launch`: prepare on this thread).
+3. last stage, depth > 0: send stage 0 the output of the batch launched at iteration t - depth.
+4. non-first stages with a batch: receive its proxy (hidden states, residual) from s - 1 (blocking).
+5. submit the forward to the executor (the last stage forwards and samples; others only forward).
+6. last stage, depth 0: with `early_output_send` (seed 000 point 1) wait for this forward and send its
+   output to stage 0 right away; else after step 7.
+7. lane nxt's oldest batch (launched at t + 1 - L): stage 0 receives its output from the last stage; a
+   middle stage receives it from s - 1 and sends it on unless s + 1 is the last; the last stage has it.
+   Stage 0 records the tokens in its token table (it embeds them next); every stage then processes the
+   result (`process_batch_result`). So a lane is scheduled again only after its result was applied: a lane
+   never has pending tokens under PP.
+8. non-last stages with a batch: wait for the forward and send the proxy to s + 1.
+With `overlap_sends` off (seed 000 point 2 undone, for the benchmark), a stage waits at the end of each
+iteration until every message it sent in it was received.
+
+Channels (distributed/pp_channel.py), one per message type, each on its own gloo tag: requests (s -> s + 1),
+proxy (s -> s + 1), output (last -> 0 -> 1 -> ... -> pp - 2). Each is a chain, one message per channel per
+exchange, at most one send in flight per channel. No cycle of waits: a stage's iteration t waits only on
+other stages' iterations <= t, and on a send of iteration t' completing, which needs the receiver to reach
+iteration t' (requests, proxy) or t' + L - 1 - depth (output, received by stage 0 L - 1 iterations after the
+batch launched; the last stage sends it at iteration t' + depth and stage 0 reaching t' + L - 1 needs only
+the last stage's iteration t' + depth - 1). Checked at depth 0, 1, 2 and pp 2, 3 in
+tests/integration/test_pipeline_loop.py.
+
+Memory safety of chunked prefill: a chunk's KV can be inserted into the prefix cache (and duplicate slots
+freed) while that chunk still runs on later stages; safe because every stage executes its batches in
+launch order (one executor per stage), so a freed slot's next owner writes it after.
+A dead neighbour fails the stage's channel at once (`PPChannelError`); a hung one is bounded by
+--dist-timeout and named by the heartbeat (scheduler/process.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from tokenloom.distributed.parallel_state import ParallelContext
+from tokenloom.distributed.pp_channel import PPChannel
+from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
+from tokenloom.executor.worker import ForwardOutput, ForwardResult, ModelWorker, PreparedStep
+from tokenloom.protocol import FlushCacheRequest, GetInternalStateRequest
+from tokenloom.scheduler.lane import Lane
+from tokenloom.scheduler.loops import Inbox, _LoopBase, serve_with_executor
+from tokenloom.scheduler.schedule_batch import ScheduleBatch
+from tokenloom.scheduler.scheduler import Scheduler
+from tokenloom.scheduler.step_profile import StepProfiler, StepTiming
+
+REQUESTS_TAG, PROXY_TAG, OUTPUT_TAG = 11, 12, 13  # gloo tags of the three channels
+EARLY_OUTPUT_SEND_ENV = "TOKENLOOM_PP_EARLY_OUTPUT_SEND"  # "0": seed 000 point 1 off (benchmarks)
+OVERLAP_SENDS_ENV = "TOKENLOOM_PP_OVERLAP_SENDS"  # "0": seed 000 point 2 off (benchmarks)
+
+
+def seed_options(environ: dict[str, str] | None = None) -> dict[str, bool]:
+    """Seed 000's two optimizations, on unless the environment turns one off (for bench/pipeline.py)."""
+    env = os.environ if environ is None else environ
+    return {"early_output_send": env.get(EARLY_OUTPUT_SEND_ENV, "1") != "0",
+            "overlap_sends": env.get(OVERLAP_SENDS_ENV, "1") != "0"}
+
+
+@dataclass
+class StageChannels:
+    """The point-to-point channels of one stage (None where the stage neither sends nor receives)."""
+
+    requests: PPChannel | None
+    proxy: PPChannel | None
+    output: PPChannel | None
+    forwards_output: bool  # a middle stage whose next stage is not the last passes outputs on
+
+    @classmethod
+    def build(cls, ctx: ParallelContext) -> StageChannels:
+        first, last = ctx.is_first_stage, ctx.is_last_stage
+        prev, nxt = ctx.pp_prev_rank, ctx.pp_next_rank
+        group = ctx.world_cpu_group
+        chain_send = None if last else nxt
+        chain_recv = None if first else prev
+        requests = PPChannel(group, chain_send, chain_recv, wire_tag=REQUESTS_TAG)
+        proxy = PPChannel(group, chain_send, chain_recv, wire_tag=PROXY_TAG)
+        forwards = not last and ctx.pp_rank + 1 < ctx.pp_size - 1
+        out_send = nxt if last or forwards else None  # the last stage's next is stage 0 (the ring)
+        out_recv = None if last else prev  # stage 0's prev is the last stage
+        output = None if out_send is None and out_recv is None else PPChannel(group, out_send, out_recv,
+                                                                              wire_tag=OUTPUT_TAG)
+        return cls(requests, proxy, output, forwards)
+
+    def all(self) -> list[PPChannel]:
+        return [c for c in (self.requests, self.proxy, self.output) if c is not None]
+
+
+class PipelineLoop(_LoopBase):
+    def __init__(self, scheduler: Scheduler, inbox: Inbox | None, channels: StageChannels, ctx: ParallelContext,
+                 executor: ForwardThread | ForwardOnCaller, depth: int = 0, *, early_output_send: bool = True,
+                 overlap_sends: bool = True, profiler: StepProfiler | None = None) -> None:
+        super().__init__(scheduler, inbox, profiler)
+        if len(scheduler.lanes) != ctx.pp_size + depth:
+            raise ValueError(f"the scheduler has {len(scheduler.lanes)} lanes; a pipeline of {ctx.pp_size} stages "
+                             f"at depth {depth} needs {ctx.pp_size + depth}")
+        if ctx.is_first_stage != (inbox is not None):
+            raise ValueError("exactly the first stage reads an inbox")
+        self.channels = channels
+        self.ctx = ctx
+        self.executor = executor
+        self.depth = depth
+        self.early_output_send = early_output_send
+        self.overlap_sends = overlap_sends
+        self.worker: ModelWorker = scheduler.worker  # type: ignore[assignment]
+        self.iteration = 0
+        self.pending_controls: list[Any] = []
+        self._steps: dict[int, PreparedStep] = {}  # stage 0: launched steps, to record their tokens
+        self._timings: dict[int, StepTiming] = {}
+        self._outputs: dict[int, Future] = {}  # last stage: each launched batch's forward + sample
+        self._unsent: deque[tuple[int, ScheduleBatch]] = deque()  # last stage: outputs not sent yet
+        self.totals.update({"stage_forward_s": 0.0, "recv_wait_s": 0.0, "send_wait_s": 0.0,
+                            "forward_wait_s": 0.0, "iterations": 0})
+
+    # --- LoopControl ----------------------------------------------------------------------------------
+    def settle(self, lane: Lane) -> None:
+        """A lane is scheduled only after its result was processed: nothing of it is in flight."""
+        if lane.launched:
+            raise AssertionError(f"lane {lane.index} has a batch in flight while it is scheduled")
+
+    def settle_all(self) -> None:
+        """Control requests are handled only once no lane has a batch in flight (see `run_once`)."""
+        if any(lane.launched for lane in self.scheduler.lanes):
+            raise AssertionError("settle_all with batches in flight: control requests wait for the drain")
+
+    def info(self) -> dict:
+        """The loop's state, with every stage's pools and counters (`pp_stages`, gathered over the world:
+        called only while handling a get-internal-state request, which every rank does at the same
+        iteration)."""
+        return {"overlap_schedule": "pipeline", "pp_size": self.ctx.pp_size, "pp_rank": self.ctx.pp_rank,
+                "pp_async_batch_depth": self.depth, "pp_lanes": len(self.scheduler.lanes),
+                "pp_early_output_send": self.early_output_send, "pp_overlap_sends": self.overlap_sends,
+                "pp_stages": self._gather_stages(), **super().info()}
+
+    def _gather_stages(self) -> list[dict]:
+        sched = self.scheduler
+        mine = {"rank": self.ctx.rank, "pp_rank": self.ctx.pp_rank, "tp_rank": self.ctx.tp_rank,
+                "layers": (sched.kv_memory.kv_pool.start_layer, sched.kv_memory.kv_pool.end_layer),
+                "max_total_num_tokens": sched.max_total_num_tokens,
+                "available_kv_tokens": sched.allocator.available_size(),
+                "evictable_kv_tokens": sched.tree_cache.evictable_size(),
+                "free_request_slots": sched.req_to_token_pool.available_size(),
+                "num_running_reqs": len(sched.running), "num_waiting_reqs": len(sched.waiting_queue),
+                "num_retracted_reqs": sched.num_retracted, **self.totals}
+        gathered: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, mine, group=self.ctx.world_cpu_group)
+        return gathered
+
+    # --- the loop -------------------------------------------------------------------------------------
+    def run_once(self, timeout_ms: int = 0) -> bool:
+        sched, lanes, ctx = self.scheduler, self.scheduler.lanes, self.ctx
+        t = self.iteration
+        lane, nxt = lanes[t % len(lanes)], lanes[(t + 1) % len(lanes)]
+        in_flight = any(each.launched for each in lanes)
+        messages = self._exchange_requests(0 if in_flight or not sched.is_idle() else timeout_ms)
+        start = time.perf_counter()
+        for msg in messages:
+            if isinstance(msg, (FlushCacheRequest, GetInternalStateRequest)):
+                self.pending_controls.append(msg)
+            else:
+                sched.handle(msg, self)
+        if self.pending_controls and not in_flight:  # drained: every stage answers at this same iteration
+            controls, self.pending_controls = self.pending_controls, []
+            for msg in controls:
+                sched.handle(msg, self)
+        batch = None if self.pending_controls else sched.get_next_batch_to_run(self, lane)
+        schedule_s = time.perf_counter() - start
+        future = None
+        if batch is not None:
+            start = time.perf_counter()
+            step = sched.launch(batch, lane)
+            self._timings[id(batch)] = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start,
+                                                  batch_size=batch.batch_size, is_decode=batch.forward_mode.is_decode())
+            if ctx.is_last_stage and self.depth > 0:
+                self._send_outputs(t - self.depth)
+            proxy = None if ctx.is_first_stage else self._recv(self.channels.proxy, "proxy")
+            future = self._submit(step, proxy)
+            if ctx.is_first_stage:
+                self._steps[id(batch)] = step
+            if ctx.is_last_stage:
+                self._outputs[id(batch)] = future
+                self._unsent.append((t, batch))
+        elif ctx.is_last_stage and self.depth > 0:
+            self._send_outputs(t - self.depth)
+        if ctx.is_last_stage and self.depth == 0 and self.early_output_send:
+            self._send_outputs(t)
+        if nxt.launched:
+            self._apply_result(nxt)
+        if ctx.is_last_stage and self.depth == 0 and not self.early_output_send:
+            self._send_outputs(t)
+        if future is not None and not ctx.is_last_stage:
+            forwarded: ForwardResult = self._wait(future)
+            self.totals["stage_forward_s"] += forwarded.forward_s
+            self._send(self.channels.proxy, "proxy", forwarded.proxy)
+        if not self.overlap_sends:
+            for channel in self.channels.all():
+                self._wait_sent(channel)
+        self.iteration += 1
+        self.totals["iterations"] += 1
+        busy = batch is not None or any(each.launched for each in lanes) or bool(messages)
+        if not busy and sched.is_idle() and not self.pending_controls:
+            self._went_idle()
+        return busy
+
+    def _exchange_requests(self, timeout_ms: int) -> list[Any]:
+        if self.ctx.is_first_stage:
+            messages = self.inbox.recv_all(timeout_ms)
+        else:
+            messages = self._recv(self.channels.requests, "requests")["messages"]
+        if not self.ctx.is_last_stage:
+            self._send(self.channels.requests, "requests", {"messages": messages})
+        return messages
+
+    def _submit(self, step: PreparedStep, proxy: dict | None) -> Future:
+        worker = self.worker
+        if self.ctx.is_last_stage:
+            return self.executor.submit(step, lambda s: worker.sample(s, worker.forward(s, proxy)))
+        return self.executor.submit(step, lambda s: worker.forward(s, proxy))
+
+    def _send_outputs(self, upto: int) -> None:
+        """Last stage: send stage 0 the outputs of the batches launched at iterations <= `upto`, in order."""
+        while self._unsent and self._unsent[0][0] <= upto:
+            _, batch = self._unsent.popleft()
+            out: ForwardOutput = self._wait(self._outputs[id(batch)])
+            self._send(self.channels.output, "output", {"out": out})
+
+    def _apply_result(self, lane: Lane) -> None:
+        batch = lane.launched[0]
+        if self.ctx.is_last_stage:
+            out: ForwardOutput = self._wait(self._outputs.pop(id(batch)))
+            self.totals["stage_forward_s"] += out.forward_s + out.sample_s
+        else:
+            payload = self._recv(self.channels.output, "output")
+            if self.channels.forwards_output:
+                self._send(self.channels.output, "output", payload)
+            out = payload["out"]
+        if self.ctx.is_first_stage:
+            self.worker.record_tokens(self._steps.pop(id(batch)), out.next_token_ids)
+        self._finish_step(batch, out, self._timings.pop(id(batch)), lane)
+
+    # --- timed waits ----------------------------------------------------------------------------------
+    def _recv(self, channel: PPChannel | None, tag: str) -> dict:
+        start = time.perf_counter()
+        payload = channel.recv(tag)
+        self.totals["recv_wait_s"] += time.perf_counter() - start
+        return payload
+
+    def _send(self, channel: PPChannel | None, tag: str, payload: dict) -> None:
+        start = time.perf_counter()
+        channel.isend(tag, payload)  # waits for the channel's previous message first
+        self.totals["send_wait_s"] += time.perf_counter() - start
+
+    def _wait_sent(self, channel: PPChannel) -> None:
+        start = time.perf_counter()
+        channel.wait_send()
+        self.totals["send_wait_s"] += time.perf_counter() - start
+
+    def _wait(self, future: Future) -> Any:
+        start = time.perf_counter()
+        result = future.result()
+        self.totals["forward_wait_s"] += time.perf_counter() - start
+        return result
+
+    def run_forever(self) -> None:
+        serve_with_executor(self.executor, super().run_forever)
