@@ -129,8 +129,10 @@ class PipelineLoop(_LoopBase):
         self._timings: dict[int, StepTiming] = {}
         self._outputs: dict[int, Future] = {}  # last stage: each launched batch's forward + sample
         self._unsent: deque[tuple[int, ScheduleBatch]] = deque()  # last stage: outputs not sent yet
-        self.totals.update({"stage_forward_s": 0.0, "recv_wait_s": 0.0, "send_wait_s": 0.0,
-                            "forward_wait_s": 0.0, "iterations": 0})
+        # this stage's own forwards (prefill: per token; decode: per step), and its waits on the others
+        self.totals.update({"stage_forward_s": 0.0, "stage_prefill_s": 0.0, "stage_prefill_tokens": 0,
+                            "stage_decode_s": 0.0, "stage_decode_steps": 0, "stage_decode_reqs": 0,
+                            "recv_wait_s": 0.0, "send_wait_s": 0.0, "forward_wait_s": 0.0, "iterations": 0})
 
     # --- LoopControl ----------------------------------------------------------------------------------
     def settle(self, lane: Lane) -> None:
@@ -210,7 +212,7 @@ class PipelineLoop(_LoopBase):
             self._send_outputs(t)
         if future is not None and not ctx.is_last_stage:
             forwarded: ForwardResult = self._wait(future)
-            self.totals["stage_forward_s"] += forwarded.forward_s
+            self._count_forward(batch, forwarded.forward_s)
             self._send(self.channels.proxy, "proxy", forwarded.proxy)
         if not self.overlap_sends:
             for channel in self.channels.all():
@@ -248,7 +250,7 @@ class PipelineLoop(_LoopBase):
         batch = lane.launched[0]
         if self.ctx.is_last_stage:
             out: ForwardOutput = self._wait(self._outputs.pop(id(batch)))
-            self.totals["stage_forward_s"] += out.forward_s + out.sample_s
+            self._count_forward(batch, out.forward_s + out.sample_s)
         else:
             payload = self._recv(self.channels.output, "output")
             if self.channels.forwards_output:
@@ -257,6 +259,17 @@ class PipelineLoop(_LoopBase):
         if self.ctx.is_first_stage:
             self.worker.record_tokens(self._steps.pop(id(batch)), out.next_token_ids)
         self._finish_step(batch, out, self._timings.pop(id(batch)), lane)
+
+    def _count_forward(self, batch: ScheduleBatch, seconds: float) -> None:
+        totals = self.totals
+        totals["stage_forward_s"] += seconds
+        if batch.forward_mode.is_decode():
+            totals["stage_decode_s"] += seconds
+            totals["stage_decode_steps"] += 1
+            totals["stage_decode_reqs"] += batch.batch_size
+        else:
+            totals["stage_prefill_s"] += seconds
+            totals["stage_prefill_tokens"] += int((batch.seq_lens - batch.prefix_lens).sum())
 
     # --- timed waits ----------------------------------------------------------------------------------
     def _recv(self, channel: PPChannel | None, tag: str) -> dict:

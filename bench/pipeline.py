@@ -1,0 +1,284 @@
+"""Issue 18's speed check: PP=1 vs PP=2 through the real engine (launcher, stage processes, `PipelineLoop`), one run.
+
+    .venv/bin/python bench/pipeline.py                 # every configuration, 3 rounds
+    .venv/bin/python bench/pipeline.py --quick         # fewer prompts and tokens, 1 round
+    .venv/bin/python bench/pipeline.py --json-out F    # also write the runs for `bench/pp_sim.py --validate F`
+
+Model: a random ~0.35B Llama (hidden 1024, 16 layers, 16 heads / 4 KV heads, intermediate 2816, SmolLM2's
+vocabulary and tokenizer), `--load-format dummy`, bf16: large enough that the forward dominates a step. PP=2
+splits it 8 / 8 layers; the two stage processes share this machine's two cores (one thread each), while PP=1
+runs one process with both threads. No gain is expected here: the figure shows what the pipeline costs.
+
+Configurations (PP=2): depth 0, 1, 2 with seed 000's two points on; at depth 0 each point off alone and both
+off (TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0). The PP=1 engine stays up the whole run;
+each PP=2 engine is started in turn and its rounds alternate with PP=1's (who goes first alternates), so every
+ratio is side by side. Workload per run: `--num-prompts` (64) random-id prompts of `--input-len` tokens,
+submitted at once with --max-running-requests = the prompt count (64 running requests: two micro-batches of
+32 at PP=2), greedy, `--output-len` new tokens each.
+
+Reported per configuration (medians over rounds), from the loops' cumulative counters around each run:
+- output throughput and its ratio to PP=1's within the round (PP1 / PP2: the slowdown);
+- mean ITL: the mean period between one lane's consecutive decode results (one token of its requests);
+- per stage: busy = its own forward time / wall, bubble = 1 - busy (the time its forward sat idle while the
+  run was going), and its time blocked receiving (requests, proxy, outputs), sending and waiting for its
+  forward;
+- the stage costs `bench/pp_sim.py --validate` needs (decode step and prefill token times of each stage,
+  scheduler CPU per step, and a gloo link measured by a ping-pong of a small and a proxy-sized message).
+Targets (issue 18): PP=2 bubble below 15% at 64 running requests (the worse stage); PP=2 throughput within
+1.3x of PP=1's. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenloom import Engine  # noqa: E402
+
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+    "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+# name -> (depth, early output send, overlapped sends)
+CONFIGS: dict[str, tuple[int, bool, bool]] = {
+    "pp2_d0": (0, True, True), "pp2_d1": (1, True, True), "pp2_d2": (2, True, True),
+    "pp2_d0_no_early_send": (0, False, True), "pp2_d0_no_overlap_sends": (0, True, False),
+    "pp2_d0_seed_off": (0, False, False),
+}
+BUBBLE_TARGET = 0.15
+SLOWDOWN_TARGET = 1.3
+
+
+def model_folder() -> str:
+    """config.json of the benchmark's shape plus SmolLM2's tokenizer (weights: --load-format dummy)."""
+    from tokenloom.config import ServerArgs
+    from tokenloom.models.loader import resolve_model_source
+    from tokenloom.tokenizer import load_tokenizer
+
+    folder = os.path.join(tempfile.gettempdir(), "tokenloom-bench-pp-350m")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        os.makedirs(folder, exist_ok=True)
+        load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(MODEL_CONFIG, f)
+    return folder
+
+
+def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 49000, (n, length), generator=g).tolist()
+
+
+# --------------------------------------------------------------------------------------------------------
+# pure arithmetic (unit-tested in tests/unit/test_bench_pipeline.py)
+
+
+def stage_figures(before: dict, after: dict, wall_s: float) -> dict:
+    """One stage's share of a run from its cumulative counters (`pp_stages` entries) before and after."""
+    def d(key: str) -> float:
+        return after[key] - before[key]
+
+    busy = d("stage_forward_s") / wall_s if wall_s > 0 else 0.0
+    steps, reqs, tokens = d("stage_decode_steps"), d("stage_decode_reqs"), d("stage_prefill_tokens")
+    return {"busy": busy, "bubble": max(0.0, 1.0 - busy), "recv_wait_s": d("recv_wait_s"),
+            "send_wait_s": d("send_wait_s"), "forward_wait_s": d("forward_wait_s"),
+            "decode_step_s": d("stage_decode_s") / steps if steps else float("nan"),
+            "decode_batch": reqs / steps if steps else float("nan"),
+            "prefill_token_s": d("stage_prefill_s") / tokens if tokens else float("nan"),
+            "scheduler_cpu_per_step_s": d("scheduler_cpu_s") / d("iterations") if d("iterations") else 0.0}
+
+
+def single_figures(before: dict, after: dict, wall_s: float) -> dict:
+    """PP=1's counterpart of `stage_figures` (its loop counts forward+sample time as `forward_busy_s`)."""
+    busy = (after["forward_busy_s"] - before["forward_busy_s"]) / wall_s if wall_s > 0 else 0.0
+    return {"busy": busy, "bubble": max(0.0, 1.0 - busy)}
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+# --------------------------------------------------------------------------------------------------------
+# runs
+
+
+def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
+    before = engine.get_server_info()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    wall = time.perf_counter() - start
+    after = engine.get_server_info()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    steps = after["decode_steps"] - before["decode_steps"]
+    res = {"output_tok_s": tokens / wall, "wall_s": wall,
+           "mean_itl_ms": 1e3 * (after["decode_period_s"] - before["decode_period_s"]) / steps if steps else 0.0}
+    if "pp_stages" in after:
+        res["stages"] = [stage_figures(b, a, wall) for b, a in zip(before["pp_stages"], after["pp_stages"],
+                                                                   strict=True)]
+        res["bubble_worst"] = max(s["bubble"] for s in res["stages"])
+    else:
+        res.update(single_figures(before, after, wall))
+        res["bubble_worst"] = res["bubble"]
+    return res
+
+
+def _link_worker(rank: int, port: int, sizes: list[int], reps: int, out: Any) -> None:
+    from tokenloom.distributed.groups import destroy_distributed, init_distributed
+    from tokenloom.distributed.pp_channel import PPChannel
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(1, 2, rank, f"127.0.0.1:{port}", "cpu", init_timeout_s=60, op_timeout_s=60)
+    try:
+        chan = PPChannel(ctx.world_cpu_group, 1 - rank, 1 - rank)
+        result = {}
+        for size in sizes:
+            x = torch.zeros(size // 2, dtype=torch.bfloat16)
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                if rank == 0:
+                    chan.isend("x", {"x": x})
+                    chan.recv("x")
+                else:
+                    chan.recv("x")
+                    chan.isend("x", {"x": x})
+                times.append(time.perf_counter() - start)
+            chan.wait_send()
+            result[size] = statistics.median(times) / 2  # one way
+        if rank == 0:
+            out.put(result)
+    finally:
+        destroy_distributed()
+
+
+def measure_link(proxy_bytes: int, reps: int = 30) -> dict:
+    """One-way time of a tiny message (latency) and of a proxy-sized one (-> bandwidth) over PPChannel/gloo."""
+    import torch.multiprocessing as mp
+
+    from tokenloom.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    sizes = [16, proxy_bytes]
+    procs = [ctx.Process(target=_link_worker, args=(r, port, sizes, reps, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    latency = result[16]
+    bandwidth = proxy_bytes / max(result[proxy_bytes] - latency, 1e-9)
+    return {"link_latency_s": latency, "link_bytes_per_s": bandwidth, "proxy_one_way_s": result[proxy_bytes]}
+
+
+def stage_costs(runs: list[dict], link: dict) -> dict:
+    """The per-stage cost model `bench/pp_sim.py` takes, from a configuration's measured runs (medians; the
+    slower stage's, since the sim's stages share one cost model with an imbalance factor of 1)."""
+    stages = [s for r in runs for s in r["stages"]]
+    decode = statistics.median(s["decode_step_s"] for s in stages)
+    batch = statistics.median(s["decode_batch"] for s in stages)
+    cpu = statistics.median(s["scheduler_cpu_per_step_s"] for s in stages)
+    return {"prefill_a_s": 0.0, "prefill_b_s_per_token": statistics.median(s["prefill_token_s"] for s in stages),
+            "decode_c_s": 0.0, "decode_d_s_per_req": decode / batch, "decode_e_s_per_kv_token": 0.0,
+            "sched_s": cpu / 2, "process_s": cpu / 2, "link_latency_s": link["link_latency_s"],
+            "link_bytes_per_s": link["link_bytes_per_s"], "hidden_size": MODEL_CONFIG["hidden_size"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--quick", action="store_true", help="16 prompts, 16 output tokens, 1 round")
+    p.add_argument("--json-out", default=None)
+    ns = p.parse_args()
+    if ns.quick:
+        ns.num_prompts, ns.output_len, ns.rounds = 16, 16, 1
+    prompts = make_prompts(ns.num_prompts, ns.input_len, seed=0)
+    common = dict(model_path=model_folder(), load_format="dummy", dtype="bfloat16", log_level="warning",
+                  max_running_requests=ns.num_prompts,
+                  max_total_tokens=ns.num_prompts * (ns.input_len + ns.output_len + 16) + 4096)
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    link = measure_link(2 * MODEL_CONFIG["hidden_size"] * 2 * (ns.num_prompts // 2))
+    print(f"link: one-way latency {1e6 * link['link_latency_s']:.0f} us, "
+          f"{link['link_bytes_per_s'] / 1e6:.0f} MB/s", flush=True)
+    report: dict[str, Any] = {"bench": "pipeline", "num_prompts": ns.num_prompts, "input_len": ns.input_len,
+                              "output_len": ns.output_len, "rounds": ns.rounds, "link": link, "configs": {}}
+    pp1 = Engine(**common)
+    try:
+        pp1.generate(input_ids=prompts[:8], sampling_params=params)
+        for name in ns.configs.split(","):
+            depth, early, overlap = CONFIGS[name]
+            os.environ["TOKENLOOM_PP_EARLY_OUTPUT_SEND"] = "1" if early else "0"
+            os.environ["TOKENLOOM_PP_OVERLAP_SENDS"] = "1" if overlap else "0"
+            pp2 = Engine(pp_size=2, pp_async_batch_depth=depth, **common)
+            try:
+                pp2.generate(input_ids=prompts[:8], sampling_params=params)
+                runs1, runs2, ratios = [], [], []
+                for r in range(ns.rounds):
+                    order = [(pp1, runs1), (pp2, runs2)] if r % 2 == 0 else [(pp2, runs2), (pp1, runs1)]
+                    for engine, runs in order:
+                        runs.append(run_once(engine, prompts, ns.output_len))
+                    ratios.append(runs1[-1]["output_tok_s"] / runs2[-1]["output_tok_s"])
+                    s = runs2[-1]["stages"]
+                    print(f"[{name}] round {r + 1}: PP1 {runs1[-1]['output_tok_s']:7.1f} tok/s, PP2 "
+                          f"{runs2[-1]['output_tok_s']:7.1f} tok/s (PP1/PP2 {ratios[-1]:.3f}); PP2 bubble "
+                          + " / ".join(f"{100 * x['bubble']:.1f}%" for x in s)
+                          + f", ITL {runs2[-1]['mean_itl_ms']:.0f} vs {runs1[-1]['mean_itl_ms']:.0f} ms", flush=True)
+            finally:
+                pp2.shutdown()
+            report["configs"][name] = {
+                "depth": depth, "early_output_send": early, "overlap_sends": overlap,
+                "pp1_output_tok_s": median_of(runs1, "output_tok_s"), "pp2_output_tok_s": median_of(runs2,
+                                                                                                     "output_tok_s"),
+                "slowdown_pp1_over_pp2": statistics.median(ratios), "slowdown_runs": ratios,
+                "pp1_mean_itl_ms": median_of(runs1, "mean_itl_ms"), "pp2_mean_itl_ms": median_of(runs2, "mean_itl_ms"),
+                "pp1_bubble": median_of(runs1, "bubble"), "pp2_bubble_worst": median_of(runs2, "bubble_worst"),
+                "pp2_stages": [{key: statistics.median(r["stages"][i][key] for r in runs2)
+                                for key in runs2[0]["stages"][i]} for i in range(2)],
+                "stage_costs": stage_costs(runs2, link),
+                "bubble_under_15pct_met": median_of(runs2, "bubble_worst") < BUBBLE_TARGET,
+                "within_1_3x_met": statistics.median(ratios) <= SLOWDOWN_TARGET,
+            }
+    finally:
+        pp1.shutdown()
+    print()
+    print(f"{'config':24} {'PP1 tok/s':>9} {'PP2 tok/s':>9} {'PP1/PP2':>8} {'bubble s0/s1':>14} {'ITL ms':>7} "
+          f"{'recv wait s0/s1':>16}")
+    for name, c in report["configs"].items():
+        st = c["pp2_stages"]
+        print(f"{name:24} {c['pp1_output_tok_s']:9.1f} {c['pp2_output_tok_s']:9.1f} {c['slowdown_pp1_over_pp2']:8.3f} "
+              f"{100 * st[0]['bubble']:6.1f}/{100 * st[1]['bubble']:5.1f}% {c['pp2_mean_itl_ms']:7.0f} "
+              f"{st[0]['recv_wait_s']:7.2f}/{st[1]['recv_wait_s']:6.2f} s")
+    if ns.json_out:
+        runs = [{"pp": 2, "depth": c["depth"], "early_output_send": c["early_output_send"],
+                 "grouped_sends": c["overlap_sends"], "num_requests": ns.num_prompts, "input_len": ns.input_len,
+                 "output_len": ns.output_len, "max_running_requests": ns.num_prompts,
+                 "measured": {"output_throughput": c["pp2_output_tok_s"],
+                              "bubble_fraction": [s["bubble"] for s in c["pp2_stages"]],
+                              "itl_ms_median": c["pp2_mean_itl_ms"]},
+                 "stage_costs": c["stage_costs"]} for c in report["configs"].values()]
+        with open(ns.json_out, "w") as f:
+            json.dump({"runs": runs}, f, indent=1)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
