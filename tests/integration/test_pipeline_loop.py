@@ -42,7 +42,7 @@ def tiny4(tmp_path_factory) -> str:
                                             tie_word_embeddings=False, initializer_range=0.3)
 
 
-def _workload(eng: Engine, abort: bool = True, max_new_tokens: int = 14) -> dict:
+def _workload(eng: Engine, abort: bool = True, max_new_tokens: int = 14, sampled: bool = True) -> dict:
     out: dict = {}
     greedy = eng.generate(PROMPTS, dict(GREEDY, max_new_tokens=max_new_tokens), return_logprob=True,
                           top_logprobs_num=3, logprob_start_len=0)
@@ -50,8 +50,9 @@ def _workload(eng: Engine, abort: bool = True, max_new_tokens: int = 14) -> dict
     out["logprobs"] = [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in greedy]
     out["top"] = [[[t[1] for t in top] for top in o["meta_info"]["output_top_logprobs"]] for o in greedy]
     out["prompt_logprobs"] = [[lp[0] for lp in o["meta_info"]["input_token_logprobs"][1:]] for o in greedy]
-    out["penalties"] = [o["output_ids"] for o in eng.generate(PROMPTS, PENALTIES)]
-    out["seeded"] = [o["output_ids"] for o in eng.generate(PROMPTS, SEEDED)]
+    if sampled:
+        out["penalties"] = [o["output_ids"] for o in eng.generate(PROMPTS, PENALTIES)]
+        out["seeded"] = [o["output_ids"] for o in eng.generate(PROMPTS, SEEDED)]
     again = eng.generate(PROMPTS, GREEDY)  # every prompt's prefix is cached now
     out["again"] = [o["output_ids"] for o in again]
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
@@ -91,9 +92,9 @@ def _assert_stages_full(eng: Engine, pp_size: int, tp_size: int = 1) -> dict:
 
 
 def _run(model: str, pp_size: int, depth: int = 0, tp_size: int = 1, abort: bool = True, max_new_tokens: int = 14,
-         **flags) -> dict:
+         sampled: bool = True, **flags) -> dict:
     with Engine(model, pp_size=pp_size, pp_async_batch_depth=depth, tp_size=tp_size, **{**COMMON, **flags}) as eng:
-        out = _workload(eng, abort, max_new_tokens)
+        out = _workload(eng, abort, max_new_tokens, sampled)
         info = _assert_stages_full(eng, pp_size, tp_size)
         out["retracted"] = info["num_retracted_reqs"]
         if pp_size > 1:
@@ -128,7 +129,7 @@ def test_small_pool_chunked_two_running_requests(tiny4):
     """Chunks of 16 tokens (a prompt's chunks in several lanes), --max-running-requests 2 (one request per
     micro-batch at PP=2) and a pool small enough to force retraction inside a lane."""
     flags = dict(max_total_tokens=96, max_running_requests=2, chunked_prefill_size=16,
-                 schedule_conservativeness=0.3, max_new_tokens=40)
+                 schedule_conservativeness=0.3, max_new_tokens=40, sampled=False)
     ref = _run(tiny4, 1, abort=False, **flags)
     pp = _run(tiny4, 2, 1, abort=False, **flags)
     _assert_same(pp, ref)

@@ -10,8 +10,9 @@ Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 add
 1. requests: stage 0 drains its inbox; every other stage receives the list from s - 1; every non-last stage
    sends it on (the list is sent even when empty, so the stages iterate in step). Aborts and control
    requests thus reach every stage at the same iteration (SGLang #28881: a per-stage abort desynchronised
-   stages). Flush / get-internal-state wait until no lane has a batch in flight, scheduling nothing new
-   meanwhile (every stage drains alike), then are handled.
+   stages). A cache flush waits until no lane has a batch in flight, scheduling nothing new meanwhile (every
+   stage drains alike); a state report is answered at once, as things stand (in-flight prefills count as
+   running).
 2. every stage schedules lane mb and launches its batch (`Scheduler.launch`: prepare on this thread).
 3. last stage, depth > 0: send stage 0 the output of the batch launched at iteration t - depth.
 4. non-first stages with a batch: receive its proxy (hidden states, residual) from s - 1 (blocking).
@@ -58,7 +59,7 @@ from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.distributed.pp_channel import PPChannel
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
 from tokenloom.executor.worker import ForwardOutput, ForwardResult, ModelWorker, PreparedStep
-from tokenloom.protocol import FlushCacheRequest, GetInternalStateRequest
+from tokenloom.protocol import FlushCacheRequest
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.loops import Inbox, _LoopBase, serve_with_executor
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -141,9 +142,10 @@ class PipelineLoop(_LoopBase):
             raise AssertionError(f"lane {lane.index} has a batch in flight while it is scheduled")
 
     def settle_all(self) -> None:
-        """Control requests are handled only once no lane has a batch in flight (see `run_once`)."""
-        if any(lane.launched for lane in self.scheduler.lanes):
-            raise AssertionError("settle_all with batches in flight: control requests wait for the drain")
+        """Nothing to do here: a cache flush is handled only once no lane has a batch in flight (`run_once`
+        defers it), and a state report is taken as it stands at this iteration, the same on every stage (a
+        drain per report would stall the pipeline for pp + depth - 1 iterations each time /metrics or a
+        router's load poll asks)."""
 
     def info(self) -> dict:
         """The loop's state, with every stage's pools and counters (`pp_stages`, gathered over the world:
@@ -177,7 +179,7 @@ class PipelineLoop(_LoopBase):
         messages = self._exchange_requests(0 if in_flight or not sched.is_idle() else timeout_ms)
         start = time.perf_counter()
         for msg in messages:
-            if isinstance(msg, (FlushCacheRequest, GetInternalStateRequest)):
+            if isinstance(msg, FlushCacheRequest):
                 self.pending_controls.append(msg)
             else:
                 sched.handle(msg, self)

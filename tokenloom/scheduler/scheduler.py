@@ -436,7 +436,7 @@ class Scheduler:
             "evictable_kv_tokens": self.tree_cache.evictable_size(),
             "kv_tokens_in_use": used,
             "free_request_slots": self.req_to_token_pool.available_size(),
-            "num_running_reqs": len(self.running),
+            "num_running_reqs": len(self.running) + len(self._in_flight_prefills()),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_retracted_reqs": self.num_retracted,
             "last_gen_throughput": self.stats.last_gen_throughput,

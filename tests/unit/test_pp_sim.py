@@ -1,0 +1,155 @@
+"""bench/pp_sim.py, the discrete-event model of the pipeline loop, against hand-computed timelines: pp=1 makespan =
+sum of forwards, a chunked prompt's TTFT, the pp=2 single-request critical path, the depth-1 bubble, the two seed
+000 options, and `--validate` on a bench/pipeline.py-shaped JSON."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import pytest
+
+from bench.pp_sim import (
+    OFF,
+    PipelineSim,
+    Req,
+    SimConfig,
+    StageCost,
+    main,
+    seed_config,
+    seed_workload,
+    simulate,
+)
+
+# pp=1 reference: two requests of 10 prompt tokens and 3 output tokens, admitted together, prompt in one chunk.
+# Forwards: prefill of 20 tokens (a + 20 b), decode at kv 2 * 11 (c + 2 d + 22 e), decode at kv 2 * 12.
+COST = StageCost(a=1.0, b=0.1, c=0.5, d=0.01, e=0.001)
+PP1_SUM = (1.0 + 20 * 0.1) + (0.5 + 2 * 0.01 + 22 * 0.001) + (0.5 + 2 * 0.01 + 24 * 0.001)
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_pp1_without_cpu_costs_runs_for_the_sum_of_its_forwards(depth):
+    cfg = SimConfig(stages=(COST,), depth=depth, max_running_requests=2, chunk_size=100)
+    m = simulate(cfg, [Req(0.0, 10, 3), Req(0.0, 10, 3)])
+    assert m["duration_s"] == pytest.approx(PP1_SUM, rel=1e-12)
+    assert m["output_throughput"] == pytest.approx(6 / PP1_SUM, rel=1e-12)
+    assert m["bubble_fraction"] == [pytest.approx(0.0, abs=1e-12)]
+
+
+def test_chunked_prompt_takes_one_forward_per_chunk():
+    cfg = SimConfig(stages=(StageCost(a=1.0, b=0.01),), chunk_size=64)
+    m = simulate(cfg, [Req(0.0, 150, 1)])
+    # chunks of 64, 64 and 22 tokens; the single output token comes with the last chunk
+    assert m["ttft_ms"]["mean"] == pytest.approx(1e3 * (1.64 + 1.64 + 1.22), rel=1e-12)
+    assert m["duration_s"] == pytest.approx(4.5, rel=1e-12)
+
+
+# pp=2 balanced, one request: forward f per stage, link latency lam, bandwidth bw, per-message CPU mu, sched sig,
+# process p. From stage 0 stamping token k: request list to stage 1 (mu), schedule (sig), forward (f), proxy send
+# (mu, 4 * hidden bytes, lam), stage 1 receives it (mu), forwards (f), the output leaves behind that forward (mu,
+# 8 bytes, lam), stage 0 receives it (mu) and processes it (p). The other stage-1 CPU work (its request receive,
+# its schedule, its processing of the previous result) finishes before the data it waits for arrives (sig < mu +
+# 2 lam), so it is off the critical path.
+F, LAM, MU, SIG, P, HIDDEN = 0.010, 0.001, 0.0001, 0.0005, 0.0003, 1024
+BW = 4096 / 0.0002  # the one-token proxy (2 * 1024 * 2 bytes) takes 0.2 ms on the wire
+CRITICAL = 2 * F + 2 * LAM + 5 * MU + SIG + P + 4 * HIDDEN / BW + 8 / BW
+
+
+def _pp2(**kw) -> SimConfig:
+    st = StageCost(a=F, c=F)
+    return SimConfig(stages=(st, st), sched_s=SIG, process_s=P, msg_cpu_s=MU, link_latency_s=LAM,
+                     link_bytes_per_s=BW, hidden_size=HIDDEN, **kw)
+
+
+def test_pp2_single_request_itl_is_the_hand_computed_critical_path():
+    sim = PipelineSim(_pp2(), [Req(0.0, 1, 6)])
+    m = sim.run()
+    assert len(sim.batcher.itl) == 5
+    assert sim.batcher.itl == [pytest.approx(CRITICAL, rel=1e-9)] * 5
+    # the one-token prefill costs f per stage too, so the first token follows the same path from t = 0
+    assert m["ttft_ms"]["mean"] == pytest.approx(1e3 * CRITICAL, rel=1e-9)
+    assert m["duration_s"] == pytest.approx(6 * CRITICAL, rel=1e-9)
+
+
+def test_depth1_hides_the_processing_that_depth0_leaves_on_the_ring():
+    # zero link and scheduling costs; processing 0.3 f per result. At depth 0 stage 0 cannot process lane nxt's
+    # result before stage 1 finished it (about when stage 0's own forward ends): period f + p, bubble p / (f + p).
+    st = StageCost(a=0.01, c=0.01)
+    reqs = [Req(0.0, 16, 64) for _ in range(96)]
+    bubble = {}
+    for depth in (0, 1):
+        cfg = SimConfig(stages=(st, st), depth=depth, process_s=0.003, max_running_requests=96, chunk_size=64)
+        bubble[depth] = simulate(cfg, reqs)["bubble_fraction"]
+    assert bubble[0][0] == pytest.approx(0.3 / 1.3, abs=0.01)
+    assert max(bubble[1]) < 0.01
+
+
+def _grid():
+    for pp, last_mult, proc, lat, grouped in itertools.product((2, 3), (1.0, 1.5), (0.0, 0.02), (0.0, 1e-3),
+                                                               (True, False)):
+        stages = tuple(StageCost(a=0.01, b=1e-5, c=0.01 * (last_mult if s == pp - 1 else 1.0), d=1e-4)
+                       for s in range(pp))
+        yield SimConfig(stages=stages, process_s=proc, sched_s=5e-4, msg_cpu_s=5e-5, link_latency_s=lat,
+                        grouped_sends=grouped, max_running_requests=24, chunk_size=64)
+
+
+def test_point1_on_is_never_slower_than_off():
+    reqs = [Req(0.0, 20 + i, 30 + 2 * i) for i in range(24)]
+    gains = []
+    for cfg in _grid():
+        on = simulate(cfg, reqs)["duration_s"]
+        off = simulate(replace(cfg, early_output_send=False), reqs)["duration_s"]
+        assert on <= off * (1 + 1e-12)
+        gains.append(off / on)
+    assert max(gains) > 1.05  # and it does matter somewhere (processing longer than the last stage's forward)
+
+
+def test_point1_blocking_the_cpu_puts_the_last_stages_processing_in_series():
+    # pp=3: with the CPU waiting for the forward before the early send, the last stage's processing (0.3 f) no
+    # longer overlaps its forward; at pp=2 stage 0's processing is on the ring anyway and hides it.
+    stages = tuple(StageCost(a=0.01, c=0.01) for _ in range(3))
+    cfg = SimConfig(stages=stages, process_s=0.003, sched_s=5e-4, max_running_requests=24, chunk_size=64)
+    reqs = [Req(0.0, 16, 40) for _ in range(24)]
+    off = simulate(replace(cfg, early_output_send=False), reqs)["request_throughput"]
+    blocking = simulate(replace(cfg, early_send_blocking=True), reqs)["request_throughput"]
+    assert blocking < 0.9 * off
+
+
+def test_seed_scenario_on_beats_off_by_about_the_seeds_margin():
+    reqs = seed_workload(256)
+    off = simulate(seed_config(**OFF), reqs)["request_throughput"]
+    on = simulate(seed_config(), reqs)["request_throughput"]
+    assert 1.002 < on / off < 1.03  # seed 000: 4.61 -> 4.65 req/s (+0.9%)
+
+
+def test_validate_reads_the_pipeline_benchmark_schema(tmp_path, capsys):
+    base = {"prefill_a_s": 1.0, "prefill_b_s_per_token": 0.1, "decode_c_s": 0.5, "decode_d_s_per_req": 0.01,
+            "decode_e_s_per_kv_token": 0.001, "sched_s": 0.0, "process_s": 0.0, "link_latency_s": 0.0,
+            "link_bytes_per_s": 1e12, "hidden_size": 64}
+    pp2 = {**base, "prefill_a_s": [F, F], "prefill_b_s_per_token": 0.0, "decode_c_s": [F, F], "decode_d_s_per_req": 0,
+           "decode_e_s_per_kv_token": 0, "sched_s": SIG, "process_s": P, "msg_cpu_s": MU, "link_latency_s": LAM,
+           "link_bytes_per_s": BW, "hidden_size": HIDDEN}
+    runs = [
+        {"pp": 1, "depth": 0, "early_output_send": True, "grouped_sends": True, "num_requests": 2, "input_len": 10,
+         "output_len": 3, "max_running_requests": 2, "chunked_prefill_size": 100,
+         "measured": {"output_throughput": 3 / PP1_SUM, "bubble_fraction": [0.0], "itl_ms_median": 1.0},
+         "stage_costs": base},
+        {"pp": 2, "depth": 0, "early_output_send": True, "grouped_sends": False, "num_requests": 1, "input_len": 1,
+         "output_len": 6, "max_running_requests": 1,
+         "measured": {"output_throughput": 6 / (6 * CRITICAL), "bubble_fraction": [0.5, 0.5],
+                      "itl_ms_median": 1e3 * CRITICAL},
+         "stage_costs": pp2},
+    ]
+    path = tmp_path / "pipeline.json"
+    path.write_text(json.dumps({"runs": runs}))
+    res = main(["--validate", str(path), "--json"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(res))
+    first, second = res["runs"]
+    assert first["throughput_ratio"] == pytest.approx(2.0, rel=1e-12)  # measured half the hand-computed rate
+    # the two requests' gaps are the two decode forwards; the median of [d1, d1, d2, d2] is their mean (ms over 1 ms)
+    assert first["itl_ratio"] == pytest.approx(1e3 * (0.542 + 0.544) / 2, rel=1e-12)
+    assert second["throughput_ratio"] == pytest.approx(1.0, rel=1e-9)
+    assert second["itl_ratio"] == pytest.approx(1.0, rel=1e-9)
+    assert "pp2 d0 p1=1 p2=0" in out
