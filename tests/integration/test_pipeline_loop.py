@@ -55,7 +55,8 @@ def _workload(eng: Engine, abort: bool = True, max_new_tokens: int = 14, sampled
         out["seeded"] = [o["output_ids"] for o in eng.generate(PROMPTS, SEEDED)]
     again = eng.generate(PROMPTS, GREEDY)  # every prompt's prefix is cached now
     out["again"] = [o["output_ids"] for o in again]
-    assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+    if sampled:  # (a pool as small as the retraction test's evicts between the phases)
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
     if abort:
         out["with_abort"] = asyncio.run(_abort_mid_flight(eng))
     return out
