@@ -1,6 +1,8 @@
 """bench/pp_sim.py, the discrete-event model of the pipeline loop, against hand-computed timelines: pp=1 makespan =
-sum of forwards, a chunked prompt's TTFT, the pp=2 single-request critical path, the depth-1 bubble, the two seed
-000 options, and `--validate` on a bench/pipeline.py-shaped JSON."""
+sum of forwards (depth 0/1, chunked or not), idle gaps, a chunked prompt's TTFT, the batcher's caps, the pp=2
+single-request critical path, one send in flight per channel, the depth-1 bubble, the two seed 000 options (never
+slower; the CPU-blocking form of point 1 is), the seed scenario's margin, and `--validate` on a
+bench/pipeline.py-shaped JSON."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.pp_batcher import Batcher
 from bench.pp_sim import (
     OFF,
     PipelineSim,
@@ -22,19 +25,37 @@ from bench.pp_sim import (
     simulate,
 )
 
-# pp=1 reference: two requests of 10 prompt tokens and 3 output tokens, admitted together, prompt in one chunk.
-# Forwards: prefill of 20 tokens (a + 20 b), decode at kv 2 * 11 (c + 2 d + 22 e), decode at kv 2 * 12.
+# pp=1 references: two requests of 10 prompt tokens and 3 output tokens, lane cap 2. Forwards cost
+# prefill a + b * tokens and decode c + d * batch + e * kv (kv = prompt + tokens generated so far).
 COST = StageCost(a=1.0, b=0.1, c=0.5, d=0.01, e=0.001)
-PP1_SUM = (1.0 + 20 * 0.1) + (0.5 + 2 * 0.01 + 22 * 0.001) + (0.5 + 2 * 0.01 + 24 * 0.001)
+TOGETHER = (1.0 + 20 * 0.1) + (0.5 + 2 * 0.01 + 22 * 0.001) + (0.5 + 2 * 0.01 + 24 * 0.001)  # one 20-token chunk
+PREFILL_10 = 1.0 + 10 * 0.1
+# chunk 10, depth 0: the second prompt's prefill (priority) comes before the first request decodes, then both
+# decode together. Depth 1: the second prompt goes to lane 1, and the two requests decode alone, alternately.
+DEPTH0_CHUNK10 = 2 * PREFILL_10 + (0.5 + 2 * 0.01 + 22 * 0.001) + (0.5 + 2 * 0.01 + 24 * 0.001)
+DEPTH1_CHUNK10 = 2 * PREFILL_10 + 2 * ((0.5 + 0.01 + 11 * 0.001) + (0.5 + 0.01 + 12 * 0.001))
+PP1_SUM = TOGETHER
 
 
-@pytest.mark.parametrize("depth", [0, 1])
-def test_pp1_without_cpu_costs_runs_for_the_sum_of_its_forwards(depth):
-    cfg = SimConfig(stages=(COST,), depth=depth, max_running_requests=2, chunk_size=100)
+@pytest.mark.parametrize("depth,chunk,expected", [(0, 100, TOGETHER), (1, 100, TOGETHER), (0, 10, DEPTH0_CHUNK10),
+                                                  (1, 10, DEPTH1_CHUNK10)])
+def test_pp1_without_cpu_costs_runs_for_the_sum_of_its_forwards(depth, chunk, expected):
+    cfg = SimConfig(stages=(COST,), depth=depth, max_running_requests=2, chunk_size=chunk)
     m = simulate(cfg, [Req(0.0, 10, 3), Req(0.0, 10, 3)])
-    assert m["duration_s"] == pytest.approx(PP1_SUM, rel=1e-12)
-    assert m["output_throughput"] == pytest.approx(6 / PP1_SUM, rel=1e-12)
+    assert m["duration_s"] == pytest.approx(expected, rel=1e-12)
+    assert m["output_throughput"] == pytest.approx(6 / expected, rel=1e-12)
     assert m["bubble_fraction"] == [pytest.approx(0.0, abs=1e-12)]
+
+
+def test_idle_gaps_between_arrivals_are_not_bubbles():
+    # pp=1, no CPU costs: each request is a 1.0 s prefill then two 0.5 s decodes; the second arrives at t = 10
+    cfg = SimConfig(stages=(StageCost(a=1.0, c=0.5),))
+    m = simulate(cfg, [Req(0.0, 4, 3), Req(10.0, 4, 3)])
+    assert m["ttft_ms"]["p50"] == pytest.approx(1e3, rel=1e-12)
+    assert m["duration_s"] == pytest.approx(12.0, rel=1e-12)
+    assert m["bubble_fraction"] == [pytest.approx(0.0, abs=1e-12)]  # only 4 s of the 12 have work
+    assert m["busy_fraction"] == [pytest.approx(1.0, rel=1e-12)]
+    assert m["itl_ms"]["mean"] == pytest.approx(500.0, rel=1e-12)
 
 
 def test_chunked_prompt_takes_one_forward_per_chunk():
@@ -43,6 +64,23 @@ def test_chunked_prompt_takes_one_forward_per_chunk():
     # chunks of 64, 64 and 22 tokens; the single output token comes with the last chunk
     assert m["ttft_ms"]["mean"] == pytest.approx(1e3 * (1.64 + 1.64 + 1.22), rel=1e-12)
     assert m["duration_s"] == pytest.approx(4.5, rel=1e-12)
+
+
+def test_batcher_caps_each_lane_and_the_total():
+    # pp=2, depth 1: three lanes, lane cap 5 // 2 = 2, global cap 5; six 10-token prompts, chunk 25
+    cfg = SimConfig(stages=(COST, COST), depth=1, max_running_requests=5, chunk_size=25)
+    bat = Batcher(cfg, [Req(0.0, 10, 4) for _ in range(6)])
+    bat.read_inbox(0.0)
+    b0 = bat.decide(0, 0)  # the lane cap stops it at two prompts, with 5 tokens of budget left
+    assert [(r.prefilled, done) for r, done in b0.prefill] == [(10, True), (10, True)] and b0.tokens == 20
+    b1 = bat.decide(1, 1)
+    assert b1.tokens == 20 and bat.running == 4
+    b2 = bat.decide(2, 2)  # the global cap of 5 leaves one more
+    assert b2.tokens == 10 and bat.running == 5 and len(bat.waiting) == 1
+    bat.apply(b0, 1.0)
+    b3 = bat.decide(3, 0)  # lane 0 is full: its two requests decode, kv = 2 * (10 + 1)
+    assert b3.prefill == [] and len(b3.decode) == 2
+    assert b3.durations == (COST.decode(2, 22), COST.decode(2, 22))
 
 
 # pp=2 balanced, one request: forward f per stage, link latency lam, bandwidth bw, per-message CPU mu, sched sig,
@@ -72,6 +110,18 @@ def test_pp2_single_request_itl_is_the_hand_computed_critical_path():
     assert m["duration_s"] == pytest.approx(6 * CRITICAL, rel=1e-9)
 
 
+def test_one_send_in_flight_per_channel_holds_a_link_bound_stage_back():
+    # 1 ms forwards, 10 ms on the wire per proxy token: at depth 2 stage 0 could run ahead, but each proxy send
+    # waits until stage 1 took the previous one, so stage 0 spends nearly the whole run waiting on its sends.
+    st = StageCost(a=0.001, c=0.001)
+    cfg = SimConfig(stages=(st, st), depth=2, max_running_requests=8, chunk_size=16, hidden_size=1024,
+                    link_bytes_per_s=4096 / 0.01)
+    sim = PipelineSim(cfg, [Req(0.0, 1, 20) for _ in range(8)])
+    m = sim.run()
+    assert sim.send_wait[0] > 0.9 * m["duration_s"]
+    assert sim.send_wait[1] == 0.0
+
+
 def test_depth1_hides_the_processing_that_depth0_leaves_on_the_ring():
     # zero link and scheduling costs; processing 0.3 f per result. At depth 0 stage 0 cannot process lane nxt's
     # result before stage 1 finished it (about when stage 0's own forward ends): period f + p, bubble p / (f + p).
@@ -86,23 +136,25 @@ def test_depth1_hides_the_processing_that_depth0_leaves_on_the_ring():
 
 
 def _grid():
-    for pp, last_mult, proc, lat, grouped in itertools.product((2, 3), (1.0, 1.5), (0.0, 0.02), (0.0, 1e-3),
-                                                               (True, False)):
+    for pp, last_mult, proc, lat in itertools.product((2, 3), (1.0, 1.5), (0.0, 0.02), (0.0, 1e-3)):
         stages = tuple(StageCost(a=0.01, b=1e-5, c=0.01 * (last_mult if s == pp - 1 else 1.0), d=1e-4)
                        for s in range(pp))
         yield SimConfig(stages=stages, process_s=proc, sched_s=5e-4, msg_cpu_s=5e-5, link_latency_s=lat,
-                        grouped_sends=grouped, max_running_requests=24, chunk_size=64)
+                        max_running_requests=24, chunk_size=64)
 
 
-def test_point1_on_is_never_slower_than_off():
+@pytest.mark.parametrize("point", ["early_output_send", "grouped_sends"])
+def test_each_point_on_is_never_slower_than_off(point):
     reqs = [Req(0.0, 20 + i, 30 + 2 * i) for i in range(24)]
     gains = []
     for cfg in _grid():
-        on = simulate(cfg, reqs)["duration_s"]
-        off = simulate(replace(cfg, early_output_send=False), reqs)["duration_s"]
-        assert on <= off * (1 + 1e-12)
-        gains.append(off / on)
-    assert max(gains) > 1.05  # and it does matter somewhere (processing longer than the last stage's forward)
+        for other in (True, False):
+            cfg = replace(cfg, **{"grouped_sends" if point == "early_output_send" else "early_output_send": other})
+            on = simulate(replace(cfg, **{point: True}), reqs)["duration_s"]
+            off = simulate(replace(cfg, **{point: False}), reqs)["duration_s"]
+            assert on <= off * (1 + 1e-12)
+            gains.append(off / on)
+    assert max(gains) > 1.05  # and it matters somewhere in the grid
 
 
 def test_point1_blocking_the_cpu_puts_the_last_stages_processing_in_series():
