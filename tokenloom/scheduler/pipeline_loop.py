@@ -16,26 +16,31 @@ Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 add
 2. every stage schedules lane mb and launches its batch (`Scheduler.launch`: prepare on this thread).
 3. last stage, depth > 0: send stage 0 the output of the batch launched at iteration t - depth.
 4. non-first stages with a batch: receive its proxy (hidden states, residual) from s - 1 (blocking).
-5. submit the forward to the executor (the last stage forwards and samples; others only forward).
-6. last stage, depth 0: with `early_output_send` (seed 000 point 1) wait for this forward and send its
-   output to stage 0 right away; else after step 7.
-7. lane nxt's oldest batch (launched at t + 1 - L): stage 0 receives its output from the last stage; a
+5. submit the step to the executor (the last stage forwards and samples; others only forward). With
+   `early_output_send` (seed 000 point 1) at depth 0 the executor sends the last stage's output to stage 0
+   right after sampling; with `overlap_sends` (point 2) a non-last stage's executor sends the proxy to
+   s + 1 right after the forward. Such a send is queued behind its step, as an isend on a CUDA forward
+   stream is, and the scheduling thread never waits for the step: it goes on to step 7 and the next
+   iteration's receives while the forward runs.
+6. lane nxt's oldest batch (launched at t + 1 - L): stage 0 receives its output from the last stage; a
    middle stage receives it from s - 1 and sends it on unless s + 1 is the last; the last stage has it.
    Stage 0 records the tokens in its token table (it embeds them next); every stage then processes the
    result (`process_batch_result`). So a lane is scheduled again only after its result was applied: a lane
    never has pending tokens under PP.
-8. non-last stages with a batch: wait for the forward and send the proxy to s + 1.
-With `overlap_sends` off (seed 000 point 2 undone, for the benchmark), a stage waits at the end of each
-iteration until every message it sent in it was received.
+7. the sends the executor does not do: the last stage's output at depth 0 with point 1 off (after step 6's
+   processing); a non-last stage's proxy with point 2 off (the scheduling thread waits for the forward).
+With `overlap_sends` off (point 2 undone, for the benchmark) a stage also waits at the end of each iteration
+until every message it sent in it was received, so sends never overlap the next receives.
 
 Channels (distributed/pp_channel.py), one per message type, each on its own gloo tag: requests (s -> s + 1),
-proxy (s -> s + 1), output (last -> 0 -> 1 -> ... -> pp - 2). Each is a chain, one message per channel per
-exchange, at most one send in flight per channel. No cycle of waits: a stage's iteration t waits only on
-other stages' iterations <= t, and on a send of iteration t' completing, which needs the receiver to reach
-iteration t' (requests, proxy) or t' + L - 1 - depth (output, received by stage 0 L - 1 iterations after the
-batch launched; the last stage sends it at iteration t' + depth and stage 0 reaching t' + L - 1 needs only
-the last stage's iteration t' + depth - 1). Checked at depth 0, 1, 2 and pp 2, 3 in
-tests/integration/test_pipeline_loop.py.
+proxy (s -> s + 1), output (last -> 0 -> 1 -> ... -> pp - 2); one object per direction, each used by one
+thread. Each is a chain, one message per channel per exchange, at most one send in flight per channel (an
+executor-side send waits for its channel's previous message, never for a later step). No cycle of waits: a
+stage's iteration t waits only on other stages' iterations <= t, and on a send of iteration t' completing,
+which needs the receiver to reach iteration t' (requests, proxy) or t' + L - 1 - depth (output, received by
+stage 0 L - 1 iterations after the batch launched; the last stage sends it at iteration t' + depth and stage 0
+reaching t' + L - 1 needs only the last stage's iteration t' + depth - 1). Checked at depth 0, 1, 2 and pp 2,
+3 in tests/integration/test_pipeline_loop.py.
 
 Memory safety of chunked prefill: a chunk's KV can be inserted into the prefix cache (and duplicate slots
 freed) while that chunk still runs on later stages; safe because every stage executes its batches in
@@ -80,31 +85,37 @@ def seed_options(environ: dict[str, str] | None = None) -> dict[str, bool]:
 
 @dataclass
 class StageChannels:
-    """The point-to-point channels of one stage (None where the stage neither sends nor receives)."""
+    """The point-to-point channels of one stage, one object per direction (None where the stage does not
+    use it), so that each is used by one thread only: the requests channel and every receiving channel by the
+    scheduling thread; `proxy_out` and the last stage's `output_out` by whichever thread the loop's options
+    give them to (the executor when sends queue behind the forward)."""
 
-    requests: PPChannel | None
-    proxy: PPChannel | None
-    output: PPChannel | None
-    forwards_output: bool  # a middle stage whose next stage is not the last passes outputs on
+    requests: PPChannel | None  # s -> s + 1 (both directions on one object: the scheduling thread's)
+    proxy_in: PPChannel | None  # s - 1 -> s
+    proxy_out: PPChannel | None  # s -> s + 1
+    output_in: PPChannel | None  # last -> 0, then s - 1 -> s up to pp - 2
+    output_out: PPChannel | None  # last -> 0 (the ring), s -> s + 1 below pp - 2
 
     @classmethod
     def build(cls, ctx: ParallelContext) -> StageChannels:
         first, last = ctx.is_first_stage, ctx.is_last_stage
         prev, nxt = ctx.pp_prev_rank, ctx.pp_next_rank
         group = ctx.world_cpu_group
-        chain_send = None if last else nxt
-        chain_recv = None if first else prev
-        requests = PPChannel(group, chain_send, chain_recv, wire_tag=REQUESTS_TAG)
-        proxy = PPChannel(group, chain_send, chain_recv, wire_tag=PROXY_TAG)
-        forwards = not last and ctx.pp_rank + 1 < ctx.pp_size - 1
-        out_send = nxt if last or forwards else None  # the last stage's next is stage 0 (the ring)
-        out_recv = None if last else prev  # stage 0's prev is the last stage
-        output = None if out_send is None and out_recv is None else PPChannel(group, out_send, out_recv,
-                                                                              wire_tag=OUTPUT_TAG)
-        return cls(requests, proxy, output, forwards)
 
-    def all(self) -> list[PPChannel]:
-        return [c for c in (self.requests, self.proxy, self.output) if c is not None]
+        def channel(send: int | None, recv: int | None, tag: int) -> PPChannel | None:
+            return None if send is None and recv is None else PPChannel(group, send, recv, wire_tag=tag)
+
+        forwards_output = not last and ctx.pp_rank + 1 < ctx.pp_size - 1
+        return cls(requests=channel(None if last else nxt, None if first else prev, REQUESTS_TAG),
+                   proxy_in=channel(None, None if first else prev, PROXY_TAG),
+                   proxy_out=channel(None if last else nxt, None, PROXY_TAG),
+                   output_in=channel(None, None if last else prev, OUTPUT_TAG),
+                   output_out=channel(nxt if last or forwards_output else None, None, OUTPUT_TAG))
+
+    @property
+    def forwards_output(self) -> bool:
+        """A stage below pp - 2 passes each output it receives on to the next stage."""
+        return self.output_in is not None and self.output_out is not None
 
 
 class PipelineLoop(_LoopBase):
@@ -123,13 +134,18 @@ class PipelineLoop(_LoopBase):
         self.depth = depth
         self.early_output_send = early_output_send
         self.overlap_sends = overlap_sends
+        # Which sends the executor posts, right behind the step that produced them (the scheduling thread
+        # does not wait for that step): the last stage's outputs at depth 0 with seed point 1, every proxy
+        # with point 2. The others are posted by the scheduling thread.
+        self.executor_sends_output = ctx.is_last_stage and depth == 0 and early_output_send
+        self.executor_sends_proxy = not ctx.is_last_stage and overlap_sends
         self.worker: ModelWorker = scheduler.worker  # type: ignore[assignment]
         self.iteration = 0
         self.pending_controls: list[Any] = []
         self._steps: dict[int, PreparedStep] = {}  # stage 0: launched steps, to record their tokens
         self._timings: dict[int, StepTiming] = {}
-        self._outputs: dict[int, Future] = {}  # last stage: each launched batch's forward + sample
-        self._unsent: deque[tuple[int, ScheduleBatch]] = deque()  # last stage: outputs not sent yet
+        self._forwards: dict[int, Future] = {}  # each launched batch's step on the executor, until processed
+        self._unsent: deque[tuple[int, ScheduleBatch]] = deque()  # last stage: outputs the loop still sends
         # this stage's own forwards (prefill: per token; decode: per step), and its waits on the others
         self.totals.update({"stage_forward_s": 0.0, "stage_prefill_s": 0.0, "stage_prefill_tokens": 0,
                             "stage_decode_s": 0.0, "stage_decode_steps": 0, "stage_decode_reqs": 0,
@@ -189,36 +205,29 @@ class PipelineLoop(_LoopBase):
                 sched.handle(msg, self)
         batch = None if self.pending_controls else sched.get_next_batch_to_run(self, lane)
         schedule_s = time.perf_counter() - start
-        future = None
+        if ctx.is_last_stage and self.depth > 0:
+            self._send_outputs(t - self.depth)
         if batch is not None:
             start = time.perf_counter()
             step = sched.launch(batch, lane)
             self._timings[id(batch)] = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start,
                                                   batch_size=batch.batch_size, is_decode=batch.forward_mode.is_decode())
-            if ctx.is_last_stage and self.depth > 0:
-                self._send_outputs(t - self.depth)
-            proxy = None if ctx.is_first_stage else self._recv(self.channels.proxy, "proxy")
-            future = self._submit(step, proxy)
+            proxy = None if ctx.is_first_stage else self._recv(self.channels.proxy_in, "proxy")
+            self._forwards[id(batch)] = self._submit(step, proxy)
             if ctx.is_first_stage:
                 self._steps[id(batch)] = step
-            if ctx.is_last_stage:
-                self._outputs[id(batch)] = future
+            if ctx.is_last_stage and not self.executor_sends_output:
                 self._unsent.append((t, batch))
-        elif ctx.is_last_stage and self.depth > 0:
-            self._send_outputs(t - self.depth)
-        if ctx.is_last_stage and self.depth == 0 and self.early_output_send:
-            self._send_outputs(t)
         if nxt.launched:
             self._apply_result(nxt)
-        if ctx.is_last_stage and self.depth == 0 and not self.early_output_send:
-            self._send_outputs(t)
-        if future is not None and not ctx.is_last_stage:
-            forwarded: ForwardResult = self._wait(future)
-            self._count_forward(batch, forwarded.forward_s)
-            self._send(self.channels.proxy, "proxy", forwarded.proxy)
-        if not self.overlap_sends:
-            for channel in self.channels.all():
-                self._wait_sent(channel)
+        if ctx.is_last_stage and self.depth == 0:
+            self._send_outputs(t)  # point 1 off: this step's output, after the processing above
+        if batch is not None and not ctx.is_last_stage and not self.executor_sends_proxy:
+            self._send(self.channels.proxy_out, "proxy", self._wait(self._forwards[id(batch)]).proxy)
+        if not self.overlap_sends:  # point 2 off: this iteration's sends complete before the next receives
+            for channel in (self.channels.requests, self.channels.output_out, self.channels.proxy_out):
+                if channel is not None and not (channel is self.channels.output_out and self.executor_sends_output):
+                    self._wait_sent(channel)
         self.iteration += 1
         self.totals["iterations"] += 1
         busy = batch is not None or any(each.launched for each in lanes) or bool(messages)
@@ -236,27 +245,51 @@ class PipelineLoop(_LoopBase):
         return messages
 
     def _submit(self, step: PreparedStep, proxy: dict | None) -> Future:
-        worker = self.worker
+        """Queue the step on the executor; where the executor posts the step's send, it does so right after
+        the step (stream order, as a CUDA isend on the forward stream would be), off the scheduling thread."""
+        worker, wait_each = self.worker, not self.overlap_sends
         if self.ctx.is_last_stage:
-            return self.executor.submit(step, lambda s: worker.sample(s, worker.forward(s, proxy)))
-        return self.executor.submit(step, lambda s: worker.forward(s, proxy))
+            output_out = self.channels.output_out if self.executor_sends_output else None
+
+            def last_stage(s: PreparedStep) -> ForwardOutput:
+                out = worker.sample(s, worker.forward(s, proxy))
+                if output_out is not None:
+                    output_out.isend("output", {"out": out})
+                    if wait_each:
+                        output_out.wait_send()
+                return out
+
+            return self.executor.submit(step, last_stage)
+        proxy_out = self.channels.proxy_out if self.executor_sends_proxy else None
+
+        def stage(s: PreparedStep) -> ForwardResult:
+            res = worker.forward(s, proxy)
+            if proxy_out is not None:
+                proxy_out.isend("proxy", res.proxy)  # the send handle keeps the tensors until received
+                res.proxy = None
+            return res
+
+        return self.executor.submit(step, stage)
 
     def _send_outputs(self, upto: int) -> None:
-        """Last stage: send stage 0 the outputs of the batches launched at iterations <= `upto`, in order."""
+        """Last stage: send stage 0 the outputs of the batches launched at iterations <= `upto`, in order
+        (those the executor does not send itself)."""
         while self._unsent and self._unsent[0][0] <= upto:
             _, batch = self._unsent.popleft()
-            out: ForwardOutput = self._wait(self._outputs[id(batch)])
-            self._send(self.channels.output, "output", {"out": out})
+            out: ForwardOutput = self._wait(self._forwards[id(batch)])
+            self._send(self.channels.output_out, "output", {"out": out})
 
     def _apply_result(self, lane: Lane) -> None:
         batch = lane.launched[0]
+        done = self._wait(self._forwards.pop(id(batch)))  # this stage's step of it (long done, but for errors)
         if self.ctx.is_last_stage:
-            out: ForwardOutput = self._wait(self._outputs.pop(id(batch)))
+            out: ForwardOutput = done
             self._count_forward(batch, out.forward_s + out.sample_s)
         else:
-            payload = self._recv(self.channels.output, "output")
+            self._count_forward(batch, done.forward_s)
+            payload = self._recv(self.channels.output_in, "output")
             if self.channels.forwards_output:
-                self._send(self.channels.output, "output", payload)
+                self._send(self.channels.output_out, "output", payload)
             out = payload["out"]
         if self.ctx.is_first_stage:
             self.worker.record_tokens(self._steps.pop(id(batch)), out.next_token_ids)
@@ -273,7 +306,7 @@ class PipelineLoop(_LoopBase):
             totals["stage_prefill_s"] += seconds
             totals["stage_prefill_tokens"] += int((batch.seq_lens - batch.prefix_lens).sum())
 
-    # --- timed waits ----------------------------------------------------------------------------------
+    # --- timed waits (scheduling thread) ---------------------------------------------------------------
     def _recv(self, channel: PPChannel | None, tag: str) -> dict:
         start = time.perf_counter()
         payload = channel.recv(tag)
