@@ -4,10 +4,13 @@
     .venv/bin/python bench/pipeline.py --quick         # fewer prompts and tokens, 1 round
     .venv/bin/python bench/pipeline.py --json-out F    # also write the runs for `bench/pp_sim.py --validate F`
 
-Model: a random ~0.35B Llama (hidden 1024, 16 layers, 16 heads / 4 KV heads, intermediate 2816, SmolLM2's
-vocabulary and tokenizer), `--load-format dummy`, bf16: large enough that the forward dominates a step. PP=2
-splits it 8 / 8 layers; the two stage processes share this machine's two cores (one thread each), while PP=1
-runs one process with both threads. No gain is expected here: the figure shows what the pipeline costs.
+Model: a random ~0.22B Llama (hidden 1024, 16 layers, 16 heads / 4 KV heads, intermediate 2816, vocabulary 8192;
+SmolLM2's tokenizer), `--load-format dummy`, bf16: large enough that the forward dominates a step, and a LM head
+no heavier than a layer, so SGLang's even split (8 / 8) balances the stages and what is measured is the
+pipeline's own cost. `--vocab 49152` (SmolLM2's vocabulary) makes the last stage's LM head and sampling outweigh
+many layers: then stage 0 idles whatever the split (`--partition`). The two stage processes share this machine's
+two cores (one thread each), while PP=1 runs one process with both threads. No gain is expected here: the figure
+shows what the pipeline costs.
 
 Configurations (PP=2): depth 0, 1, 2 with seed 000's two points on; at depth 0 each point off alone and both
 off (TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0). The PP=1 engine stays up the whole run;
@@ -48,7 +51,7 @@ from tokenloom import Engine  # noqa: E402
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
     "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
-    "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "vocab_size": 8192, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
     "torch_dtype": "bfloat16",
 }
@@ -62,24 +65,24 @@ BUBBLE_TARGET = 0.15
 SLOWDOWN_TARGET = 1.3
 
 
-def model_folder() -> str:
+def model_folder(vocab: int) -> str:
     """config.json of the benchmark's shape plus SmolLM2's tokenizer (weights: --load-format dummy)."""
     from tokenloom.config import ServerArgs
     from tokenloom.models.loader import resolve_model_source
     from tokenloom.tokenizer import load_tokenizer
 
-    folder = os.path.join(tempfile.gettempdir(), "tokenloom-bench-pp-350m")
+    folder = os.path.join(tempfile.gettempdir(), f"tokenloom-bench-pp-v{vocab}")
     if not os.path.exists(os.path.join(folder, "config.json")):
         os.makedirs(folder, exist_ok=True)
         load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
         with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(MODEL_CONFIG, f)
+            json.dump({**MODEL_CONFIG, "vocab_size": vocab}, f)
     return folder
 
 
-def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 49000, (n, length), generator=g).tolist()
+    return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -208,14 +211,17 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--quick", action="store_true", help="16 prompts, 16 output tokens, 1 round")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--partition", default="",
+                   help="TOKENLOOM_PP_LAYER_PARTITION of the PP=2 engines (default: SGLang's even split)")
+    p.add_argument("--vocab", type=int, default=MODEL_CONFIG["vocab_size"],
+                   help="the model's vocabulary (49152 = SmolLM2's: a last stage heavy with the LM head)")
     ns = p.parse_args()
     if ns.quick:
         ns.num_prompts, ns.output_len, ns.rounds = 16, 16, 1
-    prompts = make_prompts(ns.num_prompts, ns.input_len, seed=0)
-    common = dict(model_path=model_folder(), load_format="dummy", dtype="bfloat16", log_level="warning",
+    prompts = make_prompts(ns.num_prompts, ns.input_len, seed=0, vocab=ns.vocab)
+    common = dict(model_path=model_folder(ns.vocab), load_format="dummy", dtype="bfloat16", log_level="warning",
                   max_running_requests=ns.num_prompts,
                   max_total_tokens=ns.num_prompts * (ns.input_len + ns.output_len + 16) + 4096)
-    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     link = measure_link(2 * MODEL_CONFIG["hidden_size"] * 2 * (ns.num_prompts // 2))
     print(f"link: one-way latency {1e6 * link['link_latency_s']:.0f} us, "
           f"{link['link_bytes_per_s'] / 1e6:.0f} MB/s", flush=True)
@@ -223,14 +229,19 @@ def main() -> None:
                               "output_len": ns.output_len, "rounds": ns.rounds, "link": link, "configs": {}}
     pp1 = Engine(**common)
     try:
-        pp1.generate(input_ids=prompts[:8], sampling_params=params)
+        run_once(pp1, prompts, 16)
         for name in ns.configs.split(","):
             depth, early, overlap = CONFIGS[name]
             os.environ["TOKENLOOM_PP_EARLY_OUTPUT_SEND"] = "1" if early else "0"
             os.environ["TOKENLOOM_PP_OVERLAP_SENDS"] = "1" if overlap else "0"
+            partition = ns.partition
+            if partition:
+                os.environ["TOKENLOOM_PP_LAYER_PARTITION"] = partition
+            else:
+                os.environ.pop("TOKENLOOM_PP_LAYER_PARTITION", None)
             pp2 = Engine(pp_size=2, pp_async_batch_depth=depth, **common)
             try:
-                pp2.generate(input_ids=prompts[:8], sampling_params=params)
+                run_once(pp2, prompts, 16)  # untimed: the full batch once (allocator, kernels, both stages)
                 runs1, runs2, ratios = [], [], []
                 for r in range(ns.rounds):
                     order = [(pp1, runs1), (pp2, runs2)] if r % 2 == 0 else [(pp2, runs2), (pp1, runs1)]
@@ -246,6 +257,7 @@ def main() -> None:
                 pp2.shutdown()
             report["configs"][name] = {
                 "depth": depth, "early_output_send": early, "overlap_sends": overlap,
+                "layer_partition": partition or "8,8 (SGLang's split)", "vocab_size": ns.vocab,
                 "pp1_output_tok_s": median_of(runs1, "output_tok_s"), "pp2_output_tok_s": median_of(runs2,
                                                                                                      "output_tok_s"),
                 "slowdown_pp1_over_pp2": statistics.median(ratios), "slowdown_runs": ratios,
