@@ -126,3 +126,19 @@ def test_a_worker_node_stops_on_sigterm_while_waiting_for_node0(tiny_runtime_mod
         assert not node1.children()
     finally:
         node1.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("two_nodes", [("--tp-size", "1", "--pp-size", "2")], indirect=True)
+def test_pipeline_stages_on_two_nodes_match_one_process_then_stop_cleanly(two_nodes, tiny_server):
+    """--pp-size 2 over two nodes: stage 0 on node 0, stage 1 on node 1 (every message between the stages
+    crosses between the nodes); answers equal the one-process server's; a clean stop ends node 1 with 0."""
+    node0, node1 = two_nodes
+    for body in (BATCH, SEEDED):
+        status1, ref = http("POST", tiny_server.url + "/generate", body)
+        status2, out = http("POST", node0.url + "/generate", body)
+        assert status1 == status2 == 200, (ref, out)
+        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    info = node0.wait_idle_and_pool_full()
+    assert info["pp_size"] == 2 and [s["pp_rank"] for s in info["pp_stages"]] == [0, 1]
+    assert node0.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+    assert node1.wait_exit(timeout=EXIT_BOUND_S) == 0, node1.logs()
