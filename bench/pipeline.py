@@ -15,7 +15,8 @@ shows what the pipeline costs.
 Configurations (PP=2): depth 0, 1, 2 with seed 000's two points on; at depth 0 each point off alone and both
 off (TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0). The PP=1 engine stays up the whole run;
 each PP=2 engine is started in turn and its rounds alternate with PP=1's (who goes first alternates), so every
-ratio is side by side. Workload per run: `--num-prompts` (64) random-id prompts of `--input-len` tokens,
+ratio is side by side. Workload per run: `--num-prompts` (64) random-id prompts of `--input-len` tokens (new
+prompts every round, the same for both engines: no prefix-cache hits),
 submitted at once with --max-running-requests = the prompt count (64 running requests: two micro-batches of
 32 at PP=2), greedy, `--output-len` new tokens each.
 
@@ -100,7 +101,7 @@ def stage_figures(before: dict, after: dict, wall_s: float) -> dict:
             "send_wait_s": d("send_wait_s"), "forward_wait_s": d("forward_wait_s"),
             "decode_step_s": d("stage_decode_s") / steps if steps else float("nan"),
             "decode_batch": reqs / steps if steps else float("nan"),
-            "prefill_token_s": d("stage_prefill_s") / tokens if tokens else float("nan"),
+            "prefill_token_s": d("stage_prefill_s") / tokens if tokens else float("nan"), "prefill_tokens": tokens,
             "scheduler_cpu_per_step_s": d("scheduler_cpu_s") / d("iterations") if d("iterations") else 0.0}
 
 
@@ -190,16 +191,30 @@ def measure_link(proxy_bytes: int, reps: int = 30) -> dict:
 
 
 def stage_costs(runs: list[dict], link: dict) -> dict:
-    """The per-stage cost model `bench/pp_sim.py` takes, from a configuration's measured runs (medians; the
-    slower stage's, since the sim's stages share one cost model with an imbalance factor of 1)."""
-    stages = [s for r in runs for s in r["stages"]]
-    decode = statistics.median(s["decode_step_s"] for s in stages)
-    batch = statistics.median(s["decode_batch"] for s in stages)
-    cpu = statistics.median(s["scheduler_cpu_per_step_s"] for s in stages)
-    return {"prefill_a_s": 0.0, "prefill_b_s_per_token": statistics.median(s["prefill_token_s"] for s in stages),
-            "decode_c_s": 0.0, "decode_d_s_per_req": decode / batch, "decode_e_s_per_kv_token": 0.0,
-            "sched_s": cpu / 2, "process_s": cpu / 2, "link_latency_s": link["link_latency_s"],
-            "link_bytes_per_s": link["link_bytes_per_s"], "hidden_size": MODEL_CONFIG["hidden_size"]}
+    """The cost model `bench/pp_sim.py` takes, from a configuration's measured runs: the forward costs per
+    stage (lists, medians over the runs: the last stage also samples, so the stages differ), the scheduler CPU
+    per iteration (the median over stages and runs; the sim charges every stage the same, half before the
+    forward, half after) and the link. A prefill token's cost is a stage's extend forward time over the
+    tokens it computed (prefix-cache hits excluded: see `cached_prompt_tokens`)."""
+    n = len(runs[0]["stages"])
+
+    def per_stage(fn) -> list[float]:
+        return [statistics.median(fn(r["stages"][i]) for r in runs) for i in range(n)]
+
+    cpu = statistics.median(s["scheduler_cpu_per_step_s"] for r in runs for s in r["stages"])
+    return {"prefill_a_s": 0.0, "prefill_b_s_per_token": per_stage(lambda s: s["prefill_token_s"]),
+            "decode_c_s": 0.0, "decode_d_s_per_req": per_stage(lambda s: s["decode_step_s"] / s["decode_batch"]),
+            "decode_e_s_per_kv_token": 0.0, "sched_s": cpu / 2, "process_s": cpu / 2,
+            "link_latency_s": link["link_latency_s"], "link_bytes_per_s": link["link_bytes_per_s"],
+            "hidden_size": MODEL_CONFIG["hidden_size"]}
+
+
+def cached_prompt_tokens(runs: list[dict], num_requests: int, input_len: int) -> int:
+    """Prompt tokens per request the engine took from its prefix cache rather than prefilling, from stage 0's
+    prefilled-token count (median over the runs). Every run repeats the warm-up's prompts, so the cache holds
+    them: all but the last token of each match (`Req.init_next_round_input`), one token is prefilled."""
+    prefilled = statistics.median(r["stages"][0]["prefill_tokens"] for r in runs) / num_requests
+    return max(0, round(input_len - prefilled))
 
 
 def main() -> None:
@@ -218,7 +233,10 @@ def main() -> None:
     ns = p.parse_args()
     if ns.quick:
         ns.num_prompts, ns.output_len, ns.rounds = 16, 16, 1
-    prompts = make_prompts(ns.num_prompts, ns.input_len, seed=0, vocab=ns.vocab)
+    fresh = iter(range(1, 1_000_000))  # every run gets prompts no engine has seen (no prefix-cache hits)
+
+    def prompts() -> list[list[int]]:
+        return make_prompts(ns.num_prompts, ns.input_len, seed=next(fresh), vocab=ns.vocab)
     common = dict(model_path=model_folder(ns.vocab), load_format="dummy", dtype="bfloat16", log_level="warning",
                   max_running_requests=ns.num_prompts,
                   max_total_tokens=ns.num_prompts * (ns.input_len + ns.output_len + 16) + 4096)
@@ -229,7 +247,7 @@ def main() -> None:
                               "output_len": ns.output_len, "rounds": ns.rounds, "link": link, "configs": {}}
     pp1 = Engine(**common)
     try:
-        run_once(pp1, prompts, 16)
+        run_once(pp1, prompts(), 16)
         for name in ns.configs.split(","):
             depth, early, overlap = CONFIGS[name]
             os.environ["TOKENLOOM_PP_EARLY_OUTPUT_SEND"] = "1" if early else "0"
@@ -241,12 +259,13 @@ def main() -> None:
                 os.environ.pop("TOKENLOOM_PP_LAYER_PARTITION", None)
             pp2 = Engine(pp_size=2, pp_async_batch_depth=depth, **common)
             try:
-                run_once(pp2, prompts, 16)  # untimed: the full batch once (allocator, kernels, both stages)
+                run_once(pp2, prompts(), 16)  # untimed: the full batch once (allocator, kernels, both stages)
                 runs1, runs2, ratios = [], [], []
                 for r in range(ns.rounds):
                     order = [(pp1, runs1), (pp2, runs2)] if r % 2 == 0 else [(pp2, runs2), (pp1, runs1)]
+                    round_prompts = prompts()  # the same prompts for both engines in a round
                     for engine, runs in order:
-                        runs.append(run_once(engine, prompts, ns.output_len))
+                        runs.append(run_once(engine, round_prompts, ns.output_len))
                     ratios.append(runs1[-1]["output_tok_s"] / runs2[-1]["output_tok_s"])
                     s = runs2[-1]["stages"]
                     print(f"[{name}] round {r + 1}: PP1 {runs1[-1]['output_tok_s']:7.1f} tok/s, PP2 "
@@ -266,6 +285,7 @@ def main() -> None:
                 "pp2_stages": [{key: statistics.median(r["stages"][i][key] for r in runs2)
                                 for key in runs2[0]["stages"][i]} for i in range(2)],
                 "stage_costs": stage_costs(runs2, link),
+                "cached_prompt_tokens": cached_prompt_tokens(runs2, ns.num_prompts, ns.input_len),
                 "bubble_under_15pct_met": median_of(runs2, "bubble_worst") < BUBBLE_TARGET,
                 "within_1_3x_met": statistics.median(ratios) <= SLOWDOWN_TARGET,
             }
@@ -280,12 +300,16 @@ def main() -> None:
               f"{100 * st[0]['bubble']:6.1f}/{100 * st[1]['bubble']:5.1f}% {c['pp2_mean_itl_ms']:7.0f} "
               f"{st[0]['recv_wait_s']:7.2f}/{st[1]['recv_wait_s']:6.2f} s")
     if ns.json_out:
+        from tokenloom.config import ServerArgs
+
         runs = [{"pp": 2, "depth": c["depth"], "early_output_send": c["early_output_send"],
                  "grouped_sends": c["overlap_sends"], "num_requests": ns.num_prompts, "input_len": ns.input_len,
                  "output_len": ns.output_len, "max_running_requests": ns.num_prompts,
+                 "cached_prompt_tokens": c["cached_prompt_tokens"],
+                 "chunked_prefill_size": ServerArgs().chunked_prefill_size,
                  "measured": {"output_throughput": c["pp2_output_tok_s"],
                               "bubble_fraction": [s["bubble"] for s in c["pp2_stages"]],
-                              "itl_ms_median": c["pp2_mean_itl_ms"]},
+                              "itl_ms_mean": c["pp2_mean_itl_ms"]},
                  "stage_costs": c["stage_costs"]} for c in report["configs"].values()]
         with open(ns.json_out, "w") as f:
             json.dump({"runs": runs}, f, indent=1)

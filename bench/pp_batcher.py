@@ -35,7 +35,7 @@ class SimConfig:
     early_output_send: bool = True  # seed 000 point 1
     grouped_sends: bool = True  # seed 000 point 2
     early_send_blocking: bool = False  # point 1 ON with the CPU waiting for the forward (see module docstring)
-    stream_ordered_proxy: bool = False  # step 8's send queued behind the forward (CUDA) instead of a CPU wait
+    stream_ordered_proxy: bool = False  # step 8's send posted by the forward thread behind the forward
     max_running_requests: int = 512
     chunk_size: int = 8192
     sched_s: float = 0.0
@@ -52,6 +52,8 @@ class SimConfig:
 
 @dataclass(eq=False)
 class Req:
+    """One request; `prefilled` starts at its cached prompt prefix (0 without a prefix cache)."""
+
     arrival: float
     input_len: int
     output_len: int
@@ -79,14 +81,16 @@ class _Lane:
 
 
 def make_workload(n: int, input_len: int, output_len: int, range_ratio: float = 1.0, rate: float = float("inf"),
-                  seed: int = 0) -> list[Req]:
-    """bench_serving's random dataset: lengths uniform in [int(len * ratio), len]; Poisson arrivals at `rate`."""
+                  seed: int = 0, cached_len: int = 0) -> list[Req]:
+    """bench_serving's random dataset: lengths uniform in [int(len * ratio), len]; Poisson arrivals at `rate`.
+    `cached_len`: prompt tokens each request finds in the prefix cache (at most all but the last, as the
+    engine matches): only the rest is prefilled, while decode still attends over the whole prompt."""
     rng = random.Random(seed)
     t, reqs = 0.0, []
     for _ in range(n):
         i = rng.randint(max(int(input_len * range_ratio), 1), input_len)
         o = rng.randint(max(int(output_len * range_ratio), 1), output_len)
-        reqs.append(Req(t, i, o))
+        reqs.append(Req(t, i, o, prefilled=max(0, min(cached_len, i - 1))))
         if rate != float("inf"):
             t += rng.expovariate(rate)
     return reqs

@@ -1,8 +1,9 @@
 """bench/pp_sim.py, the discrete-event model of the pipeline loop, against hand-computed timelines: pp=1 makespan =
-sum of forwards (depth 0/1, chunked or not), idle gaps, a chunked prompt's TTFT, the batcher's caps, the pp=2
-single-request critical path, one send in flight per channel, the depth-1 bubble, the two seed 000 options (never
-slower; the CPU-blocking form of point 1 is), the seed scenario's margin, and `--validate` on a
-bench/pipeline.py-shaped JSON."""
+sum of forwards (depth 0/1, chunked or not), a cached prompt prefix, idle gaps, a chunked prompt's TTFT, the
+batcher's caps, the pp=2 single-request critical path, one send in flight per channel, a forward thread's proxy
+send leaving when its forward ends, the depth-1 bubble, the two seed 000 options (never slower, in
+pipeline_loop.py's forms and with a CPU-posted proxy; the CPU-blocking form of point 1 is), the seed scenario's
+margin, and `--validate` on a bench/pipeline.py-shaped JSON."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from dataclasses import replace
 
 import pytest
 
-from bench.pp_batcher import Batcher
+from bench.pp_batcher import Batcher, make_workload
 from bench.pp_sim import (
     OFF,
     PipelineSim,
     Req,
     SimConfig,
     StageCost,
+    explain_gap,
+    loop_forms,
     main,
+    run_config_from_json,
     seed_config,
     seed_workload,
     simulate,
@@ -45,6 +49,18 @@ def test_pp1_without_cpu_costs_runs_for_the_sum_of_its_forwards(depth, chunk, ex
     assert m["duration_s"] == pytest.approx(expected, rel=1e-12)
     assert m["output_throughput"] == pytest.approx(6 / expected, rel=1e-12)
     assert m["bubble_fraction"] == [pytest.approx(0.0, abs=1e-12)]
+
+
+@pytest.mark.parametrize("cached", [8, 50])
+def test_a_cached_prompt_prefix_is_not_prefilled_but_is_attended(cached):
+    # the two 10-token prompts each find `cached` tokens in the prefix cache, capped at 9 (the engine matches all
+    # but the last token): one prefill forward of the uncached tokens, then decodes over the whole prompt's KV
+    prefilled = 2 * (10 - min(cached, 9))
+    expected = (1.0 + prefilled * 0.1) + (0.5 + 2 * 0.01 + 22 * 0.001) + (0.5 + 2 * 0.01 + 24 * 0.001)
+    cfg = SimConfig(stages=(COST,), max_running_requests=2, chunk_size=100)
+    m = simulate(cfg, make_workload(2, 10, 3, cached_len=cached))
+    assert m["duration_s"] == pytest.approx(expected, rel=1e-12)
+    assert m["ttft_ms"]["mean"] == pytest.approx(1e3 * (1.0 + prefilled * 0.1), rel=1e-12)
 
 
 def test_idle_gaps_between_arrivals_are_not_bubbles():
@@ -122,6 +138,22 @@ def test_one_send_in_flight_per_channel_holds_a_link_bound_stage_back():
     assert sim.send_wait[1] == 0.0
 
 
+def test_a_forward_thread_posts_its_proxy_when_the_forward_ends_not_when_the_cpu_gets_there():
+    # pp=2, depth 0, two one-request lanes: stage 0 forwards in 1 ms, stage 1 in 10 ms (it is the bottleneck),
+    # link latency 2 ms, processing 1 ms. Stage 0's CPU submits lane A's step, then waits for lane B's output
+    # (it leaves stage 1 when B's forward ends, E). Posted by the forward thread (pipeline_loop.py with point 2),
+    # A's proxy left at its forward's end, long before E: stage 1 starts A at E and never idles, one token per
+    # lane every 2 x 10 ms. Posted by the CPU after it processed B's output, A's proxy reaches stage 1 at
+    # E + 2 + 1 + 2 ms: every step of stage 1 waits 5 ms, a token every 2 x 15 ms.
+    stages = (StageCost(a=0.001, c=0.001), StageCost(a=0.010, c=0.010))
+    for stream_ordered, itl in ((True, 0.020), (False, 0.030)):
+        cfg = SimConfig(stages=stages, stream_ordered_proxy=stream_ordered, link_latency_s=0.002, process_s=0.001,
+                        max_running_requests=2)
+        sim = PipelineSim(cfg, [Req(0.0, 1, 20), Req(0.0, 1, 20)])
+        sim.run()
+        assert sim.batcher.itl == [pytest.approx(itl, rel=1e-9)] * 38
+
+
 def test_depth1_hides_the_processing_that_depth0_leaves_on_the_ring():
     # zero link and scheduling costs; processing 0.3 f per result. At depth 0 stage 0 cannot process lane nxt's
     # result before stage 1 finished it (about when stage 0's own forward ends): period f + p, bubble p / (f + p).
@@ -143,17 +175,23 @@ def _grid():
                         max_running_requests=24, chunk_size=64)
 
 
+@pytest.mark.parametrize("forms", ["loop", "cpu_proxy"])
 @pytest.mark.parametrize("point", ["early_output_send", "grouped_sends"])
-def test_each_point_on_is_never_slower_than_off(point):
+def test_each_point_on_is_never_slower_than_off(point, forms):
+    # "loop": pipeline_loop.py's forms (point 2 ON also moves the proxy send to the forward thread); "cpu_proxy":
+    # the proxy is always posted by the CPU once the forward is done
     reqs = [Req(0.0, 20 + i, 30 + 2 * i) for i in range(24)]
     gains = []
     for cfg in _grid():
         for other in (True, False):
-            cfg = replace(cfg, **{"grouped_sends" if point == "early_output_send" else "early_output_send": other})
-            on = simulate(replace(cfg, **{point: True}), reqs)["duration_s"]
-            off = simulate(replace(cfg, **{point: False}), reqs)["duration_s"]
-            assert on <= off * (1 + 1e-12)
-            gains.append(off / on)
+            points = {"early_output_send": other, "grouped_sends": other}
+            runs = {}
+            for value in (True, False):
+                points[point] = value
+                kw = loop_forms(**points) if forms == "loop" else points
+                runs[value] = simulate(replace(cfg, **kw), reqs)["duration_s"]
+            assert runs[True] <= runs[False] * (1 + 1e-12)
+            gains.append(runs[False] / runs[True])
     assert max(gains) > 1.05  # and it matters somewhere in the grid
 
 
@@ -169,6 +207,8 @@ def test_point1_blocking_the_cpu_puts_the_last_stages_processing_in_series():
 
 
 def test_seed_scenario_on_beats_off_by_about_the_seeds_margin():
+    # seed_config's defaults: point 1 non-blocking, the proxy posted by the CPU once the forward is done, the form
+    # whose gain matches what the seed measured (pipeline_loop.py's forward-thread proxy gains more: --scenario seed)
     reqs = seed_workload(256)
     off = simulate(seed_config(**OFF), reqs)["request_throughput"]
     on = simulate(seed_config(), reqs)["request_throughput"]
@@ -193,15 +233,58 @@ def test_validate_reads_the_pipeline_benchmark_schema(tmp_path, capsys):
                       "itl_ms_median": 1e3 * CRITICAL},
          "stage_costs": pp2},
     ]
+    cached = {**runs[0], "cached_prompt_tokens": 8, "measured": {"output_throughput": 6 / CACHED_8,
+                                                                  "itl_ms_mean": 1e3 * (0.542 + 0.544) / 2}}
     path = tmp_path / "pipeline.json"
-    path.write_text(json.dumps({"runs": runs}))
+    path.write_text(json.dumps({"runs": [*runs, cached]}))
     res = main(["--validate", str(path), "--json"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(res))
-    first, second = res["runs"]
+    first, second, third = res["runs"]
     assert first["throughput_ratio"] == pytest.approx(2.0, rel=1e-12)  # measured half the hand-computed rate
-    # the two requests' gaps are the two decode forwards; the median of [d1, d1, d2, d2] is their mean (ms over 1 ms)
+    # the two requests' gaps are the two decode forwards, mean (d1 + d2) / 2, against 1 ms under the old key
     assert first["itl_ratio"] == pytest.approx(1e3 * (0.542 + 0.544) / 2, rel=1e-12)
+    assert "no cached_prompt_tokens" in first["explanation"][0]
     assert second["throughput_ratio"] == pytest.approx(1.0, rel=1e-9)
     assert second["itl_ratio"] == pytest.approx(1.0, rel=1e-9)
+    # 8 of each 10-token prompt cached: one 4-token prefill, then the same decodes
+    assert third["throughput_ratio"] == pytest.approx(1.0, rel=1e-12) and third["itl_ratio"] == pytest.approx(1.0)
+    assert third["explanation"] == [f"duration {CACHED_8:.2f} s predicted, {CACHED_8:.2f} s measured (+0.00 s): "
+                                    "within 5%"]
     assert "pp2 d0 p1=1 p2=0" in out
+
+
+CACHED_8 = (1.0 + 4 * 0.1) + (0.5 + 2 * 0.01 + 22 * 0.001) + (0.5 + 2 * 0.01 + 24 * 0.001)
+
+
+@pytest.mark.parametrize("early,grouped", list(itertools.product((True, False), repeat=2)))
+def test_validate_simulates_pipeline_loops_forms(early, grouped):
+    costs = {"prefill_a_s": 0.0, "prefill_b_s_per_token": [1e-3, 2e-3], "decode_c_s": 0.0,
+             "decode_d_s_per_req": [1e-3, 3e-3], "decode_e_s_per_kv_token": 0.0, "sched_s": 1e-4, "process_s": 2e-4,
+             "link_latency_s": 1e-4, "link_bytes_per_s": 1e9, "hidden_size": 1024}
+    run = {"pp": 2, "depth": 0, "early_output_send": early, "grouped_sends": grouped, "num_requests": 4,
+           "input_len": 32, "output_len": 4, "max_running_requests": 4, "cached_prompt_tokens": 31,
+           "measured": {}, "stage_costs": costs}
+    cfg, reqs = run_config_from_json(run)
+    # the executor posts point 1's send (never the CPU waiting for the forward), and the proxy with point 2
+    assert (cfg.early_output_send, cfg.grouped_sends, cfg.early_send_blocking) == (early, grouped, False)
+    assert cfg.stream_ordered_proxy == grouped
+    assert cfg.chunk_size == 2048  # tokenloom's --chunked-prefill-size default
+    assert cfg.stages == (StageCost(b=1e-3, d=1e-3), StageCost(b=2e-3, d=3e-3))
+    assert [r.input_len - r.prefilled for r in reqs] == [1] * 4
+    cfg, _ = run_config_from_json({**run, "early_send_blocking": True, "stream_ordered_proxy": not grouped})
+    assert cfg.early_send_blocking and cfg.stream_ordered_proxy == (not grouped)
+
+
+def test_the_gap_is_split_into_the_itl_and_the_rest():
+    # pp=1, no cache, chunk 100: predicted 4.086 s (TOGETHER) and a mean ITL of 543 ms. Measured 1 s longer with
+    # a mean ITL 300 ms longer: 2 decode steps x 0.3 s from the ITL, 0.4 s outside the decode span.
+    cfg = SimConfig(stages=(COST,), max_running_requests=2, chunk_size=100)
+    predicted = simulate(cfg, [Req(0.0, 10, 3), Req(0.0, 10, 3)])
+    run = {"num_requests": 2, "output_len": 3, "max_running_requests": 2, "cached_prompt_tokens": 0,
+           "measured": {"output_throughput": 6 / (TOGETHER + 1.0), "itl_ms_median": 1e3 * 0.543 + 300,
+                        "bubble_fraction": [0.1]}}
+    (line,) = explain_gap(run, cfg, predicted)
+    assert line == (f"duration {TOGETHER:.2f} s predicted, {TOGETHER + 1:.2f} s measured (+1.00 s): +0.60 s from the "
+                    "ITL (2 x +300.0 ms = +300.0 ms per iteration, 1 per token; scheduler CPU 0.0 ms per iteration), "
+                    "+0.40 s outside the decode span; every stage idles more than predicted")
