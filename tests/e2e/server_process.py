@@ -3,6 +3,7 @@ stdlib HTTP helpers (so the tests need no client beyond aiohttp and openai)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -136,3 +137,35 @@ def start_pending_request(server: ServerProcess, max_new_tokens: int = 6000) -> 
         assert time.monotonic() < deadline, "the request did not start running within 30 s"
         time.sleep(0.05)
     return thread, result
+
+
+def assert_a_hung_rank_is_named(server: ServerProcess, pid: int, label: str, timeout_s: float) -> None:
+    """SIGSTOP `pid` (a rank of `server` started with --dist-timeout `timeout_s`) while a request runs: the
+    request answers 503 naming `label` as stopped responding, the server exits 1 within a bound, and no child
+    is left (the rank is continued and the server stopped in any case)."""
+    try:
+        thread, result = start_pending_request(server)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        thread.join(timeout=60)
+        status, body = result["reply"]
+        assert status == 503, body
+        assert f"{label} stopped responding" in body["error"]["message"], body
+        assert server.wait_exit(timeout=60) == 1
+        assert time.monotonic() - start < 4 * timeout_s + 10
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        server.stop()
+    assert not server.children()
+
+
+def assert_same_answers(url: str, reference_url: str, bodies: list[dict], texts: bool = False) -> None:
+    """Every /generate body gets the same output ids (and with `texts`, the same texts) from both servers."""
+    for body in bodies:
+        status1, ref = http("POST", reference_url + "/generate", body)
+        status2, out = http("POST", url + "/generate", body)
+        assert status1 == status2 == 200, (ref, out)
+        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+        if texts:
+            assert [o["text"] for o in out] == [o["text"] for o in ref]

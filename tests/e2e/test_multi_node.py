@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.e2e.conftest import TINY_FLAGS
-from tests.e2e.server_process import ServerProcess, free_port, http, start_pending_request
+from tests.e2e.server_process import ServerProcess, assert_same_answers, free_port, http, start_pending_request
 
 PROMPTS = ["The capital city of France is", "1, 2, 3, 4, 5,", "Once upon a time", "def fibonacci(n):"]
 BATCH = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
@@ -61,11 +61,7 @@ def two_nodes(tiny_runtime_model, request):
 @pytest.mark.parametrize("two_nodes", [("--disable-custom-all-reduce",)], indirect=True)
 def test_two_nodes_match_one_process_then_a_dead_rank_on_node1_ends_both(two_nodes, tiny_server):
     node0, node1 = two_nodes
-    for body in (BATCH, SEEDED):
-        status1, ref = http("POST", tiny_server.url + "/generate", body)
-        status2, out = http("POST", node0.url + "/generate", body)
-        assert status1 == status2 == 200, (ref, out)
-        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    assert_same_answers(node0.url, tiny_server.url, [BATCH, SEEDED])
     info = node0.wait_idle_and_pool_full()
     assert info["tp_size"] == 2 and info["tp_ranks_agree"] is True
     assert "collectives: shared memory" not in node0.logs() + node1.logs()
@@ -133,11 +129,7 @@ def test_pipeline_stages_on_two_nodes_match_one_process_then_stop_cleanly(two_no
     """--pp-size 2 over two nodes: stage 0 on node 0, stage 1 on node 1 (every message between the stages
     crosses between the nodes); answers equal the one-process server's; a clean stop ends node 1 with 0."""
     node0, node1 = two_nodes
-    for body in (BATCH, SEEDED):
-        status1, ref = http("POST", tiny_server.url + "/generate", body)
-        status2, out = http("POST", node0.url + "/generate", body)
-        assert status1 == status2 == 200, (ref, out)
-        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    assert_same_answers(node0.url, tiny_server.url, [BATCH, SEEDED])
     info = node0.wait_idle_and_pool_full()
     assert info["pp_size"] == 2 and [s["pp_rank"] for s in info["pp_stages"]] == [0, 1]
     assert node0.stop(signal.SIGTERM) in (0, -signal.SIGTERM)

@@ -4,13 +4,18 @@ server exits 1 and no child survives."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 
 from tests.e2e.conftest import TINY_FLAGS
-from tests.e2e.server_process import ServerProcess, free_port, http, start_pending_request
+from tests.e2e.server_process import (
+    ServerProcess,
+    assert_a_hung_rank_is_named,
+    assert_same_answers,
+    free_port,
+    start_pending_request,
+)
 
 PROMPTS = ["The capital city of France is", "1, 2, 3, 4, 5,", "Once upon a time", "def fibonacci(n):"]
 BATCH = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
@@ -22,12 +27,7 @@ def test_tp2_server_matches_tp1_and_dies_cleanly_with_a_rank(tiny_server, tiny_r
     server = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--tp-size", "2",
                            "--dist-init-addr", f"127.0.0.1:{free_port()}").wait_healthy()
     try:
-        for body in (BATCH, SEEDED):
-            status1, ref = http("POST", tiny_server.url + "/generate", body)
-            status2, out = http("POST", server.url + "/generate", body)
-            assert status1 == status2 == 200, (ref, out)
-            assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
-            assert [o["text"] for o in out] == [o["text"] for o in ref]
+        assert_same_answers(server.url, tiny_server.url, [BATCH, SEEDED], texts=True)
         info = server.wait_idle_and_pool_full()
         assert info["tp_ranks_agree"] is True and info["tp_size"] == 2
         rank1 = info["process_ids"]["scheduler1"]
@@ -53,18 +53,4 @@ def test_a_hung_rank_is_named_and_ends_the_server_within_a_bound(tiny_runtime_mo
     server = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--tp-size", "2",
                            "--dist-timeout", str(timeout_s)).wait_healthy()
     rank1 = server.server_info()["process_ids"]["scheduler1"]
-    try:
-        thread, result = start_pending_request(server)
-        start = time.monotonic()
-        os.kill(rank1, signal.SIGSTOP)
-        thread.join(timeout=60)
-        status, body = result["reply"]
-        assert status == 503, body
-        assert "scheduler rank 1 (tp 1, pp 0) stopped responding" in body["error"]["message"], body
-        assert server.wait_exit(timeout=60) == 1
-        assert time.monotonic() - start < 4 * timeout_s + 10
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(rank1, signal.SIGCONT)
-        server.stop()
-    assert not server.children()
+    assert_a_hung_rank_is_named(server, rank1, "scheduler rank 1 (tp 1, pp 0)", timeout_s)

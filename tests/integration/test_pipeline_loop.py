@@ -16,16 +16,12 @@ process.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import pytest
 
-from tests.engine_checks import wait_idle_pools_full
+from tests.engine_checks import abort_mid_flight, assert_killed_rank_fails_everything, wait_idle_pools_full
 from tests.model_factory import make_tiny_with_smollm2_tokenizer
 from tokenloom import Engine
-from tokenloom.frontend.tokenizer_manager import EngineDeadError
 
 PREFIX = "A shared preamble about the weather in the mountains, repeated for the cache: "
 PROMPTS = [PREFIX + s for s in ("sunny", "rainy days", "snow and wind")] + ["1, 2, 3, 4, 5,", "Once upon a time"]
@@ -58,22 +54,8 @@ def _workload(eng: Engine, abort: bool = True, max_new_tokens: int = 14, sampled
     if sampled:  # (a pool as small as the retraction test's evicts between the phases)
         assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
     if abort:
-        out["with_abort"] = asyncio.run(_abort_mid_flight(eng))
+        out["with_abort"] = asyncio.run(abort_mid_flight(eng, PROMPTS, [dict(p, max_new_tokens=8) for p in SEEDED]))
     return out
-
-
-async def _abort_mid_flight(eng: Engine) -> list[list[int]]:
-    stream = await eng.async_generate("a request to abort " * 4, {"max_new_tokens": 1500, "ignore_eos": True},
-                                      rid="abort-me", stream=True)
-    others = asyncio.ensure_future(eng.async_generate(PROMPTS, [dict(p, max_new_tokens=8) for p in SEEDED]))
-    chunks, last = 0, None
-    async for item in stream:
-        chunks, last = chunks + 1, item
-        if chunks == 3:
-            eng.abort("abort-me")
-    assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(last["output_ids"]) < 1500
-    return [o["output_ids"] for o in await others]
 
 
 def _assert_stages_full(eng: Engine, pp_size: int, tp_size: int = 1) -> dict:
@@ -172,23 +154,6 @@ def test_default_bf16_pipeline_matches_pp1(tiny4):
 def test_killed_stage_fails_the_request_and_ends_every_process(tiny4):
     eng = Engine(tiny4, pp_size=3, max_total_tokens=4096, **COMMON)
     try:
-        procs = eng.tokenizer_manager.processes
-
-        async def scenario() -> float:
-            task = asyncio.ensure_future(eng.async_generate("hello", {"max_new_tokens": 1500, "ignore_eos": True}))
-            await asyncio.sleep(1.0)
-            os.kill(procs["scheduler1"].pid, signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(EngineDeadError, match=r"scheduler rank 1 \(tp 0, pp 1\)"):
-                await asyncio.wait_for(task, timeout=30)
-            return time.monotonic() - start
-
-        assert asyncio.run(scenario()) < 30
-        with pytest.raises(EngineDeadError, match="scheduler rank 1"):
-            eng.generate("again")
-        deadline = time.monotonic() + 20
-        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(p.is_alive() for p in procs.values())
+        assert_killed_rank_fails_everything(eng, "scheduler1", r"scheduler rank 1 \(tp 0, pp 1\) died", delay_s=1.0)
     finally:
         eng.shutdown()

@@ -13,16 +13,12 @@ Last, killing rank 1 must fail the pending request with an error naming that ran
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import pytest
 
-from tests.engine_checks import wait_idle_pools_full
+from tests.engine_checks import abort_mid_flight, assert_killed_rank_fails_everything, wait_idle_pools_full
 from tests.model_factory import make_tiny_with_smollm2_tokenizer
 from tokenloom import Engine
-from tokenloom.frontend.tokenizer_manager import EngineDeadError
 from tokenloom.layers import cpu_gemm
 
 PREFIX = "A shared preamble about the weather in the mountains, repeated for the cache: "
@@ -52,22 +48,8 @@ def _workload(eng: Engine, abort: bool, max_new_tokens: int = 16) -> dict:
     out["again"] = [o["output_ids"] for o in again]
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
     if abort:
-        out["with_abort"] = asyncio.run(_abort_mid_flight(eng))
+        out["with_abort"] = asyncio.run(abort_mid_flight(eng, PROMPTS, [dict(p, max_new_tokens=8) for p in SEEDED]))
     return out
-
-
-async def _abort_mid_flight(eng: Engine) -> list[list[int]]:
-    stream = await eng.async_generate("a request to abort " * 4, {"max_new_tokens": 1500, "ignore_eos": True},
-                                      rid="abort-me", stream=True)
-    others = asyncio.ensure_future(eng.async_generate(PROMPTS, [dict(p, max_new_tokens=8) for p in SEEDED]))
-    chunks, last = 0, None
-    async for item in stream:
-        chunks, last = chunks + 1, item
-        if chunks == 3:
-            eng.abort("abort-me")
-    assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(last["output_ids"]) < 1500
-    return [o["output_ids"] for o in await others]
 
 
 def _assert_pools_full(eng: Engine, tp_size: int) -> None:
@@ -127,24 +109,7 @@ def test_adaptive_overlap_then_killed_rank(tiny_runtime_model, split_kv_referenc
     try:
         _assert_same(_workload(eng, True), split_kv_reference)
         _assert_pools_full(eng, 2)
-        procs = eng.tokenizer_manager.processes
-
-        async def scenario() -> float:
-            task = asyncio.ensure_future(eng.async_generate("hello", {"max_new_tokens": 1500, "ignore_eos": True}))
-            await asyncio.sleep(0.5)
-            os.kill(procs["scheduler1"].pid, signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(EngineDeadError, match=r"scheduler rank 1 \(tp 1, pp 0\) died \(exit code -9\)"):
-                await asyncio.wait_for(task, timeout=30)
-            return time.monotonic() - start
-
-        assert asyncio.run(scenario()) < 30
-        with pytest.raises(EngineDeadError, match="scheduler rank 1"):
-            eng.generate("again")
-        deadline = time.monotonic() + 20
-        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(p.is_alive() for p in procs.values())
+        assert_killed_rank_fails_everything(eng, "scheduler1", r"scheduler rank 1 \(tp 1, pp 0\) died \(exit code -9\)")
     finally:
         eng.shutdown()
 
