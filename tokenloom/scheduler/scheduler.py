@@ -1,10 +1,12 @@
-"""`Scheduler`: owns the waiting queue and the running requests, drives the worker and the rank's KV memory
-(request rows, KV slots, prefix cache), and turns them into one batch per step. It does no I/O itself:
-requests arrive through `handle(msg)`, outputs leave through the `send` callable, and an event loop
-(loops.py) decides when to call what.
+"""`Scheduler`: owns the waiting queue and the micro-batch lanes (scheduler/lane.py: each lane's running
+requests and launched batches), drives the worker and the rank's KV memory (request rows, KV slots, prefix
+cache), and turns them into one batch per step of a lane. It does no I/O itself: requests arrive through
+`handle(msg)`, outputs leave through the `send` callable, and an event loop (loops.py, pipeline_loop.py)
+decides when to call what. The normal and overlap loops drive one lane; the pipeline loop pp + depth lanes.
 
-Per step: `get_next_batch_to_run(loop)` → `launch(batch)` (prepare on this thread) → the loop runs the step
-(inline, or on the forward thread while it plans the next batch) → `process_batch_result(batch, out)`.
+Per step: `get_next_batch_to_run(loop, lane)` → `launch(batch, lane)` (prepare on this thread) → the loop runs
+the step (inline, on the forward thread while it plans the next batch, or down the pipeline's stages) →
+`process_batch_result(batch, out, lane)`, for each lane in launch order.
 With overlap, a batch is planned before the results of the one in flight are processed; the few decisions
 that need exact state (retraction, flushing the cache, reporting the state) first ask the loop that drives
 the scheduler to settle: `LoopControl.settle_all()`, "process every launched batch". The loop is passed to
