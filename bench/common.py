@@ -1,5 +1,6 @@
 """Shared benchmark helpers: the model's FLOP/byte accounting, the machine's roofline (matmul peak and memory
-bandwidth, measured in the same run as the thing compared against it), and a CPU-noise monitor."""
+bandwidth, measured in the same run as the thing compared against it), a CPU-noise monitor, and the folders of
+dummy-weight models."""
 
 from __future__ import annotations
 
@@ -168,3 +169,22 @@ def measure_roofline(quick: bool) -> dict[str, Any]:
     return out
 
 
+
+
+def dummy_model_folder(name: str, config: dict[str, Any]) -> str:
+    """A temp folder holding `config` as config.json plus SmolLM2's tokenizer, for `--load-format dummy`
+    (random weights of that shape); made once per name and reused."""
+    import json
+    import tempfile
+
+    from tokenloom.config import ServerArgs
+    from tokenloom.models.loader import resolve_model_source
+    from tokenloom.tokenizer import load_tokenizer
+
+    folder = os.path.join(tempfile.gettempdir(), name)
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        os.makedirs(folder, exist_ok=True)
+        load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+    return folder

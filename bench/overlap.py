@@ -29,13 +29,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import dummy_model_folder  # noqa: E402
 from tokenloom import Engine  # noqa: E402
 
 MODES = ("off", "on", "auto")
@@ -50,17 +50,7 @@ ONE_B_CONFIG = {
 
 def one_b_folder() -> str:
     """config.json of the ~1B shape plus SmolLM2's tokenizer (weights come from --load-format dummy)."""
-    from tokenloom.config import ServerArgs
-    from tokenloom.models.loader import resolve_model_source
-    from tokenloom.tokenizer import load_tokenizer
-
-    folder = os.path.join(tempfile.gettempdir(), "tokenloom-bench-1b")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        os.makedirs(folder, exist_ok=True)
-        load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(ONE_B_CONFIG, f)
-    return folder
+    return dummy_model_folder("tokenloom-bench-1b", ONE_B_CONFIG)
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:

@@ -39,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -47,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import dummy_model_folder  # noqa: E402
 from tokenloom import Engine  # noqa: E402
 
 MODEL_CONFIG = {
@@ -68,17 +68,7 @@ SLOWDOWN_TARGET = 1.3
 
 def model_folder(vocab: int) -> str:
     """config.json of the benchmark's shape plus SmolLM2's tokenizer (weights: --load-format dummy)."""
-    from tokenloom.config import ServerArgs
-    from tokenloom.models.loader import resolve_model_source
-    from tokenloom.tokenizer import load_tokenizer
-
-    folder = os.path.join(tempfile.gettempdir(), f"tokenloom-bench-pp-v{vocab}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        os.makedirs(folder, exist_ok=True)
-        load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump({**MODEL_CONFIG, "vocab_size": vocab}, f)
-    return folder
+    return dummy_model_folder(f"tokenloom-bench-pp-v{vocab}", {**MODEL_CONFIG, "vocab_size": vocab})
 
 
 def make_prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
