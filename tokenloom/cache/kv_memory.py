@@ -19,14 +19,15 @@ Invariants (checked by `check_integrity` / `check_idle_integrity`, when no reque
     free slots + evictable (cached, unlocked) + locked (cached, in use) == max_total_num_tokens
     free request rows == request_slots
 
-Layout of the KV pool (`KVPool`): per layer one K and one V tensor [kv_heads, max_total_num_tokens +
-page_size, head_dim], head-major, which is what the native paged attention kernel (csrc/paged_attention.c)
-and the native decode step read with fixed strides. Pages are aligned (page p is slots [p * page_size,
-(p + 1) * page_size); page 0 holds the dummy slot). So a page of a layer is NOT one contiguous run today: it
-is 2 * kv_heads runs (K and V of each head), each page_size * head_dim elements long, one head's run
-(max_total_num_tokens + page_size) * head_dim elements after the previous. A transfer engine can register
-the 2 tensors of each layer and move a page as those runs; a page-major layout (one run per page and layer)
-would need the kernels' indexing changed, so it is left for the step that brings a transfer engine.
+Layout of the KV pool (`KVPool`): one contiguous buffer [layers, 2 (K, V), kv_heads, max_total_num_tokens +
+page_size, head_dim]; each layer's K and V are views of it, [kv_heads, rows, head_dim] and head-major, which
+is what the native paged attention kernel (csrc/paged_attention.c) and the native decode step read with fixed
+strides. Pages are aligned (page p is slots [p * page_size, (p + 1) * page_size); page 0 holds the dummy
+slot). A transfer engine registers the one buffer (`KVPool.layout` describes it); a page of a layer is NOT one
+contiguous run: it is 2 * kv_heads runs (K and V of each head), each page_size * head_dim elements long, one
+head's run (max_total_num_tokens + page_size) * head_dim elements after the previous, which
+disaggregation/kv_layout.py's `transfer_runs` computes and coalesces. A page-major layout (one run per page
+and layer) would need the kernels' indexing changed.
 """
 
 from __future__ import annotations

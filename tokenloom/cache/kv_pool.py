@@ -1,15 +1,20 @@
-"""`KVPool`: per-layer K and V tensors indexed by KV slot id, for the layers this process owns.
+"""`KVPool`: the K and V of every layer this process owns, indexed by KV slot id, in one contiguous buffer.
 
-Shape per layer: [kv_heads_local, size + page_size, head_dim] (head-major, so gathering a batch's slots
-gives [heads, tokens, dim] that batched matmuls use without copies); slot 0 is the dummy slot padded tokens
-write to, and the pool is allocated for layers [start_layer, end_layer) only (a pipeline stage holds its own).
-The native attention kernels read this layout with fixed strides; so a page of a layer is 2 * kv_heads
+`buffer` has shape [layers, 2, kv_heads_local, size + page_size, head_dim] for layers [start_layer,
+end_layer) only (a pipeline stage holds its own); index 1 picks K (0) or V (1). Slot 0 is the dummy slot
+padded tokens write to. `k_buffers[i]` / `v_buffers[i]` are the views `buffer[i, 0]` / `buffer[i, 1]`, each
+[kv_heads, rows, head_dim] and contiguous (head-major, so gathering a batch's slots gives [heads, tokens,
+dim] that batched matmuls use without copies); the native attention kernels read them with fixed strides
+from their data pointers. One allocation lets a transfer engine register the pool as a single buffer;
+`layout` describes it as data (disaggregation/kv_layout.py). A page of a layer is still 2 * kv_heads
 contiguous runs (K and V of each head), not one (see cache/kv_memory.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from tokenloom.disaggregation.kv_layout import KVLayout
 
 
 class KVPool:
@@ -22,10 +27,11 @@ class KVPool:
         self.head_dim = head_dim
         self.start_layer = start_layer
         self.end_layer = end_layer
-        rows = size + page_size
+        self.rows = size + page_size
         n = end_layer - start_layer
-        self.k_buffers = [torch.zeros(num_kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(n)]
-        self.v_buffers = [torch.zeros(num_kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(n)]
+        self.buffer = torch.zeros(n, 2, num_kv_heads, self.rows, head_dim, dtype=dtype, device=device)
+        self.k_buffers = [self.buffer[i, 0] for i in range(n)]
+        self.v_buffers = [self.buffer[i, 1] for i in range(n)]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] for tokens stored at `slots`."""
@@ -38,4 +44,12 @@ class KVPool:
         return self.k_buffers[i], self.v_buffers[i]
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def layout(self, head_start: int) -> KVLayout:
+        """`buffer` as data for a peer; `head_start` is the global index of this rank's first KV head (the
+        pool does not know its TP shard; disaggregation/pairing.py computes it)."""
+        return KVLayout(base_addr=self.buffer.data_ptr(), start_layer=self.start_layer, end_layer=self.end_layer,
+                        num_heads=self.num_kv_heads, head_start=head_start, rows=self.rows, head_dim=self.head_dim,
+                        itemsize=self.buffer.element_size(), page_size=self.page_size,
+                        dtype=str(self.dtype).removeprefix("torch."))

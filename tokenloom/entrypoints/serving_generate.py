@@ -70,13 +70,17 @@ class GenerateReqInput(LenientRequest):
     return_text_in_logprobs: bool = False
     token_ids_logprob: Any = None
     return_prompt_token_ids: bool = False
+    # prefill/decode disaggregation (SGLang's router adds them; a unified server ignores them)
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
 
     # Hints and bookkeeping with no effect on one text-only tokenloom server (no DP, PD, priorities,
     # per-request metric labels or tracing); `no_logs` holds trivially: request contents are never logged.
     IGNORED: ClassVar[frozenset[str]] = frozenset({
         "model", "session_id", "log_metrics", "priority", "routing_key", "conversation_id", "http_worker_ipc",
         "background", "no_logs", "custom_labels", "return_bytes", "external_trace_header", "received_time",
-        "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+        "bootstrap_pair_key", "decode_tp_size",
         "disagg_prefill_dp_rank", "kv_router_hint", "routed_experts_start_len", "need_wait_for_mm_inputs",
         "num_items_assigned", "encoder_urls"})
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
@@ -144,7 +148,8 @@ class GenerateServing:
         return self.tm.tokenize_batch(obj.text, obj.input_ids, obj.sampling_params, batch_rid(obj), stream=obj.stream,
                                       return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num,
                                       logprob_start_len=obj.logprob_start_len,
-                                      token_ids_logprob=obj.token_ids_logprob)
+                                      token_ids_logprob=obj.token_ids_logprob,
+                                      bootstrap=(obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room))
 
     async def _collect(self, reqs: list[TokenizedRequest]) -> list[dict[str, Any]]:
         async def last(req: TokenizedRequest) -> dict[str, Any]:

@@ -171,6 +171,14 @@ class ModelWorker:
         self.token_table.write(step.forward_batch.req_pool_indices, ids)
 
     @torch.inference_mode()
+    def write_tokens(self, rows: list[int], token_ids: list[int]) -> None:
+        """Make `token_ids` the newest tokens of request `rows` without a forward (a disaggregated decode
+        server's request that arrives with its first token, or one resumed from host memory): its next decode
+        step reads them. Scheduling thread, before that step is submitted."""
+        self.token_table.write(torch.tensor(rows, dtype=torch.int64, device=self.device),
+                               torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+
+    @torch.inference_mode()
     def sample(self, step: PreparedStep, forwarded: ForwardResult) -> ForwardOutput:
         """Sample the next tokens from a forward's logits and hand back plain Python results; stores the
         tokens for batches scheduled behind this one."""

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from tokenloom.config import ServerArgs
+from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
 from tokenloom.launcher import RuntimeLauncher
@@ -116,6 +117,7 @@ class TokenizerManager:
         self.on_dead: Callable[[str], None] | None = None
         self.last_output_time = 0.0  # time.monotonic() of the last output from the runtime
         self.counters = ServingCounters()
+        self.bootstrap_server = None  # a prefill server's bootstrap service (disaggregation/bootstrap_server.py)
         self._launch()
         self._thread = threading.Thread(target=self._receive_loop, name="tokenloom-receiver", daemon=True)
         self._thread.start()
@@ -126,6 +128,12 @@ class TokenizerManager:
         self.launcher = RuntimeLauncher(self.args, self.source, self.addresses)
         self.processes = self.launcher.processes  # filled as they start
         try:
+            if self.args.disaggregation_mode == "prefill":  # the ranks register with it as they start
+                from tokenloom.disaggregation.bootstrap_server import BootstrapServer
+
+                self.bootstrap_server = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
+                                                        expected_ranks=self.args.tp_size * self.args.pp_size)
+                self.bootstrap_server.start()
             self.scheduler_info = self.launcher.start()
         except Exception:
             self.shutdown()
@@ -138,6 +146,8 @@ class TokenizerManager:
         self._stopping.set()
         if hasattr(self, "launcher"):
             self.launcher.stop_all(clean=self.dead_error is None)
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop()
         self._fail_all("the engine was shut down")
         if hasattr(self, "_thread") and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
@@ -271,12 +281,15 @@ class TokenizerManager:
 
     def tokenize_batch(self, text: Any, input_ids: Any, sampling_params: Any = None, rid: Any = None, *,
                        stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
-                       logprob_start_len: int = -1, token_ids_logprob: Any = None
+                       logprob_start_len: int = -1, token_ids_logprob: Any = None,
+                       bootstrap: tuple[Any, Any, Any] = (None, None, None)
                        ) -> tuple[list[TokenizedRequest], bool]:
         """Validate and tokenize a `/generate`-shaped input (one prompt or a batch; text wins over
         input_ids). `n > 1` expands each prompt n times, prompt-major. `token_ids_logprob` is one list of
         ids for every prompt, or for a batch one list per prompt. Returns the requests and whether the
-        answer is a list. Raises ValueError with a client-facing message before anything is sent."""
+        answer is a list. `bootstrap`: the body's (bootstrap_host, bootstrap_port, bootstrap_room), required on a
+        disaggregated server (disaggregation/bootstrap_fields.py). Raises ValueError with a client-facing
+        message before anything is sent."""
         if text is not None:
             is_batch = isinstance(text, list)
             texts, ids_list = (text if is_batch else [text]), None
@@ -295,6 +308,7 @@ class TokenizerManager:
         n = _common_n(params)
         _check_logprob_start_len(logprob_start_len)
         token_ids = _per_prompt_token_ids(token_ids_logprob, count, is_batch)
+        rooms = bootstraps_for(self.args.disaggregation_mode, *bootstrap, count, n)
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {self.vocab_size}], "
                              f"got {top_logprobs_num!r}")
@@ -307,6 +321,7 @@ class TokenizerManager:
                     {**params[i], "n": 1}, rid=this_rid, stream=stream, return_logprob=bool(return_logprob),
                     top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
                     token_ids_logprob=token_ids[i]))
+                reqs[-1].bootstrap = rooms[i]
         given = [r for r in rids if r is not None]
         duplicate = next((r.rid for r in reqs if r.rid in self.rid_to_state), None)
         if len(set(given)) != len(given) or duplicate is not None:

@@ -38,7 +38,7 @@ class OutputProcessor:
     def release(self, req: Req) -> None:
         """Give a finished (or aborted) request's KV to the cache and free its row, unless a launched batch
         still uses them (then processing that batch's results releases it)."""
-        if req.req_pool_idx is None or req.inflight > 0:
+        if req.req_pool_idx is None or req.inflight > 0 or req.kv_hold:  # kv_hold: a PD transfer reads it
             return
         self.tree_cache.cache_finished(req.req_pool_idx, req.all_ids(), req.kv_len, req.prefix_len, req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
@@ -116,7 +116,7 @@ class OutputProcessor:
         """Send new tokens of finished requests, and of streaming ones every `stream_interval` tokens."""
         picked = []
         for req in reqs:
-            if req.is_chunked > 0 or req.finish_sent:
+            if req.is_chunked > 0 or req.finish_sent or req.kv_hold:  # kv_hold: answered once transferred
                 continue
             new = len(req.output_ids) - req.sent_len
             interval = req.sampling_params.stream_interval or self.stream_interval

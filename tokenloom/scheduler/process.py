@@ -55,7 +55,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     from tokenloom.distributed.comm import all_equal, min_reduce_ints
     from tokenloom.distributed.groups import init_distributed
     from tokenloom.distributed.heartbeat import Heartbeat, name_silent_peers
-    from tokenloom.distributed.pp_partition import stage_layers
+    from tokenloom.distributed.pp_partition import partition_from_env, stage_layers
     from tokenloom.executor.model_runner import LoadedModel, ModelRunner
     from tokenloom.executor.worker import ModelWorker
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
@@ -66,6 +66,10 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     from tokenloom.scheduler.scheduler import Scheduler
     from tokenloom.tokenizer import eos_token_ids, load_tokenizer
 
+    if args.disaggregation_mode == "decode" and not args.disable_radix_cache:
+        import dataclasses  # as SGLang: a decode server's KV arrives per request and is never shared
+
+        args = dataclasses.replace(args, disable_radix_cache=True)
     name = rank_label(rank, args.tp_size, args.pp_size)
     child_process_setup("scheduler" if args.tp_size * args.pp_size == 1 else f"scheduler-r{rank}", args.log_level)
     ctx = zmq.Context()
@@ -81,7 +85,8 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
         if world > 1:  # lets a rank whose collective failed name a hung peer (distributed/heartbeat.py)
             heartbeat = Heartbeat(dist_init_addr, rank).start()
         source = resolve_model_source(args)
-        start_layer, end_layer = stage_layers(source.config.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
+        start_layer, end_layer = stage_layers(source.config.num_hidden_layers, parallel.pp_rank, parallel.pp_size,
+                                              partition_from_env())
         loaded = LoadedModel.load(args, parallel, source, start_layer, end_layer)  # only this stage's layers
         # sized beside the loaded weights, at the world's smallest capacity; the one owner of the KV memory
         memory = loaded.kv_memory(args, parallel, agree=lambda values: min_reduce_ints(values, parallel))
@@ -95,6 +100,12 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
         inbox: Any = Receiver(ctx, addresses.scheduler) if parallel.is_entry else None
         if parallel.tp_size > 1 and parallel.is_first_stage:  # later stages get requests from the previous one
             inbox = BroadcastInbox(inbox, parallel)
+        if args.disaggregation_mode != "null":  # a prefill or decode server's rank (disaggregation/rank_setup.py)
+            from tokenloom.disaggregation.rank_setup import attach_disaggregation
+
+            attach_disaggregation(args, parallel, scheduler, memory, source.config.num_hidden_layers,
+                                  source.config.num_key_value_heads,
+                                  addresses.scheduler if parallel.is_entry else None)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
                     "vocab_size": runner.vocab_size,

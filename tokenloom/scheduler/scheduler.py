@@ -52,6 +52,7 @@ from tokenloom.protocol import (
     GetInternalStateRequest,
     InternalStateReply,
     TokenizedRequest,
+    TransferEvent,
 )
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
@@ -158,8 +159,18 @@ class Scheduler:
         self.stats = StepStats(args.decode_log_interval)
         self.eos_token_ids = worker.eos_token_ids
         self.ranks_agree = ranks_agree
+        # Prefill/decode disaggregation: the server's side (disaggregation/prefill.py or decode.py), attached by
+        # the rank's entry with `attach_disaggregation`; None on a unified server.
+        self.disagg: Any = None
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
+
+    def attach_disaggregation(self, side: Any) -> None:
+        """Make this a prefill or decode server's scheduler (`side`: a PrefillDisaggregation or
+        DecodeDisaggregation). Hooks: requests with a room go to the side's queues; its events arrive as
+        `TransferEvent` messages; it sees every prefill result (prefill) and plans before every batch (decode:
+        pre-allocation, arrivals, resuming), and a decode retraction offloads KV instead of re-queueing."""
+        self.disagg = side
 
     @property
     def running(self) -> list[Req]:
@@ -172,6 +183,10 @@ class Scheduler:
             self.add_request(msg)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.rid, msg.message)
+        elif isinstance(msg, TransferEvent):
+            if self.disagg is None:
+                raise TypeError("a TransferEvent reached a scheduler that is not disaggregated")
+            self.disagg.on_event(msg)
         elif isinstance(msg, FlushCacheRequest):
             loop.settle_all()
             self.send(self.flush_cache())
@@ -186,11 +201,13 @@ class Scheduler:
                   return_logprob=tr.return_logprob, top_logprobs_num=tr.top_logprobs_num,
                   logprob_start_len=tr.logprob_start_len, token_ids_logprob=tr.token_ids_logprob,
                   arrival_time=tr.arrival_time,
-                  eos_token_ids=self.eos_token_ids)
+                  eos_token_ids=self.eos_token_ids, bootstrap=tr.bootstrap)
         error = self._validate(req)
         if error is not None:
             req.abort(*error)
             self.output.emit([req])
+            return
+        if self.disagg is not None and self.disagg.add(req):
             return
         self.waiting_queue.append(req)
 
@@ -211,32 +228,36 @@ class Scheduler:
         params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
         return None
 
-    def abort_request(self, rid: str, message: str = "Aborted by the client.") -> None:
+    def abort_request(self, rid: str, message: str = "Aborted by the client.", status: int = 400) -> None:
         """Finish `rid` wherever it is, freeing its KV now (or, if a launched batch still uses it, as soon as
-        that batch's results are processed)."""
+        that batch's results are processed). `status`: the HTTP status the answer carries."""
         for req in self.waiting_queue:
             if req.rid == rid:
                 self.waiting_queue.remove(req)
-                self._finish_aborted(req, message)
+                self._finish_aborted(req, message, status)
                 return
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
             req.is_chunked = 0
-            self._finish_aborted(req, message)
+            self._finish_aborted(req, message, status)
             return
         for lane in self.lanes:
             for req in lane.running:
                 if req.rid == rid:
                     lane.running.remove(req)
-                    self._finish_aborted(req, message)
+                    self._finish_aborted(req, message, status)
                     return
         for req in self.prefilling.values():
             if req.rid == rid and not req.finished:  # processing its prefill's result releases it
-                self._finish_aborted(req, message)
+                self._finish_aborted(req, message, status)
                 return
+        if self.disagg is not None:
+            self.disagg.abort(rid, message)
 
-    def _finish_aborted(self, req: Req, message: str) -> None:
-        req.abort(message)
+    def _finish_aborted(self, req: Req, message: str, status: int = 400) -> None:
+        req.abort(message, status)
+        if req.kv_hold:  # a PD prefill whose KV a transfer may be reading: stop and wait for it first
+            self.disagg.drop(req)
         self.output.release(req)
         self.output.emit([req])
 
@@ -245,6 +266,8 @@ class Scheduler:
         """The next batch of `lane` (the first lane by default): a prefill when waiting requests fit, else a
         decode step of the lane's running requests."""
         lane = lane or self.lanes[0]
+        if self.disagg is not None:
+            self.disagg.before_schedule(lane)
         batch = self._get_new_batch_prefill(lane)
         if batch is not None:
             lane.last_decode = None
@@ -277,6 +300,8 @@ class Scheduler:
                              self.args.max_prefill_tokens,
                              self.chunked_prefill_size, running_slots)
         if self.chunked_req is not None:
+            if self.disagg is not None:
+                self.disagg.before_repoint(self.chunked_req)
             self.output.cache_progress(self.chunked_req)  # its previous chunk becomes its locked prefix
             self.chunked_req.init_next_round_input(match)
             adder.add_chunked_req(self.chunked_req)
@@ -348,13 +373,16 @@ class Scheduler:
             for each in self.lanes:
                 if req in each.running:
                     each.running.remove(req)
+            self.num_retracted += 1
+            if self.disagg is not None and self.disagg.retracts_to_host(req):
+                self.disagg.offload(req)  # decode side: KV to host memory, resumed without recompute
+                continue
             self.tree_cache.release_unfinished(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
             self.req_to_token_pool.free(req.req_pool_idx)
             req.reset_for_retract()
             retracted.append(req)
         if not retracted:
             return fits
-        self.num_retracted += len(retracted)
         self.waiting_queue[:0] = reversed(retracted)  # retracted requests go first, oldest first
         self.ratio.after_retract(self.running)
         logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
@@ -396,6 +424,8 @@ class Scheduler:
                 if req.inflight == 0:
                     self.prefilling.pop(id(req), None)
             lane.running.extend(self.output.process_extend(batch, out))
+            if self.disagg is not None:
+                self.disagg.after_extend(batch)
         else:
             self.output.process_decode(batch, out)
             self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
@@ -406,7 +436,8 @@ class Scheduler:
 
     # --- control ------------------------------------------------------------------------------------
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.chunked_req is None and all(lane.is_empty() for lane in self.lanes)
+        return (not self.waiting_queue and self.chunked_req is None and all(lane.is_empty() for lane in self.lanes)
+                and (self.disagg is None or self.disagg.is_idle()))
 
     def check_idle_integrity(self) -> None:
         if self.is_idle():
@@ -443,6 +474,7 @@ class Scheduler:
             "num_retracted_reqs": self.num_retracted,
             "last_gen_throughput": self.stats.last_gen_throughput,
             "cache_hit_rate": self.stats.cache_hit_rate(),
+            **(self.disagg.info() if self.disagg is not None else {}),
             **(loop_info or {}),
             "time": time.time(),
         }

@@ -65,6 +65,10 @@ class SamplingExtras(LenientRequest):
     stop_regex: str | list[str] | None = None
     custom_params: dict[str, Any] | None = None
     rid: str | list[str] | None = None
+    # prefill/decode disaggregation (SGLang's router adds them; a unified server ignores them)
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
     # vLLM extras
     include_stop_str_in_output: bool = False  # = no_stop_trim
 
@@ -72,7 +76,7 @@ class SamplingExtras(LenientRequest):
     # reasoning controls of reasoning models, guided-decoding options without a guide).
     IGNORED: ClassVar[frozenset[str]] = frozenset({
         "user", "priority", "service_tier", "store", "metadata", "session_id", "request_id", "routing_id",
-        "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank", "kv_transfer_params",
+        "disagg_prefill_dp_rank", "kv_transfer_params",
         "ngram_corpus_id", "custom_labels", "routed_experts_start_len", "guided_decoding_backend",
         "guided_whitespace_pattern", "prompt_cache_key", "safety_identifier"})
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {

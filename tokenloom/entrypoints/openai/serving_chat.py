@@ -64,7 +64,8 @@ class ChatServing(OpenAIServingBase):
         prompt, ids = self._prompt(req, messages)
         reqs, _ = self.tm.tokenize_batch(None, ids, self.sampling_params(req, max_new, self.generation_defaults),
                                          req.rid, stream=req.stream, return_logprob=req.logprobs,
-                                         top_logprobs_num=req.top_logprobs or 0)
+                                         top_logprobs_num=req.top_logprobs or 0,
+                                         bootstrap=(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room))
         for r in reqs:
             r.input_text = prompt
         return reqs

@@ -41,7 +41,8 @@ class CompletionServing(OpenAIServingBase):
             prompt if is_text else None, None if is_text else prompt,
             self.sampling_params(req, req.max_tokens), req.rid, stream=req.stream,
             return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-            logprob_start_len=0 if req.echo and req.logprobs is not None else -1)
+            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
+            bootstrap=(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room))
         return reqs
 
     def _echo(self, req: CompletionRequest, index: int) -> str:

@@ -1,0 +1,189 @@
+"""Disaggregated scheduling in one process (tests/pd_harness.py): a prefill and a decode scheduler with real
+agents, bootstrap server and control messages, a memmove in place of the transfer engine, the fake worker
+whose tokens depend on the KV it reads back. The decode side's answers equal the unified reference
+(`reference`) only if the prompt's KV and the first token arrived intact; every test ends with both pools
+full (the harness checks idle integrity on both sides)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.pd_harness import PDPair, small_memory
+from tests.scheduler_harness import LoopHarness
+from tests.unit.test_scheduler_fake_runner import VOCAB, FakeWorker, prompt, reference
+from tokenloom.config import ServerArgs
+
+CONTEXT = 256
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+class PDFakeWorker(FakeWorker):
+    def write_tokens(self, rows: list[int], token_ids: list[int]) -> None:
+        import torch
+
+        self.tokens.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(token_ids, dtype=torch.int64))
+
+
+def make_harness(tokens: int = 512, **server_args: Any) -> tuple[LoopHarness, PDFakeWorker]:
+    defaults: dict[str, Any] = dict(max_total_tokens=tokens, max_running_requests=8, overlap_schedule="off",
+                                    num_reserved_decode_tokens=4)
+    args = ServerArgs(**{**defaults, **server_args})
+    memory = small_memory(args, tokens, CONTEXT)
+    worker = PDFakeWorker(memory)
+    return LoopHarness(args, worker, memory, VOCAB), worker
+
+
+@pytest.fixture
+def pair_factory():
+    pairs = []
+
+    def make(**kw: Any) -> PDPair:
+        pairs.append(PDPair(make_harness, **kw))
+        return pairs[-1]
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_decode_continues_exactly_where_prefill_stopped(pair_factory, overlap):
+    pair = pair_factory(prefill_args={"chunked_prefill_size": 8, "overlap_schedule": overlap},
+                        decode_args={"overlap_schedule": overlap})
+    prompts = {f"r{i}": prompt(i, 5 + 7 * i) for i in range(5)}  # up to 33 tokens: several 8-token chunks
+    for rid, ids in prompts.items():
+        pair.submit(rid, ids, dict(GREEDY, max_new_tokens=6))
+    results = pair.run()
+    for rid, ids in prompts.items():
+        assert results[rid].output_ids == reference(ids, 6), rid
+        assert results[rid].finish_reason == {"type": "length", "length": 6}
+    # the prefill side answered each with its first token only, once its KV was sent
+    for rid, ids in prompts.items():
+        assert pair.prefill_h.results[rid].output_ids == reference(ids, 1)
+    assert pair.prefill.side.transferred == 5 and pair.decode.side.received == 5
+    assert pair.prefill.engine.writes > 5  # chunks streamed: more writes than requests
+
+
+def test_prefill_radix_hit_still_sends_the_whole_prompt(pair_factory):
+    pair = pair_factory()
+    shared = prompt(1, 20)
+    pair.submit("a", shared + [5, 6], dict(GREEDY, max_new_tokens=4))
+    pair.run()
+    pair.submit("b", shared + [7, 8, 9], dict(GREEDY, max_new_tokens=4))
+    results = pair.run()
+    assert results["b"].output_ids == reference(shared + [7, 8, 9], 4)
+    assert pair.prefill_h.results["b"].meta["cached_tokens"] >= 16  # the prefix came from the radix cache
+    assert results["b"].meta["cached_tokens"] == pair.prefill_h.results["b"].meta["cached_tokens"]
+
+
+def test_first_token_finishing_the_request_and_room_reuse_refused(pair_factory):
+    pair = pair_factory()
+    pair.submit("one", prompt(3, 9), dict(GREEDY, max_new_tokens=1))
+    results = pair.run()
+    assert results["one"].output_ids == reference(prompt(3, 9), 1)
+    pair.submit("zero", prompt(3, 9), dict(GREEDY, max_new_tokens=0))
+    results = pair.run()
+    assert results["zero"].finish_reason["type"] == "abort" and results["zero"].finish_reason["status_code"] == 400
+
+
+def test_decode_pre_allocation_waits_for_memory_and_retracts_to_host(pair_factory):
+    # 64 decode slots: four 12-token prompts generating 12 tokens each cannot all fit at once
+    pair = pair_factory(decode_args={"tokens": 64, "max_running_requests": 4, "num_reserved_decode_tokens": 1})
+    prompts = {f"r{i}": prompt(10 + i, 12) for i in range(4)}
+    for rid, ids in prompts.items():
+        pair.submit(rid, ids, dict(GREEDY, max_new_tokens=12))
+    results = pair.run()
+    for rid, ids in prompts.items():
+        assert results[rid].output_ids == reference(ids, 12), rid
+    info = pair.decode.side.info()
+    assert info["num_offloaded_reqs"] > 0, info  # retraction went through host memory, not recompute
+    assert pair.decode_h.scheduler.num_retracted == info["num_offloaded_reqs"]
+
+
+@pytest.mark.parametrize("where", ["prefill-bootstrap", "prefill-chunked", "decode-prealloc", "decode-transfer",
+                                   "decode-running"])
+def test_an_abort_in_every_queue_frees_everything(pair_factory, where):
+    pair = pair_factory(prefill_args={"chunked_prefill_size": 4})
+    side, queue = where.split("-")
+    ids = prompt(4, 20)
+    if queue == "bootstrap":  # the decode side never hears of it: the prefill side waits for its destination
+        pair.submit("x", ids, dict(GREEDY, max_new_tokens=8), to=("prefill",))
+        for _ in range(5):
+            pair.step()
+        assert pair.prefill.side.bootstrap_queue
+        pair.abort("x", "prefill")
+        pair.step()
+        assert pair.prefill_h.results["x"].finish_reason["type"] == "abort"
+        pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+        assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+        return
+    pair.submit("x", ids, dict(GREEDY, max_new_tokens=200))
+    until = {"chunked": lambda: pair.prefill_h.scheduler.chunked_req is not None,  # mid-way through its chunks
+             "prealloc": lambda: bool(pair.decode.side.prealloc),
+             "transfer": lambda: bool(pair.decode.side.transfer),
+             "running": lambda: bool(pair.decode_h.scheduler.running)}[queue]
+    for _ in range(20000):
+        if until():
+            break
+        pair.step()
+    assert until(), where
+    pair.abort("x", side)
+    if side == "prefill":  # the decode side learns from the prefill entry and fails the room
+        pair.run(["x"])
+        assert pair.decode_h.results["x"].finish_reason["type"] == "abort"
+    else:
+        pair.run(["x"])
+    assert pair.decode_h.results["x"].finish_reason["type"] == "abort"
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_transfer_failures_end_requests_with_500_and_the_pair_keeps_serving(pair_factory):
+    pair = pair_factory()
+    pair.prefill.engine.fail_next = 2
+    for i in range(3):
+        pair.submit(f"r{i}", prompt(20 + i, 10), dict(GREEDY, max_new_tokens=4))
+    results = pair.run()
+    failed = [r for r in results.values() if r.finish_reason["type"] == "abort"]
+    assert len(failed) == 2 and all(r.finish_reason["status_code"] == 500 for r in failed)
+    assert all("KV transfer" in r.finish_reason["message"] for r in failed)
+    ok = [rid for rid, r in results.items() if r.finish_reason["type"] == "length"]
+    assert len(ok) == 1 and results[ok[0]].output_ids == reference(prompt(20 + int(ok[0][1]), 10), 4)
+
+
+def test_bootstrap_and_waiting_timeouts_fail_the_room_on_both_sides(pair_factory):
+    pair = pair_factory(bootstrap_timeout_s=0.3, waiting_timeout_s=0.3)
+    pair.submit("lonely-prefill", prompt(6, 10), dict(GREEDY, max_new_tokens=4), to=("prefill",))
+    pair.submit("lonely-decode", prompt(7, 10), dict(GREEDY, max_new_tokens=4), to=("decode",))
+    results = pair.run(["lonely-decode"], timeout_s=10)
+    assert "timed out" in results["lonely-decode"].finish_reason["message"]
+    while pair.prefill_h.results.get("lonely-prefill") is None or not pair.prefill_h.scheduler.is_idle():
+        pair.step()
+    assert "timed out" in pair.prefill_h.results["lonely-prefill"].finish_reason["message"]
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_page_size_mismatch_is_refused_at_bootstrap(pair_factory):
+    pair = pair_factory(prefill_args={"page_size": 4}, decode_args={"page_size": 1})
+    pair.submit("x", prompt(8, 10), dict(GREEDY, max_new_tokens=4))
+    results = pair.run(["x"])
+    assert "page size mismatch" in results["x"].finish_reason["message"]
+    assert results["x"].finish_reason["status_code"] == 500
+
+
+def test_fake_bootstrap_host_is_served_locally_on_both_sides(pair_factory):
+    pair = pair_factory()
+    for h in (pair.prefill_h, pair.decode_h):
+        from tokenloom.protocol import Bootstrap, TokenizedRequest
+        from tokenloom.sampling.sampling_params import SamplingParams
+
+        sp = SamplingParams.from_dict(dict(GREEDY, max_new_tokens=5), VOCAB)
+        h.inbox.send(TokenizedRequest("warm", None, prompt(9, 7), sp, bootstrap=Bootstrap("2.2.2.2", 0, 1)))
+    for _ in range(200):
+        pair.step()
+    for h in (pair.prefill_h, pair.decode_h):
+        assert h.results["warm"].output_ids == reference(prompt(9, 7), 5)
+        h.scheduler.check_idle_integrity()

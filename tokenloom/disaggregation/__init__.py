@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV layouts and pairing, transfer engines, the prefill and decode sides."""

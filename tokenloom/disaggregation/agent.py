@@ -1,0 +1,598 @@
+"""`TransferAgent`: one per scheduler rank of a prefill or decode server; moves this rank's KV and talks to the
+peer server's ranks, so the scheduler never blocks on the network.
+
+What it owns: the transfer engine (transfer/) with this rank's KV pool and metadata buffer registered, a
+ZMQ PULL control socket on `tcp://host:port` (JSON messages only: nothing a peer sends is unpickled), PUSH
+sockets to peers, a control thread (every message and every room's bookkeeping), and on the prefill side a
+sender thread that performs the KV writes in order.
+
+Protocol (room = the router's bootstrap room):
+- decode rank d, once the scheduler pre-allocated the room: "dst" (its engine, KV layout, slots, metadata
+  slot address, status address, the decode world's layout) → every prefill rank that writes part of d's KV
+  (pairing.writers_for), the aux writer and the prefill entry;
+- prefill entry: once every decode rank's "dst" is in → event "ready" (the request may be prefilled);
+- prefill rank p, after each KV chunk of the room (sender thread): writes its pieces into every decode rank
+  it serves; after the last chunk (and the metadata slot, for the aux writer) → "done" to each of them and
+  "sent" to the prefill entry;
+- decode rank d: once every expected writer said "done" → "arrived" to the decode entry;
+- entries: "sent" from every prefill rank → event "sent" (the KV may be released); "arrived" from every
+  decode rank → event "arrived" (the request may decode); any failure → event "failed" (and "abort" to the
+  peer entry, so the other side frees the room at once rather than at its timeout).
+Events are `TransferEvent`s pushed into the entry rank's own scheduler inbox; they reach every rank of the
+server the way requests do, so all ranks act on them at the same iteration (no collective needed).
+
+Clocks are read only here, by the entry: bootstrap timeout (prefill: no "dst" in time), waiting timeout
+(decode: no "arrived" in time), heartbeats (decode: the prefill's bootstrap /health), each ending as a
+"failed" event. Environment: TOKENLOOM_DISAGGREGATION_{BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT, HEARTBEAT_INTERVAL,
+HEARTBEAT_MAX_FAILURE, TRANSFER_TIMEOUT, TEST_FAILURE_PROB} (SGLang's SGLANG_DISAGGREGATION_* names and
+DISAGGREGATION_TEST_FAILURE_PROB are read too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tokenloom.disaggregation.aux_buffer import AuxBuffer
+from tokenloom.disaggregation.bootstrap_server import check_health, fetch_parallel_info
+from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs
+from tokenloom.disaggregation.pairing import RankKV, aux_writer, writers_for
+from tokenloom.disaggregation.transfer.base import TransferEngine, TransferError
+from tokenloom.protocol import Bootstrap, TransferEvent
+
+logger = logging.getLogger(__name__)
+
+
+def env_float(name: str, default: float) -> float:
+    """TOKENLOOM_DISAGGREGATION_<name>, else SGLang's SGLANG_DISAGGREGATION_<name>, else `default`."""
+    for key in (f"TOKENLOOM_DISAGGREGATION_{name}", f"SGLANG_DISAGGREGATION_{name}"):
+        if os.environ.get(key):
+            return float(os.environ[key])
+    return default
+
+
+def test_failure_prob() -> float:
+    """The injected transfer-failure probability (a test hook like SGLang's DISAGGREGATION_TEST_FAILURE_PROB)."""
+    raw = os.environ.get("TOKENLOOM_DISAGGREGATION_TEST_FAILURE_PROB") or \
+        os.environ.get("DISAGGREGATION_TEST_FAILURE_PROB") or "0"
+    return float(raw)
+
+
+@dataclass
+class AgentConfig:
+    role: str  # "prefill" | "decode"
+    me: RankKV
+    world: list[RankKV]  # this server's ranks, by rank
+    host: str  # the address peers reach this rank at
+    page_size: int
+    kv_dtype: str
+    events_address: str | None  # the entry's own scheduler inbox (entry rank only)
+    expected_decode_tp: int | None = None  # prefill: --disaggregation-decode-tp
+    bootstrap_timeout_s: float = field(default_factory=lambda: env_float("BOOTSTRAP_TIMEOUT", 300.0))
+    waiting_timeout_s: float = field(default_factory=lambda: env_float("WAITING_TIMEOUT", 300.0))
+    heartbeat_interval_s: float = field(default_factory=lambda: env_float("HEARTBEAT_INTERVAL", 5.0))
+    heartbeat_max_failure: int = field(default_factory=lambda: int(env_float("HEARTBEAT_MAX_FAILURE", 2)))
+    transfer_timeout_s: float = field(default_factory=lambda: env_float("TRANSFER_TIMEOUT", 60.0))
+
+    @property
+    def is_entry(self) -> bool:
+        return self.events_address is not None
+
+
+@dataclass
+class _Job:
+    """One KV chunk of a room for the sender thread: tokens [start, start + len(slots)) at `slots`."""
+
+    room: int
+    start: int
+    slots: list[int]
+    is_last: bool
+    aux: bytes | None
+
+
+class TransferAgent:
+    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout, aux: AuxBuffer) -> None:
+        self.config = config
+        self.engine = engine
+        self.layout = layout
+        self.aux = aux
+        engine.register(layout.base_addr, layout.nbytes)
+        engine.register(aux.base_addr, aux.nbytes)
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        port = self._pull.bind_to_random_port(f"tcp://{config.host}")
+        self.control_address = f"tcp://{config.host}:{port}"
+        self._world_control: list[str] = [self.control_address]  # every rank's, by rank (set_world_control)
+        self._push: dict[str, zmq.Socket] = {}
+        self._push_lock = threading.Lock()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._fetches = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenloom-pd-fetch")
+        self._prefill_info: dict[tuple[str, int], dict[str, Any]] = {}  # (host, port) -> GET /route answer
+        self._prefill_info_lock = threading.Lock()
+        self._events = None
+        if config.is_entry:
+            self._events = self._ctx.socket(zmq.PUSH)
+            self._events.connect(config.events_address)
+        # --- room state, control thread only (the sender thread reads `_dst` under `_dst_cond`) ---
+        self._deadlines: dict[int, tuple[float, str]] = {}  # entry: room -> (deadline, what it waits for)
+        self._reported: set[int] = set()  # entry: rooms whose final event went out
+        self._counts: dict[int, set[int]] = {}  # entry: room -> ranks that reported (dst / sent / arrived)
+        self._expected: dict[int, set[int]] = {}  # decode: room -> prefill ranks that must say "done"
+        self._done: dict[int, set[int]] = {}  # decode: room -> prefill ranks that said "done"
+        self._peer_entry: dict[int, str] = {}  # room -> the peer server's entry control address
+        self._room_prefill: dict[int, tuple[str, int]] = {}  # decode entry: room -> its prefill's bootstrap
+        self._heartbeat: dict[tuple[str, int], tuple[float, int]] = {}  # bootstrap -> (next check, misses)
+        self._dst: dict[int, dict[int, dict[str, Any]]] = {}  # prefill: room -> decode rank -> "dst" message
+        self._dst_cond = threading.Condition()
+        self._aborted: set[int] = set()  # prefill: rooms whose remaining jobs are dropped
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._pending_jobs: dict[int, int] = {}  # room -> jobs queued or running (under _dst_cond)
+        self._control = threading.Thread(target=self._control_loop, name="tokenloom-pd-control", daemon=True)
+        self._control.start()
+        self._sender = None
+        if config.role == "prefill":
+            self._sender = threading.Thread(target=self._sender_loop, name="tokenloom-pd-sender", daemon=True)
+            self._sender.start()
+
+    # --- what the bootstrap server publishes about this (prefill) rank -----------------------------------
+    def registration(self, tp_size: int, pp_size: int) -> dict[str, Any]:
+        me = self.config.me
+        return {"role": "Prefill", "rank": me.rank, "attn_tp_size": tp_size, "attn_tp_rank": me.tp_rank,
+                "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": pp_size, "pp_rank": me.pp_rank,
+                "rank_ip": self.config.host, "rank_port": int(self.control_address.rsplit(":", 1)[1]),
+                "page_size": self.config.page_size, "kv_cache_dtype": self.config.kv_dtype,
+                "control": self.control_address, "engine": self.engine.descriptor(),
+                "transfer_backend": self.engine.backend, "rank_kv": me.to_json(), "layout": self.layout.to_json()}
+
+    # --- scheduler-thread API (never blocks on the network) ------------------------------------------------
+    def track_prefill(self, room: int) -> None:
+        """Prefill: the room waits in the bootstrap queue; the entry fails it if no destination comes in time."""
+        self._calls.put(lambda: self._watch(room, self.config.bootstrap_timeout_s, "the decode server's "
+                                            "destination (bootstrap timeout)"))
+
+    def send_chunk(self, room: int, start: int, slots: list[int], is_last: bool, aux: bytes | None) -> None:
+        """Prefill: write tokens [start, start + len(slots)) of the room (slots of this rank's pool) to the
+        decode ranks; `aux`: the metadata slot's bytes (aux writer, last chunk)."""
+        with self._dst_cond:
+            self._pending_jobs[room] = self._pending_jobs.get(room, 0) + 1
+        self._jobs.put(_Job(room, start, slots, is_last, aux))
+
+    def wait_chunks(self, room: int, timeout_s: float | None = None) -> None:
+        """Prefill: return once every queued chunk of the room was written (or dropped): its source slots may
+        then be re-pointed or freed."""
+        deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s + 5)
+        with self._dst_cond:
+            while self._pending_jobs.get(room, 0) > 0 and time.monotonic() < deadline:
+                self._dst_cond.wait(0.05)
+
+    def track_decode(self, room: int, bootstrap: Bootstrap) -> None:
+        """Decode: the room waits for pre-allocation; the entry looks the prefill server up and reports
+        "bootstrapped" (or "failed": unreachable, incompatible)."""
+        self._calls.put(lambda: self._bootstrap_decode(room, bootstrap))
+
+    def send_metadata(self, room: int, bootstrap: Bootstrap, slots: list[int], aux_index: int) -> None:
+        """Decode: the room's KV was pre-allocated at `slots` (this rank's pool) and its metadata slot at
+        `aux_index`; tell the prefill ranks where to write."""
+        self._calls.put(lambda: self._send_dst(room, bootstrap, slots, aux_index))
+
+    def abort(self, room: int, reason: str) -> None:
+        """Either side: the scheduler gave up on the room (client abort, failure): drop its remaining work and
+        tell the peer server's entry."""
+        self._calls.put(lambda: self._abort(room, reason))
+
+    def forget(self, room: int) -> None:
+        """The scheduler is done with the room (its final event was handled): drop its bookkeeping."""
+        self._calls.put(lambda: self._forget(room))
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._jobs.put(None)
+        self._control.join(timeout=2)
+        if self._sender is not None:
+            self._sender.join(timeout=2)
+        self._fetches.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+        self._ctx.destroy(linger=0)
+
+    # --- control thread ------------------------------------------------------------------------------------
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stopped.is_set():
+            try:
+                if poller.poll(20):
+                    while True:
+                        try:
+                            raw = self._pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_message(raw)
+                while True:
+                    try:
+                        call = self._calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    call()
+                if self.config.is_entry:
+                    self._check_clocks()
+            except Exception:  # noqa: BLE001 - a bad message or peer must not stop the agent
+                logger.exception("transfer agent control loop error")
+
+    def _on_message(self, raw: bytes) -> None:
+        try:
+            msg = json.loads(raw)
+            kind, room = msg["t"], int(msg["room"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("transfer agent: dropped a malformed control message (%d bytes)", len(raw))
+            return
+        handler = {"dst": self._on_dst, "sent": self._on_sent, "done": self._on_done, "arrived": self._on_arrived,
+                   "abort": self._on_abort}.get(kind)
+        if handler is None:
+            logger.warning("transfer agent: unknown control message %r", kind)
+            return
+        handler(room, msg)
+
+    def _send(self, address: str, msg: dict[str, Any]) -> None:
+        with self._push_lock:
+            sock = self._push.get(address)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 100000)
+                sock.connect(address)
+                self._push[address] = sock
+            sock.send(json.dumps(msg).encode())
+
+    def _event(self, room: int, kind: str, detail: str = "") -> None:
+        """Entry: push the room's event into this rank's scheduler inbox (once per final outcome)."""
+        if kind in ("sent", "arrived", "failed"):
+            if room in self._reported:
+                return
+            self._reported.add(room)
+            self._deadlines.pop(room, None)
+        assert self._events is not None
+        self._events.send_pyobj(TransferEvent(room, kind, detail))
+
+    def _watch(self, room: int, timeout_s: float, what: str) -> None:
+        if self.config.is_entry and room not in self._reported:
+            self._deadlines[room] = (time.monotonic() + timeout_s, what)
+
+    def _check_clocks(self) -> None:
+        now = time.monotonic()
+        for room, (deadline, what) in list(self._deadlines.items()):
+            if now >= deadline:
+                self._fail_room(room, f"timed out waiting for {what}")
+        for target, (due, misses) in list(self._heartbeat.items()):
+            if now >= due:
+                self._heartbeat[target] = (now + self.config.heartbeat_interval_s, misses)
+                self._fetches.submit(self._probe, target)
+
+    def _probe(self, target: tuple[str, int]) -> None:
+        healthy = check_health(target[0], target[1], timeout_s=min(2.0, self.config.heartbeat_interval_s))
+        self._calls.put(lambda: self._on_probe(target, healthy))
+
+    def _on_probe(self, target: tuple[str, int], healthy: bool) -> None:
+        if target not in self._heartbeat:
+            return
+        due, misses = self._heartbeat[target]
+        misses = 0 if healthy else misses + 1
+        self._heartbeat[target] = (due, misses)
+        if misses >= self.config.heartbeat_max_failure:
+            rooms = [r for r, t in self._room_prefill.items() if t == target and r not in self._reported]
+            logger.warning("prefill server %s:%d missed %d heartbeats: failing %d rooms", *target, misses,
+                           len(rooms))
+            for room in rooms:
+                self._fail_room(room, f"the prefill server at {target[0]}:{target[1]} stopped responding")
+            del self._heartbeat[target]
+
+    def _fail_room(self, room: int, reason: str) -> None:
+        """Entry: the room failed on this side; tell the peer entry and the scheduler."""
+        self._notify_peer(room, reason)
+        self._event(room, "failed", reason)
+
+    def _notify_peer(self, room: int, reason: str) -> None:
+        """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room. A decode
+        entry that has not sent the room's destination yet finds the prefill entry from its bootstrap."""
+        if not self.config.is_entry:
+            return
+        msg = {"t": "abort", "room": room, "detail": reason}
+        peer = self._peer_entry.get(room)
+        if peer is not None:
+            self._send(peer, msg)
+            return
+        target = self._room_prefill.get(room)
+        if target is None:
+            return
+
+        def resolve() -> None:
+            try:
+                info = self._prefill_layout(Bootstrap(target[0], target[1], room))
+                entry = min(info["ranks"], key=lambda r: int(r["rank_kv"]["rank"]))["control"]
+            except Exception:  # noqa: BLE001 - an unreachable prefill times the room out by itself
+                return
+            self._send(entry, msg)
+
+        self._fetches.submit(resolve)
+
+    def finished_failed(self, room: int, reason: str) -> None:
+        """The scheduler let go of a failed or aborted room (no transfer reads or writes its KV any more):
+        the peer entry may free its side of it now."""
+        self._calls.put(lambda: self._notify_peer(room, reason))
+
+    def _abort(self, room: int, reason: str) -> None:
+        with self._dst_cond:
+            self._aborted.add(room)
+            self._dst_cond.notify_all()
+        if room not in self._reported:
+            self._notify_peer(room, reason)
+        self._deadlines.pop(room, None)
+
+    def _on_abort(self, room: int, msg: dict[str, Any]) -> None:
+        if self.config.is_entry:
+            self._event(room, "failed", f"the peer server gave up on the request: {msg.get('detail', '')}")
+            with self._dst_cond:  # a prefill entry's own sender drops the room's remaining chunks
+                self._aborted.add(room)
+                self._dst_cond.notify_all()
+
+    def _forget(self, room: int) -> None:
+        for table in (self._deadlines, self._counts, self._expected, self._done, self._peer_entry,
+                      self._room_prefill):
+            table.pop(room, None)
+        self._reported.discard(room)
+        with self._dst_cond:
+            self._dst.pop(room, None)
+            self._aborted.discard(room)
+
+    # --- prefill side ----------------------------------------------------------------------------------------
+    def _on_dst(self, room: int, msg: dict[str, Any]) -> None:
+        if self.config.role != "prefill":
+            return
+        decode_rank = int(msg["decode_rank"])
+        with self._dst_cond:
+            self._dst.setdefault(room, {})[decode_rank] = msg
+            self._dst_cond.notify_all()
+        if self.config.is_entry:
+            self._peer_entry[room] = msg["entry"]
+            decode_tp = 1 + max(int(r["tp_rank"]) for r in msg["decode_ranks"])
+            wanted = self.config.expected_decode_tp
+            if wanted is not None and decode_tp != wanted:
+                self._fail_room(room, f"the decode server has --tp-size {decode_tp}, this prefill server was "
+                                f"started with --disaggregation-decode-tp {wanted}")
+                return
+            seen = self._counts.setdefault(room, set())
+            seen.add(decode_rank)
+            if len(seen) == len(msg["decode_ranks"]) and room not in self._reported:
+                self._counts[room] = set()  # now counts prefill ranks that finished sending
+                self._deadlines.pop(room, None)
+                self._watch(room, self.config.waiting_timeout_s, "the KV transfer to finish")
+                self._event(room, "ready")
+
+    def _on_sent(self, room: int, msg: dict[str, Any]) -> None:
+        if not self.config.is_entry or self.config.role != "prefill":
+            return
+        if not msg.get("ok"):
+            self._fail_room(room, msg.get("detail") or "the KV transfer failed")
+            return
+        seen = self._counts.setdefault(room, set())
+        seen.add(int(msg["rank"]))
+        if len(seen) == len(self.config.world):
+            self._event(room, "sent")
+
+    def _sender_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run_job(job)
+            except Exception:  # noqa: BLE001 - reported as the room's failure below
+                logger.exception("KV sender: room %d failed", job.room)
+                self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": self.config.me.rank,
+                                                   "ok": False, "detail": "the KV sender failed"})
+            finally:
+                with self._dst_cond:
+                    self._pending_jobs[job.room] -= 1
+                    if self._pending_jobs[job.room] <= 0:
+                        del self._pending_jobs[job.room]
+                    self._dst_cond.notify_all()
+
+    def _entry_address(self) -> str:
+        return self._world_control[0]
+
+    def _run_job(self, job: _Job) -> None:
+        me = self.config.me
+        targets = self._wait_targets(job.room)
+        if targets is None:  # aborted or timed out: the entry fails the room (or already did)
+            if job.is_last:
+                self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": me.rank, "ok": False,
+                                                   "detail": "no destination for the KV (aborted or timed out)"})
+            return
+        failure = None
+        try:
+            if random.random() < test_failure_prob():
+                raise TransferError("injected transfer failure (TEST_FAILURE_PROB)")
+            for msg, pieces in targets:
+                dst_layout = KVLayout.from_json(msg["layout"])
+                dst_slots = msg["slots"][job.start: job.start + len(job.slots)]
+                runs: list[tuple[int, int, int]] = []
+                for layers, heads in pieces:
+                    runs += transfer_runs(self.layout, dst_layout, job.slots, dst_slots, layers=layers, heads=heads)
+                if job.is_last and job.aux is not None and msg.get("aux_addr") is not None:
+                    self.aux.write(0, job.aux)
+                    runs.append((self.aux.slot_addr(0), int(msg["aux_addr"]), len(job.aux)))
+                if runs:
+                    self.engine.write(msg["engine"], runs, self.config.transfer_timeout_s)
+        except (TransferError, ValueError) as e:
+            failure = f"KV transfer from prefill rank {me.rank} failed: {e}"
+            logger.warning("room %d: %s", job.room, failure)
+        if failure is None and not job.is_last:
+            return
+        for msg, _ in targets:
+            self._send(msg["status"], {"t": "done", "room": job.room, "rank": me.rank, "ok": failure is None,
+                                       "detail": failure or ""})
+        self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": me.rank, "ok": failure is None,
+                                           "detail": failure or ""})
+        if failure is not None:
+            with self._dst_cond:
+                self._aborted.add(job.room)
+
+    def _wait_targets(self, room: int) -> list[tuple[dict[str, Any], list[tuple[range, range]]]] | None:
+        """The decode ranks this rank writes into for `room` and the (layers, heads) pieces of each, once
+        every one of them sent its destination; None if the room was aborted or the wait timed out."""
+        me = self.config.me
+        deadline = time.monotonic() + self.config.waiting_timeout_s
+        with self._dst_cond:
+            while True:
+                if room in self._aborted:
+                    return None
+                got = self._dst.get(room, {})
+                if got:
+                    decode_world = [RankKV.from_json(r) for r in next(iter(got.values()))["decode_ranks"]]
+                    writer_of_aux = aux_writer(self.config.world)
+                    targets = []
+                    for d in decode_world:
+                        pieces = [(lay, hd) for w, lay, hd in writers_for(d, self.config.world) if w.rank == me.rank]
+                        if pieces or writer_of_aux.rank == me.rank:
+                            targets.append((d.rank, pieces))
+                    if all(rank in got for rank, _ in targets):
+                        return [(got[rank], pieces) for rank, pieces in targets]
+                if time.monotonic() >= deadline:
+                    return None
+                self._dst_cond.wait(0.05)
+
+    # --- decode side ------------------------------------------------------------------------------------------
+    def _bootstrap_decode(self, room: int, bootstrap: Bootstrap) -> None:
+        if not self.config.is_entry:
+            return
+        target = (bootstrap.host, bootstrap.port)
+        self._room_prefill[room] = target
+        self._heartbeat.setdefault(target, (time.monotonic() + self.config.heartbeat_interval_s, 0))
+        self._watch(room, self.config.bootstrap_timeout_s, f"the prefill server's bootstrap at {target[0]}:"
+                    f"{target[1]}")
+
+        def fetch() -> None:
+            try:
+                info = self._prefill_layout(bootstrap)
+                problem = self._incompatibility(info)
+            except Exception as e:  # noqa: BLE001 - reported as the room's failure
+                problem = f"cannot reach the prefill server's bootstrap at {target[0]}:{target[1]}: {e}"
+            self._calls.put(lambda: self._on_bootstrapped(room, problem))
+
+        self._fetches.submit(fetch)
+
+    def _on_bootstrapped(self, room: int, problem: str | None) -> None:
+        if room in self._reported:
+            return
+        if problem is not None:
+            self._fail_room(room, problem)
+            return
+        self._deadlines.pop(room, None)
+        self._event(room, "bootstrapped")
+
+    def _prefill_layout(self, bootstrap: Bootstrap) -> dict[str, Any]:
+        key = (bootstrap.host, bootstrap.port)
+        with self._prefill_info_lock:
+            info = self._prefill_info.get(key)
+        if info is None:
+            info = fetch_parallel_info(bootstrap.host, bootstrap.port, deadline_s=self.config.bootstrap_timeout_s)
+            with self._prefill_info_lock:
+                self._prefill_info[key] = info
+        return info
+
+    def _incompatibility(self, info: dict[str, Any]) -> str | None:
+        """Why this decode server cannot take KV from that prefill server (None if it can)."""
+        ranks = info.get("ranks") or []
+        if not ranks:
+            return "the prefill server's bootstrap lists no ranks"
+        first = ranks[0]
+        if int(first.get("page_size", -1)) != self.config.page_size:
+            return (f"page size mismatch: the prefill server uses --page-size {first.get('page_size')}, this decode "
+                    f"server {self.config.page_size}")
+        if first.get("kv_cache_dtype") != self.config.kv_dtype:
+            return (f"KV cache dtype mismatch: the prefill server stores {first.get('kv_cache_dtype')}, this decode "
+                    f"server {self.config.kv_dtype}")
+        if first.get("transfer_backend") != self.engine.backend:
+            return (f"transfer backend mismatch: the prefill server uses {first.get('transfer_backend')}, this decode "
+                    f"server {self.engine.backend}")
+        prefill_world = [RankKV.from_json(r["rank_kv"]) for r in ranks]
+        try:
+            for d in self.config.world:
+                writers_for(d, prefill_world)
+        except ValueError as e:
+            return f"the prefill server does not hold the KV this decode server needs: {e}"
+        layout = KVLayout.from_json(first["layout"])
+        if layout.head_dim != self.layout.head_dim or layout.itemsize != self.layout.itemsize:
+            return "KV layout mismatch (head dim or element size differ): not the same model"
+        return None
+
+    def _send_dst(self, room: int, bootstrap: Bootstrap, slots: list[int], aux_index: int) -> None:
+        try:
+            info = self._prefill_layout(bootstrap)
+        except Exception as e:  # noqa: BLE001
+            self._report_arrived(room, False, f"cannot reach the prefill server's bootstrap: {e}")
+            return
+        ranks = info["ranks"]
+        prefill_world = [RankKV.from_json(r["rank_kv"]) for r in ranks]
+        control = {int(r["rank_kv"]["rank"]): r["control"] for r in ranks}
+        me = self.config.me
+        writers = {w.rank for w, _, _ in writers_for(me, prefill_world)}
+        writer_of_aux = aux_writer(prefill_world).rank
+        self._expected[room] = writers | {writer_of_aux}
+        self._done[room] = set()
+        prefill_entry = control[min(control)]
+        self._peer_entry[room] = prefill_entry
+        msg = {"t": "dst", "room": room, "decode_rank": me.rank,
+               "decode_ranks": [r.to_json() for r in self.config.world], "engine": self.engine.descriptor(),
+               "layout": self.layout.to_json(), "slots": slots, "status": self.control_address,
+               "entry": self._world_control[0]}
+        for rank in sorted(control):  # every prefill rank, so each knows at once whether it writes anything
+            self._send(control[rank], {**msg, "aux_addr": self.aux.slot_addr(aux_index) if rank == writer_of_aux
+                                       else None})
+        if self.config.is_entry:
+            self._watch(room, self.config.waiting_timeout_s, "the KV transfer from the prefill server")
+        self.engine.expect_incoming(True)
+
+    def _on_done(self, room: int, msg: dict[str, Any]) -> None:
+        if self.config.role != "decode" or room not in self._expected:
+            return
+        if not msg.get("ok"):
+            self._report_arrived(room, False, msg.get("detail") or "the KV transfer failed")
+            return
+        self._done[room].add(int(msg["rank"]))
+        if self._expected[room] <= self._done[room]:
+            self._report_arrived(room, True, "")
+
+    def _report_arrived(self, room: int, ok: bool, detail: str) -> None:
+        self._expected.pop(room, None)
+        if not self._expected:
+            self.engine.expect_incoming(False)
+        self._send(self._world_control[0], {"t": "arrived", "room": room, "rank": self.config.me.rank, "ok": ok,
+                                            "detail": detail})
+
+    def _on_arrived(self, room: int, msg: dict[str, Any]) -> None:
+        if not self.config.is_entry or self.config.role != "decode":
+            return
+        if not msg.get("ok"):
+            self._fail_room(room, msg.get("detail") or "the KV transfer failed")
+            return
+        seen = self._counts.setdefault(room, set())
+        seen.add(int(msg["rank"]))
+        if len(seen) == len(self.config.world):
+            self._event(room, "arrived")
+
+    # --- world addresses -----------------------------------------------------------------------------------------
+    def set_world_control(self, addresses: list[str]) -> None:
+        """The control address of every rank of this server, by rank (exchanged at start-up)."""
+        self._world_control = list(addresses)

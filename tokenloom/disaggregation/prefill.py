@@ -1,0 +1,208 @@
+"""`PrefillDisaggregation`: the prefill server's side of a disaggregated request, inside its `Scheduler`.
+
+Lifecycle of a request with a bootstrap room (others — warm-up, health checks, SGLang's fake host — are
+served as on a unified server):
+- bootstrap queue: admitted to nothing until the decode server has pre-allocated the room's KV and every
+  decode rank told this server where to write it (`TransferEvent` "ready"; the entry fails the room after
+  the bootstrap timeout). Its max_new_tokens is 1: this side computes the prompt and the first token only.
+- waiting queue → normal prefill batching (radix hits, chunking). After each chunk's results, its KV pages
+  go to the agent's sender thread (page-aligned: a partial page waits for the next chunk); after the last
+  chunk, the rest and the metadata slot (first token, its logprobs, cached tokens, room).
+- inflight: the request holds its KV (`Req.kv_hold`: the output processor neither releases nor answers it)
+  until "sent" (every prefill rank wrote its part): the KV goes into the prefix cache, the answer out.
+  "failed" ends it with a 500 and frees the KV once no write reads it any more.
+Every rank of the server runs this over the same messages and events, so all decide alike.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tokenloom.disaggregation.agent import TransferAgent
+from tokenloom.disaggregation.aux_buffer import encode_aux
+from tokenloom.disaggregation.kv_layout import aligned_prefix
+from tokenloom.protocol import TransferEvent
+from tokenloom.scheduler.req import Req
+from tokenloom.scheduler.schedule_batch import ScheduleBatch
+
+if TYPE_CHECKING:
+    from tokenloom.scheduler.scheduler import Scheduler
+
+MAX_EARLY_READY = 100_000  # rooms whose destination arrived before their request (bounded)
+
+
+def first_token_payload(req: Req) -> dict[str, Any]:
+    """What the decode server needs to continue `req` after its prefill: the metadata slot's payload."""
+    payload: dict[str, Any] = {"token": req.output_ids[0], "cached": req.cached_tokens}
+    if req.return_logprob and req.output_token_logprobs:
+        payload["logprob"] = req.output_token_logprobs[0][0]
+        if req.top_logprobs_num and req.output_top_logprobs:
+            payload["top"] = [list(pair) for pair in req.output_top_logprobs[0]]
+        if req.token_ids_logprob is not None and req.output_token_ids_logprobs:
+            payload["ids"] = req.output_token_ids_logprobs[0]
+    return payload
+
+
+class PrefillDisaggregation:
+    def __init__(self, scheduler: Scheduler, agent: TransferAgent) -> None:
+        self.scheduler = scheduler
+        self.agent = agent
+        self.bootstrap_queue: dict[int, Req] = {}
+        self.inflight: dict[int, Req] = {}
+        self.early_ready: dict[int, None] = {}
+        self.early_failed: dict[int, str] = {}  # rooms that failed before their request arrived
+        self.transferred = 0
+        self.failed = 0
+
+    def owns(self, req: Req) -> bool:
+        return req.bootstrap is not None and not req.bootstrap.is_fake
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def add(self, req: Req) -> bool:
+        """Take a validated request with a room into the bootstrap queue (False: serve it as unified)."""
+        if not self.owns(req):
+            return False
+        room = req.bootstrap.room
+        if req.sampling_params.max_new_tokens == 0:
+            req.abort("max_new_tokens 0 (prompt scoring) is not supported on a disaggregated server: send it to a "
+                      "unified one", 400)
+            self.scheduler.output.emit([req])
+            return True
+        if room in self.bootstrap_queue or room in self.inflight or self._in_scheduler(room) is not None:
+            req.abort(f"bootstrap_room {room} is already in use on this prefill server", 400)
+            self.scheduler.output.emit([req])
+            return True
+        if room in self.early_failed:
+            req.abort(self.early_failed.pop(room), 500)
+            self.scheduler.output.emit([req])
+            return True
+        params = req.sampling_params
+        params.max_new_tokens = min(params.max_new_tokens, 1) if params.max_new_tokens else 1
+        params.min_new_tokens = min(params.min_new_tokens, 1)
+        req.kv_hold = True
+        req.pd_sent = 0
+        if room in self.early_ready:  # the decode side was faster than the request
+            del self.early_ready[room]
+            self.scheduler.waiting_queue.append(req)
+        else:
+            self.bootstrap_queue[room] = req
+            self.agent.track_prefill(room)
+        return True
+
+    def _in_scheduler(self, room: int) -> Req | None:
+        s = self.scheduler
+        candidates = [*s.waiting_queue, *s.running, *s.prefilling.values()]
+        if s.chunked_req is not None:
+            candidates.append(s.chunked_req)
+        return next((r for r in candidates if r.bootstrap is not None and r.bootstrap.room == room
+                     and not r.finished), None)
+
+    def on_event(self, event: TransferEvent) -> None:
+        room = event.room
+        if event.kind == "ready":
+            req = self.bootstrap_queue.pop(room, None)
+            if req is not None:
+                self.scheduler.waiting_queue.append(req)
+            elif self._in_scheduler(room) is None and room not in self.inflight:
+                self.early_ready[room] = None
+                while len(self.early_ready) > MAX_EARLY_READY:
+                    self.early_ready.pop(next(iter(self.early_ready)))
+        elif event.kind == "sent":
+            req = self.inflight.pop(room, None)
+            if req is not None:
+                self.transferred += 1
+                self._let_go(req)
+            self.agent.forget(room)
+        elif event.kind == "failed":
+            self.failed += 1
+            self._fail(room, f"KV transfer failed: {event.detail}")
+            self.agent.finished_failed(room, event.detail)
+            self.agent.forget(room)
+
+    def _fail(self, room: int, message: str) -> None:
+        req = self.bootstrap_queue.pop(room, None) or self.inflight.pop(room, None)
+        if req is not None:
+            if not req.finished or req.finished_reason.get("type") != "abort":
+                req.abort(message, 500)
+            self._let_go(req)
+            return
+        req = self._in_scheduler(room)
+        if req is not None:  # waiting, or prefilling: the scheduler finds and frees it
+            self.scheduler.abort_request(req.rid, message, status=500)
+        else:  # its request has not reached this server yet
+            self.early_failed[room] = message
+            while len(self.early_failed) > MAX_EARLY_READY:
+                self.early_failed.pop(next(iter(self.early_failed)))
+
+    def _let_go(self, req: Req) -> None:
+        """The room's writes are over (or never started): release the KV into the cache and answer."""
+        self.agent.wait_chunks(req.bootstrap.room)
+        req.kv_hold = False
+        self.scheduler.output.release(req)
+        self.scheduler.output.emit([req])
+
+    def drop(self, req: Req) -> None:
+        """The scheduler aborts a request of ours that holds KV (client abort, failure): stop its writes,
+        wait for any write still reading its slots, then let the scheduler free them."""
+        room = req.bootstrap.room
+        self.agent.abort(room, req.finished_reason.get("message", "aborted") if req.finished_reason else "aborted")
+        self.agent.wait_chunks(room)
+        req.kv_hold = False
+
+    def abort(self, rid: str, message: str) -> bool:
+        """Abort `rid` if it waits in the bootstrap queue or in flight here (False: not ours)."""
+        for table in (self.bootstrap_queue, self.inflight):
+            for room, req in list(table.items()):
+                if req.rid == rid:
+                    del table[room]
+                    req.abort(message)
+                    self.agent.abort(room, message)
+                    self._let_go(req)
+                    self.agent.forget(room)
+                    return True
+        return False
+
+    # --- after a prefill batch's results --------------------------------------------------------------------
+    def after_extend(self, batch: ScheduleBatch) -> None:
+        """Queue the KV each request of `batch` completed (its chunk) for the decode side."""
+        page = self.scheduler.args.page_size
+        r2t = self.scheduler.req_to_token_pool.req_to_token
+        seq_lens = batch.seq_lens.tolist()
+        for req, upto in zip(batch.reqs, seq_lens, strict=True):
+            if not req.kv_hold or req.req_pool_idx is None:
+                continue
+            room = req.bootstrap.room
+            if req.finished and req.finished_reason.get("type") == "abort":
+                continue  # the abort path frees it
+            last = bool(req.output_ids)
+            end = upto if last else aligned_prefix(upto, page)
+            if end > req.pd_sent or last:
+                slots = r2t[req.req_pool_idx, req.pd_sent:end].tolist()
+                aux = encode_aux(room, first_token_payload(req)) if last else None
+                self.agent.send_chunk(room, req.pd_sent, slots, last, aux)
+                req.pd_sent = end
+            if last:
+                self.inflight[room] = req
+
+    def before_repoint(self, req: Req) -> None:
+        """Before the scheduler re-points `req`'s row at cached slots (freeing duplicates), its queued writes
+        must be done reading them."""
+        if req.kv_hold:
+            self.agent.wait_chunks(req.bootstrap.room)
+
+    # --- hooks the decode side uses -----------------------------------------------------------------------------
+    def before_schedule(self, lane: Any) -> None:
+        """Nothing to plan here: ready requests join the waiting queue when their event arrives."""
+
+    def retracts_to_host(self, req: Req) -> bool:
+        """A prefill server retracts by recomputing, as a unified one (its requests never decode)."""
+        return False
+
+    # --- state ------------------------------------------------------------------------------------------------
+    def is_idle(self) -> bool:
+        return not self.bootstrap_queue and not self.inflight
+
+    def info(self) -> dict[str, Any]:
+        return {"disaggregation_mode": "prefill", "num_bootstrap_reqs": len(self.bootstrap_queue),
+                "num_inflight_transfer_reqs": len(self.inflight), "num_transferred_reqs": self.transferred,
+                "num_failed_transfer_reqs": self.failed}
