@@ -6,7 +6,7 @@ Why submit + poll rather than `batch_transfer_sync_write` (docs/pd_transfer_rese
 - each run is one `transfer_submit_write` batch: `transfer_check_status` reads a batch's first entry only, and
   this was also the fastest path over TCP (the sync call spins a core and was slower);
 - the TCP transport rejects transfers beyond ~1024 queued per peer, so at most `WINDOW` runs per peer are in
-  flight, counted across all threads and engines' writes through a per-peer semaphore;
+  flight, counted across this engine's writing threads by a per-peer semaphore;
 - Mooncake's own timeouts are 30 s (not configurable per call) and the first contact with a frozen peer blocks
   ~60 s inside the handshake, so `timeout_s` is enforced here: the first contact runs in a helper thread the
   caller stops waiting for, and polling stops at the deadline.

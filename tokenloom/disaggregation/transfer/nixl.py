@@ -148,6 +148,8 @@ class NixlEngine:
         try:
             self._post(name, arr, handles, deadline)
             self._wait(name, handles, deadline)
+            for h in handles:
+                h.release()
         except TransferError:
             self._give_up(handles)
             self._forget(peer, name)
@@ -160,8 +162,6 @@ class NixlEngine:
         except BaseException:
             self._give_up(handles)
             raise
-        for h in handles:
-            h.release()
 
     def _remote(self, peer: str) -> str:
         with self._remotes_lock:
@@ -244,14 +244,11 @@ class NixlEngine:
                 except Exception as e:  # closing is best effort
                     logger.warning("NIXL remove_remote_agent(%s) failed at close: %s", name, e)
             self._remotes.clear()
-        self._give_up(self._stuck_and_clear())
+        stuck, self._stuck = self._stuck, []
+        self._give_up(stuck)
         for reg in self._regs:
             try:
                 self._agent.deregister_memory(reg)
             except Exception as e:
                 logger.warning("NIXL deregister_memory failed at close: %s", e)
         self._regs.clear()
-
-    def _stuck_and_clear(self) -> list[Any]:
-        stuck, self._stuck = self._stuck, []
-        return stuck

@@ -1,0 +1,154 @@
+"""Prefill/decode disaggregation end to end: a tokenloom prefill server and a tokenloom decode server behind
+SGLang's own router (`sglang_router.launch_router --pd-disaggregation`), real processes, a real transfer
+engine. Greedy answers through the router equal the unified server's (tiny fp32 model, chunked prefill at 64
+tokens so long prompts stream their KV in chunks), for /generate (batch, logprobs with prompt logprobs,
+streaming) and the OpenAI chat route; both servers' pools are full afterwards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.e2e.conftest import TINY_FLAGS
+from tests.e2e.server_process import REPO, ServerProcess, free_port, http
+
+PROMPTS = ["The capital city of France is", "1, 2, 3, 4, 5,", "Once upon a time " * 12, "def fibonacci(n):"]
+GREEDY = {"sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+
+
+class Router:
+    """SGLang's router in PD mode in front of one prefill and one decode server."""
+
+    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess, mini_lb: bool = False
+                 ) -> None:
+        """`mini_lb`: the router's Python load balancer (`--mini-lb`), which also takes /generate batches."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-router-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+             "--port", str(self.port), "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+             "--policy", "random" if mini_lb else "round_robin", "--prometheus-port", str(free_port()),
+             *(["--mini-lb"] if mini_lb else [])],
+            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60) -> Router:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise AssertionError(f"the router exited: {self.log.read()[-3000:]}")
+            try:
+                if http("POST", self.url + "/generate", {"text": "hi", **GREEDY}, timeout=30)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the router did not serve a request")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_pair(model: str, backend: str, *extra: str) -> tuple[ServerProcess, ServerProcess, int]:
+    bootstrap = free_port()
+    prefill = ServerProcess("--model-path", model, *TINY_FLAGS, "--disaggregation-mode", "prefill",
+                            "--disaggregation-bootstrap-port", str(bootstrap),
+                            "--disaggregation-transfer-backend", backend, *extra)
+    decode = ServerProcess("--model-path", model, *TINY_FLAGS, "--disaggregation-mode", "decode",
+                           "--disaggregation-transfer-backend", backend, *extra)
+    prefill.wait_healthy()
+    decode.wait_healthy()
+    return prefill, decode, bootstrap
+
+
+def _stream_text(url: str, body: dict) -> str:
+    request = urllib.request.Request(url + "/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    text = ""
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                text = json.loads(line[5:])["text"]
+    return text
+
+
+def _chat(url: str) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=10, temperature=0).choices[0].message.content
+
+
+def _assert_idle_and_full(server: ServerProcess) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        info = server.server_info()
+        queues = [info.get(k, 0) for k in ("num_running_reqs", "num_waiting_reqs", "num_bootstrap_reqs",
+                                           "num_inflight_transfer_reqs", "num_prealloc_queue_reqs",
+                                           "num_transfer_queue_reqs", "num_decode_retracted_reqs")]
+        if not any(queues):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"], info
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_router_pd_pair_matches_the_unified_server(backend, tiny_server, tiny_runtime_model):
+    prefill, decode, bootstrap = start_pair(tiny_runtime_model, backend)
+    routers = []
+    try:
+        router = Router(prefill, bootstrap, decode).wait_ready()
+        routers.append(router)
+        mini = Router(prefill, bootstrap, decode, mini_lb=True).wait_ready()
+        routers.append(mini)
+        logprobs = {**GREEDY, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+        status, want = http("POST", tiny_server.url + "/generate", {"text": PROMPTS, **logprobs})
+        assert status == 200, want
+        got = []
+        for text in PROMPTS:  # the Rust router takes one prompt per /generate
+            status, out = http("POST", router.url + "/generate", {"text": text, **logprobs}, timeout=120)
+            assert status == 200, out
+            got.append(out)
+        status, got_batch = http("POST", mini.url + "/generate", {"text": PROMPTS, **logprobs}, timeout=120)
+        assert status == 200, got_batch
+        # (the mini-lb merges the prefill's prompt logprobs into single answers only, not into a batch's)
+        for g, w in [*zip(got, want, strict=True), *zip(got_batch, want, strict=True)]:
+            assert g["text"] == w["text"]
+            assert [t for _, t, *_ in g["meta_info"]["output_token_logprobs"]] == \
+                [t for _, t, *_ in w["meta_info"]["output_token_logprobs"]]
+            for (lg, _, *_), (lw, _, *_) in zip(g["meta_info"]["output_token_logprobs"],
+                                                w["meta_info"]["output_token_logprobs"], strict=True):
+                assert lg == pytest.approx(lw, abs=1e-3)
+            if g in got:
+                assert [t for _, t, *_ in g["meta_info"]["input_token_logprobs"]] == \
+                    [t for _, t, *_ in w["meta_info"]["input_token_logprobs"]]
+                assert [lp for lp, *_ in g["meta_info"]["input_token_logprobs"][1:]] == pytest.approx(
+                    [lp for lp, *_ in w["meta_info"]["input_token_logprobs"][1:]], abs=1e-3)
+            assert g["meta_info"]["completion_tokens"] == w["meta_info"]["completion_tokens"]
+        single = {"text": PROMPTS[2], **GREEDY}
+        assert _stream_text(router.url, single) == _stream_text(tiny_server.url, single)
+        assert _chat(router.url) == _chat(tiny_server.url)
+        _assert_idle_and_full(prefill)
+        _assert_idle_and_full(decode)
+        # a request that bypasses the router: a clear 400, and both servers keep serving
+        status, body = http("POST", decode.url + "/generate", {"text": "hi", **GREEDY})
+        assert status == 400 and "bootstrap_room" in json.dumps(body), body
+        assert http("POST", router.url + "/generate", {"text": "hi", **GREEDY})[0] == 200
+    finally:
+        for r in routers:
+            r.stop()
+        for server in (prefill, decode):
+            server.stop()
