@@ -1,0 +1,92 @@
+"""Prefill and decode servers of different pipeline and tensor parallel shapes, paired through SGLang's router:
+KV is paired by layer over the intersection of the stages' layer ranges and sliced by heads across TP sizes,
+so every shape must give the unified server's greedy answers. Model: a 6-layer tiny Llama with a large init
+(its tokens depend on the whole context, so a layer or head that arrived wrong changes them); PP=3 splits it
+2/2/2 and PP=2 3/3, so a PP=3 → PP=2 decode stage takes layers from two prefill stages.
+
+Servers: prefill PP=2, PP=3 and TP=2; decode PP=1 (a small pool with a small decode reservation, so
+concurrent requests retract to host memory and resume) and PP=2. Pairs (one router each): PP2 → PP1, PP2 →
+PP2, PP3 → PP2, TP2 → TP1, TP2/PP1 → PP2. Each pair takes concurrent requests (chunked long prompts, a
+shared prefix for radix hits on the prefill side, one streamed)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.e2e.conftest import TINY_FLAGS
+from tests.e2e.server_process import ServerProcess, free_port, http
+from tests.e2e.test_disaggregation import Router, _assert_idle_and_full, _stream_text
+
+SHARED = "In a village by the sea there lived an old fisherman who every morning "
+PROMPTS = [SHARED + "went out", SHARED * 3 + "came back", "1 2 3 4 5 6 7 8 9 10 11 12", "The capital of France",
+           SHARED + "sang"]
+GREEDY = {"sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}
+SMALL_DECODE = ("--max-total-tokens", "128", "--num-reserved-decode-tokens", "4")
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory) -> str:
+    from tests.model_factory import make_tiny_with_smollm2_tokenizer
+
+    return make_tiny_with_smollm2_tokenizer(str(tmp_path_factory.mktemp("deep")), num_hidden_layers=6,
+                                            initializer_range=0.3)
+
+
+def _answers(url: str) -> list[str]:
+    results: list[str | None] = [None] * len(PROMPTS)
+
+    def ask(i: int) -> None:
+        status, out = http("POST", url + "/generate", {"text": PROMPTS[i], **GREEDY}, timeout=300)
+        results[i] = out["text"] if status == 200 else f"HTTP {status}: {out}"
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_every_pp_and_tp_shape_pair_matches_the_unified_server(deep_model):
+    started: list[ServerProcess] = []
+    routers: list[Router] = []
+
+    def serve(*flags: str) -> ServerProcess:
+        server = ServerProcess("--model-path", deep_model, *TINY_FLAGS, *flags)
+        started.append(server)
+        return server
+
+    def prefill(*flags: str) -> tuple[ServerProcess, int]:
+        port = free_port()
+        return serve("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port), *flags), port
+
+    try:
+        unified = serve()
+        p_pp2, b_pp2 = prefill("--pp-size", "2")
+        p_pp3, b_pp3 = prefill("--pp-size", "3")
+        p_tp2, b_tp2 = prefill("--tp-size", "2")
+        d_pp1 = serve("--disaggregation-mode", "decode", *SMALL_DECODE)
+        d_pp2 = serve("--disaggregation-mode", "decode", "--pp-size", "2")
+        for server in started:
+            server.wait_healthy()
+        want = [http("POST", unified.url + "/generate", {"text": p, **GREEDY})[1]["text"] for p in PROMPTS]
+        pairs = {"PP2 -> PP1": (p_pp2, b_pp2, d_pp1), "PP2 -> PP2": (p_pp2, b_pp2, d_pp2),
+                 "PP3 -> PP2": (p_pp3, b_pp3, d_pp2), "TP2 -> TP1": (p_tp2, b_tp2, d_pp1),
+                 "TP2/PP1 -> PP2": (p_tp2, b_tp2, d_pp2)}
+        for shape, (p, port, d) in pairs.items():
+            router = Router(p, port, d).wait_ready()
+            routers.append(router)
+            assert _answers(router.url) == want, shape
+            assert _stream_text(router.url, {"text": PROMPTS[1], **GREEDY}) == want[1], shape
+        info = d_pp1.server_info()
+        assert info["num_offloaded_reqs"] > 0, info  # the small decode pool retracted to host memory and resumed
+        for server in started[1:]:
+            _assert_idle_and_full(server)
+        assert p_pp2.server_info()["num_transferred_reqs"] == 2 * (len(PROMPTS) + 2)  # warm-ups are local
+    finally:
+        for router in routers:
+            router.stop()
+        for server in started:
+            server.stop()
