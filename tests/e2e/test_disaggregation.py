@@ -7,9 +7,12 @@ streaming) and the OpenAI chat route; both servers' pools are full afterwards.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -26,9 +29,10 @@ GREEDY = {"sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eo
 class Router:
     """SGLang's router in PD mode in front of one prefill and one decode server."""
 
-    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess, mini_lb: bool = False
-                 ) -> None:
-        """`mini_lb`: the router's Python load balancer (`--mini-lb`), which also takes /generate batches."""
+    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess, mini_lb: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
+        """`mini_lb`: the router's Python load balancer (`--mini-lb`), which also takes /generate batches;
+        `extra`: more router flags."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-router-", suffix=".log", delete=False)  # noqa: SIM115
@@ -36,7 +40,7 @@ class Router:
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
              "--port", str(self.port), "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
              "--policy", "random" if mini_lb else "round_robin", "--prometheus-port", str(free_port()),
-             *(["--mini-lb"] if mini_lb else [])],
+             *(["--mini-lb"] if mini_lb else []), *extra],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60) -> Router:
@@ -105,9 +109,9 @@ def _assert_idle_and_full(server: ServerProcess) -> None:
     assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"], info
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_router_pd_pair_matches_the_unified_server(backend, tiny_server, tiny_runtime_model):
-    prefill, decode, bootstrap = start_pair(tiny_runtime_model, backend)
+def test_router_pd_pair_matches_the_unified_server(tiny_server, tiny_runtime_model):
+    """Mooncake; NIXL's answers are compared in the injected-failures test below."""
+    prefill, decode, bootstrap = start_pair(tiny_runtime_model, "mooncake")
     routers = []
     try:
         router = Router(prefill, bootstrap, decode).wait_ready()
@@ -147,6 +151,132 @@ def test_router_pd_pair_matches_the_unified_server(backend, tiny_server, tiny_ru
         status, body = http("POST", decode.url + "/generate", {"text": "hi", **GREEDY})
         assert status == 400 and "bootstrap_room" in json.dumps(body), body
         assert http("POST", router.url + "/generate", {"text": "hi", **GREEDY})[0] == 200
+    finally:
+        for r in routers:
+            r.stop()
+        for server in (prefill, decode):
+            server.stop()
+
+
+def _start_stream(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """A streamed /generate on its own thread; the dict gets "chunks" (texts seen), "error" (an abort or an
+    exception) and "completed" (a finish reason or [DONE] arrived: the stream ended normally)."""
+    result: dict = {"chunks": [], "completed": False}
+
+    def run() -> None:
+        request = urllib.request.Request(url + "/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                for line in resp:
+                    line = line.decode().strip()
+                    if line == "data: [DONE]":
+                        result["completed"] = True
+                    elif line.startswith("data:"):
+                        chunk = json.loads(line[5:])
+                        result["chunks"].append(chunk)
+                        finish = (chunk.get("meta_info") or {}).get("finish_reason") or {}
+                        result["completed"] |= bool(finish) and finish.get("type") != "abort"
+                        if "error" in chunk or finish.get("type") == "abort":
+                            result["error"] = chunk.get("error") or finish
+                    elif line.startswith("{"):
+                        result["error"] = line
+        except Exception as e:  # noqa: BLE001 - a broken stream is the expected outcome here
+            result["error"] = repr(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def _wait(predicate, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_injected_transfer_failures_end_requests_and_the_servers_stay_healthy(tiny_server, tiny_runtime_model,
+                                                                             monkeypatch):
+    """NIXL. Half the transfers fail (SGLang's DISAGGREGATION_TEST_FAILURE_PROB hook on the prefill server): each
+    such request ends with a 5xx naming the transfer, the others equal the unified server, both servers stay
+    healthy with full pools."""
+    bootstrap = free_port()
+    monkeypatch.setenv("TOKENLOOM_DISAGGREGATION_TEST_FAILURE_PROB", "0.5")
+    backend = ("--disaggregation-transfer-backend", "nixl")
+    prefill = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--disaggregation-mode", "prefill",
+                            "--disaggregation-bootstrap-port", str(bootstrap), *backend)
+    monkeypatch.delenv("TOKENLOOM_DISAGGREGATION_TEST_FAILURE_PROB")
+    decode = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--disaggregation-mode", "decode",
+                           *backend)
+    router = None
+    try:
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        router = Router(prefill, bootstrap, decode, extra=("--disable-retries",))  # it retries failures otherwise
+        texts = [f"Request number {i} asks" for i in range(11)] + ["Once upon a time " * 12]  # chunked
+        want = http("POST", tiny_server.url + "/generate", {"text": texts, **GREEDY})[1]
+        outcomes = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the router may still be finding its workers
+            try:
+                outcomes = [http("POST", router.url + "/generate", {"text": t, **GREEDY}, timeout=60) for t in texts]
+                break
+            except OSError:
+                time.sleep(0.3)
+        failed = [(s, body) for s, body in outcomes if s != 200]
+        assert 0 < len(failed) < len(texts), outcomes
+        assert all(s >= 500 and "transfer" in json.dumps(body).lower() for s, body in failed), failed
+        for (status, body), w in zip(outcomes, want, strict=True):
+            if status == 200:
+                assert body["text"] == w["text"]
+        assert http("GET", prefill.url + "/health")[0] == 200 and http("GET", decode.url + "/health")[0] == 200
+        assert prefill.server_info()["num_failed_transfer_reqs"] >= len(failed)
+        _assert_idle_and_full(prefill)
+        _assert_idle_and_full(decode)
+    finally:
+        if router is not None:
+            router.stop()
+        for server in (prefill, decode):
+            server.stop()
+
+
+def test_a_killed_prefill_then_a_killed_decode_end_their_requests(tiny_runtime_model, monkeypatch):
+    """The prefill server is killed while a long prompt's KV streams (many 64-token chunks): the decode server
+    notices within its heartbeat bound, the client gets an error naming the prefill server, the decode pool
+    is full and it serves on. With a new prefill server, the decode server is then killed mid-stream: the
+    client's stream breaks, and the prefill server ends idle with a full pool."""
+    monkeypatch.setenv("TOKENLOOM_DISAGGREGATION_HEARTBEAT_INTERVAL", "0.5")
+    prefill, decode, bootstrap = start_pair(tiny_runtime_model, "mooncake")
+    monkeypatch.delenv("TOKENLOOM_DISAGGREGATION_HEARTBEAT_INTERVAL")
+    routers = []
+    try:
+        routers.append(Router(prefill, bootstrap, decode).wait_ready())
+        scheduler = prefill.server_info()["process_ids"]["scheduler"]
+        thread, result = _start_stream(routers[-1].url, {"text": "word " * 7000, **GREEDY})
+        _wait(lambda: decode.server_info().get("num_transfer_queue_reqs", 0) > 0, "the KV transfer did not start",
+              timeout=60)
+        os.kill(scheduler, signal.SIGSTOP)  # freeze it mid-transfer (110 chunks), then kill the whole server
+        assert decode.server_info()["num_transfer_queue_reqs"] == 1, "the transfer finished before the kill"
+        os.kill(scheduler, signal.SIGKILL)
+        prefill.stop(signal.SIGKILL)
+        thread.join(timeout=60)
+        assert not thread.is_alive() and "error" in result, result
+        assert "prefill server" in json.dumps(result["error"]), result  # the heartbeat named the lost prefill
+        _assert_idle_and_full(decode)
+        bootstrap = free_port()
+        prefill = ServerProcess("--model-path", tiny_runtime_model, *TINY_FLAGS, "--disaggregation-mode", "prefill",
+                                "--disaggregation-bootstrap-port", str(bootstrap)).wait_healthy()
+        routers.append(Router(prefill, bootstrap, decode).wait_ready())
+        thread, result = _start_stream(routers[-1].url, {"text": "Tell me a story",
+                                                         "sampling_params": {"max_new_tokens": 4000,
+                                                                             "ignore_eos": True}})
+        _wait(lambda: len(result["chunks"]) > 3, "the stream did not start")
+        decode.stop(signal.SIGKILL)
+        thread.join(timeout=60)
+        assert not thread.is_alive() and not result["completed"], result  # the client's stream broke off
+        _assert_idle_and_full(prefill)
+        assert http("GET", prefill.url + "/health")[0] == 200
     finally:
         for r in routers:
             r.stop()
