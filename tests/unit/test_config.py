@@ -192,6 +192,11 @@ def test_tensor_parallel_size_flags(flags):
     (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr host:port"),
     (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
     (["--tp-size", "3", "--nnodes", "2"], r"--tp-size x --pp-size \(3\) must be divisible by --nnodes \(2\)"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-decode-dp", "2"],
+     "--disaggregation-decode-dp 2: only 1 is implemented"),
+    (["--disaggregation-mode", "decode", "--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:5000"],
+     "--disaggregation-mode with --nnodes > 1 is not implemented"),
+    (["--disaggregation-bootstrap-port", "0"], "--disaggregation-bootstrap-port must be in"),
 ])
 def test_unimplemented_topologies_are_refused_with_the_reason(flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -339,6 +344,13 @@ EFFECT_TESTS = {
     "port": "tests/e2e/test_launch_cli.py",
     "api_key": "tests/unit/test_http_asgi.py",
     "enable_metrics": "tests/unit/test_http_asgi.py",
+    "disaggregation_mode": "tests/e2e/test_disaggregation.py",
+    "disaggregation_bootstrap_port": "tests/e2e/test_disaggregation.py",
+    "disaggregation_transfer_backend": "tests/e2e/test_disaggregation.py",
+    "disaggregation_decode_tp": "tests/unit/test_pd_scheduling.py",
+    "disaggregation_decode_dp": "tests/unit/test_config.py",
+    "disaggregation_decode_polling_interval": "tests/unit/test_pd_scheduling.py",
+    "num_reserved_decode_tokens": "tests/unit/test_pd_scheduling.py",
 }
 
 

@@ -187,3 +187,26 @@ def test_fake_bootstrap_host_is_served_locally_on_both_sides(pair_factory):
     for h in (pair.prefill_h, pair.decode_h):
         assert h.results["warm"].output_ids == reference(prompt(9, 7), 5)
         h.scheduler.check_idle_integrity()
+
+
+def test_a_decode_server_of_another_tp_size_than_disaggregation_decode_tp_is_refused(pair_factory):
+    pair = pair_factory(expected_decode_tp=2)  # the prefill server's --disaggregation-decode-tp 2; decode has TP 1
+    pair.submit("x", prompt(8, 10), dict(GREEDY, max_new_tokens=4))
+    results = pair.run(["x"])
+    assert "--disaggregation-decode-tp 2" in results["x"].finish_reason["message"], results["x"].finish_reason
+
+
+def test_disaggregation_decode_polling_interval_polls_the_queues_less_often(pair_factory):
+    polls = {}
+    for interval in (1, 4):
+        pair = pair_factory(decode_args={"disaggregation_decode_polling_interval": interval})
+        pair.submit("long", prompt(30, 10), dict(GREEDY, max_new_tokens=60))
+        pair.run(["long"])
+        for i in range(3):
+            pair.submit(f"r{i}", prompt(31 + i, 8), dict(GREEDY, max_new_tokens=20))
+        pair.submit("long2", prompt(40, 10), dict(GREEDY, max_new_tokens=60))
+        results = pair.run()
+        for rid, ids in [("r0", prompt(31, 8)), ("r1", prompt(32, 8)), ("r2", prompt(33, 8))]:
+            assert results[rid].output_ids == reference(ids, 20)
+        polls[interval] = pair.decode.side.queue_polls
+    assert polls[4] < polls[1] / 2, polls

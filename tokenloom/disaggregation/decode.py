@@ -50,6 +50,7 @@ class DecodeDisaggregation:
         self.failed = 0
         self.offloaded = 0
         self._polls = 0
+        self.queue_polls = 0  # how often the queues were looked at
 
     def owns(self, req: Req) -> bool:
         return req.bootstrap is not None and not req.bootstrap.is_fake
@@ -163,6 +164,7 @@ class DecodeDisaggregation:
         interval = self.scheduler.args.disaggregation_decode_polling_interval
         if self._polls % interval and self.scheduler.running:
             return
+        self.queue_polls += 1
         self._resume()
         if not self.retracted:
             self._preallocate()
@@ -296,4 +298,5 @@ class DecodeDisaggregation:
         return {"disaggregation_mode": "decode", "num_prealloc_queue_reqs": len(self.prealloc),
                 "num_transfer_queue_reqs": len(self.transfer), "num_decode_retracted_reqs": len(self.retracted),
                 "num_received_reqs": self.received, "num_failed_transfer_reqs": self.failed,
-                "num_offloaded_reqs": self.offloaded, "free_aux_slots": self.aux.available()}
+                "num_offloaded_reqs": self.offloaded, "free_aux_slots": self.aux.available(),
+                "num_queue_polls": self.queue_polls}
