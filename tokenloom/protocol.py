@@ -46,6 +46,7 @@ class TransferEvent:
     room: int
     kind: str
     detail: str = ""
+    data: Any = None  # "bootstrapped": the prefill server's layout (its bootstrap answer), the same for every rank
 
 
 @dataclass

@@ -47,11 +47,18 @@ import zmq
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import check_health, fetch_parallel_info
 from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs
+from tokenloom.disaggregation.kv_poll import KVPoll, RoomPoll
 from tokenloom.disaggregation.pairing import RankKV, aux_writer, writers_for
 from tokenloom.disaggregation.transfer.base import TransferEngine, TransferError
 from tokenloom.protocol import Bootstrap, TransferEvent
 
 logger = logging.getLogger(__name__)
+
+
+# How old a prefill server's layout may be: for a new room (a burst of rooms shares one lookup, and a restarted
+# prefill server is found by the next room), and for telling a prefill entry about an abort.
+PREFILL_INFO_FRESH_S = 1.0
+PREFILL_INFO_TTL_S = 30.0
 
 
 def env_float(name: str, default: float) -> float:
@@ -119,7 +126,9 @@ class TransferAgent:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._fetches = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenloom-pd-fetch")
-        self._prefill_info: dict[tuple[str, int], dict[str, Any]] = {}  # (host, port) -> GET /route answer
+        # (host, port) -> (when fetched, GET /route answer); dropped when that prefill server fails a heartbeat or a
+        # room, and refetched after PREFILL_INFO_TTL_S, so a restarted prefill server is found again
+        self._prefill_info: dict[tuple[str, int], tuple[float, dict[str, Any]]] = {}
         self._prefill_info_lock = threading.Lock()
         self._events = None
         if config.is_entry:
@@ -128,7 +137,9 @@ class TransferAgent:
         # --- room state, control thread only (the sender thread reads `_dst` under `_dst_cond`) ---
         self._deadlines: dict[int, tuple[float, str]] = {}  # entry: room -> (deadline, what it waits for)
         self._reported: set[int] = set()  # entry: rooms whose final event went out
-        self._counts: dict[int, set[int]] = {}  # entry: room -> ranks that reported (dst / sent / arrived)
+        # entry: room -> the room's KVPoll on each rank that reports to it (prefill: the decode ranks' "dst", then
+        # this server's ranks' "sent"; decode: this server's ranks' "arrived"); the room moves on when all agree
+        self._polls: dict[tuple[int, str], RoomPoll] = {}
         self._expected: dict[int, set[int]] = {}  # decode: room -> prefill ranks that must say "done"
         self._done: dict[int, set[int]] = {}  # decode: room -> prefill ranks that said "done"
         self._peer_entry: dict[int, str] = {}  # room -> the peer server's entry control address
@@ -182,10 +193,10 @@ class TransferAgent:
         "bootstrapped" (or "failed": unreachable, incompatible)."""
         self._calls.put(lambda: self._bootstrap_decode(room, bootstrap))
 
-    def send_metadata(self, room: int, bootstrap: Bootstrap, slots: list[int], aux_index: int) -> None:
+    def send_metadata(self, room: int, prefill_info: dict[str, Any], slots: list[int], aux_index: int) -> None:
         """Decode: the room's KV was pre-allocated at `slots` (this rank's pool) and its metadata slot at
-        `aux_index`; tell the prefill ranks where to write."""
-        self._calls.put(lambda: self._send_dst(room, bootstrap, slots, aux_index))
+        `aux_index`; tell the prefill ranks (`prefill_info`: the "bootstrapped" event's layout) where to write."""
+        self._calls.put(lambda: self._send_dst(room, prefill_info, slots, aux_index))
 
     def abort(self, room: int, reason: str) -> None:
         """Either side: the scheduler gave up on the room (client abort, failure): drop its remaining work and
@@ -296,9 +307,13 @@ class TransferAgent:
             for room in rooms:
                 self._fail_room(room, f"the prefill server at {target[0]}:{target[1]} stopped responding")
             del self._heartbeat[target]
+            self._forget_prefill(target)
 
     def _fail_room(self, room: int, reason: str) -> None:
         """Entry: the room failed on this side; tell the peer entry and the scheduler."""
+        target = self._room_prefill.get(room)
+        if target is not None:  # its layout is looked up again next time (the prefill server may have restarted)
+            self._forget_prefill(target)
         self._notify_peer(room, reason)
         self._event(room, "failed", reason)
 
@@ -347,7 +362,9 @@ class TransferAgent:
                 self._dst_cond.notify_all()
 
     def _forget(self, room: int) -> None:
-        for table in (self._deadlines, self._counts, self._expected, self._done, self._peer_entry,
+        for phase in ("dst", "sent", "arrived"):
+            self._polls.pop((room, phase), None)
+        for table in (self._deadlines, self._expected, self._done, self._peer_entry,
                       self._room_prefill):
             table.pop(room, None)
         self._reported.discard(room)
@@ -371,10 +388,10 @@ class TransferAgent:
                 self._fail_room(room, f"the decode server has --tp-size {decode_tp}, this prefill server was "
                                 f"started with --disaggregation-decode-tp {wanted}")
                 return
-            seen = self._counts.setdefault(room, set())
-            seen.add(decode_rank)
-            if len(seen) == len(msg["decode_ranks"]) and room not in self._reported:
-                self._counts[room] = set()  # now counts prefill ranks that finished sending
+            poll = self._polls.setdefault((room, "dst"), RoomPoll(len(msg["decode_ranks"])))
+            before = poll.state()
+            if poll.report(decode_rank, KVPoll.WaitingForInput) is KVPoll.WaitingForInput and \
+                    before is KVPoll.Bootstrapping and room not in self._reported:
                 self._deadlines.pop(room, None)
                 self._watch(room, self.config.waiting_timeout_s, "the KV transfer to finish")
                 self._event(room, "ready")
@@ -382,13 +399,18 @@ class TransferAgent:
     def _on_sent(self, room: int, msg: dict[str, Any]) -> None:
         if not self.config.is_entry or self.config.role != "prefill":
             return
-        if not msg.get("ok"):
-            self._fail_room(room, msg.get("detail") or "the KV transfer failed")
-            return
-        seen = self._counts.setdefault(room, set())
-        seen.add(int(msg["rank"]))
-        if len(seen) == len(self.config.world):
-            self._event(room, "sent")
+        self._conclude(room, "sent", msg)
+
+    def _conclude(self, room: int, phase: str, msg: dict[str, Any]) -> None:
+        """Entry: a rank of this server finished its part of the room (`phase` "sent" or "arrived"); the room
+        succeeds once every rank did, fails as soon as one failed."""
+        poll = self._polls.setdefault((room, phase), RoomPoll(len(self.config.world)))
+        ok = bool(msg.get("ok"))
+        state = poll.report(int(msg["rank"]), KVPoll.Success if ok else KVPoll.Failed, msg.get("detail") or "")
+        if state is KVPoll.Failed:
+            self._fail_room(room, poll.detail or "the KV transfer failed")
+        elif state is KVPoll.Success:
+            self._event(room, phase)
 
     def _sender_loop(self) -> None:
         while True:
@@ -483,33 +505,40 @@ class TransferAgent:
                     f"{target[1]}")
 
         def fetch() -> None:
+            info = None
             try:
-                info = self._prefill_layout(bootstrap)
+                info = self._prefill_layout(bootstrap, PREFILL_INFO_FRESH_S)
                 problem = self._incompatibility(info)
             except Exception as e:  # noqa: BLE001 - reported as the room's failure
                 problem = f"cannot reach the prefill server's bootstrap at {target[0]}:{target[1]}: {e}"
-            self._calls.put(lambda: self._on_bootstrapped(room, problem))
+            self._calls.put(lambda: self._on_bootstrapped(room, problem, info))
 
         self._fetches.submit(fetch)
 
-    def _on_bootstrapped(self, room: int, problem: str | None) -> None:
+    def _on_bootstrapped(self, room: int, problem: str | None, info: dict[str, Any] | None) -> None:
         if room in self._reported:
             return
         if problem is not None:
             self._fail_room(room, problem)
             return
         self._deadlines.pop(room, None)
-        self._event(room, "bootstrapped")
+        assert self._events is not None
+        self._events.send_pyobj(TransferEvent(room, "bootstrapped", data=info))
 
-    def _prefill_layout(self, bootstrap: Bootstrap) -> dict[str, Any]:
+    def _prefill_layout(self, bootstrap: Bootstrap, max_age_s: float = PREFILL_INFO_TTL_S) -> dict[str, Any]:
         key = (bootstrap.host, bootstrap.port)
         with self._prefill_info_lock:
-            info = self._prefill_info.get(key)
-        if info is None:
-            info = fetch_parallel_info(bootstrap.host, bootstrap.port, deadline_s=self.config.bootstrap_timeout_s)
-            with self._prefill_info_lock:
-                self._prefill_info[key] = info
+            cached = self._prefill_info.get(key)
+        if cached is not None and time.monotonic() - cached[0] < max_age_s:
+            return cached[1]
+        info = fetch_parallel_info(bootstrap.host, bootstrap.port, deadline_s=self.config.bootstrap_timeout_s)
+        with self._prefill_info_lock:
+            self._prefill_info[key] = (time.monotonic(), info)
         return info
+
+    def _forget_prefill(self, target: tuple[str, int]) -> None:
+        with self._prefill_info_lock:
+            self._prefill_info.pop(target, None)
 
     def _incompatibility(self, info: dict[str, Any]) -> str | None:
         """Why this decode server cannot take KV from that prefill server (None if it can)."""
@@ -537,12 +566,7 @@ class TransferAgent:
             return "KV layout mismatch (head dim or element size differ): not the same model"
         return None
 
-    def _send_dst(self, room: int, bootstrap: Bootstrap, slots: list[int], aux_index: int) -> None:
-        try:
-            info = self._prefill_layout(bootstrap)
-        except Exception as e:  # noqa: BLE001
-            self._report_arrived(room, False, f"cannot reach the prefill server's bootstrap: {e}")
-            return
+    def _send_dst(self, room: int, info: dict[str, Any], slots: list[int], aux_index: int) -> None:
         ranks = info["ranks"]
         prefill_world = [RankKV.from_json(r["rank_kv"]) for r in ranks]
         control = {int(r["rank_kv"]["rank"]): r["control"] for r in ranks}
@@ -584,13 +608,7 @@ class TransferAgent:
     def _on_arrived(self, room: int, msg: dict[str, Any]) -> None:
         if not self.config.is_entry or self.config.role != "decode":
             return
-        if not msg.get("ok"):
-            self._fail_room(room, msg.get("detail") or "the KV transfer failed")
-            return
-        seen = self._counts.setdefault(room, set())
-        seen.add(int(msg["rank"]))
-        if len(seen) == len(self.config.world):
-            self._event(room, "arrived")
+        self._conclude(room, "arrived", msg)
 
     # --- world addresses -----------------------------------------------------------------------------------------
     def set_world_control(self, addresses: list[str]) -> None:

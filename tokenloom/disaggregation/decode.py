@@ -82,6 +82,7 @@ class DecodeDisaggregation:
             for req in self.prealloc:
                 if req.bootstrap.room == room:
                     req.pd_bootstrapped = True
+                    req.pd_prefill_info = event.data
         elif event.kind == "arrived":
             req = self.transfer.pop(room, None)
             if req is not None:
@@ -211,7 +212,8 @@ class DecodeDisaggregation:
             slots = self._allocate(req, tokens)
             req.aux_index = self.aux.alloc()
             self.transfer[req.bootstrap.room] = req
-            self.agent.send_metadata(req.bootstrap.room, req.bootstrap, slots.tolist(), req.aux_index)
+            self.agent.send_metadata(req.bootstrap.room, req.pd_prefill_info, slots.tolist(), req.aux_index)
+            req.pd_prefill_info = None
 
     def _prebuild(self) -> None:
         s = self.scheduler

@@ -28,3 +28,27 @@ def advance(old: KVPoll, new: KVPoll) -> KVPoll:
 def combine(states: list[KVPoll]) -> KVPoll:
     """A room's state over several ranks: the least advanced (Failed if any failed)."""
     return min(states) if states else KVPoll.Bootstrapping
+
+
+class RoomPoll:
+    """One room's state on each of `num_ranks` ranks (those not heard from yet are Bootstrapping), and the
+    room's state over all of them (`state`: the least advanced; Failed as soon as one failed)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self.ranks: dict[int, KVPoll] = {}
+        self.detail = ""
+
+    def report(self, rank: int, state: KVPoll, detail: str = "") -> KVPoll:
+        """Record `rank`'s news; returns the room's state after it."""
+        self.ranks[rank] = advance(self.ranks.get(rank, KVPoll.Bootstrapping), state)
+        if state is KVPoll.Failed and not self.detail:
+            self.detail = detail
+        return self.state()
+
+    def state(self) -> KVPoll:
+        if any(s is KVPoll.Failed for s in self.ranks.values()):
+            return KVPoll.Failed
+        if len(self.ranks) < self.num_ranks:
+            return KVPoll.Bootstrapping
+        return combine(list(self.ranks.values()))

@@ -57,6 +57,7 @@ class Req:
         self.kv_hold = False
         self.pd_sent = 0
         self.pd_bootstrapped = False
+        self.pd_prefill_info: Any = None  # decode: the prefill server's layout, from the "bootstrapped" event
         self.aux_index: int | None = None
         self.offloaded_kv: torch.Tensor | None = None
         # Memory state
