@@ -41,6 +41,8 @@ class MemmoveEngine:
     def __init__(self) -> None:
         self.fail_next = 0
         self.writes = 0
+        self.delay_s = 0.0  # each write takes this long (a slow link)
+        self.tamper: Any = None  # called with the runs after they were copied (to corrupt a destination)
 
     def register(self, addr: int, nbytes: int) -> None:
         pass
@@ -52,8 +54,12 @@ class MemmoveEngine:
         if self.fail_next:
             self.fail_next -= 1
             raise TransferError("injected: the peer is gone")
+        if self.delay_s:
+            time.sleep(self.delay_s)
         for src, dst, n in runs:
             ctypes.memmove(dst, src, n)
+        if self.tamper is not None:
+            self.tamper(runs)
         self.writes += 1
 
     def expect_incoming(self, active: bool) -> None:
@@ -74,14 +80,15 @@ class MergedInbox:
 
 
 class PDSide:
-    def __init__(self, role: str, harness: LoopHarness, bootstrap_port: int, **agent_config: Any) -> None:
+    def __init__(self, role: str, harness: LoopHarness, bootstrap_port: int, kv_dtype: str = "float32",
+                 **agent_config: Any) -> None:
         self.role, self.h = role, harness
         addresses = IpcAddresses.fresh()
         self.events = Receiver(harness.scheduler_ctx, addresses.scheduler)
         harness.loop.inbox = MergedInbox(harness.inbox, self.events)
         world = topology_ranks(1, 1, 1, 1)
         config = AgentConfig(role=role, me=world[0], world=world, host="127.0.0.1", page_size=harness.args.page_size,
-                             kv_dtype="float32", events_address=addresses.scheduler, **agent_config)
+                             kv_dtype=kv_dtype, events_address=addresses.scheduler, **agent_config)
         memory = harness.memory
         self.aux = AuxBuffer(memory.request_slots if role == "decode" else 1)
         self.engine = MemmoveEngine()
@@ -100,7 +107,8 @@ class PDSide:
 
 class PDPair:
     def __init__(self, make_harness: Any, prefill_args: dict[str, Any] | None = None,
-                 decode_args: dict[str, Any] | None = None, **agent_config: Any) -> None:
+                 decode_args: dict[str, Any] | None = None, decode_kv_dtype: str = "float32",
+                 **agent_config: Any) -> None:
         """`make_harness(**server_args) -> (LoopHarness, worker)`: builds one side (the test's fake)."""
         import zmq
 
@@ -114,7 +122,7 @@ class PDPair:
             h.scheduler_ctx = self.ctx
         port = self.bootstrap.port
         self.prefill = PDSide("prefill", self.prefill_h, port, **agent_config)
-        self.decode = PDSide("decode", self.decode_h, port, **agent_config)
+        self.decode = PDSide("decode", self.decode_h, port, kv_dtype=decode_kv_dtype, **agent_config)
         self.rooms: dict[str, int] = {}
 
     def submit(self, rid: str, ids: list[int], params: dict[str, Any], to: tuple[str, ...] = ("prefill", "decode"),

@@ -102,10 +102,14 @@ def test_decode_pre_allocation_waits_for_memory_and_retracts_to_host(pair_factor
     assert pair.decode_h.scheduler.num_retracted == info["num_offloaded_reqs"]
 
 
-@pytest.mark.parametrize("where", ["prefill-bootstrap", "prefill-chunked", "decode-prealloc", "decode-transfer",
-                                   "decode-running"])
+@pytest.mark.parametrize("where", ["prefill-bootstrap", "prefill-waiting", "prefill-chunked", "prefill-inflight",
+                                   "decode-prealloc", "decode-transfer", "decode-running"])
 def test_an_abort_in_every_queue_frees_everything(pair_factory, where):
-    pair = pair_factory(prefill_args={"chunked_prefill_size": 4})
+    pair = pair_factory(prefill_args={"chunked_prefill_size": 4, "max_running_requests": 1})
+    if where == "prefill-inflight":
+        pair.prefill.engine.delay_s = 0.3  # the last chunk's write is still going when the abort comes
+    if where == "prefill-waiting":  # a first request occupies the one running slot while "x" waits
+        pair.submit("first", prompt(3, 40), dict(GREEDY, max_new_tokens=2))
     side, queue = where.split("-")
     ids = prompt(4, 20)
     if queue == "bootstrap":  # the decode side never hears of it: the prefill side waits for its destination
@@ -121,6 +125,8 @@ def test_an_abort_in_every_queue_frees_everything(pair_factory, where):
         return
     pair.submit("x", ids, dict(GREEDY, max_new_tokens=200))
     until = {"chunked": lambda: pair.prefill_h.scheduler.chunked_req is not None,  # mid-way through its chunks
+             "waiting": lambda: any(r.rid == "x" for r in pair.prefill_h.scheduler.waiting_queue),
+             "inflight": lambda: bool(pair.prefill.side.inflight),
              "prealloc": lambda: bool(pair.decode.side.prealloc),
              "transfer": lambda: bool(pair.decode.side.transfer),
              "running": lambda: bool(pair.decode_h.scheduler.running)}[queue]
@@ -210,3 +216,39 @@ def test_disaggregation_decode_polling_interval_polls_the_queues_less_often(pair
             assert results[rid].output_ids == reference(ids, 20)
         polls[interval] = pair.decode.side.queue_polls
     assert polls[4] < polls[1] / 2, polls
+
+
+def test_a_metadata_slot_of_another_room_fails_the_request_instead_of_a_wrong_token(pair_factory):
+    pair = pair_factory()
+
+    def overwrite_room(runs: list[tuple[int, int, int]]) -> None:
+        import ctypes
+
+        _, dst, n = runs[-1]  # the metadata slot goes last, with the last chunk
+        if n < 4096:
+            ctypes.c_int64.from_address(dst).value = 12345  # another request's room
+    pair.prefill.engine.tamper = overwrite_room
+    pair.submit("x", prompt(8, 10), dict(GREEDY, max_new_tokens=4))
+    results = pair.run(["x"])
+    assert "context corruption" in results["x"].finish_reason["message"], results["x"].finish_reason
+    assert results["x"].output_ids == []
+
+
+def test_a_kv_dtype_mismatch_is_refused_at_bootstrap(pair_factory):
+    pair = pair_factory(decode_kv_dtype="bfloat16")
+    pair.submit("x", prompt(8, 10), dict(GREEDY, max_new_tokens=4))
+    results = pair.run(["x"])
+    assert "KV cache dtype mismatch" in results["x"].finish_reason["message"]
+
+
+def test_many_requests_through_a_tiny_decode_pool_all_finish(pair_factory):
+    """Seed 001's stress in miniature: far more decode KV wanted than the pool holds, optimistic admission."""
+    pair = pair_factory(decode_args={"tokens": 96, "max_running_requests": 8, "num_reserved_decode_tokens": 1})
+    prompts = {f"r{i}": prompt(50 + i, 6 + i % 7) for i in range(40)}
+    lengths = {rid: 10 + (i * 7) % 25 for i, rid in enumerate(prompts)}
+    for rid, ids in prompts.items():
+        pair.submit(rid, ids, dict(GREEDY, max_new_tokens=lengths[rid]))
+    results = pair.run(timeout_s=60)
+    for rid, ids in prompts.items():
+        assert results[rid].output_ids == reference(ids, lengths[rid]), rid
+    assert pair.decode.side.info()["num_offloaded_reqs"] > 0
