@@ -26,6 +26,7 @@ import torch
 
 from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import AuxBuffer, AuxSlotError
+from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.protocol import TransferEvent
 from tokenloom.scheduler.lane import Lane
@@ -35,9 +36,11 @@ if TYPE_CHECKING:
     from tokenloom.scheduler.scheduler import Scheduler
 
 
-class DecodeDisaggregation:
+class DecodeDisaggregation(DisaggSide):
+    role = "decode"
+
     def __init__(self, scheduler: Scheduler, agent: TransferAgent, aux: AuxBuffer) -> None:
-        self.scheduler = scheduler
+        super().__init__(scheduler)
         self.agent = agent
         self.aux = aux
         self.kv_pool = scheduler.kv_memory.kv_pool
@@ -52,22 +55,12 @@ class DecodeDisaggregation:
         self._polls = 0
         self.queue_polls = 0  # how often the queues were looked at
 
-    def owns(self, req: Req) -> bool:
-        return req.bootstrap is not None and not req.bootstrap.is_fake
-
     # --- requests ----------------------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
         if not self.owns(req):
             return False
         room = req.bootstrap.room
-        if req.sampling_params.max_new_tokens == 0:
-            req.abort("max_new_tokens 0 (prompt scoring) is not supported on a disaggregated server: send it to a "
-                      "unified one", 400)
-            self.scheduler.output.emit([req])
-            return True
-        if room in self.transfer or any(r.bootstrap.room == room for r in self.prealloc):
-            req.abort(f"bootstrap_room {room} is already in use on this decode server", 400)
-            self.scheduler.output.emit([req])
+        if self.refused(req, room in self.transfer or any(r.bootstrap.room == room for r in self.prealloc)):
             return True
         req.input_logprobs = None  # the prompt's logprobs are the prefill server's answer (the router merges)
         req.pd_bootstrapped = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,11 +93,17 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> KVLayout:
-        names = {f.name for f in fields(cls)}
-        missing, unknown = names - data.keys(), data.keys() - names
-        if missing or unknown:
-            raise ValueError(f"bad KVLayout JSON: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        return cls(**data)  # type: ignore[arg-type]  # __post_init__ checks the types
+        return strict_from_json(cls, data)
+
+
+def strict_from_json(cls: Any, data: Mapping[str, object]) -> Any:
+    """A frozen dataclass from its `asdict` JSON: exactly its fields (else ValueError naming the missing and
+    unknown ones); its `__post_init__` checks the values' types."""
+    names = {f.name for f in fields(cls)}
+    missing, unknown = names - data.keys(), data.keys() - names
+    if missing or unknown:
+        raise ValueError(f"bad {cls.__name__} JSON: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return cls(**data)
 
 
 def aligned_prefix(n_tokens: int, page_size: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
+from tokenloom.disaggregation.kv_layout import strict_from_json
 from tokenloom.distributed.pp_partition import stage_layer_ranges
 
 # (the rank that writes or is written, its layers, its global KV heads)
@@ -57,11 +58,7 @@ class RankKV:
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> RankKV:
-        names = {f.name for f in fields(cls)}
-        missing, unknown = names - data.keys(), data.keys() - names
-        if missing or unknown:
-            raise ValueError(f"bad RankKV JSON: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        return cls(**data)  # type: ignore[arg-type]  # __post_init__ checks the types
+        return strict_from_json(cls, data)
 
 
 def kv_head_range(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import encode_aux
 from tokenloom.disaggregation.kv_layout import aligned_prefix
+from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.protocol import TransferEvent
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -43,9 +44,11 @@ def first_token_payload(req: Req) -> dict[str, Any]:
     return payload
 
 
-class PrefillDisaggregation:
+class PrefillDisaggregation(DisaggSide):
+    role = "prefill"
+
     def __init__(self, scheduler: Scheduler, agent: TransferAgent) -> None:
-        self.scheduler = scheduler
+        super().__init__(scheduler)
         self.agent = agent
         self.bootstrap_queue: dict[int, Req] = {}
         self.inflight: dict[int, Req] = {}
@@ -54,23 +57,14 @@ class PrefillDisaggregation:
         self.transferred = 0
         self.failed = 0
 
-    def owns(self, req: Req) -> bool:
-        return req.bootstrap is not None and not req.bootstrap.is_fake
-
     # --- requests ----------------------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
         """Take a validated request with a room into the bootstrap queue (False: serve it as unified)."""
         if not self.owns(req):
             return False
         room = req.bootstrap.room
-        if req.sampling_params.max_new_tokens == 0:
-            req.abort("max_new_tokens 0 (prompt scoring) is not supported on a disaggregated server: send it to a "
-                      "unified one", 400)
-            self.scheduler.output.emit([req])
-            return True
-        if room in self.bootstrap_queue or room in self.inflight or self._in_scheduler(room) is not None:
-            req.abort(f"bootstrap_room {room} is already in use on this prefill server", 400)
-            self.scheduler.output.emit([req])
+        in_use = room in self.bootstrap_queue or room in self.inflight or self._in_scheduler(room) is not None
+        if self.refused(req, in_use):
             return True
         if room in self.early_failed:
             req.abort(self.early_failed.pop(room), 500)
