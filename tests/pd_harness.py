@@ -20,7 +20,7 @@ import torch
 from tests.scheduler_harness import LoopHarness, Result
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.disaggregation.agent import AgentConfig, TransferAgent
+from tokenloom.disaggregation.agent import SENDER_THREADS, AgentConfig, TransferAgent
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import BootstrapServer, register_rank
 from tokenloom.disaggregation.decode import DecodeDisaggregation
@@ -90,7 +90,7 @@ class PDSide:
         config = AgentConfig(role=role, me=world[0], world=world, host="127.0.0.1", page_size=harness.args.page_size,
                              kv_dtype=kv_dtype, events_address=addresses.scheduler, **agent_config)
         memory = harness.memory
-        self.aux = AuxBuffer(memory.request_slots if role == "decode" else 1)
+        self.aux = AuxBuffer(memory.request_slots if role == "decode" else SENDER_THREADS)
         self.engine = MemmoveEngine()
         self.agent = TransferAgent(config, self.engine, memory.kv_pool.layout(0), self.aux)
         self.agent.set_world_control([self.agent.control_address])

@@ -89,14 +89,14 @@ def test_first_token_finishing_the_request_and_room_reuse_refused(pair_factory):
 
 
 def test_decode_pre_allocation_waits_for_memory_and_retracts_to_host(pair_factory):
-    # 64 decode slots: four 12-token prompts generating 12 tokens each cannot all fit at once
+    # 64 decode slots: any two of these (12-token prompts, 40 new tokens: 52 slots each) cannot finish together
     pair = pair_factory(decode_args={"tokens": 64, "max_running_requests": 4, "num_reserved_decode_tokens": 1})
     prompts = {f"r{i}": prompt(10 + i, 12) for i in range(4)}
     for rid, ids in prompts.items():
-        pair.submit(rid, ids, dict(GREEDY, max_new_tokens=12))
+        pair.submit(rid, ids, dict(GREEDY, max_new_tokens=40))
     results = pair.run()
     for rid, ids in prompts.items():
-        assert results[rid].output_ids == reference(ids, 12), rid
+        assert results[rid].output_ids == reference(ids, 40), rid
     info = pair.decode.side.info()
     assert info["num_offloaded_reqs"] > 0, info  # retraction went through host memory, not recompute
     assert pair.decode_h.scheduler.num_retracted == info["num_offloaded_reqs"]
@@ -108,8 +108,9 @@ def test_an_abort_in_every_queue_frees_everything(pair_factory, where):
     pair = pair_factory(prefill_args={"chunked_prefill_size": 4, "max_running_requests": 1})
     if where == "prefill-inflight":
         pair.prefill.engine.delay_s = 0.3  # the last chunk's write is still going when the abort comes
-    if where == "prefill-waiting":  # a first request occupies the one running slot while "x" waits
-        pair.submit("first", prompt(3, 40), dict(GREEDY, max_new_tokens=2))
+    if where == "prefill-waiting":  # a first request's 50 slow chunks fill every prefill batch while "x" waits
+        pair.prefill.engine.delay_s = 0.01
+        pair.submit("first", prompt(3, 200), dict(GREEDY, max_new_tokens=2))
     side, queue = where.split("-")
     ids = prompt(4, 20)
     if queue == "bootstrap":  # the decode side never hears of it: the prefill side waits for its destination
@@ -215,7 +216,7 @@ def test_disaggregation_decode_polling_interval_polls_the_queues_less_often(pair
         for rid, ids in [("r0", prompt(31, 8)), ("r1", prompt(32, 8)), ("r2", prompt(33, 8))]:
             assert results[rid].output_ids == reference(ids, 20)
         polls[interval] = pair.decode.side.queue_polls
-    assert polls[4] < polls[1] / 2, polls
+    assert polls[4] < 0.7 * polls[1], polls
 
 
 def test_a_metadata_slot_of_another_room_fails_the_request_instead_of_a_wrong_token(pair_factory):

@@ -3,8 +3,8 @@ peer server's ranks, so the scheduler never blocks on the network.
 
 What it owns: the transfer engine (transfer/) with this rank's KV pool and metadata buffer registered, a
 ZMQ PULL control socket on `tcp://host:port` (JSON messages only: nothing a peer sends is unpickled), PUSH
-sockets to peers, a control thread (every message and every room's bookkeeping), and on the prefill side a
-sender thread that performs the KV writes in order.
+sockets to peers, a control thread (every message and every room's bookkeeping), and on the prefill side sender
+threads that perform the KV writes (each room's in order, on one of them).
 
 Protocol (room = the router's bootstrap room):
 - decode rank d, once the scheduler pre-allocated the room: "dst" (its engine, KV layout, slots, metadata
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 # prefill server is found by the next room), and for telling a prefill entry about an abort.
 PREFILL_INFO_FRESH_S = 1.0
 PREFILL_INFO_TTL_S = 30.0
+SENDER_THREADS = 4  # prefill: KV writes run on this many threads (the engines release the GIL while copying)
 
 
 def env_float(name: str, default: float) -> float:
@@ -148,14 +149,19 @@ class TransferAgent:
         self._dst: dict[int, dict[int, dict[str, Any]]] = {}  # prefill: room -> decode rank -> "dst" message
         self._dst_cond = threading.Condition()
         self._aborted: set[int] = set()  # prefill: rooms whose remaining jobs are dropped
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # one queue per sender thread; a room's chunks all go to the same one (in order), so a slow or frozen
+        # peer holds up only the rooms that share its thread
+        self._jobs: list[queue.SimpleQueue[_Job | None]] = [queue.SimpleQueue() for _ in range(SENDER_THREADS)]
         self._pending_jobs: dict[int, int] = {}  # room -> jobs queued or running (under _dst_cond)
         self._control = threading.Thread(target=self._control_loop, name="tokenloom-pd-control", daemon=True)
         self._control.start()
-        self._sender = None
+        self._senders: list[threading.Thread] = []
         if config.role == "prefill":
-            self._sender = threading.Thread(target=self._sender_loop, name="tokenloom-pd-sender", daemon=True)
-            self._sender.start()
+            for i, jobs in enumerate(self._jobs):
+                sender = threading.Thread(target=self._sender_loop, args=(jobs, i), name=f"tokenloom-pd-sender{i}",
+                                          daemon=True)
+                sender.start()
+                self._senders.append(sender)
 
     # --- what the bootstrap server publishes about this (prefill) rank -----------------------------------
     def registration(self, tp_size: int, pp_size: int) -> dict[str, Any]:
@@ -178,7 +184,7 @@ class TransferAgent:
         decode ranks; `aux`: the metadata slot's bytes (aux writer, last chunk)."""
         with self._dst_cond:
             self._pending_jobs[room] = self._pending_jobs.get(room, 0) + 1
-        self._jobs.put(_Job(room, start, slots, is_last, aux))
+        self._jobs[room % len(self._jobs)].put(_Job(room, start, slots, is_last, aux))
 
     def wait_chunks(self, room: int, timeout_s: float | None = None) -> None:
         """Prefill: return once every queued chunk of the room was written (or dropped): its source slots may
@@ -209,10 +215,11 @@ class TransferAgent:
 
     def close(self) -> None:
         self._stopped.set()
-        self._jobs.put(None)
+        for jobs in self._jobs:
+            jobs.put(None)
         self._control.join(timeout=2)
-        if self._sender is not None:
-            self._sender.join(timeout=2)
+        for sender in self._senders:
+            sender.join(timeout=2)
         self._fetches.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
         self._ctx.destroy(linger=0)
@@ -412,13 +419,15 @@ class TransferAgent:
         elif state is KVPoll.Success:
             self._event(room, phase)
 
-    def _sender_loop(self) -> None:
+    def _sender_loop(self, jobs: queue.SimpleQueue[_Job | None], staging: int) -> None:
+        """One sender thread; `staging`: its own slot of the (prefill) metadata buffer, where it places a
+        room's metadata before writing it to the decode ranks."""
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             try:
-                self._run_job(job)
+                self._run_job(job, staging % self.aux.num_slots)
             except Exception:  # noqa: BLE001 - reported as the room's failure below
                 logger.exception("KV sender: room %d failed", job.room)
                 self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": self.config.me.rank,
@@ -433,7 +442,7 @@ class TransferAgent:
     def _entry_address(self) -> str:
         return self._world_control[0]
 
-    def _run_job(self, job: _Job) -> None:
+    def _run_job(self, job: _Job, staging: int) -> None:
         me = self.config.me
         targets = self._wait_targets(job.room)
         if targets is None:  # aborted or timed out: the entry fails the room (or already did)
@@ -452,8 +461,8 @@ class TransferAgent:
                 for layers, heads in pieces:
                     runs += transfer_runs(self.layout, dst_layout, job.slots, dst_slots, layers=layers, heads=heads)
                 if job.is_last and job.aux is not None and msg.get("aux_addr") is not None:
-                    self.aux.write(0, job.aux)
-                    runs.append((self.aux.slot_addr(0), int(msg["aux_addr"]), len(job.aux)))
+                    self.aux.write(staging, job.aux)
+                    runs.append((self.aux.slot_addr(staging), int(msg["aux_addr"]), len(job.aux)))
                 if runs:
                     self.engine.write(msg["engine"], runs, self.config.transfer_timeout_s)
         except (TransferError, ValueError) as e:

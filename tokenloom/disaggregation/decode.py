@@ -258,6 +258,10 @@ class DecodeDisaggregation(DisaggSide):
     def retracts_to_host(self, req: Req) -> bool:
         return self.owns(req)
 
+    def holds_incoming_kv(self) -> bool:
+        """Whether requests not running yet hold KV here (pre-allocated, arrived, or aborted mid-transfer)."""
+        return bool(self.transfer or self.arrived or self.draining)
+
     # --- retraction to host memory ---------------------------------------------------------------------------------
     def offload(self, req: Req) -> None:
         """Retract a running request: its KV to host memory, its slots and row freed (no recompute later)."""

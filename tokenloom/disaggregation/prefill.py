@@ -192,6 +192,10 @@ class PrefillDisaggregation(DisaggSide):
         """A prefill server retracts by recomputing, as a unified one (its requests never decode)."""
         return False
 
+    def holds_incoming_kv(self) -> bool:
+        """No KV arrives at a prefill server (the KV its transfers hold is not a decoding request's to wait for)."""
+        return False
+
     # --- state ------------------------------------------------------------------------------------------------
     def is_idle(self) -> bool:
         return not self.bootstrap_queue and not self.inflight

@@ -1,10 +1,10 @@
 """Making a scheduler rank one rank of a prefill or decode server (called by scheduler/process.py).
 
-Per rank: the transfer engine (`--disaggregation-transfer-backend`), the metadata buffer (decode: one slot per
-request row; prefill: one staging slot), the `TransferAgent` with this rank's KV pool registered, the control
-addresses of every rank of the server (all-gathered over the world CPU group), the prefill ranks'
-registration with the bootstrap service the prefill server's HTTP process runs, and the scheduler's side
-(`PrefillDisaggregation` / `DecodeDisaggregation`).
+Per rank: the transfer engine (`--disaggregation-transfer-backend`); the metadata buffer (decode: one slot
+per request row; prefill: a staging slot per sender thread); the `TransferAgent` with this rank's KV pool
+registered; the control addresses of every rank of the server (all-gathered over the world CPU group); the
+prefill ranks' registration with the bootstrap service the prefill server's HTTP process runs; and the
+scheduler's side (`PrefillDisaggregation` / `DecodeDisaggregation`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.disaggregation.agent import AgentConfig, TransferAgent
+from tokenloom.disaggregation.agent import SENDER_THREADS, AgentConfig, TransferAgent
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import register_rank
 from tokenloom.disaggregation.pairing import topology_ranks
@@ -47,7 +47,7 @@ def attach_disaggregation(args: ServerArgs, parallel: ParallelContext, scheduler
     me = world[parallel.rank]
     host = advertised_host(args.host)
     decode = args.disaggregation_mode == "decode"
-    aux = AuxBuffer(memory.request_slots if decode else 1)
+    aux = AuxBuffer(memory.request_slots if decode else SENDER_THREADS)  # prefill: a staging slot per sender
     engine = make_engine(args.disaggregation_transfer_backend, host)
     config = AgentConfig(role=args.disaggregation_mode, me=me, world=world, host=host, page_size=args.page_size,
                          kv_dtype=str(memory.kv_pool.dtype).removeprefix("torch."),

@@ -354,7 +354,8 @@ class Scheduler:
         """Free KV for `lane`'s decode step by re-queueing the requests with the fewest outputs (then the
         longest prompts). Candidates: the lane's running requests and those of lanes with nothing in flight
         (settled; a launched batch's KV is in use on some stage). False when even the lane's last request does
-        not fit while other lanes' batches are in flight: the lane idles until they return."""
+        not fit while other lanes' batches are in flight, or while a decode server's requests on their way hold
+        pre-allocated KV (they arrive, then decode or retract in turn): the lane idles until then."""
         settled = [r for other in self.lanes if other is not lane and not other.launched for r in other.running]
         order = sorted([*lane.running, *settled], key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)),
                        reverse=True)
@@ -363,7 +364,9 @@ class Scheduler:
         while self.memory.available_tokens() < self.memory.decode_tokens_needed(lane.running):
             victims = [r for r in order if not (len(lane.running) == 1 and r is lane.running[0])]
             if not victims:
-                if not any(other.launched for other in self.lanes if other is not lane):
+                waits = any(other.launched for other in self.lanes if other is not lane) or \
+                    (self.disagg is not None and self.disagg.holds_incoming_kv())
+                if not waits:
                     raise RuntimeError("Out of memory even after retracting every other request; "
                                        "raise --max-total-tokens")
                 fits = False
