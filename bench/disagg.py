@@ -1,8 +1,11 @@
-"""Prefill/decode disaggregation benchmarks. Part (1): KV transfer throughput per transfer engine.
+"""Prefill/decode disaggregation benchmarks, two modes: (1) `--mode transfer` (the default): KV transfer
+throughput per transfer engine; (2) `--mode serve`: a prefill/decode pair behind SGLang's router against a
+unified server on a mixed workload (`bench/disagg_serve.py` says what it runs and reports).
 
     .venv/bin/python bench/disagg.py                       # mooncake and nixl, 1k / 4k / 16k / 32k tokens
     .venv/bin/python bench/disagg.py --quick               # 256 tokens, 1 run
     .venv/bin/python bench/disagg.py --json-out F          # also write the rows as JSON
+    .venv/bin/python bench/disagg.py --mode serve [--quick] [--backend nixl] [--json-out F]
 
 (1) One request's KV moved from a prefill pool to a decode pool, shaped like SmolLM2-135M in bf16: 30 layers,
 3 KV heads, head_dim 64. A pool is one registered buffer [layers, K/V, heads, rows, head_dim]
@@ -43,6 +46,7 @@ ROW_MARGIN = 8  # rows beyond the largest request: the dummy slot and the decode
 TOKENS = [1024, 4096, 16384, 32768]
 QUICK_TOKENS = [256]
 REPLY_S = 600.0
+MODES = ("transfer", "serve")
 
 
 def bytes_per_token() -> int:
@@ -200,7 +204,17 @@ def _backend_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of the mode `--mode` names (`ns.mode`); `--mode serve`'s are `bench.disagg_serve`'s."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--mode", choices=MODES, default="transfer")
+    if pre.parse_known_args(argv)[0].mode == "serve":
+        from bench.disagg_serve import parse_args as parse_serve_args
+
+        return parse_serve_args(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=MODES, default="transfer",
+                   help="transfer: KV transfer throughput; serve: PD behind the router vs a unified server "
+                        "(`--mode serve --help` for its flags)")
     p.add_argument("--backends", type=_backend_list, default=["mooncake", "nixl"], help="comma-separated")
     p.add_argument("--tokens", type=_int_list, default=None, help=f"request sizes (default {TOKENS})")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per size, median reported (at least 3)")
@@ -217,6 +231,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     ns = parse_args(argv)
+    if ns.mode == "serve":
+        from bench.disagg_serve import main as serve_main
+
+        return serve_main(ns)
     t0, busy0, own0 = time.perf_counter(), _busy_s(), _own_cpu_s()
     rows = [row for backend in ns.backends for row in run_backend(backend, ns.tokens, ns.repeats)]
     wall = (time.perf_counter() - t0) * (os.cpu_count() or 1)
