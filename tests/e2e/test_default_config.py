@@ -200,3 +200,41 @@ def test_batch_beyond_native_step_matches_one_at_a_time(default_config):
             (top_lp, top_id, _), (second_lp, second_id, _) = mine["meta_info"]["output_top_logprobs"][k]
             assert top_id == mine["output_ids"][k] and second_id == other["output_ids"][k], (prompt, k)
             assert top_lp - second_lp < NEAR_TIE, (prompt, k, top_lp - second_lp, got["text"], want["text"])
+
+
+def test_a_prefill_decode_pair_behind_sglangs_router_equals_the_default_server(default_config):
+    """Prefill/decode disaggregation in the default configuration (bf16, native kernels, Mooncake): greedy
+    /generate and chat answers through SGLang's router equal this module's unified server's, one at a time."""
+    import openai
+
+    from tests.e2e.server_process import free_port
+    from tests.e2e.test_disaggregation import Router
+
+    unified, _ = default_config
+    bootstrap = free_port()
+    flags = ("--max-total-tokens", str(POOL))
+    pair = [ServerProcess(*flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                          str(bootstrap)),
+            ServerProcess(*flags, "--disaggregation-mode", "decode")]
+    router = None
+
+    def chat(url: str) -> str:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        return client.chat.completions.create(model="default", messages=CHAT, max_tokens=24,
+                                              temperature=0).choices[0].message.content
+
+    try:
+        prefill, decode = (server.wait_healthy() for server in pair)
+        router = Router(prefill, bootstrap, decode).wait_ready()
+        for text in PROMPTS:
+            body = {"text": text, "sampling_params": BATCH_GREEDY}
+            want = http("POST", unified.url + "/generate", body)[1]
+            status, got = http("POST", router.url + "/generate", body, timeout=120)
+            assert status == 200, got
+            assert got["output_ids"] == want["output_ids"], text
+        assert chat(router.url) == chat(unified.url)
+    finally:
+        if router is not None:
+            router.stop()
+        for server in pair:
+            server.stop()
