@@ -12,7 +12,8 @@ VPY=.venv/bin/python
 # Mooncake's transfer engine (KV transfer for prefill/decode disaggregation) links libibverbs.so.1. Without the
 # Recommends: ibverbs-providers makes NIXL's bundled UCX load a second libnl and crash at process exit.
 if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
-  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  SUDO=""
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
   $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends libibverbs1
 fi
 stamp=.venv/.tokenloom-setup
