@@ -45,20 +45,17 @@ from typing import Any
 import zmq
 
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
-from tokenloom.disaggregation.bootstrap_server import check_health, fetch_parallel_info
+from tokenloom.disaggregation.bootstrap_server import check_health
 from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs
 from tokenloom.disaggregation.kv_poll import KVPoll, RoomPoll
 from tokenloom.disaggregation.pairing import RankKV, aux_writer, writers_for
+from tokenloom.disaggregation.prefill_directory import PREFILL_INFO_FRESH_S, PrefillDirectory
 from tokenloom.disaggregation.transfer.base import TransferEngine, TransferError
 from tokenloom.protocol import Bootstrap, TransferEvent
 
 logger = logging.getLogger(__name__)
 
 
-# How old a prefill server's layout may be: for a new room (a burst of rooms shares one lookup, and a restarted
-# prefill server is found by the next room), and for telling a prefill entry about an abort.
-PREFILL_INFO_FRESH_S = 1.0
-PREFILL_INFO_TTL_S = 30.0
 SENDER_THREADS = 4  # prefill: KV writes run on this many threads (the engines release the GIL while copying)
 
 
@@ -127,10 +124,8 @@ class TransferAgent:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._fetches = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenloom-pd-fetch")
-        # (host, port) -> (when fetched, GET /route answer); dropped when that prefill server fails a heartbeat or a
-        # room, and refetched after PREFILL_INFO_TTL_S, so a restarted prefill server is found again
-        self._prefill_info: dict[tuple[str, int], tuple[float, dict[str, Any]]] = {}
-        self._prefill_info_lock = threading.Lock()
+        self._prefill_servers = PrefillDirectory(config.page_size, config.kv_dtype, engine.backend, config.world,
+                                                 layout, config.bootstrap_timeout_s)  # decode side
         self._events = None
         if config.is_entry:
             self._events = self._ctx.socket(zmq.PUSH)
@@ -314,13 +309,13 @@ class TransferAgent:
             for room in rooms:
                 self._fail_room(room, f"the prefill server at {target[0]}:{target[1]} stopped responding")
             del self._heartbeat[target]
-            self._forget_prefill(target)
+            self._prefill_servers.forget(target)
 
     def _fail_room(self, room: int, reason: str) -> None:
         """Entry: the room failed on this side; tell the peer entry and the scheduler."""
         target = self._room_prefill.get(room)
         if target is not None:  # its layout is looked up again next time (the prefill server may have restarted)
-            self._forget_prefill(target)
+            self._prefill_servers.forget(target)
         self._notify_peer(room, reason)
         self._event(room, "failed", reason)
 
@@ -340,7 +335,7 @@ class TransferAgent:
 
         def resolve() -> None:
             try:
-                info = self._prefill_layout(Bootstrap(target[0], target[1], room))
+                info = self._prefill_servers.layout(target)
                 entry = min(info["ranks"], key=lambda r: int(r["rank_kv"]["rank"]))["control"]
             except Exception:  # noqa: BLE001 - an unreachable prefill times the room out by itself
                 return
@@ -516,8 +511,8 @@ class TransferAgent:
         def fetch() -> None:
             info = None
             try:
-                info = self._prefill_layout(bootstrap, PREFILL_INFO_FRESH_S)
-                problem = self._incompatibility(info)
+                info = self._prefill_servers.layout(target, PREFILL_INFO_FRESH_S)
+                problem = self._prefill_servers.incompatibility(info)
             except Exception as e:  # noqa: BLE001 - reported as the room's failure
                 problem = f"cannot reach the prefill server's bootstrap at {target[0]}:{target[1]}: {e}"
             self._calls.put(lambda: self._on_bootstrapped(room, problem, info))
@@ -534,46 +529,6 @@ class TransferAgent:
         assert self._events is not None
         self._events.send_pyobj(TransferEvent(room, "bootstrapped", data=info))
 
-    def _prefill_layout(self, bootstrap: Bootstrap, max_age_s: float = PREFILL_INFO_TTL_S) -> dict[str, Any]:
-        key = (bootstrap.host, bootstrap.port)
-        with self._prefill_info_lock:
-            cached = self._prefill_info.get(key)
-        if cached is not None and time.monotonic() - cached[0] < max_age_s:
-            return cached[1]
-        info = fetch_parallel_info(bootstrap.host, bootstrap.port, deadline_s=self.config.bootstrap_timeout_s)
-        with self._prefill_info_lock:
-            self._prefill_info[key] = (time.monotonic(), info)
-        return info
-
-    def _forget_prefill(self, target: tuple[str, int]) -> None:
-        with self._prefill_info_lock:
-            self._prefill_info.pop(target, None)
-
-    def _incompatibility(self, info: dict[str, Any]) -> str | None:
-        """Why this decode server cannot take KV from that prefill server (None if it can)."""
-        ranks = info.get("ranks") or []
-        if not ranks:
-            return "the prefill server's bootstrap lists no ranks"
-        first = ranks[0]
-        if int(first.get("page_size", -1)) != self.config.page_size:
-            return (f"page size mismatch: the prefill server uses --page-size {first.get('page_size')}, this decode "
-                    f"server {self.config.page_size}")
-        if first.get("kv_cache_dtype") != self.config.kv_dtype:
-            return (f"KV cache dtype mismatch: the prefill server stores {first.get('kv_cache_dtype')}, this decode "
-                    f"server {self.config.kv_dtype}")
-        if first.get("transfer_backend") != self.engine.backend:
-            return (f"transfer backend mismatch: the prefill server uses {first.get('transfer_backend')}, this decode "
-                    f"server {self.engine.backend}")
-        prefill_world = [RankKV.from_json(r["rank_kv"]) for r in ranks]
-        try:
-            for d in self.config.world:
-                writers_for(d, prefill_world)
-        except ValueError as e:
-            return f"the prefill server does not hold the KV this decode server needs: {e}"
-        layout = KVLayout.from_json(first["layout"])
-        if layout.head_dim != self.layout.head_dim or layout.itemsize != self.layout.itemsize:
-            return "KV layout mismatch (head dim or element size differ): not the same model"
-        return None
 
     def _send_dst(self, room: int, info: dict[str, Any], slots: list[int], aux_index: int) -> None:
         ranks = info["ranks"]
