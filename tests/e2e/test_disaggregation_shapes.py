@@ -66,6 +66,13 @@ def _answers(url: str) -> list[str]:
             for status, out in _concurrently(url, [{"text": p, **GREEDY} for p in PROMPTS])]
 
 
+def _logprobs(meta: dict) -> tuple[list[int], list[float]]:
+    """The token ids and logprobs of every output position and of its top alternatives, in order."""
+    entries = [e for pos in range(len(meta["output_token_logprobs"]))
+               for e in [meta["output_token_logprobs"][pos], *meta["output_top_logprobs"][pos]]]
+    return [e[1] for e in entries], [e[0] for e in entries]
+
+
 def _stress(unified: ServerProcess, router: Router) -> None:
     rng = random.Random(1)
     bodies = [{"input_ids": [rng.randrange(100, 40000) for _ in range(int(STRESS_INPUT * rng.uniform(0.9, 1)))],
@@ -103,6 +110,8 @@ def test_every_pp_and_tp_shape_pair_matches_the_unified_server(deep_model):
         for server in started:
             server.wait_healthy()
         want = [http("POST", unified.url + "/generate", {"text": p, **GREEDY})[1]["text"] for p in PROMPTS]
+        with_logprobs = {"text": PROMPTS[1], **GREEDY, "return_logprob": True, "top_logprobs_num": 3}
+        want_logprobs = http("POST", unified.url + "/generate", with_logprobs)[1]["meta_info"]
         pairs = {"PP2 -> PP1": (p_pp2, b_pp2, d_pp1), "PP2 -> PP2": (p_pp2, b_pp2, d_pp2),
                  "PP3 -> PP2": (p_pp3, b_pp3, d_pp2), "TP2 -> TP1": (p_tp2, b_tp2, d_pp1),
                  "TP2/PP1 -> PP2": (p_tp2, b_tp2, d_pp2)}
@@ -111,6 +120,10 @@ def test_every_pp_and_tp_shape_pair_matches_the_unified_server(deep_model):
             routers.append(router)
             assert _answers(router.url) == want, shape
             assert _stream_text(router.url, {"text": PROMPTS[1], **GREEDY}) == want[1], shape
+            got = http("POST", router.url + "/generate", with_logprobs, timeout=300)[1]["meta_info"]
+            ids, values = _logprobs(got)  # the first token's (and its top 3) came in the metadata slot
+            want_ids, want_values = _logprobs(want_logprobs)
+            assert ids == want_ids and values == pytest.approx(want_values, abs=1e-3), shape
         info = d_pp1.server_info()
         assert info["num_offloaded_reqs"] > 0, info  # the small decode pool retracted to host memory and resumed
         offloaded = d_pp2.server_info()["num_offloaded_reqs"]
@@ -119,7 +132,7 @@ def test_every_pp_and_tp_shape_pair_matches_the_unified_server(deep_model):
         assert info["num_offloaded_reqs"] > offloaded, info  # the stress did retract
         for server in started[1:]:
             _assert_idle_and_full(server)
-        assert p_pp2.server_info()["num_transferred_reqs"] == 2 * (len(PROMPTS) + 2) + STRESS_REQUESTS
+        assert p_pp2.server_info()["num_transferred_reqs"] == 2 * (len(PROMPTS) + 3) + STRESS_REQUESTS
     finally:
         for router in routers:
             router.stop()
