@@ -4,8 +4,11 @@ dummy-weight models."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -188,3 +191,20 @@ def dummy_model_folder(name: str, config: dict[str, Any]) -> str:
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config, f)
     return folder
+
+
+def stop_process_group(proc: subprocess.Popen, term_timeout_s: float) -> None:
+    """Stop a process started in its own session (`start_new_session=True`) and everything in its group:
+    SIGTERM, SIGKILL after `term_timeout_s`, then SIGKILL to whatever of the group outlived the leader."""
+    for sig, wait in ((signal.SIGTERM, term_timeout_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -11,10 +11,8 @@ in the run's log folder; a process that dies during start-up raises with its log
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +20,8 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+from bench.common import stop_process_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 600
@@ -122,19 +122,7 @@ class Proc:
         """SIGTERM to the process group, SIGKILL after 30 s; nothing is left of it afterwards."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # children that outlived the group leader are still in the group: make sure of them too
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc, 30)
         self.proc = None
 
 

@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import stop_process_group  # noqa: E402
 from bench.llama_server import GGUF_KINDS, ensure_ggufs, find_llama_server, find_quantize, server_cmd  # noqa: E402
 
 PY = sys.executable
@@ -179,16 +179,7 @@ class Engine:
         """SIGTERM to the server's own process group (it was started in a new session), SIGKILL if it lingers."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_process_group(self.proc, 60)
         self.proc = None
 
 
