@@ -7,10 +7,10 @@ engine). Lifecycle: construct (`make_engine`) -> `register` every buffer a trans
 
 Invariants every engine keeps:
 - `write` returns only when every byte of every run is at the destination, and raises `TransferError` (never
-  another exception type, never a hang past `timeout_s`) when the peer is dead, frozen, refuses the write, or
-  an address falls outside registered memory. After a `TransferError` the destination may hold part of the
-  runs, and transfers the engine already queued may still land later: the caller treats that destination
-  range as garbage until it is written again.
+  another exception type) when the peer is dead, frozen, refuses the write, or an address falls outside
+  registered memory, within `timeout_s` (Mooncake: plus up to its `SETTLE_S` while runs it left in flight
+  resolve, so that none lands after the raise). After a `TransferError` the destination may hold part of the
+  runs: the caller treats that range as garbage until it is written again.
 - `expect_incoming(True)` is how a receiver says transfers are due; engines whose transfers need the receiver
   to make progress (NIXL with its progress thread off) poll only while it is on.
 

@@ -11,8 +11,13 @@ Why submit + poll rather than `batch_transfer_sync_write` (docs/pd_transfer_rese
   ~60 s inside the handshake, so `timeout_s` is enforced here: the first contact runs in a helper thread the
   caller stops waiting for, and polling stops at the deadline.
 - `transfer_check_status` frees a batch at its first non-zero answer; a batch must not be freed earlier (the
-  transport still uses it), so the runs left in flight by a failed write are handed to a reaper thread that
-  polls them until Mooncake resolves them (and only then returns their window slots).
+  transport still uses it). A failed write first waits (at most `SETTLE_S`) until the runs it left in flight
+  resolve (`settle_in_flight`), so none of them lands after the caller was told the write failed: the peer
+  then frees that memory for other requests. With the default 60 s transfer timeout Mooncake has resolved
+  them by then (its own timeout is 30 s), so this wait only matters for shorter timeouts. Any still
+  unresolved go to a reaper thread that polls them until Mooncake does (and only then returns their window
+  slots). Left open: a first contact abandoned at its deadline (a frozen peer's handshake) may still
+  complete later and land its one run.
 """
 
 from __future__ import annotations
@@ -87,6 +92,25 @@ class _FirstContact:
             if self._batch is None:
                 self._abandoned = True
             return self._batch
+
+
+SETTLE_S = 35.0  # how long a failed write waits for its runs in flight (Mooncake's own timeout is 30 s)
+
+
+def settle_in_flight(check_status: Any, inflight: deque[int], on_resolved: Any, timeout_s: float,
+                     poll_s: float = 1e-3) -> None:
+    """Poll the batches of `inflight`, oldest first, until each resolves (`check_status` non-zero: Mooncake
+    frees it then) or `timeout_s` passes; resolved ones leave `inflight` and call `on_resolved()` (the window
+    slot they held)."""
+    deadline = time.monotonic() + timeout_s
+    while inflight:
+        if check_status(inflight[0]) != 0:
+            inflight.popleft()
+            on_resolved()
+        elif time.monotonic() >= deadline:
+            return
+        else:
+            time.sleep(poll_s)
 
 
 class _Reaper:
@@ -185,6 +209,8 @@ class MooncakeEngine:
                     first = 1
             self._pump(peer, state, runs, first, inflight, deadline)
         except BaseException:
+            # before the caller hears of the failure (and the peer reuses that memory), no run may still land
+            settle_in_flight(self._engine.transfer_check_status, inflight, state.window.release, SETTLE_S)
             for batch in inflight:
                 self._reaper.adopt(batch, state.window)
             raise
