@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,10 @@ class MemmoveEngine:
         self.writes = 0
         self.delay_s = 0.0  # each write takes this long (a slow link)
         self.tamper: Any = None  # called with the runs after they were copied (to corrupt a destination)
+        # a write for which `hold_when(runs)` is true waits until `gate` is set (a transfer held back for as long
+        # as a test needs)
+        self.hold_when: Any = None
+        self.gate = threading.Event()
 
     def register(self, addr: int, nbytes: int) -> None:
         pass
@@ -54,6 +59,8 @@ class MemmoveEngine:
         if self.fail_next:
             self.fail_next -= 1
             raise TransferError("injected: the peer is gone")
+        if self.hold_when is not None and self.hold_when(runs):
+            self.gate.wait()
         if self.delay_s:
             time.sleep(self.delay_s)
         for src, dst, n in runs:

@@ -6,6 +6,7 @@ full (the harness checks idle integrity on both sides)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -102,15 +103,31 @@ def test_decode_pre_allocation_waits_for_memory_and_retracts_to_host(pair_factor
     assert pair.decode_h.scheduler.num_retracted == info["num_offloaded_reqs"]
 
 
+def step_until(pair: PDPair, condition: Any, timeout_s: float = 20.0) -> None:
+    """Step both sides until `condition()` holds (bounded in wall-clock time, not steps: a loaded machine is slow
+    to deliver the agents' control messages)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        if not pair.step():
+            time.sleep(0.001)
+
+
 @pytest.mark.parametrize("where", ["prefill-bootstrap", "prefill-waiting", "prefill-chunked", "prefill-inflight",
                                    "decode-prealloc", "decode-transfer", "decode-running"])
 def test_an_abort_in_every_queue_frees_everything(pair_factory, where):
-    pair = pair_factory(prefill_args={"chunked_prefill_size": 4, "max_running_requests": 1})
+    # "waiting": the prefill pool holds a first request's 200 tokens but not 20 more, and that request's KV stays
+    # held while its last write is held back, so "x" cannot leave the waiting queue whatever the timing
+    prefill_pool = {"tokens": 210} if where == "prefill-waiting" else {}
+    pair = pair_factory(prefill_args={"chunked_prefill_size": 4, "max_running_requests": 1, **prefill_pool})
     if where == "prefill-inflight":
         pair.prefill.engine.delay_s = 0.3  # the last chunk's write is still going when the abort comes
-    if where == "prefill-waiting":  # a first request's 50 slow chunks fill every prefill batch while "x" waits
-        pair.prefill.engine.delay_s = 0.01
+    if where == "prefill-waiting":
+        aux = pair.decode.aux  # the last chunk's write is the one carrying the metadata slot
+        pair.prefill.engine.hold_when = lambda runs: any(aux.base_addr <= dst < aux.base_addr + aux.nbytes
+                                                         for _, dst, _ in runs)
         pair.submit("first", prompt(3, 200), dict(GREEDY, max_new_tokens=2))
+        step_until(pair, lambda: bool(pair.prefill.side.inflight))
     side, queue = where.split("-")
     ids = prompt(4, 20)
     if queue == "bootstrap":  # the decode side never hears of it: the prefill side waits for its destination
@@ -131,12 +148,12 @@ def test_an_abort_in_every_queue_frees_everything(pair_factory, where):
              "prealloc": lambda: bool(pair.decode.side.prealloc),
              "transfer": lambda: bool(pair.decode.side.transfer),
              "running": lambda: bool(pair.decode_h.scheduler.running)}[queue]
-    for _ in range(20000):
-        if until():
-            break
-        pair.step()
-    assert until(), where
+    step_until(pair, until)
     pair.abort("x", side)
+    if where == "prefill-waiting":
+        pair.step()
+        assert pair.prefill_h.results["x"].finish_reason["type"] == "abort"
+        pair.prefill.engine.gate.set()
     if side == "prefill":  # the decode side learns from the prefill entry and fails the room
         pair.run(["x"])
         assert pair.decode_h.results["x"].finish_reason["type"] == "abort"
