@@ -10,6 +10,16 @@ import torch
 from tests.model_factory import make_hf_model
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="run the long forms of the soak and stress tests (same as TOKENLOOM_TEST_LONG=1)")
+
+
+def pytest_configure(config):
+    if config.getoption("--long"):
+        os.environ["TOKENLOOM_TEST_LONG"] = "1"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """factory(variant) -> (folder, transformers model), cached per variant for the session."""

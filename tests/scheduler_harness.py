@@ -17,7 +17,7 @@ from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import LoadedModel, ModelRunner
 from tokenloom.executor.worker import ModelWorker
 from tokenloom.ipc import LocalChannel
-from tokenloom.protocol import AbortRequest, TokenizedRequest
+from tokenloom.protocol import AbortRequest, RequestAccepted, TokenizedRequest
 from tokenloom.sampling.sampling_params import SamplingParams
 from tokenloom.scheduler.loops import make_event_loop
 from tokenloom.scheduler.scheduler import Scheduler, SchedulerWorker
@@ -45,6 +45,7 @@ class LoopHarness:
         self.loop = (make_loop or (lambda sched, inbox: make_event_loop(args, sched, inbox)))(self.scheduler,
                                                                                             self.inbox)
         self.results: dict[str, Result] = {}
+        self.accepted: list[str] = []  # rids of the RequestAccepted notices, in order
         self.steps = 0
 
     def submit(self, rid: str, ids: list[int], params: dict[str, Any], **kw: Any) -> None:
@@ -69,6 +70,9 @@ class LoopHarness:
 
     def _collect(self) -> None:
         for msg in self.outbox.recv_all():
+            if isinstance(msg, RequestAccepted):  # a streaming request's admission notice
+                self.accepted.append(msg.rid)
+                continue
             for i, rid in enumerate(msg.rids):
                 res = self.results.setdefault(rid, Result())
                 res.output_ids.extend(msg.new_token_ids[i])

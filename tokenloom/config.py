@@ -106,6 +106,9 @@ class ServerArgs:
                                             "host use by default.")
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
+    watchdog_timeout: float = _flag(300.0, "Seconds one forward step may run before the rank's watchdog declares "
+                                    "it hung: the rank reports the reason and exits, and the server reports "
+                                    "unhealthy and exits non-zero (SGLang's flag and default).")
     # Prefill/decode disaggregation (tokenloom/disaggregation/)
     disaggregation_mode: str = _flag("null", "null (a unified server), prefill or decode: one half of a "
                                      "disaggregated pair that SGLang's router drives (sglang_router.launch_router "
@@ -150,15 +153,25 @@ class ServerArgs:
                                       "process); summary in /get_server_info and the log. "
                                       "Env TOKENLOOM_STEP_PROFILE=1 does the same.")
     max_queued_requests: int | None = _flag(None, "Reject new requests with 503 beyond this many waiting.")
+    max_logprobs: int = _flag(20, "Most top logprobs a request may ask for per token (top_logprobs_num, "
+                              "top_logprobs, logprobs); vLLM's flag and default.")
     stream_interval: int = _flag(1, "Stream every N tokens.")
     decode_log_interval: int = _flag(40, "Log a decode statistics line every N decode steps.")
     log_level: str = _flag("info", "Logging level.", LOG_LEVELS)
+    log_requests: bool = _flag(False, "Log each request's input when it arrives and its output when it finishes "
+                               "(how much: --log-requests-level). Without it no prompt or output text is logged.")
+    log_requests_level: int = _flag(2, "With --log-requests: 0 metadata only (id, lengths, finish reason), 1 also "
+                                    "the sampling parameters, 2 also the input and output (text or token ids) cut "
+                                    "to 2048 characters / ids, 3 all of them in full (SGLang's levels).")
     # HTTP server
     host: str = _flag("127.0.0.1", "Address the HTTP server listens on.")
     port: int = _flag(30000, "Port the HTTP server listens on.")
     api_key: str | None = _flag(None, "Require `Authorization: Bearer <key>` on every route but /health and "
                                 "/metrics.")
     enable_metrics: bool = _flag(False, "Serve Prometheus metrics at /metrics.")
+    max_request_body_bytes: int = _flag(32 * 2**20, "Largest request body accepted (bytes, default 32 MiB): a "
+                                        "larger one is answered 413 before it is read, whether it declares its "
+                                        "length or is sent chunked.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -189,6 +202,8 @@ class ServerArgs:
             raise ConfigError(f"--max-prefill-tokens must be >= 1; got {self.max_prefill_tokens}")
         if self.schedule_conservativeness <= 0:
             raise ConfigError(f"--schedule-conservativeness must be > 0; got {self.schedule_conservativeness}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ConfigError(f"--max-queued-requests must be >= 1; got {self.max_queued_requests}")
         if self.stream_interval < 1 or self.decode_log_interval < 1:
@@ -210,6 +225,10 @@ class ServerArgs:
             raise ConfigError(f"--port must be in [1, 65535]; got {self.port}")
         if not self.host:
             raise ConfigError("--host must not be empty")
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ConfigError(f"--log-requests-level must be 0, 1, 2 or 3; got {self.log_requests_level}")
+        if self.max_request_body_bytes < 1:
+            raise ConfigError(f"--max-request-body-bytes must be >= 1; got {self.max_request_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -235,6 +254,8 @@ class ServerArgs:
                               "every node can reach, the same on every node")
         if self.dist_timeout is not None and self.dist_timeout < 1:
             raise ConfigError(f"--dist-timeout must be >= 1 second; got {self.dist_timeout}")
+        if not self.watchdog_timeout > 0:
+            raise ConfigError(f"--watchdog-timeout must be > 0 seconds; got {self.watchdog_timeout}")
         if self.dist_init_addr is not None:
             from tokenloom.distributed.topology import parse_dist_init_addr
 

@@ -5,8 +5,9 @@ The chain of a request: `GenerateRequest` (HTTP body / Engine arguments, validat
 → `ForwardOutput` → `BatchTokenOutput` (scheduler → detokenizer) → `BatchStrOutput` (detokenizer → engine)
 → `ReqState` → response.
 
-Control messages (`AbortRequest`, `FlushCacheRequest`, `GetInternalStateRequest`) travel engine → scheduler;
-their replies travel scheduler → detokenizer → engine unchanged. `TransferEvent`s (prefill/decode
+Control messages (`AbortRequest`, `FlushCacheRequest`, `GetInternalStateRequest`, `StartProfileRequest`,
+`StopProfileRequest`) travel engine → scheduler (every rank, the way requests do); their replies travel
+scheduler → detokenizer → engine unchanged (the entry rank's only). `TransferEvent`s (prefill/decode
 disaggregation) travel from the entry rank's transfer agent into its own scheduler inbox, then the path
 requests take to every rank, so all ranks act on them at the same iteration.
 """
@@ -64,6 +65,21 @@ class TokenizedRequest:
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the pair's room (None on a unified server)
 
 
+# The rids the HTTP server gives its own requests: /health probes and the start-up warm-up. Metrics, request
+# logs and step logs leave them out.
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
+WARMUP_RID_PREFIX = "WARMUP_"
+
+
+@dataclass
+class RequestAccepted:
+    """Scheduler → (detokenizer, forwarded) → TokenizerManager: a streaming request passed the scheduler's
+    checks and is queued (a refused one gets its finished abort output instead), so its HTTP answer can start
+    as a 200 stream before the first token, and a refusal can still be an HTTP error status."""
+
+    rid: str
+
+
 @dataclass
 class AbortRequest:
     rid: str
@@ -89,6 +105,36 @@ class GetInternalStateRequest:
 @dataclass
 class InternalStateReply:
     state: dict[str, Any]
+
+
+@dataclass
+class StartProfileRequest:
+    """/start_profile, checked by the tokenizer manager (scheduler/profiler.py `start_profile_request`): every
+    rank records a torch.profiler trace into `output_dir` (one file per rank, named with `profile_id` and the
+    rank), from after `start_step` steps since start (None: now), for `num_steps` steps (None: until
+    `StopProfileRequest`)."""
+
+    output_dir: str
+    profile_id: str
+    num_steps: int | None = None
+    start_step: int | None = None
+    activities: tuple[str, ...] = ("CPU",)
+    with_stack: bool = True
+    record_shapes: bool = False
+    profile_prefix: str = ""
+
+
+@dataclass
+class StopProfileRequest:
+    pass
+
+
+@dataclass
+class ProfileReply:
+    """Whether a start or stop was done; `message` says what happened (where the traces are) or why not."""
+
+    success: bool
+    message: str
 
 
 @dataclass

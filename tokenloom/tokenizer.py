@@ -68,3 +68,13 @@ def eos_token_ids(source: ModelSource, tokenizer: Any) -> tuple[int, ...]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` can stand for: the longest vocabulary entry (byte-level
+    BPE spells each byte as one character and SentencePiece each character as one, so an entry is never shorter
+    than the text it decodes to). A text of c characters therefore has at least c / this many tokens, which
+    lets an overlong prompt be refused before it is tokenized."""
+    vocab = tokenizer.get_vocab()
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return max(1, *(len(token) for token in vocab), *(len(token) for token in added))

@@ -68,6 +68,18 @@ GENERATE_CASES = [
     ("token_ids_logprob_count_mismatch", {"text": ["a", "b"], "return_logprob": True, "token_ids_logprob": [[1]]},
      "token_ids_logprob has 1 lists for 2 prompts"),
     ("unsupported_feature", {"text": "Hi", "image_data": "x.png"}, "image_data is not supported"),
+    ("n_over_cap", sp(n=10000), "n must be at most 128, got 10000"),
+    ("top_logprobs_over_cap", {"text": "Hi", "return_logprob": True, "top_logprobs_num": 21},
+     "top_logprobs_num must be an integer in [0, 20] (--max-logprobs), got 21"),
+    ("token_ids_logprob_over_cap", {"text": "Hi", "return_logprob": True, "token_ids_logprob": list(range(257))},
+     "token_ids_logprob may list at most 256 token ids, got 257"),
+    ("input_ids_over_context", {"input_ids": [1] * 9000}, "longer than the model's context length (8192 tokens)"),
+    # refused on its length alone: more characters than 8192 tokens of the longest vocabulary entry could hold
+    ("text_far_over_context", {"text": "x" * 5_000_000}, "(5000000 characters) is longer than the model's context"),
+    # found by tests/reliability/test_fuzz.py: each was a 5xx, or killed a runtime process
+    ("flag_not_bool", sp(skip_special_tokens=[1]), "skip_special_tokens must be a boolean, got [1]"),  # detokenizer
+    ("custom_params_not_object", sp(custom_params=[1]), "custom_params must be an object, got list"),
+    ("temperature_int_beyond_float", sp(temperature=10**400), "temperature must be a finite number"),  # OverflowError
 ]
 
 # (case id, route, raw body, content type, expected message fragment); body-level errors, SGLang's shape
@@ -91,6 +103,21 @@ BODY_CASES = [
      "messages: Field required"),
     ("chat_bad_type", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": "two"}',
      "application/json", "n: Input should be a valid integer"),
+    # deeper than the JSON parser's recursion limit (it used to be a plain-text 500), and deeper than the cap
+    ("generate_nested_10000_deep", "/generate", b'{"text": ' + b"[" * 10000 + b"]" * 10000 + b"}",
+     "application/json", "nested more than 64 levels deep"),
+    ("chat_nested_100_deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}",
+     "application/json", "nested more than 64 levels deep"),
+    # found by tests/reliability/test_fuzz.py (each a 500): lone surrogates reached the tokenizer or the UTF-8
+    # encoder of the answer; an integer of more digits than Python converts raised a ValueError
+    ("generate_lone_surrogate_text", "/generate", b'{"text": "\\ud800"}', "application/json",
+     "text: a lone UTF-16 surrogate (\\ud800) is not valid Unicode text."),
+    ("generate_lone_surrogate_key", "/generate", b'{"text": "Hi", "sampling_params": {"\\udfff": 1}}',
+     "application/json", "a key in sampling_params: a lone UTF-16 surrogate (\\udfff)"),
+    ("completions_encoded_surrogate_model", "/v1/completions", b'{"prompt": "Hi", "model": "\xed\xa0\x80"}',
+     "application/json", "model: a lone UTF-16 surrogate (\\ud800)"),
+    ("generate_number_of_5000_digits", "/generate", b'{"text": "Hi", "rid": ' + b"7" * 5000 + b"}",
+     "application/json", "Malformed JSON body: Exceeds the limit (4300 digits)"),
 ]
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -127,6 +154,19 @@ OPENAI_CASES = [
      "response_format 'json_object' is not supported"),
     ("chat_unknown_sampling_extra", "/v1/chat/completions", {"messages": USER, "logit_bias": {"-5": 1}},
      "logit_bias token id -5 is outside"),
+    ("chat_unknown_role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]},
+     "messages[0]: unknown role 'wizard'"),
+    ("chat_user_without_content", "/v1/chat/completions", {"messages": [{"role": "user"}]},
+     "messages[0]: a user message needs content"),
+    ("chat_user_null_content", "/v1/chat/completions",
+     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}]},
+     "messages[1]: a user message needs content"),
+    ("chat_n_over_cap", "/v1/chat/completions", {"messages": USER, "n": 129}, "n must be at most 128, got 129"),
+    ("completion_logprobs_over_cap", "/v1/completions", {"prompt": "Hi", "logprobs": 21},
+     "logprobs must be an integer in [0, 20] (--max-logprobs), got 21"),
+    # found by tests/reliability/test_fuzz.py: a TypeError (500) for a duplicate keyword of the template call
+    ("chat_template_kwargs_messages", "/v1/chat/completions",
+     {"messages": USER, "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs may not set messages"),
 ]
 
 

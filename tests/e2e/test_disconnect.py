@@ -18,7 +18,7 @@ LONG = {"max_new_tokens": None, "ignore_eos": True}  # until the 8192-token cont
 def aborted_total(url: str) -> float:
     status, text = http("GET", url + "/metrics")
     assert status == 200
-    return float(re.search(r"^tokenloom:num_aborted_requests_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+    return float(re.search(r"^sglang:num_aborted_requests_total\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
 async def read_then_close(url: str, route: str, body: dict, events: int) -> int:

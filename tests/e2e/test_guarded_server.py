@@ -29,6 +29,7 @@ def guarded(tiny_runtime_model):
                            "--max-total-tokens", "32768", "--max-running-requests", "1", "--max-queued-requests", "1",
                            "--num-threads", "1", "--api-key", KEY, "--enable-metrics").wait_healthy()
     server.metrics_when_healthy = http("GET", server.url + "/metrics")[1]
+    server.info_when_healthy = server.server_info(AUTH)
     yield server
     server.stop()
 
@@ -51,20 +52,23 @@ def test_api_key_required(guarded, method, route, body):
 
 
 def metric(text: str, name: str) -> float:
-    return float(re.search(rf"^tokenloom:{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+    return float(re.search(rf"^sglang:{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
 
 
 def test_healthy_only_after_the_warm_up_generation(guarded):
     # The warm-up ("The capital city of France is", 6 tokens, max_new_tokens 8) had finished when /health
-    # first answered 200; a health check alone is a 1-token prompt and at most 1 new token.
+    # first answered 200: its 6 + 8 - 1 tokens with KV are in the prefix cache (a health check alone is a
+    # 1-token prompt and at most 1 new token). Neither it nor the health checks count in /metrics.
+    assert guarded.info_when_healthy["evictable_kv_tokens"] >= 13
     text = guarded.metrics_when_healthy
-    assert metric(text, "prompt_tokens_total") >= 6 and metric(text, "generation_tokens_total") >= 8
+    assert metric(text, "num_requests_total") == 0 and metric(text, "num_aborted_requests_total") == 0
+    assert metric(text, "prompt_tokens_total") == 0 and metric(text, "generation_tokens_total") == 0
 
 
 def test_health_and_metrics_need_no_key(guarded):
     assert http("GET", guarded.url + "/health")[0] == 200
     status, text = http("GET", guarded.url + "/metrics")
-    assert status == 200 and "tokenloom:num_running_reqs" in text
+    assert status == 200 and "sglang:num_running_reqs" in text
 
 
 def test_openai_client_with_and_without_key(guarded):
@@ -105,17 +109,20 @@ def test_full_queue_answers_503(guarded):
             for route, body in (("/generate", {"text": "C"}), ("/v1/completions", {"prompt": "C"})):
                 async with s.post(guarded.url + route, json=body) as resp:
                     results.append((resp.status, await resp.json()))
-            async with s.post(guarded.url + "/generate", json={"text": "C", "stream": True}) as resp:
-                events = [line async for line in resp.content if line.startswith(b"data: ")]
+            for route, body in (("/generate", {"text": "C", "stream": True}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C"}],
+                                                          "stream": True})):
+                async with s.post(guarded.url + route, json=body) as resp:  # refused: an error status, no stream
+                    results.append((resp.status, await resp.json()))
+            assert waiting.status == 200  # queued: its stream started before its first token
             running.close()
             waiting.close()
-            return results, events
+            return results
 
-    (native, oai), events = asyncio.run(scenario())
-    assert native == (503, {"error": {"message": "The request queue is full."}})
-    assert oai[0] == 503 and oai[1]["message"] == "The request queue is full." and oai[1]["code"] == 503
-    finish = json.loads(events[0][6:])["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and finish["status_code"] == 503 and events[-1].strip() == b"data: [DONE]"
+    native, oai, native_stream, chat_stream = asyncio.run(scenario())
+    assert native == native_stream == (503, {"error": {"message": "The request queue is full."}})
+    for status, out in (oai, chat_stream):
+        assert status == 503 and out["message"] == "The request queue is full." and out["code"] == 503
     guarded.wait_idle_and_pool_full(headers=AUTH)
     status, out = http("POST", guarded.url + "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
                        headers=AUTH)

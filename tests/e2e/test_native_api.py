@@ -192,7 +192,7 @@ def test_info_routes(url, tiny_server):
     assert http("GET", url + "/model_info")[1] == model
     assert http("GET", url + "/health")[0] == 200 and http("GET", url + "/health_generate")[0] == 200
     status, text = http("GET", url + "/metrics")
-    assert status == 200 and "tokenloom:num_requests_total" in text and "tokenloom:token_usage" in text
+    assert status == 200 and "sglang:num_requests_total" in text and "sglang:token_usage" in text
 
 
 def test_flush_cache_refused_while_running(url, tiny_server):

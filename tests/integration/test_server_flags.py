@@ -17,6 +17,7 @@ from tokenloom.executor.memory_budget import MemoryBudgetError
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.models.loader import resolve_model_source
 from tokenloom.models.model_config import ModelConfigError
+from tokenloom.protocol import RequestAccepted
 
 MIB = 2**20
 # The tiny Llama (tests/model_factory.TINY) in float32, by hand: per layer qkv 128x64 + o 64x64 + gate_up
@@ -151,6 +152,8 @@ class _ChunkRecorder(Harness):
 
     def _collect(self) -> None:
         for msg in self.outbox.recv_all():
+            if isinstance(msg, RequestAccepted):
+                continue
             for i, rid in enumerate(msg.rids):
                 self.results.setdefault(rid, []).append(len(msg.new_token_ids[i]))  # type: ignore[arg-type]
 

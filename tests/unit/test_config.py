@@ -71,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
     ({"port": 65536}, "--port"),
     ({"host": ""}, "--host"),
     ({"api_key": "  "}, "--api-key"),
+    ({"log_requests_level": 4}, "--log-requests-level"),
+    ({"log_requests_level": -1}, "--log-requests-level"),
+    ({"max_request_body_bytes": 0}, "--max-request-body-bytes"),
+    ({"watchdog_timeout": 0}, "--watchdog-timeout"),
+    ({"watchdog_timeout": -3.0}, "--watchdog-timeout"),
+    ({"watchdog_timeout": float("nan")}, "--watchdog-timeout"),
 ])
 def test_bad_values_raise_config_error_naming_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -93,6 +99,8 @@ def test_config_error_is_value_error():
     {"chunked_prefill_size": 16, "page_size": 16}, {"max_prefill_tokens": 1}, {"schedule_conservativeness": 0.3},
     {"max_queued_requests": 1}, {"stream_interval": 4}, {"decode_log_interval": 1},
     {"trust_remote_code": True}, {"disable_cuda_graph": True}, {"enable_torch_compile": True},
+    {"log_requests": True}, {"log_requests_level": 0}, {"log_requests_level": 3}, {"max_request_body_bytes": 1},
+    {"watchdog_timeout": 0.5},
 ])
 def test_good_values_accepted(kwargs):
     args = ServerArgs.from_kwargs(**kwargs)
@@ -105,6 +113,12 @@ def test_defaults():
     assert (a.dtype, a.page_size, a.device, a.attention_backend, a.load_format, a.tp_size) == \
         ("auto", 1, "cpu", "auto", "auto", 1)
     assert a.model_path is None and a.max_total_tokens is None and a.random_seed == 0
+
+
+def test_watchdog_timeout_is_sglangs_float_flag():
+    assert ServerArgs().watchdog_timeout == 300.0  # SGLang's default
+    args = ServerArgs.from_cli_namespace(parser().parse_args(["--watchdog-timeout", "2.5"]))
+    assert args.watchdog_timeout == 2.5
 
 
 def test_frozen():
@@ -320,6 +334,7 @@ EFFECT_TESTS = {
     "nnodes": "tests/e2e/test_multi_node.py",
     "node_rank": "tests/e2e/test_multi_node.py",
     "dist_timeout": "tests/e2e/test_tensor_parallel_server.py",
+    "watchdog_timeout": "tests/e2e/test_watchdog.py",
     "dist_init_addr": "tests/e2e/test_tensor_parallel_server.py",
     "num_threads": "tests/integration/test_server_flags.py",
     "disable_cuda_graph": "tests/unit/test_config.py",
@@ -337,6 +352,7 @@ EFFECT_TESTS = {
     "disable_overlap_schedule": "tests/integration/test_overlap_scheduler.py",
     "enable_step_profile": "tests/integration/test_overlap_scheduler.py",
     "max_queued_requests": "tests/integration/test_scheduler_abort_stop.py",
+    "max_logprobs": "tests/e2e/test_bad_input.py",
     "stream_interval": "tests/integration/test_server_flags.py",
     "decode_log_interval": "tests/integration/test_scheduler_abort_stop.py",
     "log_level": "tests/integration/test_engine.py",
@@ -344,6 +360,9 @@ EFFECT_TESTS = {
     "port": "tests/e2e/test_launch_cli.py",
     "api_key": "tests/unit/test_http_asgi.py",
     "enable_metrics": "tests/unit/test_http_asgi.py",
+    "log_requests": "tests/e2e/test_server_logs.py",
+    "log_requests_level": "tests/unit/test_request_log.py",
+    "max_request_body_bytes": "tests/e2e/test_server_logs.py",
     "disaggregation_mode": "tests/e2e/test_disaggregation.py",
     "disaggregation_bootstrap_port": "tests/e2e/test_disaggregation.py",
     "disaggregation_transfer_backend": "tests/e2e/test_disaggregation.py",

@@ -1,5 +1,5 @@
 """Pure pieces of the HTTP layer: body reading, error shapes, stream merging, disconnect handling, usage
-and finish-reason translation, batch helpers of the TokenizerManager, and metrics rendering."""
+and finish-reason translation, batch helpers of the TokenizerManager."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import math
 import pytest
 from starlette.requests import Request
 
-from tokenloom.entrypoints.metrics import render_metrics
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloom.entrypoints.openai.serving_base import finish_reason_of, usage_of
 from tokenloom.entrypoints.serving_utils import (
@@ -26,7 +25,7 @@ from tokenloom.entrypoints.serving_utils import (
 )
 from tokenloom.frontend.logprob_accumulator import LOGPROB_FLOOR
 from tokenloom.frontend.logprob_accumulator import triple as _triple
-from tokenloom.frontend.tokenizer_manager import ServingCounters, _batch_rids, _common_n
+from tokenloom.frontend.tokenizer_manager import _batch_rids, _common_n
 
 
 def make_request(body: bytes, content_type: str | None, disconnect_after: float | None = None) -> Request:
@@ -234,20 +233,3 @@ def test_logprob_triples_stay_json_safe():
     assert _triple(-0.5, 7) == [-0.5, 7, None]
     assert _triple(-math.inf, 3) == [LOGPROB_FLOOR, 3, None]
     assert _triple(math.nan, 3)[0] == LOGPROB_FLOOR
-
-
-def test_counters_and_metrics_text():
-    counters = ServingCounters()
-    counters.on_finished({"finish_reason": {"type": "length"}, "prompt_tokens": 5, "completion_tokens": 3,
-                          "cached_tokens": 2, "e2e_latency": 0.5})
-    counters.on_finished(None)
-    assert (counters.num_requests, counters.num_aborted, counters.prompt_tokens) == (2, 1, 5)
-    state = {"num_running_reqs": 2, "num_waiting_reqs": 1, "max_total_num_tokens": 100, "kv_tokens_in_use": 25,
-             "last_gen_throughput": 12.5, "cache_hit_rate": 0.1}
-    text = render_metrics(state, counters, 'my"model')
-    lines = text.splitlines()
-    assert 'tokenloom:num_running_reqs{model_name="my\\"model"} 2.0' in lines
-    assert 'tokenloom:token_usage{model_name="my\\"model"} 0.25' in lines
-    assert 'tokenloom:num_aborted_requests_total{model_name="my\\"model"} 1.0' in lines
-    assert 'tokenloom:e2e_request_latency_seconds_count{model_name="my\\"model"} 2.0' in lines
-    assert "# TYPE tokenloom:generation_tokens_total counter" in lines and text.endswith("\n")

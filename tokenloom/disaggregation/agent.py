@@ -199,10 +199,11 @@ class TransferAgent:
         `aux_index`; tell the prefill ranks (`prefill_info`: the "bootstrapped" event's layout) where to write."""
         self._calls.put(lambda: self._send_dst(room, prefill_info, slots, aux_index))
 
-    def abort(self, room: int, reason: str) -> None:
+    def abort(self, room: int, reason: str, by_client: bool = False) -> None:
         """Either side: the scheduler gave up on the room (client abort, failure): drop its remaining work and
-        tell the peer server's entry."""
-        self._calls.put(lambda: self._abort(room, reason))
+        tell the peer server's entry (`by_client`: the client asked, so the peer ends its half as an abort, not
+        as an error)."""
+        self._calls.put(lambda: self._abort(room, reason, by_client))
 
     def forget(self, room: int) -> None:
         """The scheduler is done with the room (its final event was handled): drop its bookkeeping."""
@@ -268,7 +269,7 @@ class TransferAgent:
                 self._push[address] = sock
             sock.send(json.dumps(msg).encode())
 
-    def _event(self, room: int, kind: str, detail: str = "") -> None:
+    def _event(self, room: int, kind: str, detail: str = "", data: Any = None) -> None:
         """Entry: push the room's event into this rank's scheduler inbox (once per final outcome)."""
         if kind in ("sent", "arrived", "failed"):
             if room in self._reported:
@@ -276,7 +277,7 @@ class TransferAgent:
             self._reported.add(room)
             self._deadlines.pop(room, None)
         assert self._events is not None
-        self._events.send_pyobj(TransferEvent(room, kind, detail))
+        self._events.send_pyobj(TransferEvent(room, kind, detail, data))
 
     def _watch(self, room: int, timeout_s: float, what: str) -> None:
         if self.config.is_entry and room not in self._reported:
@@ -319,12 +320,12 @@ class TransferAgent:
         self._notify_peer(room, reason)
         self._event(room, "failed", reason)
 
-    def _notify_peer(self, room: int, reason: str) -> None:
+    def _notify_peer(self, room: int, reason: str, by_client: bool = False) -> None:
         """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room. A decode
         entry that has not sent the room's destination yet finds the prefill entry from its bootstrap."""
         if not self.config.is_entry:
             return
-        msg = {"t": "abort", "room": room, "detail": reason}
+        msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client}
         peer = self._peer_entry.get(room)
         if peer is not None:
             self._send(peer, msg)
@@ -348,17 +349,20 @@ class TransferAgent:
         the peer entry may free its side of it now."""
         self._calls.put(lambda: self._notify_peer(room, reason))
 
-    def _abort(self, room: int, reason: str) -> None:
+    def _abort(self, room: int, reason: str, by_client: bool = False) -> None:
         with self._dst_cond:
             self._aborted.add(room)
             self._dst_cond.notify_all()
         if room not in self._reported:
-            self._notify_peer(room, reason)
+            self._notify_peer(room, reason, by_client)
         self._deadlines.pop(room, None)
 
     def _on_abort(self, room: int, msg: dict[str, Any]) -> None:
         if self.config.is_entry:
-            self._event(room, "failed", f"the peer server gave up on the request: {msg.get('detail', '')}")
+            if msg.get("by_client") is True:  # not a failure: this side's answer is an abort too, without error
+                self._event(room, "failed", "Aborted by the client (on the peer server).", {"by_client": True})
+            else:
+                self._event(room, "failed", f"the peer server gave up on the request: {msg.get('detail', '')}")
             with self._dst_cond:  # a prefill entry's own sender drops the room's remaining chunks
                 self._aborted.add(room)
                 self._dst_cond.notify_all()

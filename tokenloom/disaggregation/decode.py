@@ -82,21 +82,24 @@ class DecodeDisaggregation(DisaggSide):
                 self.arrived.append(req)
             self._end_drain(room)
         elif event.kind == "failed":
-            self.failed += 1
-            self._fail(room, f"KV transfer failed: {event.detail}")
+            by_client = isinstance(event.data, dict) and event.data.get("by_client") is True
+            self.failed += not by_client
+            self._fail(room, event.detail if by_client else f"KV transfer failed: {event.detail}",
+                       None if by_client else 500)
             self._end_drain(room)
             self.agent.finished_failed(room, event.detail)
 
-    def _fail(self, room: int, message: str) -> None:
+    def _fail(self, room: int, message: str, status: int | None = 500) -> None:
+        """End the room's request (`status` None: a client abort on the prefill side, answered as an abort)."""
         for req in self.prealloc:
             if req.bootstrap.room == room:
                 self.prealloc.remove(req)
-                self._finish(req, message, 500)
+                self._finish(req, message, status, error=status is not None)
                 return
         req = self.transfer.pop(room, None)
         if req is not None:
             self._free(req)
-            self._finish(req, message, 500)
+            self._finish(req, message, status, error=status is not None)
         self.agent.forget(room)
 
     def _end_drain(self, room: int) -> None:
@@ -105,8 +108,12 @@ class DecodeDisaggregation(DisaggSide):
             self._free(req)
             self.agent.forget(room)
 
-    def _finish(self, req: Req, message: str, status: int | None = None) -> None:
-        if status is None:
+    def _finish(self, req: Req, message: str, status: int | None = None, error: bool = True) -> None:
+        """`status` None: the scheduler's client-abort status; `error` False: no status at all (an abort the
+        client asked for on the other server, answered as a normal response with finish reason abort)."""
+        if not error:
+            req.abort(message, None)
+        elif status is None:
             req.abort(message)
         else:
             req.abort(message, status)
@@ -129,14 +136,14 @@ class DecodeDisaggregation(DisaggSide):
         for req in self.prealloc:
             if req.rid == rid:
                 self.prealloc.remove(req)
-                self.agent.abort(req.bootstrap.room, message)
+                self.agent.abort(req.bootstrap.room, message, by_client=True)
                 self.agent.forget(req.bootstrap.room)
                 self._finish(req, message)
                 return True
         for room, req in list(self.transfer.items()):
             if req.rid == rid:
                 del self.transfer[room]
-                self.agent.abort(room, message)
+                self.agent.abort(room, message, by_client=True)
                 self.draining[room] = req  # its slots may still be written: freed at the room's final event
                 self._finish(req, message)
                 return True

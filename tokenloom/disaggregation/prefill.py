@@ -108,21 +108,24 @@ class PrefillDisaggregation(DisaggSide):
                 self._let_go(req)
             self.agent.forget(room)
         elif event.kind == "failed":
-            self.failed += 1
-            self._fail(room, f"KV transfer failed: {event.detail}")
+            by_client = isinstance(event.data, dict) and event.data.get("by_client") is True
+            self.failed += not by_client
+            self._fail(room, event.detail if by_client else f"KV transfer failed: {event.detail}",
+                       None if by_client else 500)
             self.agent.finished_failed(room, event.detail)
             self.agent.forget(room)
 
-    def _fail(self, room: int, message: str) -> None:
+    def _fail(self, room: int, message: str, status: int | None = 500) -> None:
+        """End the room's request (`status` None: a client abort on the decode side, answered as an abort)."""
         req = self.bootstrap_queue.pop(room, None) or self.inflight.pop(room, None)
         if req is not None:
             if not req.finished or req.finished_reason.get("type") != "abort":
-                req.abort(message, 500)
+                req.abort(message, status)
             self._let_go(req)
             return
         req = self._in_scheduler(room)
         if req is not None:  # waiting, or prefilling: the scheduler finds and frees it
-            self.scheduler.abort_request(req.rid, message, status=500)
+            self.scheduler.abort_request(req.rid, message, status=status)
         else:  # its request has not reached this server yet
             self.early_failed[room] = message
             while len(self.early_failed) > MAX_EARLY_READY:
@@ -139,7 +142,8 @@ class PrefillDisaggregation(DisaggSide):
         """The scheduler aborts a request of ours that holds KV (client abort, failure): stop its writes,
         wait for any write still reading its slots, then let the scheduler free them."""
         room = req.bootstrap.room
-        self.agent.abort(room, req.finished_reason.get("message", "aborted") if req.finished_reason else "aborted")
+        reason = req.finished_reason or {}
+        self.agent.abort(room, reason.get("message", "aborted"), by_client=(reason.get("status_code") or 0) < 500)
         self.agent.wait_chunks(room)
         req.kv_hold = False
 
@@ -150,7 +154,7 @@ class PrefillDisaggregation(DisaggSide):
                 if req.rid == rid:
                     del table[room]
                     req.abort(message)
-                    self.agent.abort(room, message)
+                    self.agent.abort(room, message, by_client=True)
                     self._let_go(req)
                     self.agent.forget(room)
                     return True

@@ -4,6 +4,7 @@ tokenizes and talks to the scheduler); the serving classes hold the translation 
 Routes: POST|PUT /generate; POST /v1/completions, /v1/chat/completions; GET /v1/models[/{id}];
 GET /health, /health_generate; GET /get_server_info (/server_info), /get_model_info (/model_info);
 GET /get_load, /v1/loads (load reports for routers); GET|POST /flush_cache; POST /abort_request;
+GET|POST /start_profile, /stop_profile (torch profiler traces, scheduler/profiler.py);
 GET /metrics (with --enable-metrics).
 
 Lifecycle: the app owns the TokenizerManager given to it. At startup a warm-up generation runs in the
@@ -32,12 +33,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenloom
 from tokenloom.config import ServerArgs
+from tokenloom.entrypoints.body_limit import BodyLimitMiddleware
 from tokenloom.entrypoints.loads import legacy_load, loads_prometheus, loads_report
 from tokenloom.entrypoints.metrics import CONTENT_TYPE, render_metrics
-from tokenloom.entrypoints.openai.protocol import ModelCard, ModelList
+from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tokenloom.entrypoints.openai.serving_chat import ChatServing
 from tokenloom.entrypoints.openai.serving_completions import CompletionServing
-from tokenloom.entrypoints.serving_generate import GenerateServing
+from tokenloom.entrypoints.openapi_bodies import ABORT_REQUEST_SCHEMA, json_request_body, model_request_body
+from tokenloom.entrypoints.serving_generate import GenerateReqInput, GenerateServing
 from tokenloom.entrypoints.serving_utils import (
     BadRequestBody,
     abort_error,
@@ -48,6 +51,8 @@ from tokenloom.entrypoints.serving_utils import (
 )
 from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
 from tokenloom.models.default_model import DEFAULT_MODEL_ALIAS
+from tokenloom.protocol import HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX
+from tokenloom.scheduler.profiler import PROFILE_FIELDS
 from tokenloom.tokenizer import generation_defaults
 
 logger = logging.getLogger("tokenloom.server")
@@ -112,6 +117,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs, on_fatal: Callable[[str],
             tm.shutdown()
 
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)  # inside the key check
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     _add_error_handlers(app)
@@ -133,6 +139,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def dead(request: Request, exc: EngineDeadError) -> Response:
         return JSONResponse({"error": {"message": str(exc)}}, status_code=503)
 
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:
+        """A bug, not the client's fault: a JSON 500 (Starlette still logs the traceback); the server serves on."""
+        return JSONResponse({"error": {"message": f"Internal server error ({type(exc).__name__}); the server "
+                                                  "log has the details."}}, status_code=500)
+
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     tm, args = state.tm, state.args
@@ -140,9 +152,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     completions = CompletionServing(tm, state.model_name)
     chat = ChatServing(tm, state.model_name, generation_defaults(tm.source))
 
-    app.add_api_route("/generate", generate.handle, methods=["POST", "PUT"])
-    app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"])
+    # The handlers read their bodies themselves; openapi_extra documents them in /openapi.json (openapi_bodies.py).
+    app.add_api_route("/generate", generate.handle, methods=["POST", "PUT"],
+                      openapi_extra=model_request_body(GenerateReqInput))
+    app.add_api_route("/v1/completions", completions.handle, methods=["POST"],
+                      openapi_extra=model_request_body(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"],
+                      openapi_extra=model_request_body(ChatCompletionRequest))
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.model_name, root=tm.source.path, max_model_len=tm.context_len)
@@ -207,7 +223,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         reply = await tm.flush_cache()
         return PlainTextResponse(reply.message, status_code=200 if reply.success else 400)
 
-    @app.post("/abort_request")
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(request: Request) -> Response:
+        empty = not (await request.body()).strip()  # SGLang's body is optional: no body, every default
+        body = {} if empty else require_object(await read_json_body(request, require_json_type=False))
+        try:
+            reply = await tm.start_profile(**{k: v for k, v in body.items() if k in PROFILE_FIELDS})
+        except ValueError as e:
+            return body_error(str(e))
+        return PlainTextResponse(reply.message + "\n") if reply.success else body_error(reply.message)
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        reply = await tm.stop_profile()
+        return PlainTextResponse(reply.message + "\n") if reply.success else body_error(reply.message)
+
+    @app.post("/abort_request", openapi_extra=json_request_body(ABORT_REQUEST_SCHEMA))
     async def abort_request(request: Request) -> Response:
         body = require_object(await read_json_body(request, require_json_type=False))
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
@@ -222,8 +253,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     if args.enable_metrics:
         @app.get("/metrics")
         async def metrics() -> Response:
-            text = render_metrics(await tm.get_internal_state(), tm.counters, state.model_name)
-            return Response(text, media_type=CONTENT_TYPE)
+            body = render_metrics(await tm.get_internal_state(), tm.metrics, state.model_name)
+            return Response(body, media_type=CONTENT_TYPE)
 
 
 async def warm_up(state: ServerState) -> None:
@@ -233,7 +264,7 @@ async def warm_up(state: ServerState) -> None:
         ids = tm.tokenizer(WARMUP_PROMPT).input_ids[: max(1, tm.context_len // 2)]
         max_new = max(0, min(WARMUP_MAX_NEW_TOKENS, tm.context_len - len(ids) - 1))
         req = tm.tokenize_request(None, ids, {"max_new_tokens": max_new, "temperature": 0},
-                                  rid=f"WARMUP_{uuid.uuid4().hex}")
+                                  rid=f"{WARMUP_RID_PREFIX}{uuid.uuid4().hex}")
         out: dict[str, Any] = {}
         async for out in tm.generate_request(req):  # noqa: B007 - only the final output matters
             pass
@@ -259,7 +290,7 @@ async def health_check(state: ServerState) -> bool:
         return False
     start = time.monotonic()
     req = tm.tokenize_request(None, [0], {"max_new_tokens": 1, "temperature": 0},
-                              rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+                              rid=f"{HEALTH_CHECK_RID_PREFIX}{uuid.uuid4().hex}")
 
     async def run() -> None:
         async for _ in tm.generate_request(req):

@@ -12,11 +12,16 @@ stops and exits 1 with the reason on stderr.
 
 Several machines: run the same command on each with `--nnodes N --node-rank K --dist-init-addr host:port`
 (an address of node 0). Node 0 serves HTTP; the others run scheduler ranks only (entrypoints/worker_node.py).
+
+Logs: once the runtime is ready, a start-up summary (entrypoints/startup_summary.py); uvicorn's access log
+keeps a line per request except health probes and metric scrapes (`QUIET_ACCESS_PATHS`), which would
+otherwise drown it.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
     from tokenloom.frontend.tokenizer_manager import TokenizerManager
 
 GRACEFUL_SHUTDOWN_S = 5
+QUIET_ACCESS_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # no access-log line for these
 
 
 def build_parser(prog: str = "tokenloom serve") -> argparse.ArgumentParser:
@@ -71,6 +77,9 @@ def main(argv: list[str] | None = None, prog: str = "tokenloom serve") -> int:
     except (ValueError, RuntimeError, OSError) as e:  # bad model path/config, a child that failed to start
         print(f"error: {e}", file=sys.stderr)
         return 1
+    from tokenloom.entrypoints.startup_summary import log_startup_summary
+
+    log_startup_summary(args, tm.source.path, tm.source.config.architecture, tm.scheduler_info)
     return serve(tm, args)
 
 
@@ -84,6 +93,23 @@ def check_listen_address(host: str, port: int) -> str | None:
     except OSError as e:
         return f"cannot listen on {host}:{port}: {e.strerror or e}"
     return None
+
+
+class QuietProbesFilter(logging.Filter):
+    """Drops uvicorn access-log records of `QUIET_ACCESS_PATHS` (uvicorn logs them with the arguments
+    (client, method, path with query, HTTP version, status)); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = record.args
+        if isinstance(fields, tuple) and len(fields) >= 3 and isinstance(fields[2], str):
+            return fields[2].split("?", 1)[0] not in QUIET_ACCESS_PATHS
+        return True
+
+
+def quiet_probe_access_lines(access_logger: logging.Logger) -> None:
+    """Install `QuietProbesFilter` on uvicorn's access logger (once)."""
+    if not any(isinstance(f, QuietProbesFilter) for f in access_logger.filters):
+        access_logger.addFilter(QuietProbesFilter())
 
 
 def serve(tm: TokenizerManager, args: ServerArgs) -> int:
@@ -101,6 +127,7 @@ def serve(tm: TokenizerManager, args: ServerArgs) -> int:
             server.should_exit = True
 
     app = create_app(tm, args, on_fatal)
+    quiet_probe_access_lines(logging.getLogger("uvicorn.access"))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     server = uvicorn.Server(config)

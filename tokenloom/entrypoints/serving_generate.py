@@ -35,17 +35,16 @@ from tokenloom.entrypoints.request_fields import (
 from tokenloom.entrypoints.serving_utils import (
     SSE_DONE,
     ClientDisconnected,
-    DisconnectAwareStream,
     abort_error,
     body_error,
     cancel_on_disconnect,
     format_validation_errors,
     gather_or_cancel,
-    merge_streams,
     native_error,
     read_json_body,
     require_object,
     sse,
+    start_stream,
 )
 from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
 from tokenloom.protocol import TokenizedRequest
@@ -122,12 +121,12 @@ class GenerateServing:
         except ValidationError as e:
             return body_error(format_validation_errors(e.errors()))
         try:
-            reqs, is_batch = self._tokenize(obj)
+            reqs, is_batch = await self.tm.off_loop(self._tokenize, obj)
         except ValueError as e:
             return native_error(str(e))
         if obj.stream:
-            return DisconnectAwareStream(self._stream(reqs, is_batch, obj.return_text_in_logprobs,
-                                                      obj.return_prompt_token_ids))
+            return await start_stream(request, self.tm, reqs, native_error, lambda items: self._stream(
+                items, reqs, is_batch, obj.return_text_in_logprobs, obj.return_prompt_token_ids))
         try:
             outs = await cancel_on_disconnect(request, self._collect(reqs))
         except ClientDisconnected:
@@ -160,10 +159,10 @@ class GenerateServing:
 
         return await gather_or_cancel([last(r) for r in reqs])
 
-    async def _stream(self, reqs: list[TokenizedRequest], is_batch: bool, with_text: bool,
-                      with_prompt_ids: bool = False) -> AsyncIterator[str]:
+    async def _stream(self, items: AsyncIterator[tuple[int, dict[str, Any]]], reqs: list[TokenizedRequest],
+                      is_batch: bool, with_text: bool, with_prompt_ids: bool = False) -> AsyncIterator[str]:
         try:
-            async for i, out in merge_streams([self.tm.generate_request(r) for r in reqs]):
+            async for i, out in items:
                 if is_batch:
                     out = {**out, "index": i}
                 if with_prompt_ids:

@@ -14,18 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from tokenloom.frontend.tokenizer_manager import ACCEPTED, EngineDeadError
 
 T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+# cheap pre-check of a body's text: a surrogate escape, or a surrogate encoded as such (which json accepts)
+MAY_HOLD_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+MAX_JSON_DEPTH = 64  # no request field nests beyond a few levels; deeper bodies only exhaust the parsers' stacks
 
 
 class BadRequestBody(Exception):
@@ -51,9 +57,59 @@ async def read_json_body(request: Request, require_json_type: bool) -> Any:
     if not body.strip():
         raise BadRequestBody("The request body is empty; expected a JSON object.")
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads decodes bytes
+        parsed = json.loads(text)
+    except RecursionError:
+        parsed = None
+    except ValueError as e:  # syntax, encoding, or an integer of more digits than Python converts
         raise BadRequestBody(f"Malformed JSON body: {e}") from None
+    if parsed is None and body.strip() != b"null" or json_depth(parsed) > MAX_JSON_DEPTH:
+        raise BadRequestBody(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.")
+    surrogate = lone_surrogate(parsed) if MAY_HOLD_SURROGATE.search(text) else None
+    if surrogate is not None:  # no tokenizer or UTF-8 encoder takes one: refused here, not a 500 later
+        where, char = surrogate
+        raise BadRequestBody(f"{where}: a lone UTF-16 surrogate ({ascii(char)[1:-1]}) is not valid "
+                             "Unicode text.")
+    return parsed
+
+
+def lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """(where, code point) of the first lone surrogate in the strings of parsed JSON, keys included, or None;
+    `where` is the field's path (`sampling_params.stop[0]`; "a key in <path>" for a key). JSON's `\\ud800` escapes
+    decode to one when they do not form a pair."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            for key, child in node.items():
+                found = _surrogate_in(key)
+                if found is not None:
+                    return f"a key in {path or 'the body'}", found
+                stack.append((child, f"{path}.{key}" if path else key))
+        elif isinstance(node, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(node))
+        elif isinstance(node, str):
+            found = _surrogate_in(node)
+            if found is not None:
+                return path or "the body", found
+    return None
+
+
+def _surrogate_in(text: str) -> str | None:
+    return None if text.isascii() else next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -148,6 +204,66 @@ async def merge_streams(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def open_stream(request: Request, gens: list[AsyncIterator[Any]], accepted: Any
+                      ) -> tuple[list[Any], AsyncIterator[tuple[int, Any]]]:
+    """Merge `gens` (`merge_streams`) and wait, before the response starts, until every one of them was
+    either accepted by the scheduler (it yields the `accepted` marker: queued, nothing generated yet) or
+    answered (a refusal such as a full queue: a finished abort output). A refused request can then be answered
+    with its HTTP status instead of a 200 stream holding an error event, while accepted ones start streaming
+    before their first token. Returns the outputs that arrived meanwhile and an iterator of every (index, output)
+    (those first, markers left out); raises ClientDisconnected (the requests then aborted) or what a source
+    raised."""
+    merged = merge_streams(gens)
+    early: list[tuple[int, Any]] = []
+
+    async def wait_for_each() -> None:
+        heard: set[int] = set()
+        while len(heard) < len(gens):
+            i, item = await anext(merged)
+            heard.add(i)
+            if item is not accepted:
+                early.append((i, item))
+
+    try:
+        await cancel_on_disconnect(request, wait_for_each())
+    except BaseException:
+        await merged.aclose()
+        raise
+
+    async def items() -> AsyncIterator[tuple[int, Any]]:
+        try:
+            for item in early:
+                yield item
+            async for i, item in merged:
+                if item is not accepted:
+                    yield i, item
+        finally:
+            await merged.aclose()
+
+    return [item for _, item in early], items()
+
+
+async def start_stream(request: Request, tm: Any, reqs: list[Any], error: Callable[[str, int], Response],
+                       body: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]]) -> Response:
+    """The answer to streaming `reqs`: once each is queued (`open_stream`), an SSE response of `body(items)`;
+    an error response (`error(message, status)`) when one was refused at once (its status: 503 for a full
+    queue), the runtime is dead (503) or the input is bad (400); 499 when the client left meanwhile."""
+    try:
+        early, items = await open_stream(request, [tm.generate_request(r, announce_acceptance=True) for r in reqs],
+                                         ACCEPTED)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except EngineDeadError as e:
+        return error(str(e), 503)
+    except ValueError as e:
+        return error(str(e), 400)
+    refusal = next((e for e in map(abort_error, early) if e is not None), None)
+    if refusal is not None:  # refused before anything was generated (e.g. the queue is full)
+        await items.aclose()
+        return error(refusal[1], refusal[0])
+    return DisconnectAwareStream(body(items), source=items)
+
+
 async def gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
     """Like asyncio.gather, but the first failure (or our own cancellation) cancels the others, so no
     request of a failed batch keeps running."""
@@ -190,8 +306,11 @@ class DisconnectAwareStream(StreamingResponse):
     """An SSE response that stops (and closes its body iterator) as soon as the client disconnects, even
     while no chunk is due (a queued request, a long prefill), instead of at the next failed write."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], source: Any = None) -> None:
+        """`source`: an async iterator `content` reads (from `open_stream`), closed with it even if `content`
+        never started (a client gone before the first chunk), so its requests are aborted either way."""
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.source = source
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
@@ -210,7 +329,8 @@ class DisconnectAwareStream(StreamingResponse):
             watcher.cancel()
             if not stream.done():
                 stream.cancel()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            for iterator in (self.body_iterator, self.source):
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()

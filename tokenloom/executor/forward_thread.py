@@ -13,25 +13,88 @@ what makes reading decode inputs from the token table (executor/token_table.py) 
 run on a dedicated stream that waits for the scheduler's preparation (`device.ForwardStream`). The thread's
 intra-op thread count is set once, in the thread. `busy_s` accumulates the time spent executing steps (for
 idle-fraction reporting).
+
+`StepGuard` wraps every step these executors run, and the normal loop's inline steps, so it is the one place
+a forward runs through: it marks the step's start and end for the rank's `ForwardWatchdog`
+(scheduler/watchdog.py) and carries the test hook `TOKENLOOM_TEST_HANG_FORWARD_AFTER=N` (for tests only: the
+first N steps run, every later one blocks forever, as a hung kernel would; read once, costs one `is None`
+test per step when unset).
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tokenloom.device import ForwardStream, configure_threads
 from tokenloom.executor.worker import ForwardOutput, ModelWorker, PreparedStep
 
+HANG_AFTER_ENV = "TOKENLOOM_TEST_HANG_FORWARD_AFTER"  # test hook: steps after the N-th never return
+
+
+def hang_after_from_env(environ: dict[str, str] | None = None) -> int | None:
+    """The test hook's N (`TOKENLOOM_TEST_HANG_FORWARD_AFTER`), None when unset."""
+    value = (os.environ if environ is None else environ).get(HANG_AFTER_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{HANG_AFTER_ENV} must be a number of steps (>= 0); got {value!r}")
+    return int(value)
+
+
+class StepMarks(Protocol):
+    """What a step's guard tells the rank's watchdog (scheduler/watchdog.py `ForwardWatchdog`)."""
+
+    def step_started(self) -> None: ...
+
+    def step_finished(self) -> None: ...
+
+
+class StepGuard:
+    """Runs one step between the watchdog's start and end marks (no watchdog: no marks), and applies the
+    hang test hook (`hang_after`: run that many steps, then hang). One guard per executor, used by one thread
+    at a time."""
+
+    def __init__(self, watchdog: StepMarks | None = None, hang_after: int | None = None) -> None:
+        self.watchdog = watchdog
+        self.hang_after = hang_after
+        self.steps = 0
+        self.release_hang = threading.Event()  # the hook's hang ends only when a test sets this
+
+    @classmethod
+    def from_env(cls, watchdog: StepMarks | None = None) -> StepGuard:
+        """A guard with the test hook as `TOKENLOOM_TEST_HANG_FORWARD_AFTER` sets it (off when unset)."""
+        return cls(watchdog, hang_after_from_env())
+
+    def run(self, run: Callable[[PreparedStep], Any], step: PreparedStep) -> Any:
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.step_started()
+        try:
+            if self.hang_after is not None:
+                self._test_hook()
+            return run(step)
+        finally:
+            if watchdog is not None:
+                watchdog.step_finished()
+
+    def _test_hook(self) -> None:
+        self.steps += 1
+        if self.steps > self.hang_after:
+            self.release_hang.wait()  # the step hangs with the GIL released, as a stuck kernel does
+
 
 class ForwardThread:
-    def __init__(self, worker: ModelWorker, num_threads: int | None = None) -> None:
+    def __init__(self, worker: ModelWorker, num_threads: int | None = None, guard: StepGuard | None = None) -> None:
         self.worker = worker
+        self.guard = guard or StepGuard.from_env()
         self.stream = ForwardStream(worker.device)
         threads = num_threads if num_threads is not None else torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-forward",
@@ -47,7 +110,7 @@ class ForwardThread:
         start = time.perf_counter()
         try:
             with self.stream.context(mark):
-                out = run(step)
+                out = self.guard.run(run, step)
             self.stream.finish()
             return out
         finally:
@@ -57,8 +120,9 @@ class ForwardThread:
 class ForwardOnCaller:
     """Executes submitted steps on the thread running `serve_forever()`, in submission order."""
 
-    def __init__(self, worker: ModelWorker) -> None:
+    def __init__(self, worker: ModelWorker, guard: StepGuard | None = None) -> None:
         self.worker = worker
+        self.guard = guard or StepGuard.from_env()
         self.stream = ForwardStream(worker.device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0
@@ -81,7 +145,7 @@ class ForwardOnCaller:
             start = time.perf_counter()
             try:
                 with self.stream.context(mark):
-                    out = run(step)
+                    out = self.guard.run(run, step)
                 self.stream.finish()
             except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
                 future.set_exception(e)

@@ -21,12 +21,14 @@ response; scheduler-side aborts keep theirs (400/503/500).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing as mp
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,8 @@ import zmq
 from tokenloom.config import ServerArgs
 from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
+from tokenloom.frontend.request_log import log_finished, log_received
+from tokenloom.frontend.request_metrics import ServingMetrics
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
 from tokenloom.launcher import RuntimeLauncher
 from tokenloom.models.loader import resolve_model_source
@@ -46,15 +50,22 @@ from tokenloom.protocol import (
     GetInternalStateRequest,
     InternalStateReply,
     ProcessFailed,
+    ProfileReply,
+    RequestAccepted,
+    StopProfileRequest,
     TokenizedRequest,
 )
 from tokenloom.sampling.sampling_params import SamplingParams
-from tokenloom.tokenizer import load_tokenizer
+from tokenloom.scheduler.profiler import start_profile_request
+from tokenloom.tokenizer import load_tokenizer, longest_token_chars
 
 logger = logging.getLogger(__name__)
 
 CHILD_CHECK_S = 0.5
 DEAD_PEER_WAIT_S = 1.0
+MAX_N = 128  # OpenAI's bound on n
+ACCEPTED: Any = {"accepted": True}  # `generate_request`'s marker: the scheduler queued the streaming request
+MAX_TOKEN_IDS_LOGPROB = 256  # each id adds a logprob per scored position to the answer
 
 
 class EngineDeadError(RuntimeError):
@@ -72,30 +83,6 @@ class ReqState:
     logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
 
 
-@dataclass
-class ServingCounters:
-    """Totals over finished requests (read by /metrics), updated by `generate_request` in the caller's
-    event loop. A request whose caller went away counts as aborted, with no tokens."""
-
-    num_requests: int = 0
-    num_aborted: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    e2e_latency_sum: float = 0.0
-
-    def on_finished(self, meta: dict[str, Any] | None) -> None:
-        self.num_requests += 1
-        if meta is None:
-            self.num_aborted += 1
-            return
-        self.num_aborted += meta["finish_reason"].get("type") == "abort"
-        self.prompt_tokens += meta.get("prompt_tokens", 0)
-        self.generation_tokens += meta.get("completion_tokens", 0)
-        self.cached_tokens += meta.get("cached_tokens", 0)
-        self.e2e_latency_sum += meta.get("e2e_latency", 0.0)
-
-
 class TokenizerManager:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
@@ -103,6 +90,9 @@ class TokenizerManager:
         self.tokenizer = load_tokenizer(self.source, args.tokenizer_path)
         self.context_len = self.source.config.context_length
         self.vocab_size = self.source.config.vocab_size
+        self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
+        # tokenizing (and chat templates) run here, off the HTTP event loop (the tokenizer releases the GIL)
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-tokenize")
         self.addresses = IpcAddresses.fresh()
         self.zmq_ctx = zmq.Context()
         self.receiver = Receiver(self.zmq_ctx, self.addresses.engine)
@@ -116,7 +106,7 @@ class TokenizerManager:
         self.scheduler_info: dict[str, Any] = {}
         self.on_dead: Callable[[str], None] | None = None
         self.last_output_time = 0.0  # time.monotonic() of the last output from the runtime
-        self.counters = ServingCounters()
+        self.metrics = ServingMetrics()  # /metrics (frontend/request_metrics.py)
         self.bootstrap_server = None  # a prefill server's bootstrap service (disaggregation/bootstrap_server.py)
         self._launch()
         self._thread = threading.Thread(target=self._receive_loop, name="tokenloom-receiver", daemon=True)
@@ -149,6 +139,8 @@ class TokenizerManager:
         if self.bootstrap_server is not None:
             self.bootstrap_server.stop()
         self._fail_all("the engine was shut down")
+        if hasattr(self, "tokenize_pool"):
+            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "_thread") and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         self.receiver.close()
@@ -183,9 +175,13 @@ class TokenizerManager:
                     state.finished = True
                     self.rid_to_state.pop(rid, None)
                 state.loop.call_soon_threadsafe(state.queue.put_nowait, out)
+        elif isinstance(msg, RequestAccepted):
+            state = self.rid_to_state.get(msg.rid)
+            if state is not None:
+                state.loop.call_soon_threadsafe(state.queue.put_nowait, ACCEPTED)
         elif isinstance(msg, ProcessFailed):
             self._mark_dead(self._failure_reason(msg))
-        elif isinstance(msg, FlushCacheReply | InternalStateReply):
+        elif isinstance(msg, FlushCacheReply | InternalStateReply | ProfileReply):
             waiters = self._control_waiters.get(type(msg), [])
             if waiters:
                 loop, future = waiters.pop(0)
@@ -244,9 +240,15 @@ class TokenizerManager:
                 raise ValueError("text must be a string")
             if text == "":
                 raise ValueError("text cannot be empty.")
+            if len(text) > self.max_prompt_chars:  # refused without tokenizing it (seconds for megabytes)
+                raise ValueError(f"The input ({len(text)} characters) is longer than the model's context length "
+                                 f"({self.context_len} tokens) could hold whatever its tokenization.")
             input_ids = self.tokenizer(text).input_ids
         if not input_ids:
             raise ValueError("input_ids cannot be empty.")
+        if not isinstance(input_ids, list):
+            raise ValueError("input_ids must be a list of integers")
+        self._check_input_len(len(input_ids))  # before any per-token work
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise ValueError("input_ids must be a list of integers")
         bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
@@ -267,12 +269,21 @@ class TokenizerManager:
                                 top_logprobs_num=top_logprobs_num, arrival_time=time.time(),
                                 token_ids_logprob=token_ids_logprob if return_logprob else None)
 
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the tokenizing thread (validation and tokenization of a request: a long
+        prompt takes a while, and the event loop must keep serving meanwhile); its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
     def _check_token_ids(self, token_ids: Any) -> list[int] | None:
         if token_ids is None:
             return None
         if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                       for t in token_ids):
             raise ValueError("token_ids_logprob must be a list of token ids (or one such list per prompt)")
+        if len(token_ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob may list at most {MAX_TOKEN_IDS_LOGPROB} token ids, got "
+                             f"{len(token_ids)}")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token_ids_logprob contains token id {bad[0]} outside the vocabulary "
@@ -306,11 +317,14 @@ class TokenizerManager:
         params = self._batch_params(sampling_params, count, is_batch)
         rids = _batch_rids(rid, count, is_batch)
         n = _common_n(params)
+        self._check_fan_out(count, n)
         _check_logprob_start_len(logprob_start_len)
         token_ids = _per_prompt_token_ids(token_ids_logprob, count, is_batch)
         rooms = bootstraps_for(self.args.disaggregation_mode, *bootstrap, count, n)
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
-            raise ValueError(f"top_logprobs_num must be an integer in [0, {self.vocab_size}], "
+        top_max = min(self.args.max_logprobs, self.vocab_size)
+        if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or \
+                not 0 <= top_logprobs_num <= top_max:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {top_max}] (--max-logprobs), "
                              f"got {top_logprobs_num!r}")
         reqs = []
         for i in range(count):
@@ -357,7 +371,16 @@ class TokenizerManager:
         """Each token decoded on its own (the token strings of logprob listings)."""
         return [self.tokenizer.decode([t]) for t in token_ids]
 
-    def _check_length(self, n: int, params: SamplingParams) -> None:
+    def _check_fan_out(self, prompts: int, n: int) -> None:
+        """A request of `prompts` × `n` generations that the server could never take at once is refused now
+        instead of being queued piecemeal until the queue overflows: with --max-queued-requests, its
+        generations arrive together in the waiting queue, so more than that many can never all be admitted."""
+        queued = self.args.max_queued_requests
+        if queued is not None and prompts * n > queued:
+            raise ValueError(f"This request asks for {prompts * n} generations ({prompts} prompt(s) × n={n}); "
+                             f"the server queues at most {queued} requests (--max-queued-requests).")
+
+    def _check_input_len(self, n: int) -> None:
         if n >= self.context_len:
             raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
                              f"({self.context_len} tokens).")
@@ -365,6 +388,11 @@ class TokenizerManager:
         if limit is not None and n > limit:
             raise ValueError(f"The input ({n} tokens) is longer than the KV cache can hold for one request "
                              f"({limit} tokens).")
+
+    def _check_length(self, n: int, params: SamplingParams) -> None:
+        """Prompt plus max_new_tokens within the context (a 400, as vLLM answers); the KV pool clamps
+        max_new_tokens instead (the scheduler, as SGLang)."""
+        self._check_input_len(n)
         if params.max_new_tokens is not None and n + params.max_new_tokens >= self.context_len:
             raise ValueError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
@@ -372,29 +400,40 @@ class TokenizerManager:
                 f"and {params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
                 f"the input messages or the completion to fit within the limit.")
 
-    async def generate_request(self, req: TokenizedRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yield outputs of one request (every one when streaming, else only the final one)."""
+    async def generate_request(self, req: TokenizedRequest, announce_acceptance: bool = False
+                               ) -> AsyncIterator[dict[str, Any]]:
+        """Yield outputs of one request (every one when streaming, else only the final one). With
+        `announce_acceptance`, a streaming request first yields `ACCEPTED` once the scheduler has queued it
+        (a refused one yields its finished output instead)."""
         if req.rid in self.rid_to_state:
             raise ValueError(f"Duplicate request id {req.rid!r}")
         logprobs = LogprobAccumulator(req.return_logprob and req.logprob_start_len >= 0, req.top_logprobs_num > 0,
                                       req.token_ids_logprob)
         state = ReqState(req.rid, asyncio.get_running_loop(), asyncio.Queue(), logprobs=logprobs)
         self.rid_to_state[req.rid] = state
+        log_received(self.args, req)  # --log-requests only (frontend/request_log.py)
+        timer = self.metrics.track(req.rid, req.stream)
         try:
             self._send(req)
             while True:
                 item = await state.queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if item is ACCEPTED:
+                    if announce_acceptance:
+                        yield item
+                    continue
+                timer.on_output(item)  # the final one closes the request's metrics
                 if item["meta_info"]["finish_reason"] is not None:
-                    self.counters.on_finished(item["meta_info"])
+                    log_finished(self.args, req, item)
                     yield item
                     return
                 if req.stream:
                     yield item
         finally:
             if not state.finished and self.rid_to_state.pop(req.rid, None) is not None:
-                self.counters.on_finished(None)
+                timer.on_abandoned()
+                log_finished(self.args, req, None)
                 self.abort(req.rid)
 
     def abort(self, rid: str, message: str = "Aborted by the client.") -> None:
@@ -420,6 +459,15 @@ class TokenizerManager:
 
     async def get_internal_state(self) -> dict[str, Any]:
         return (await self._control(GetInternalStateRequest(), InternalStateReply)).state
+
+    async def start_profile(self, **options: Any) -> ProfileReply:
+        """SGLang's start_profile (`options`: /start_profile's body fields, scheduler/profiler.py): every rank
+        starts a torch.profiler trace; ValueError naming an option this server cannot honour."""
+        return await self._control(start_profile_request(self.args.device, **options), ProfileReply)
+
+    async def stop_profile(self) -> ProfileReply:
+        """End the profile started by `start_profile`; every rank writes its trace."""
+        return await self._control(StopProfileRequest(), ProfileReply)
 
 
 def _response(msg: BatchStrOutput, i: int, state: ReqState) -> dict[str, Any]:
@@ -452,6 +500,8 @@ def _common_n(params: list[dict[str, Any]]) -> int:
     for n in ns:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
+        if n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {n}")
     if len(set(ns)) > 1:
         raise ValueError(f"All requests in a batch must use the same n; got n values {sorted(set(ns))}")
     return ns[0]

@@ -2,7 +2,8 @@
 
 `resolve_model_source(args)` decides what the model path means (default model included) and reads the
 config; `load_model(source, ...)` builds the Llama-family module for a layer range and TP shard and fills
-it. Every failure is raised at load time with the file and the problem in the message.
+it, logging its progress and a final line (layers, parameters, bytes, time; models/load_progress.py). Every
+failure is raised at load time with the file and the problem in the message.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
+from tokenloom.executor.memory_budget import model_nbytes
 from tokenloom.models.default_model import resolve_model_path
 from tokenloom.models.gguf_file import GGUFFile
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.load_progress import LoadProgress
 from tokenloom.models.model_config import ModelConfig, ModelConfigError
 from tokenloom.models.registry import model_class_for
 
@@ -93,16 +96,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
                start_layer: int = 0, end_layer: int | None = None, seed: int = 0) -> LlamaForCausalLM:
     cls = model_class_for(source.config.architecture)
     model = cls(source.config, ctx, dtype, start_layer, end_layer)
+    progress = LoadProgress(model.required_weight_names())  # INFO lines while the tensors stream in
     if source.load_format == "dummy":
         _fill_dummy(model, seed)
     elif source.load_format == "gguf":
-        model.load_weights((source.gguf or GGUFFile(source.path)).tensors(source.config))
+        model.load_weights(progress.track((source.gguf or GGUFFile(source.path)).tensors(source.config)))
     else:
-        model.load_weights(_safetensors_tensors(source.path))
+        model.load_weights(progress.track(_safetensors_tensors(source.path)))
     model = model.to(device).eval()
     for module in model.modules():
         if hasattr(module, "prepare_for_inference"):
             module.prepare_for_inference()
+    progress.finished(model, dtype, model_nbytes(model),
+                      what="random, --load-format dummy" if source.load_format == "dummy" else "")
     return model
 
 

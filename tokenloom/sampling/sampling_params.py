@@ -1,8 +1,10 @@
 """`SamplingParams`: one request's sampling and stopping parameters, with SGLang's keys and checks.
 
 Built from a user's dict by `SamplingParams.from_dict`, which rejects unknown keys and out-of-range values
-with a `SamplingParamsError` (a ValueError, so the HTTP layer answers 400 with the message). After
-`normalize`, greedy is explicit (`is_greedy`) and `top_k` is a positive count (vocabulary size for "all").
+with a `SamplingParamsError` (a ValueError, so the HTTP layer answers 400 with the message): every value is
+type-checked here, since the scheduler and detokenizer processes use them as they are and a wrong type there
+would take the runtime down. After `normalize`, greedy is explicit (`is_greedy`), `top_k` is a positive count
+(vocabulary size for "all") and each logit bias lies in [-100, 100] (OpenAI's range, clamped as vLLM does).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-6
+MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range is [-100, 100]; beyond it float32 logits overflow
+FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 class SamplingParamsError(ValueError):
@@ -63,7 +67,7 @@ class SamplingParams:
 
     def verify(self, vocab_size: int | None = None) -> None:
         def num(name: str, value: Any, integer: bool = False) -> None:
-            ok = isinstance(value, int) if integer else isinstance(value, int | float) and math.isfinite(value)
+            ok = isinstance(value, int) if integer else isinstance(value, int | float) and _is_finite(value)
             if not ok or isinstance(value, bool):
                 kind = "an integer" if integer else "a finite number"
                 raise SamplingParamsError(f"{name} must be {kind}, got {value!r}")
@@ -101,6 +105,11 @@ class SamplingParams:
         if self.sampling_seed is not None and (not isinstance(self.sampling_seed, int)
                                                or isinstance(self.sampling_seed, bool)):
             raise SamplingParamsError(f"sampling_seed must be an integer, got {self.sampling_seed!r}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise SamplingParamsError(f"custom_params must be an object, got {type(self.custom_params).__name__}")
         self._verify_stops(vocab_size)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -144,6 +153,9 @@ class SamplingParams:
             self.is_greedy = True
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logit_bias:
+            self.logit_bias = {key: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias)))
+                               for key, bias in self.logit_bias.items()}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -152,3 +164,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_finite(value: int | float) -> bool:
+    """math.isfinite, with an int too large for a float (a JSON number of hundreds of digits) not finite."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

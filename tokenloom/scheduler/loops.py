@@ -16,6 +16,11 @@ issues implement the same protocol around the same `Scheduler`.
 At tp_size > 1 every rank runs the same loop in lockstep: the inbox is a `rank_sync.BroadcastInbox` (one
 broadcast per iteration) and the adaptive policy a `BroadcastOverlap` (rank 0 decides); these collectives
 run on the scheduling thread's control group, the forward's on the compute group (the forward thread).
+
+Every loop's forwards run through one `StepGuard` (executor/forward_thread.py): the normal loop's inline, the
+others' in their executor; with a `watchdog` (the rank's `ForwardWatchdog`, `--watchdog-timeout`) the guard
+marks each step's start and end. Every processed step (`_finish_step`) also steps the scheduler's
+`TraceProfiler` (/start_profile, scheduler/profiler.py).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Protocol
 from tokenloom.config import ServerArgs
 from tokenloom.device import keep_this_thread_single_threaded
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
-from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
+from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread, StepGuard, StepMarks
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
@@ -97,6 +102,7 @@ class _LoopBase:
             totals["decode_period_s"] += timing.period
             totals["decode_tokens"] += timing.batch_size
         self.profiler.record(timing)
+        self.scheduler.trace_profiler.step_done()
         self._on_step(timing)
 
     def _on_step(self, timing: StepTiming) -> None:
@@ -127,6 +133,11 @@ class _LoopBase:
 class NormalLoop(_LoopBase):
     """Receive → schedule → run → process, each step to completion (no overlap)."""
 
+    def __init__(self, scheduler: Scheduler, inbox: Inbox, profiler: StepProfiler | None = None,
+                 guard: StepGuard | None = None) -> None:
+        super().__init__(scheduler, inbox, profiler)
+        self.guard = guard or StepGuard.from_env()
+
     def run_once(self, timeout_ms: int = 0) -> bool:
         batch, schedule_s = self._receive_and_schedule(timeout_ms)
         if batch is None:
@@ -136,7 +147,7 @@ class NormalLoop(_LoopBase):
         step = self.scheduler.launch(batch)
         timing = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start, batch_size=batch.batch_size,
                             is_decode=batch.forward_mode.is_decode())
-        out = self.scheduler.worker.execute(step)
+        out = self.guard.run(self.scheduler.worker.execute, step)
         self._finish_step(batch, out, timing)
         return True
 
@@ -229,27 +240,29 @@ def overlap_mode(args: ServerArgs) -> str:
 
 
 def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forward_on_caller: bool = False,
-                    parallel: ParallelContext = SINGLE_PROCESS) -> EventLoop:
+                    parallel: ParallelContext = SINGLE_PROCESS, watchdog: StepMarks | None = None) -> EventLoop:
     """`forward_on_caller`: the overlap loop's forwards run on the thread that calls `run_forever()` (the
     scheduler process's main thread) and scheduling on a new thread; otherwise on a dedicated thread, so a
     caller can drive `run_once()` itself (tests). At tp_size > 1 the adaptive policy's decisions are TP
     rank 0's, broadcast (`rank_sync.BroadcastOverlap`); `inbox` must then be a `BroadcastInbox`. At
-    pp_size > 1 every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py); only stage 0 has an inbox."""
+    pp_size > 1 every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py); only stage 0 has an inbox.
+    `watchdog`: the rank's `ForwardWatchdog`, told of every step's start and end."""
     profiler = StepProfiler(profiling_requested(args.enable_step_profile))
+    guard = StepGuard.from_env(watchdog)
     if parallel.pp_size > 1:  # the pipeline overlaps by itself: --overlap-schedule does not apply
         from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, seed_options
 
-        executor = (ForwardOnCaller(scheduler.worker) if forward_on_caller
-                    else ForwardThread(scheduler.worker, args.num_threads))
+        executor = (ForwardOnCaller(scheduler.worker, guard) if forward_on_caller
+                    else ForwardThread(scheduler.worker, args.num_threads, guard))
         return PipelineLoop(scheduler, inbox, StageChannels.build(parallel), parallel, executor,
                             args.pp_async_batch_depth, profiler=profiler, **seed_options())
     mode = overlap_mode(args)
     if mode == "off":
-        return NormalLoop(scheduler, inbox, profiler)
+        return NormalLoop(scheduler, inbox, profiler, guard)
     policy: FixedOverlap | AdaptiveOverlap | BroadcastOverlap = FixedOverlap(True) if mode == "on" \
         else AdaptiveOverlap()
     if mode == "auto" and parallel.tp_size > 1:
         policy = BroadcastOverlap(policy, parallel)
-    executor = (ForwardOnCaller(scheduler.worker) if forward_on_caller
-                else ForwardThread(scheduler.worker, args.num_threads))
+    executor = (ForwardOnCaller(scheduler.worker, guard) if forward_on_caller
+                else ForwardThread(scheduler.worker, args.num_threads, guard))
     return OverlapLoop(scheduler, inbox, policy, executor, profiler)

@@ -14,6 +14,7 @@ released when k+1's results arrive.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,8 @@ class OutputProcessor:
         self.emit(batch.reqs)
 
     def _append(self, req: Req, i: int, out: ForwardOutput, may_finish: bool = True) -> None:
+        if not req.output_ids:
+            req.first_token_time = time.time()
         req.output_ids.append(out.next_token_ids[i])
         if req.return_logprob and out.logprobs is not None:
             req.output_token_logprobs.append((out.logprobs[i], out.next_token_ids[i]))
@@ -137,6 +140,10 @@ def make_token_output(reqs: list[Req]) -> BatchTokenOutput:
             "cached_tokens": req.cached_tokens,
             "total_retractions": req.retraction_count,
         }
+        if req.queue_time is not None:  # SGLang's meta_info names
+            meta["queue_time"] = req.queue_time
+        if req.first_token_time is not None:
+            meta["prefill_finished_ts"] = req.first_token_time
         if req.return_logprob:
             meta["output_token_logprobs"] = req.output_token_logprobs[start:]
             if req.top_logprobs_num:

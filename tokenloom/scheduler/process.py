@@ -18,10 +18,15 @@ every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py) with pp_size + --
 only stage 0 reads requests (its TP ranks through the broadcast inbox) and passes them down the stages.
 
 A hung peer: collectives wait at most --dist-timeout (default 300 s); a rank whose collective failed names
-the peers whose heartbeat stopped (distributed/heartbeat.py) in its error.
+the peers whose heartbeat stopped (distributed/heartbeat.py) in its error. A hung forward on this rank (a
+stuck kernel, a deadlocked collective): once serving, the rank's `ForwardWatchdog` (scheduler/watchdog.py,
+--watchdog-timeout, default 300 s) trips after a step has run that long; the rank logs every thread's stack,
+reports "watchdog: a forward step has not returned for N s" like any failure below (on a socket of its
+own: the hung threads may hold the others) and exits 1 at once, without unwinding the hung threads.
 
 Readiness is reported through a pipe as {"status": "ready", "max_total_num_tokens", "max_req_input_len",
-"context_len", "vocab_size", "native_decode_max_batch"} (or {"status": "error", ...}); after that, a fatal
+"context_len", "vocab_size", "native_decode_max_batch", and what the rank measured while starting:
+scheduler/rank_report.py} (or {"status": "error", ...}); after that, a fatal
 error is reported to the engine as a `ProcessFailed` message (naming the rank) through the detokenizer before
 the process exits non-zero. Every rank on node 0 has that failure channel; only the entry rank sends outputs
 on it.
@@ -29,10 +34,16 @@ on it.
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import os
+import sys
+import time
 from typing import Any
 
 from tokenloom.config import ServerArgs
 
+WATCHDOG_EXIT_CODE = 1
 RENDEZVOUS_TIMEOUT_S = 120.0
 # How long a collective waits for its peers once the world is assembled (--dist-timeout): it bounds how long a
 # hung or unreachable rank can stall the others, and must cover the longest legitimate wait between ranks
@@ -40,11 +51,29 @@ RENDEZVOUS_TIMEOUT_S = 120.0
 DEFAULT_DIST_TIMEOUT_S = 300.0
 
 
+class ForwardHungError(RuntimeError):
+    """A forward step outlived --watchdog-timeout (raised nowhere: it names the failure in the report)."""
+
+
 def rank_label(rank: int, tp_size: int, pp_size: int) -> str:
     """How logs and errors name a scheduler rank: "scheduler" alone in a one-rank world."""
     if tp_size * pp_size == 1:
         return "scheduler"
     return f"scheduler rank {rank} (tp {rank % tp_size}, pp {rank // tp_size})"
+
+
+def exit_hung(name: str, reason: str, ready: Any, ctx: Any, addresses: Any) -> None:
+    """The watchdog tripped (on its own thread; the forward, and maybe more, is stuck): log every thread's
+    stack, report the reason through a new socket (the hung threads may hold the loop's) and the ready pipe,
+    and exit without unwinding the stuck threads."""
+    from tokenloom.frontend.process_utils import report_failure
+    from tokenloom.ipc import Sender
+
+    logging.getLogger(name).error("%s: %s; the stacks of its threads:", name, reason)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    report_failure(name, ForwardHungError(reason), ready,
+                   Sender(ctx, addresses.detokenizer) if addresses is not None else None)
+    os._exit(WATCHDOG_EXIT_CODE)
 
 
 def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: int = 0,
@@ -62,8 +91,11 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     from tokenloom.ipc import Receiver, Sender
     from tokenloom.models.loader import resolve_model_source
     from tokenloom.scheduler.loops import make_event_loop
+    from tokenloom.scheduler.profiler import TraceProfiler
+    from tokenloom.scheduler.rank_report import rank_report
     from tokenloom.scheduler.rank_sync import BroadcastInbox, discard
     from tokenloom.scheduler.scheduler import Scheduler
+    from tokenloom.scheduler.watchdog import ForwardWatchdog
     from tokenloom.tokenizer import eos_token_ids, load_tokenizer
 
     if args.disaggregation_mode == "decode" and not args.disable_radix_cache:
@@ -87,7 +119,9 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
         source = resolve_model_source(args)
         start_layer, end_layer = stage_layers(source.config.num_hidden_layers, parallel.pp_rank, parallel.pp_size,
                                               partition_from_env())
+        load_start = time.perf_counter()
         loaded = LoadedModel.load(args, parallel, source, start_layer, end_layer)  # only this stage's layers
+        load_seconds = time.perf_counter() - load_start
         # sized beside the loaded weights, at the world's smallest capacity; the one owner of the KV memory
         memory = loaded.kv_memory(args, parallel, agree=lambda values: min_reduce_ints(values, parallel))
         runner = ModelRunner(args, parallel, loaded=loaded, memory=memory)
@@ -96,7 +130,8 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
         agree = (lambda value: all_equal(value, parallel)) if parallel.tp_size > 1 else None
         lanes = parallel.pp_size + args.pp_async_batch_depth if parallel.pp_size > 1 else 1
         scheduler = Scheduler(args, worker, tokenizer, sender.send if parallel.is_entry else discard, memory,
-                              ranks_agree=agree, num_lanes=lanes)
+                              ranks_agree=agree, num_lanes=lanes,
+                              trace_profiler=TraceProfiler(parallel.tp_rank, parallel.pp_rank, parallel.pp_size))
         inbox: Any = Receiver(ctx, addresses.scheduler) if parallel.is_entry else None
         if parallel.tp_size > 1 and parallel.is_first_stage:  # later stages get requests from the previous one
             inbox = BroadcastInbox(inbox, parallel)
@@ -108,9 +143,14 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
                                   addresses.scheduler if parallel.is_entry else None)
         ready.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                     "max_req_input_len": scheduler.max_req_input_len, "context_len": runner.context_len,
+                    "max_running_requests": scheduler.max_running_requests,
                     "vocab_size": runner.vocab_size,
-                    "native_decode_max_batch": 0 if runner.native_decode is None else runner.native_decode.max_batch})
-        make_event_loop(args, scheduler, inbox, forward_on_caller=True, parallel=parallel).run_forever()
+                    "native_decode_max_batch": 0 if runner.native_decode is None else runner.native_decode.max_batch,
+                    **rank_report(loaded.model, loaded.dtype, memory.kv_pool.nbytes(), load_seconds)})
+        watchdog = ForwardWatchdog(args.watchdog_timeout, lambda reason: exit_hung(name, reason, ready, ctx,
+                                                                                   addresses)).start()
+        make_event_loop(args, scheduler, inbox, forward_on_caller=True, parallel=parallel,
+                        watchdog=watchdog).run_forever()
     except Exception as e:
         error = name_silent_peers(heartbeat, range(world), lambda r: rank_label(r, args.tp_size, args.pp_size), e)
         report_failure(name, error, ready, sender)

@@ -72,6 +72,11 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.cached_tokens = 0
         self.retraction_count = 0
+        # Timing for meta_info (/metrics): seconds from receipt to the first admission into a prefill batch, and
+        # the wall-clock time (time.time()) the first output token was produced.
+        self.received_time = time.perf_counter()
+        self.queue_time: float | None = None
+        self.first_token_time: float | None = None
         self.sent_len = 0  # output tokens already handed to the detokenizer
         self.finish_sent = False  # the finish reason was handed over (a request finishes exactly once)
         # Overlap scheduling: batches launched with this request and not processed yet, and how many of them
@@ -145,6 +150,11 @@ class Req:
         if len(acc.values) != expected:
             raise AssertionError(f"{self.rid}: {len(acc.values)} prompt logprobs, expected {expected}")
         acc.done = True
+
+    def mark_admitted(self) -> None:
+        """The request is in a prefill batch being planned; only the first admission sets `queue_time`."""
+        if self.queue_time is None:
+            self.queue_time = time.perf_counter() - self.received_time
 
     def reset_for_retract(self) -> None:
         self.req_pool_idx = None

@@ -51,6 +51,9 @@ from tokenloom.protocol import (
     FlushCacheRequest,
     GetInternalStateRequest,
     InternalStateReply,
+    RequestAccepted,
+    StartProfileRequest,
+    StopProfileRequest,
     TokenizedRequest,
     TransferEvent,
 )
@@ -58,6 +61,7 @@ from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
 from tokenloom.scheduler.prefill_adder import AddResult, PrefillAdder
+from tokenloom.scheduler.profiler import TraceProfiler
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
 from tokenloom.scheduler.stats import NewTokenRatio, StepStats
@@ -121,12 +125,13 @@ class SchedulerWorker(Protocol):
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: SchedulerWorker, tokenizer: Any, send: Callable[[Any], None],
                  memory: KVMemory, ranks_agree: Callable[[object], bool] | None = None, num_lanes: int = 1,
-                 lane_cap: int | None = None) -> None:
+                 lane_cap: int | None = None, trace_profiler: TraceProfiler | None = None) -> None:
         """`ranks_agree` (tp_size > 1): whether every TP rank holds the same value (rank_sync /
         comm.all_equal); called only from `handle`, which every rank runs on the same messages in the same
         order. `num_lanes` micro-batch lanes (scheduler/lane.py), each holding at most `lane_cap` requests
         (default: `--pp-max-micro-batch-size`, else max_running_requests // pp_size under PP, else
-        max_running_requests; max_running_requests bounds all lanes together too)."""
+        max_running_requests; max_running_requests bounds all lanes together too). `trace_profiler`: the rank's
+        /start_profile sessions (scheduler/profiler.py; default: one named as rank 0), stepped by the loop."""
         if memory.page_size != args.page_size:
             raise ValueError(f"KVMemory has page size {memory.page_size}, --page-size is {args.page_size}")
         self.args = args
@@ -164,6 +169,7 @@ class Scheduler:
         self.disagg: Any = None
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
+        self.trace_profiler = trace_profiler or TraceProfiler()
 
     def attach_disaggregation(self, side: Any) -> None:
         """Make this a prefill or decode server's scheduler (`side`: a PrefillDisaggregation or
@@ -193,6 +199,8 @@ class Scheduler:
         elif isinstance(msg, GetInternalStateRequest):
             loop.settle_all()  # report settled numbers (e.g. no KV held by requests that finished)
             self.send(InternalStateReply(self.internal_state(loop.info())))
+        elif isinstance(msg, StartProfileRequest | StopProfileRequest):
+            self.send(self.trace_profiler.handle(msg))
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 
@@ -207,9 +215,11 @@ class Scheduler:
             req.abort(*error)
             self.output.emit([req])
             return
-        if self.disagg is not None and self.disagg.add(req):
-            return
-        self.waiting_queue.append(req)
+        taken = self.disagg is not None and self.disagg.add(req)  # (or refused by it: then finished)
+        if tr.stream and not req.finished:  # the HTTP side may now start the answer as a 200 stream
+            self.send(RequestAccepted(req.rid))
+        if not taken:
+            self.waiting_queue.append(req)
 
     def _validate(self, req: Req) -> tuple[str, int] | None:
         n = len(req.origin_input_ids)
@@ -222,7 +232,8 @@ class Scheduler:
             return f"logprob_start_len ({req.logprob_start_len}) must be -1 or a prompt position below {n}.", 400
         if self.args.max_queued_requests is not None and len(self.waiting_queue) >= self.args.max_queued_requests:
             return "The request queue is full.", 503
-        limit = self.context_len - n - 1
+        # SGLang's clamp: prompt + outputs must fit the context and the KV pool (a request alone always fits)
+        limit = min(self.context_len, self.max_total_num_tokens) - n - 1
         params = req.sampling_params
         params.max_new_tokens = limit if params.max_new_tokens is None else min(params.max_new_tokens, limit)
         params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
@@ -323,6 +334,7 @@ class Scheduler:
         if not adder.can_run_list:
             return None
         for req in adder.can_run_list:
+            req.mark_admitted()  # queue_time, from the first admission only
             if req.retraction_count == 0 and req.req_pool_idx is None:
                 req.cached_tokens = req.prefix_len
         for req in adder.can_run_list:  # prompts whose KV reaches the tree only once this batch is processed
@@ -355,7 +367,9 @@ class Scheduler:
         longest prompts). Candidates: the lane's running requests and those of lanes with nothing in flight
         (settled; a launched batch's KV is in use on some stage). False when even the lane's last request does
         not fit while other lanes' batches are in flight, or while a decode server's requests on their way hold
-        pre-allocated KV (they arrive, then decode or retract in turn): the lane idles until then."""
+        pre-allocated KV (they arrive, then decode or retract in turn): the lane idles until then. A last request
+        that does not fit while nothing else holds KV (admission's clamp to the pool makes that unexpected) is
+        ended with a 500; the scheduler keeps serving."""
         settled = [r for other in self.lanes if other is not lane and not other.launched for r in other.running]
         order = sorted([*lane.running, *settled], key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)),
                        reverse=True)
@@ -366,9 +380,13 @@ class Scheduler:
             if not victims:
                 waits = any(other.launched for other in self.lanes if other is not lane) or \
                     (self.disagg is not None and self.disagg.holds_incoming_kv())
-                if not waits:
-                    raise RuntimeError("Out of memory even after retracting every other request; "
-                                       "raise --max-total-tokens")
+                if not waits:  # nothing else holds the KV it needs and never will: end it, keep serving
+                    last = lane.running[0]
+                    lane.running.remove(last)
+                    logger.error("request %s cannot continue: the KV pool is full even after retracting every "
+                                 "other request", last.rid)
+                    self._finish_aborted(last, "The KV cache pool is full even after retracting every other "
+                                         "request; raise --max-total-tokens.", 500)
                 fits = False
                 break
             req = victims[-1]

@@ -3,8 +3,13 @@
 `NewTokenRatio` estimates what fraction of their remaining max_new_tokens running requests will still use:
 it starts at min(0.7 * conservativeness, 1), decays linearly over 600 decode steps to 14% of that while
 nothing is retracted, and jumps back up after a retraction (REFERENCE.md §3).
-`StepStats` logs one line per prefill batch and one every `decode_log_interval` decode steps with running and
-queued requests, token usage, cache hit rate and generation throughput.
+`StepStats` logs, at INFO, one line per prefill batch and one every `decode_log_interval` decode steps, in
+SGLang's wording ("Prefill batch. #new-seq: 1, #new-token: 12, #cached-token: 0, token usage: 0.00,
+#running-req: 0, #queue-req: 0"; "Decode batch. #running-req: ..., gen throughput (token/s): ..."). Token usage
+is the share of the KV pool held by requests (not the evictable prefix cache), after the batch's KV is
+allocated; a prefill line's #running-req counts the requests holding a request slot besides the batch's
+(decoding, or prefilled and not processed yet). A prefill batch of health probes alone is logged at DEBUG,
+so probes do not fill the log. No line carries request text.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import logging
 import time
 from typing import Any
 
+from tokenloom.protocol import HEALTH_CHECK_RID_PREFIX
+
 logger = logging.getLogger("tokenloom.scheduler")
+
 
 DECAY_STEPS = 600
 MIN_RATIO_FACTOR = 0.14
@@ -56,9 +64,15 @@ class StepStats:
         cached = int(sum(r.prefix_len for r in batch.reqs))
         self.prefill_tokens += new
         self.cached_prefill_tokens += cached
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, #queue-req: %d",
-                         len(batch.reqs), new, cached, queued)
+        probes_only = all(r.rid.startswith(HEALTH_CHECK_RID_PREFIX) for r in batch.reqs)
+        level = logging.DEBUG if probes_only else logging.INFO
+        if not logger.isEnabledFor(level):
+            return
+        rows = tree_cache.req_to_token_pool
+        running = rows.size - rows.available_size() - len(batch.reqs)
+        logger.log(level, "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                   "#running-req: %d, #queue-req: %d", len(batch.reqs), new, cached,
+                   _used_tokens(tree_cache, pool_size) / pool_size, max(running, 0), queued)
 
     def on_decode(self, batch: Any, queued: int, tree_cache: Any, pool_size: int) -> None:
         self.decode_steps += 1
@@ -68,7 +82,12 @@ class StepStats:
         now = time.perf_counter()
         self.last_gen_throughput = self.tokens_since_log / max(now - self.last_log_time, 1e-9)
         self.last_log_time, self.tokens_since_log = now, 0
-        used = pool_size - tree_cache.allocator.available_size() - tree_cache.evictable_size()
+        used = _used_tokens(tree_cache, pool_size)
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cache hit rate: %.2f%%, "
                     "gen throughput (token/s): %.2f, #queue-req: %d", len(batch.reqs), used, used / pool_size,
                     100 * self.cache_hit_rate(), self.last_gen_throughput, queued)
+
+
+def _used_tokens(tree_cache: Any, pool_size: int) -> int:
+    """KV tokens held by requests: the pool less what is free and what only the prefix cache holds."""
+    return pool_size - tree_cache.allocator.available_size() - tree_cache.evictable_size()

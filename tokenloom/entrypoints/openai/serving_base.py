@@ -22,18 +22,17 @@ from tokenloom.entrypoints.openai.protocol import SamplingExtras, UsageInfo
 from tokenloom.entrypoints.serving_utils import (
     SSE_DONE,
     ClientDisconnected,
-    DisconnectAwareStream,
     abort_error,
     body_error,
     cancel_on_disconnect,
     format_validation_errors,
     gather_or_cancel,
-    merge_streams,
     openai_error,
     openai_error_body,
     read_json_body,
     require_object,
     sse,
+    start_stream,
 )
 from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
 from tokenloom.protocol import TokenizedRequest
@@ -76,11 +75,11 @@ class OpenAIServingBase:
         try:
             req.check_supported()
             check_common(req)
-            reqs = self.tokenize(req)
+            reqs = await self.tm.off_loop(self.tokenize, req)
         except ValueError as e:
             return openai_error(str(e))
         if req.stream:
-            return DisconnectAwareStream(self._stream(req, reqs))
+            return await start_stream(request, self.tm, reqs, openai_error, lambda items: self._stream(req, items))
         try:
             outs = await cancel_on_disconnect(request, gather_or_cancel([self._last(r) for r in reqs]))
         except ClientDisconnected:
@@ -100,7 +99,7 @@ class OpenAIServingBase:
             pass
         return out
 
-    async def _stream(self, req: Any, reqs: list[TokenizedRequest]) -> AsyncIterator[str]:
+    async def _stream(self, req: Any, items: AsyncIterator[tuple[int, dict[str, Any]]]) -> AsyncIterator[str]:
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         options = req.stream_options
         include_usage = bool(options and options.include_usage)
@@ -109,7 +108,7 @@ class OpenAIServingBase:
         logprob_len: dict[int, int] = {}
         last: dict[int, dict[str, Any]] = {}
         try:
-            async for i, out in merge_streams([self.tm.generate_request(r) for r in reqs]):
+            async for i, out in items:
                 error = abort_error(out)
                 if error is not None:
                     yield sse({"error": openai_error_body(error[1], error[0])})

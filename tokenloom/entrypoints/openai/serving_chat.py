@@ -30,13 +30,14 @@ from tokenloom.entrypoints.openai.serving_base import OpenAIServingBase, finish_
 from tokenloom.frontend.tokenizer_manager import TokenizerManager
 from tokenloom.protocol import TokenizedRequest
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 # Arguments of the tokenizer's template renderer that chat_template_kwargs must not override (they change
-# what the renderer returns, or have their own request fields).
+# what the renderer returns, or have their own request fields), and the parameter names of the calls that
+# pass them on (`TokenizerManager.apply_chat_template`'s: a duplicate keyword argument is a TypeError).
 RESERVED_TEMPLATE_ARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "messages", "self"})
 
 
 class ChatServing(OpenAIServingBase):
@@ -55,8 +56,9 @@ class ChatServing(OpenAIServingBase):
             name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ValueError(f"{name} must be positive, got {max_new}")
         if req.top_logprobs is not None:
-            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+            top_max = self.tm.args.max_logprobs  # vLLM's bound (OpenAI's is 20, the flag's default)
+            if not 0 <= req.top_logprobs <= top_max:
+                raise ValueError(f"top_logprobs must be in [0, {top_max}] (--max-logprobs), got {req.top_logprobs}")
             if req.top_logprobs and not req.logprobs:  # 0 (vLLM's default) asks for nothing
                 raise ValueError("top_logprobs requires logprobs to be true")
         if req.tools and req.tool_choice != "none":
@@ -100,6 +102,11 @@ class ChatServing(OpenAIServingBase):
         messages = []
         for i, message in enumerate(req.messages):
             content = message.content
+            if message.role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}]: unknown role {message.role!r}; expected one of "
+                                 f"{', '.join(CHAT_ROLES)}")
+            if content is None and message.role != "assistant":  # an assistant turn may be empty (tool calls)
+                raise ValueError(f"messages[{i}]: a {message.role} message needs content")
             if isinstance(content, list):
                 for part in content:
                     if part.type != "text" or part.text is None:

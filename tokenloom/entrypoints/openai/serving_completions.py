@@ -34,8 +34,9 @@ class CompletionServing(OpenAIServingBase):
             raise ValueError("Prompt cannot be empty")
         if req.max_tokens is not None and (req.max_tokens < 0 or (req.max_tokens == 0 and not req.echo)):
             raise ValueError(f"max_tokens must be positive (0 only with echo), got {req.max_tokens}")
-        if req.logprobs is not None and req.logprobs < 0:
-            raise ValueError(f"logprobs must be a non-negative integer, got {req.logprobs}")
+        if req.logprobs is not None and not 0 <= req.logprobs <= self.tm.args.max_logprobs:
+            raise ValueError(f"logprobs must be an integer in [0, {self.tm.args.max_logprobs}] (--max-logprobs), "
+                             f"got {req.logprobs}")
         is_text = isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str))
         reqs, _ = self.tm.tokenize_batch(
             prompt if is_text else None, None if is_text else prompt,

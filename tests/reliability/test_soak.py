@@ -1,0 +1,183 @@
+"""Soak, abort storms and killed processes, per topology (tiny model, small limits, real processes over HTTP).
+
+Each test runs one server shape through three phases:
+1. soak: mixed requests (native and OpenAI routes, streaming and not, prompts of 2-120 words, 2-40 new tokens)
+   arriving faster than the server holds (`--max-queued-requests` turns the excess into 503s), a tenth cut off by
+   their client and a tenth aborted through /abort_request. Every request ends completed, aborted, refused with a
+   message or cancelled by its client: none lost, none failed; afterwards the KV pool (every rank's) is full
+   again, and resident memory of every process stays within a bound between the middle and the end;
+2. (PP, PD) an abort storm: half of the requests aborted at random moments; the stages / servers keep agreeing
+   and serving;
+3. a process is killed under load (the detokenizer, a TP rank, a PP stage, the decode server behind the router):
+   every request in flight ends with a message within a bound, the server exits non-zero and no process is left.
+
+Short form by default (CI); `--long` (or TOKENLOOM_TEST_LONG=1) runs 2,000 requests per soak and prints the
+figures docs/reliability.md records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from tests.e2e.server_process import ServerProcess, free_port, http
+from tests.e2e.test_disaggregation import Router, _assert_idle_and_full
+from tests.reliability.load import LoadReport, LoadShape, run_load
+
+LONG = os.environ.get("TOKENLOOM_TEST_LONG") == "1"
+SOAK_REQUESTS = 2000 if LONG else 150
+LIMITS = ("--dtype", "float32", "--context-length", "4096", "--max-total-tokens", "3000",
+          "--max-running-requests", "12", "--max-queued-requests", "24", "--chunked-prefill-size", "256")
+KILL_BOUND_S = 30.0  # every request in flight ends this soon after a process is killed
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+def process_tree(server: ServerProcess) -> list[int]:
+    return [server.proc.pid, *server.children()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def soak(url: str, servers: list[ServerProcess], label: str, abort_urls: tuple[str, ...] | None = None,
+         abort_share: float = 0.1) -> LoadReport:
+    """Phase 1 (or 2, with a large `abort_share`): the load in two halves, RSS sampled between and after."""
+    pids = [pid for s in servers for pid in process_tree(s)]
+    half = SOAK_REQUESTS // 2
+    first = asyncio.run(run_load(url, LoadShape(requests=half, abort_share=abort_share, seed=1), abort_urls=abort_urls))
+    middle = rss_mb(pids)
+    second = asyncio.run(run_load(url, LoadShape(requests=SOAK_REQUESTS - half, abort_share=abort_share, seed=2),
+                                  abort_urls=abort_urls))
+    end = rss_mb(pids)
+    report = LoadReport(first.outcomes + second.outcomes, first.wall_s + second.wall_s)
+    print(f"[{label}] {report.summary()}; RSS of {len(pids)} processes {middle:.0f} MB -> {end:.0f} MB")
+    assert not report.of("lost") and not report.of("failed"), report.of("lost")[:5] + report.of("failed")[:5]
+    assert len(report.outcomes) == SOAK_REQUESTS
+    counts = report.counts()
+    assert counts.get("completed", 0) >= SOAK_REQUESTS // 4, counts  # the load is real, not all refused
+    refusals = {o.detail for o in report.of("refused")}
+    assert refusals <= {"503 The request queue is full."}, refusals
+    assert end <= middle * 1.15 + 64, (middle, end)  # no process grows without bound
+    return report
+
+
+def kill_under_load(url: str, victim_pid: int, servers_that_exit: list[ServerProcess], label: str,
+                    broken_connection_fails: bool = False) -> LoadReport:
+    """Phase 3: long requests in flight, then `victim_pid` is killed; every request ends with a message within
+    KILL_BOUND_S, and every server in `servers_that_exit` exits non-zero leaving no process behind."""
+    pids = [pid for s in servers_that_exit for pid in process_tree(s)]
+    shape = LoadShape(requests=24, rate_per_s=200, max_new_tokens=(300, 600), disconnect_share=0, abort_share=0,
+                      answer_bound_s=KILL_BOUND_S + 30, seed=3, broken_connection_fails=broken_connection_fails)
+
+    async def scenario() -> tuple[LoadReport, float]:
+        load = asyncio.ensure_future(run_load(url, shape))
+        await asyncio.sleep(1.5)  # requests running and queued
+        os.kill(victim_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        report = await load
+        return report, time.monotonic() - killed
+
+    report, ended_after = asyncio.run(scenario())
+    print(f"[{label}] killed pid {victim_pid}: {report.summary()}; all ended {ended_after:.1f} s after the kill")
+    assert not report.of("lost"), report.of("lost")[:5]
+    assert report.of("failed"), report.counts()  # requests were in flight when it died
+    assert all(o.seconds < shape.answer_bound_s for o in report.outcomes)
+    assert ended_after < KILL_BOUND_S
+    for server in servers_that_exit:
+        assert server.wait_exit(timeout=KILL_BOUND_S) != 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "processes left behind"
+    return report
+
+
+def test_unified_soak_then_a_killed_detokenizer(tiny_runtime_model):
+    server = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--num-threads", "1").wait_healthy()
+    try:
+        soak(server.url, [server], "unified")
+        server.wait_idle_and_pool_full()
+        detokenizer = server.server_info()["process_ids"]["detokenizer"]
+        kill_under_load(server.url, detokenizer, [server], "unified")
+        assert "detokenizer" in server.logs()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_tp2_soak_then_a_killed_rank(tiny_runtime_model):
+    server = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--tp-size", "2").wait_healthy()
+    try:
+        soak(server.url, [server], "tp2")
+        server.wait_idle_and_pool_full()
+        info = server.server_info()
+        assert info["tp_ranks_agree"] is True
+        rank1 = next(pid for name, pid in info["process_ids"].items() if "rank 1" in name or name.endswith("1"))
+        kill_under_load(server.url, rank1, [server], "tp2")
+        assert "rank 1" in server.logs()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_pp2_soak_abort_storm_then_a_killed_stage(tiny_runtime_model):
+    server = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--pp-size", "2").wait_healthy()
+    try:
+        soak(server.url, [server], "pp2")
+        soak(server.url, [server], "pp2 abort storm", abort_share=0.5)  # SGLang's stages diverged here (#34572)
+        info = server.wait_idle_and_pool_full()
+        for stage in info.get("pp_stages", []):  # every stage's pool, not only stage 0's
+            assert stage["available_kv_tokens"] + stage["evictable_kv_tokens"] == stage["max_total_num_tokens"], info
+        status, out = http("POST", server.url + "/generate", {"text": "Still in step?",
+                                                              "sampling_params": {"max_new_tokens": 4}})
+        assert status == 200 and out["meta_info"]["completion_tokens"] == 4
+        stage1 = next(pid for name, pid in info["process_ids"].items() if "rank 1" in name or name.endswith("1"))
+        kill_under_load(server.url, stage1, [server], "pp2")
+        assert "rank 1" in server.logs()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_pd_soak_abort_storm_then_a_killed_decode_server(tiny_runtime_model, monkeypatch):
+    bootstrap = free_port()
+    pd = ("--disaggregation-transfer-backend", "mooncake")
+    # A prefill request whose decode half never arrives (its decode server died first) waits for the decode
+    # side's destination until the bootstrap timeout (SGLang's default 300 s); that timeout is the bound here.
+    monkeypatch.setenv("TOKENLOOM_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "10")
+    prefill = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode", "prefill",
+                            "--disaggregation-bootstrap-port", str(bootstrap), *pd, "--num-threads", "1")
+    decode = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode", "decode", *pd,
+                           "--num-threads", "1")
+    router = None
+    try:
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        router = Router(prefill, bootstrap, decode, extra=("--disable-retries",)).wait_ready()
+        both = (prefill.url, decode.url)
+        soak(router.url, [prefill, decode], "pd", abort_urls=both)
+        soak(router.url, [prefill, decode], "pd abort storm", abort_urls=both, abort_share=0.5)
+        _assert_idle_and_full(prefill)
+        _assert_idle_and_full(decode)
+        kill_under_load(router.url, decode.proc.pid, [], "pd", broken_connection_fails=True)
+        _assert_idle_and_full(prefill)  # the prefill server freed what the dead decode server was sent
+        assert http("GET", prefill.url + "/health")[0] == 200
+    finally:
+        if router is not None:
+            router.stop()
+        for server in (prefill, decode):
+            server.stop(signal.SIGKILL)
