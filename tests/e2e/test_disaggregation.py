@@ -101,7 +101,8 @@ def _assert_idle_and_full(server: ServerProcess) -> None:
         info = server.server_info()
         queues = [info.get(k, 0) for k in ("num_running_reqs", "num_waiting_reqs", "num_bootstrap_reqs",
                                            "num_inflight_transfer_reqs", "num_prealloc_queue_reqs",
-                                           "num_transfer_queue_reqs", "num_decode_retracted_reqs")]
+                                           "num_transfer_queue_reqs", "num_decode_retracted_reqs",
+                                           "num_draining_reqs")]
         if not any(queues):
             break
         assert time.monotonic() < deadline, info

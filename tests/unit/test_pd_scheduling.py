@@ -270,3 +270,19 @@ def test_many_requests_through_a_tiny_decode_pool_all_finish(pair_factory):
     for rid, ids in prompts.items():
         assert results[rid].output_ids == reference(ids, lengths[rid]), rid
     assert pair.decode.side.info()["num_offloaded_reqs"] > 0
+
+
+def test_a_request_aborted_on_prefill_before_its_decode_half_arrived_ends_there_too(pair_factory):
+    # The router sends both halves at once and the client's abort reaches the prefill server first: the decode
+    # half, arriving later, must not wait for KV that never comes (its destination is answered with an abort)
+    pair = pair_factory()
+    pair.submit("x", prompt(4, 20), dict(GREEDY, max_new_tokens=8), to=("prefill",))
+    for _ in range(3):
+        pair.step()
+    pair.abort("x", "prefill")
+    step_until(pair, lambda: "x" in pair.prefill_h.results and pair.prefill_h.results["x"].finish_reason is not None)
+    pair.submit("x", prompt(4, 20), dict(GREEDY, max_new_tokens=8), to=("decode",))  # the same room
+    finish = pair.run(["x"], timeout_s=20)["x"].finish_reason
+    assert finish["type"] == "abort" and not finish.get("status_code"), finish  # an abort, not an error
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)

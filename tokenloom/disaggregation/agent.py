@@ -37,6 +37,7 @@ import queue
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from tokenloom.protocol import Bootstrap, TransferEvent
 logger = logging.getLogger(__name__)
 
 
+ENDED_ROOMS_KEPT = 4096  # prefill: rooms given up on, remembered after forget (a late destination gets an abort)
 SENDER_THREADS = 4  # prefill: KV writes run on this many threads (the engines release the GIL while copying)
 
 
@@ -132,6 +134,10 @@ class TransferAgent:
             self._events.connect(config.events_address)
         # --- room state, control thread only (the sender thread reads `_dst` under `_dst_cond`) ---
         self._deadlines: dict[int, tuple[float, str]] = {}  # entry: room -> (deadline, what it waits for)
+        # rooms this side gave up on (reason, by the client): a destination arriving later (the decode half of a
+        # request aborted here before its decode server had even seen it) is answered with an abort, else the
+        # decode server would wait for KV that never comes
+        self._ended: OrderedDict[int, tuple[str, bool]] = OrderedDict()
         self._reported: set[int] = set()  # entry: rooms whose final event went out
         # entry: room -> the room's KVPoll on each rank that reports to it (prefill: the decode ranks' "dst", then
         # this server's ranks' "sent"; decode: this server's ranks' "arrived"); the room moves on when all agree
@@ -312,8 +318,15 @@ class TransferAgent:
             del self._heartbeat[target]
             self._prefill_servers.forget(target)
 
+    def _remember_ended(self, room: int, reason: str, by_client: bool) -> None:
+        if self.config.role == "prefill":
+            self._ended[room] = (reason, by_client)
+            while len(self._ended) > ENDED_ROOMS_KEPT:
+                self._ended.popitem(last=False)
+
     def _fail_room(self, room: int, reason: str) -> None:
         """Entry: the room failed on this side; tell the peer entry and the scheduler."""
+        self._remember_ended(room, reason, False)
         target = self._room_prefill.get(room)
         if target is not None:  # its layout is looked up again next time (the prefill server may have restarted)
             self._prefill_servers.forget(target)
@@ -350,12 +363,15 @@ class TransferAgent:
         self._calls.put(lambda: self._notify_peer(room, reason))
 
     def _abort(self, room: int, reason: str, by_client: bool = False) -> None:
+        self._remember_ended(room, reason, by_client)
         with self._dst_cond:
             self._aborted.add(room)
             self._dst_cond.notify_all()
         if room not in self._reported:
             self._notify_peer(room, reason, by_client)
         self._deadlines.pop(room, None)
+        if self.config.role == "decode":  # its slots stay reserved until the room's final event: bound the wait
+            self._watch(room, self.config.transfer_timeout_s + 5, "the prefill server to let go of the aborted room")
 
     def _on_abort(self, room: int, msg: dict[str, Any]) -> None:
         if self.config.is_entry:
@@ -381,6 +397,11 @@ class TransferAgent:
     # --- prefill side ----------------------------------------------------------------------------------------
     def _on_dst(self, room: int, msg: dict[str, Any]) -> None:
         if self.config.role != "prefill":
+            return
+        if room in self._ended:
+            reason, by_client = self._ended[room]
+            if self.config.is_entry:
+                self._send(msg["entry"], {"t": "abort", "room": room, "detail": reason, "by_client": by_client})
             return
         decode_rank = int(msg["decode_rank"])
         with self._dst_cond:

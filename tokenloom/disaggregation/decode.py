@@ -303,6 +303,7 @@ class DecodeDisaggregation(DisaggSide):
     def info(self) -> dict[str, Any]:
         return {"disaggregation_mode": "decode", "num_prealloc_queue_reqs": len(self.prealloc),
                 "num_transfer_queue_reqs": len(self.transfer), "num_decode_retracted_reqs": len(self.retracted),
+                "num_draining_reqs": len(self.draining),
                 "num_received_reqs": self.received, "num_failed_transfer_reqs": self.failed,
                 "num_offloaded_reqs": self.offloaded, "free_aux_slots": self.aux.available(),
                 "num_queue_polls": self.queue_polls}

@@ -53,7 +53,7 @@ class PrefillDisaggregation(DisaggSide):
         self.bootstrap_queue: dict[int, Req] = {}
         self.inflight: dict[int, Req] = {}
         self.early_ready: dict[int, None] = {}
-        self.early_failed: dict[int, str] = {}  # rooms that failed before their request arrived
+        self.early_failed: dict[int, tuple[str, int | None]] = {}  # failed before their request arrived: (why, status)
         self.transferred = 0
         self.failed = 0
 
@@ -67,7 +67,7 @@ class PrefillDisaggregation(DisaggSide):
         if self.refused(req, in_use):
             return True
         if room in self.early_failed:
-            req.abort(self.early_failed.pop(room), 500)
+            req.abort(*self.early_failed.pop(room))
             self.scheduler.output.emit([req])
             return True
         params = req.sampling_params
@@ -127,7 +127,7 @@ class PrefillDisaggregation(DisaggSide):
         if req is not None:  # waiting, or prefilling: the scheduler finds and frees it
             self.scheduler.abort_request(req.rid, message, status=status)
         else:  # its request has not reached this server yet
-            self.early_failed[room] = message
+            self.early_failed[room] = (message, status)
             while len(self.early_failed) > MAX_EARLY_READY:
                 self.early_failed.pop(next(iter(self.early_failed)))
 
