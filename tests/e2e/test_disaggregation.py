@@ -95,8 +95,9 @@ def _chat(url: str) -> str:
                                           max_tokens=10, temperature=0).choices[0].message.content
 
 
-def _assert_idle_and_full(server: ServerProcess) -> None:
-    deadline = time.monotonic() + 30
+def _assert_idle_and_full(server: ServerProcess, timeout_s: float = 30) -> None:
+    """Wait until no queue of the PD server holds a request (`timeout_s`), then its pool must be full."""
+    deadline = time.monotonic() + timeout_s
     while True:
         info = server.server_info()
         queues = [info.get(k, 0) for k in ("num_running_reqs", "num_waiting_reqs", "num_bootstrap_reqs",
@@ -105,7 +106,9 @@ def _assert_idle_and_full(server: ServerProcess) -> None:
                                            "num_draining_reqs")]
         if not any(queues):
             break
-        assert time.monotonic() < deadline, info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.url} not idle after {timeout_s} s: {[q for q in queues]} "
+                                 f"(running, waiting, bootstrap, inflight, prealloc, transfer, retracted, draining)")
         time.sleep(0.1)
     assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"], info
 

@@ -286,3 +286,18 @@ def test_a_request_aborted_on_prefill_before_its_decode_half_arrived_ends_there_
     assert finish["type"] == "abort" and not finish.get("status_code"), finish  # an abort, not an error
     pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
     assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_a_full_decode_queue_refuses_with_503_and_the_prefill_half_ends_too(pair_factory):
+    # --max-queued-requests counts the pre-allocation queue; a refused request's prefill half is told to end
+    # (it would otherwise wait for the decode side's destination until the bootstrap timeout)
+    pair = pair_factory(decode_args={"max_queued_requests": 1})
+    for i in range(4):
+        pair.submit(f"r{i}", prompt(30 + i, 30), dict(GREEDY, max_new_tokens=20))
+    results = pair.run(timeout_s=20)
+    refused = sorted(rid for rid, r in results.items() if r.finish_reason.get("status_code") == 503)
+    assert refused == ["r1", "r2", "r3"], {rid: r.finish_reason for rid, r in results.items()}
+    assert all("queue is full" in results[rid].finish_reason["message"] for rid in refused)
+    assert results["r0"].output_ids == reference(prompt(30, 30), 20)
+    for rid in refused:
+        assert pair.prefill_h.results[rid].finish_reason["type"] == "abort"

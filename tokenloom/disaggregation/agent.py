@@ -137,7 +137,7 @@ class TransferAgent:
         # rooms this side gave up on (reason, by the client): a destination arriving later (the decode half of a
         # request aborted here before its decode server had even seen it) is answered with an abort, else the
         # decode server would wait for KV that never comes
-        self._ended: OrderedDict[int, tuple[str, bool]] = OrderedDict()
+        self._ended: OrderedDict[int, tuple[str, bool, int | None]] = OrderedDict()
         self._reported: set[int] = set()  # entry: rooms whose final event went out
         # entry: room -> the room's KVPoll on each rank that reports to it (prefill: the decode ranks' "dst", then
         # this server's ranks' "sent"; decode: this server's ranks' "arrived"); the room moves on when all agree
@@ -210,6 +210,20 @@ class TransferAgent:
         tell the peer server's entry (`by_client`: the client asked, so the peer ends its half as an abort, not
         as an error)."""
         self._calls.put(lambda: self._abort(room, reason, by_client))
+
+    def refuse(self, room: int, bootstrap: Bootstrap, reason: str, status: int) -> None:
+        """Either side: a request of the room was refused at the door (a full queue, a bad request): its peer
+        half is told to end too, instead of waiting for this side until a timeout (a decode entry reaches the
+        prefill entry through the request's bootstrap address; a prefill server answers the decode's
+        destination with an abort when it comes)."""
+        self._calls.put(lambda: self._refuse(room, bootstrap, reason, status))
+
+    def _refuse(self, room: int, bootstrap: Bootstrap, reason: str, status: int) -> None:
+        self._remember_ended(room, reason, False, status)
+        if self.config.role == "decode" and self.config.is_entry:
+            self._room_prefill.setdefault(room, (bootstrap.host, bootstrap.port))
+            self._notify_peer(room, reason, status=status)
+            self._room_prefill.pop(room, None)
 
     def forget(self, room: int) -> None:
         """The scheduler is done with the room (its final event was handled): drop its bookkeeping."""
@@ -318,9 +332,9 @@ class TransferAgent:
             del self._heartbeat[target]
             self._prefill_servers.forget(target)
 
-    def _remember_ended(self, room: int, reason: str, by_client: bool) -> None:
+    def _remember_ended(self, room: int, reason: str, by_client: bool, status: int | None = None) -> None:
         if self.config.role == "prefill":
-            self._ended[room] = (reason, by_client)
+            self._ended[room] = (reason, by_client, status)
             while len(self._ended) > ENDED_ROOMS_KEPT:
                 self._ended.popitem(last=False)
 
@@ -333,12 +347,12 @@ class TransferAgent:
         self._notify_peer(room, reason)
         self._event(room, "failed", reason)
 
-    def _notify_peer(self, room: int, reason: str, by_client: bool = False) -> None:
+    def _notify_peer(self, room: int, reason: str, by_client: bool = False, status: int | None = None) -> None:
         """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room. A decode
         entry that has not sent the room's destination yet finds the prefill entry from its bootstrap."""
         if not self.config.is_entry:
             return
-        msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client}
+        msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client, "status": status}
         peer = self._peer_entry.get(room)
         if peer is not None:
             self._send(peer, msg)
@@ -375,8 +389,12 @@ class TransferAgent:
 
     def _on_abort(self, room: int, msg: dict[str, Any]) -> None:
         if self.config.is_entry:
+            status = msg.get("status")
             if msg.get("by_client") is True:  # not a failure: this side's answer is an abort too, without error
                 self._event(room, "failed", "Aborted by the client (on the peer server).", {"by_client": True})
+            elif isinstance(status, int) and 400 <= status < 600:  # the peer refused it: same status here
+                self._event(room, "failed", f"the peer server refused the request: {msg.get('detail', '')}",
+                            {"status": status})
             else:
                 self._event(room, "failed", f"the peer server gave up on the request: {msg.get('detail', '')}")
             with self._dst_cond:  # a prefill entry's own sender drops the room's remaining chunks
@@ -399,9 +417,10 @@ class TransferAgent:
         if self.config.role != "prefill":
             return
         if room in self._ended:
-            reason, by_client = self._ended[room]
+            reason, by_client, status = self._ended[room]
             if self.config.is_entry:
-                self._send(msg["entry"], {"t": "abort", "room": room, "detail": reason, "by_client": by_client})
+                self._send(msg["entry"], {"t": "abort", "room": room, "detail": reason, "by_client": by_client,
+                                          "status": status})
             return
         decode_rank = int(msg["decode_rank"])
         with self._dst_cond:

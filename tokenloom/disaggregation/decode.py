@@ -82,10 +82,11 @@ class DecodeDisaggregation(DisaggSide):
                 self.arrived.append(req)
             self._end_drain(room)
         elif event.kind == "failed":
-            by_client = isinstance(event.data, dict) and event.data.get("by_client") is True
-            self.failed += not by_client
-            self._fail(room, event.detail if by_client else f"KV transfer failed: {event.detail}",
-                       None if by_client else 500)
+            data = event.data if isinstance(event.data, dict) else {}
+            by_client, refused = data.get("by_client") is True, data.get("status")
+            self.failed += not by_client and refused is None
+            self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
+                       None if by_client else refused or 500)
             self._end_drain(room)
             self.agent.finished_failed(room, event.detail)
 
@@ -297,6 +298,9 @@ class DecodeDisaggregation(DisaggSide):
             self._least_busy_lane().running.append(req)
 
     # --- state --------------------------------------------------------------------------------------------------------
+    def num_queued(self) -> int:
+        return len(self.prealloc)
+
     def is_idle(self) -> bool:
         return not (self.prealloc or self.transfer or self.arrived or self.retracted or self.draining)
 

@@ -57,6 +57,9 @@ class PrefillDisaggregation(DisaggSide):
         self.transferred = 0
         self.failed = 0
 
+    def num_queued(self) -> int:
+        return len(self.bootstrap_queue)
+
     # --- requests ----------------------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
         """Take a validated request with a room into the bootstrap queue (False: serve it as unified)."""
@@ -108,10 +111,11 @@ class PrefillDisaggregation(DisaggSide):
                 self._let_go(req)
             self.agent.forget(room)
         elif event.kind == "failed":
-            by_client = isinstance(event.data, dict) and event.data.get("by_client") is True
-            self.failed += not by_client
-            self._fail(room, event.detail if by_client else f"KV transfer failed: {event.detail}",
-                       None if by_client else 500)
+            data = event.data if isinstance(event.data, dict) else {}
+            by_client, refused = data.get("by_client") is True, data.get("status")
+            self.failed += not by_client and refused is None
+            self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
+                       None if by_client else refused or 500)
             self.agent.finished_failed(room, event.detail)
             self.agent.forget(room)
 

@@ -21,6 +21,17 @@ class DisaggSide:
     def owns(self, req: Req) -> bool:
         return req.bootstrap is not None and not req.bootstrap.is_fake
 
+    def num_queued(self) -> int:
+        """Requests of this side waiting to be admitted (they count against --max-queued-requests)."""
+        raise NotImplementedError
+
+    def refused_at_door(self, req: Req) -> None:
+        """The scheduler refused `req` (of ours) before queueing it: its peer half must end too."""
+        if self.owns(req):
+            reason = req.finished_reason
+            self.agent.refuse(req.bootstrap.room, req.bootstrap, reason.get("message", "refused"),
+                              reason.get("status_code") or 400)
+
     def refused(self, req: Req, room_in_use: bool) -> bool:
         """Answer `req` with a 400 and return True if it cannot be taken: prompt scoring (no token to hand
         over), or a room another request of this server holds."""
@@ -33,4 +44,6 @@ class DisaggSide:
             return False
         req.abort(message, 400)
         self.scheduler.output.emit([req])
+        if not room_in_use:  # (a room in use belongs to another request: leave that one alone)
+            self.refused_at_door(req)
         return True

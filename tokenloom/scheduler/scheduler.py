@@ -214,6 +214,8 @@ class Scheduler:
         if error is not None:
             req.abort(*error)
             self.output.emit([req])
+            if self.disagg is not None:
+                self.disagg.refused_at_door(req)
             return
         taken = self.disagg is not None and self.disagg.add(req)  # (or refused by it: then finished)
         if tr.stream and not req.finished:  # the HTTP side may now start the answer as a 200 stream
@@ -230,7 +232,8 @@ class Scheduler:
                     f"({self.max_req_input_len} tokens).", 400)
         if req.return_logprob and not -1 <= req.logprob_start_len < n:  # the tokenizer manager checks it first
             return f"logprob_start_len ({req.logprob_start_len}) must be -1 or a prompt position below {n}.", 400
-        if self.args.max_queued_requests is not None and len(self.waiting_queue) >= self.args.max_queued_requests:
+        queued = len(self.waiting_queue) + (self.disagg.num_queued() if self.disagg is not None else 0)
+        if self.args.max_queued_requests is not None and queued >= self.args.max_queued_requests:
             return "The request queue is full.", 503
         # SGLang's clamp: prompt + outputs must fit the context and the KV pool (a request alone always fits)
         limit = min(self.context_len, self.max_total_num_tokens) - n - 1
