@@ -72,7 +72,7 @@ def soak(url: str, servers: list[ServerProcess], label: str, abort_urls: tuple[s
     assert not report.of("lost") and not report.of("failed"), report.of("lost")[:5] + report.of("failed")[:5]
     assert len(report.outcomes) == SOAK_REQUESTS
     counts = report.counts()
-    assert counts.get("completed", 0) >= SOAK_REQUESTS // 10, counts  # the load is real, not all refused
+    assert counts.get("completed", 0) >= min(50, SOAK_REQUESTS // 10), counts  # the load is real, not all refused
     refusals = {o.detail for o in report.of("refused")}
     assert all(r.startswith("503 ") and "queue is full" in r for r in refusals), refusals  # (as the router wraps it)
     assert end <= middle * 1.15 + 64, (middle, end)  # no process grows without bound
