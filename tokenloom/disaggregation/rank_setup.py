@@ -17,7 +17,8 @@ import torch
 
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.disaggregation.agent import SENDER_THREADS, AgentConfig, TransferAgent
+from tokenloom.disaggregation.agent import TransferAgent
+from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import register_rank
 from tokenloom.disaggregation.pairing import topology_ranks
