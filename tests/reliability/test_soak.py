@@ -131,8 +131,7 @@ def test_tp2_soak_then_a_killed_rank(tiny_runtime_model):
         server.wait_idle_and_pool_full()
         info = server.server_info()
         assert info["tp_ranks_agree"] is True
-        rank1 = next(pid for name, pid in info["process_ids"].items() if "rank 1" in name or name.endswith("1"))
-        kill_under_load(server.url, rank1, [server], "tp2")
+        kill_under_load(server.url, info["process_ids"]["scheduler1"], [server], "tp2")
         assert "rank 1" in server.logs()
     finally:
         server.stop(signal.SIGKILL)
@@ -149,8 +148,7 @@ def test_pp2_soak_abort_storm_then_a_killed_stage(tiny_runtime_model):
         status, out = http("POST", server.url + "/generate", {"text": "Still in step?",
                                                               "sampling_params": {"max_new_tokens": 4}})
         assert status == 200 and out["meta_info"]["completion_tokens"] == 4
-        stage1 = next(pid for name, pid in info["process_ids"].items() if "rank 1" in name or name.endswith("1"))
-        kill_under_load(server.url, stage1, [server], "pp2")
+        kill_under_load(server.url, info["process_ids"]["scheduler1"], [server], "pp2")  # stage 1
         assert "rank 1" in server.logs()
     finally:
         server.stop(signal.SIGKILL)
