@@ -30,7 +30,7 @@ LONG = os.environ.get("TOKENLOOM_TEST_LONG") == "1"
 SOAK_REQUESTS = 2000 if LONG else 100
 LIMITS = ("--dtype", "float32", "--context-length", "4096", "--max-total-tokens", "3000",
           "--max-running-requests", "12", "--max-queued-requests", "24", "--chunked-prefill-size", "256")
-DRAIN_BOUND_S = 60.0 + 5 + 10  # TransferAgent: TRANSFER_TIMEOUT (60 s) + 5 s, and slack
+FULL_QUEUE = "The request queue is full."  # the scheduler's refusal (scheduler.py)
 KILL_BOUND_S = 30.0  # every request in flight ends this soon after a process is killed
 
 
@@ -57,6 +57,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def is_a_full_queue(refusal: str) -> bool:
+    """Whether a refusal is a 503 for a full queue: as the server says it, or as SGLang's router wraps it (for a
+    stream, `data: {'error': {"message": <the server's body>, ...}}`, the body at times cut off by the router: then
+    what is left must be the start of the server's message)."""
+    if not refusal.startswith("503 "):
+        return False
+    if FULL_QUEUE in refusal:
+        return True
+    message = refusal.rsplit('"message":"', 1)[-1] if refusal.startswith("503 data: {'error'") else ""
+    return bool(message) and '"' not in message and FULL_QUEUE.startswith(message)
+
+
 def soak(url: str, servers: list[ServerProcess], label: str, abort_urls: tuple[str, ...] | None = None,
          abort_share: float = 0.1) -> LoadReport:
     """Phase 1 (or 2, with a large `abort_share`): the load in two halves, RSS sampled between and after."""
@@ -73,10 +85,8 @@ def soak(url: str, servers: list[ServerProcess], label: str, abort_urls: tuple[s
     assert len(report.outcomes) == SOAK_REQUESTS
     counts = report.counts()
     assert counts.get("completed", 0) >= min(50, SOAK_REQUESTS // 10), counts  # the load is real, not all refused
-    refusals = {o.detail for o in report.of("refused")}
-    # a full queue (as the router wraps it), or the router's own refusal once its circuit breaker opened on them
-    assert all(r.startswith("503 ") and ("queue is full" in r or "No available servers" in r) for r in refusals), \
-        refusals
+    unexpected = {o.detail[:300] for o in report.of("refused") if not is_a_full_queue(o.detail)}
+    assert not unexpected, unexpected
     assert end <= middle * 1.15 + 64, (middle, end)  # no process grows without bound
     return report
 
@@ -168,14 +178,15 @@ def test_pd_soak_abort_storm_then_a_killed_decode_server(tiny_runtime_model, mon
     try:
         prefill.wait_healthy()
         decode.wait_healthy()
-        router = Router(prefill, bootstrap, decode, extra=("--disable-retries",)).wait_ready()
+        # no retries (a retried request would hide the refusal); no circuit breaker: it would turn the servers'
+        # 503s into the router's own refusals of nearly everything, and the servers would not see the load
+        router = Router(prefill, bootstrap, decode,
+                        extra=("--disable-retries", "--disable-circuit-breaker")).wait_ready()
         both = (prefill.url, decode.url)
         soak(router.url, [prefill, decode], "pd", abort_urls=both)
         soak(router.url, [prefill, decode], "pd abort storm", abort_urls=both, abort_share=0.5)
         _assert_idle_and_full(prefill)
-        # a room aborted on the decode side while its transfer ran keeps its slots until the prefill side lets go
-        # of it; in a race (not yet understood) that is only the drain's bound, the transfer timeout + 5 s
-        _assert_idle_and_full(decode, timeout_s=DRAIN_BOUND_S)
+        _assert_idle_and_full(decode)  # not the drain bound: every aborted room's slots are let go at once
         kill_under_load(router.url, decode.proc.pid, [], "pd", broken_connection_fails=True)
         _assert_idle_and_full(prefill)  # the prefill server freed what the dead decode server was sent
         assert http("GET", prefill.url + "/health")[0] == 200

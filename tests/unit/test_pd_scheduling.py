@@ -301,3 +301,25 @@ def test_a_full_decode_queue_refuses_with_503_and_the_prefill_half_ends_too(pair
     assert results["r0"].output_ids == reference(prompt(30, 30), 20)
     for rid in refused:
         assert pair.prefill_h.results[rid].finish_reason["type"] == "abort"
+
+
+def test_an_abort_on_both_servers_at_once_frees_the_decode_slots_at_once(pair_factory):
+    # The router's client aborts on both servers. Found by the abort storm: the decode half, aborted while its
+    # transfer was pending, keeps its slots until the prefill side lets go of the room; the prefill server's own
+    # abort made it forget the room before it sent that notice, so the slots stayed held until the drain bound
+    # (the transfer timeout + 5 s: 65 s)
+    pair = pair_factory(prefill_args={"chunked_prefill_size": 4, "max_running_requests": 1})
+    pair.submit("x", prompt(4, 40), dict(GREEDY, max_new_tokens=8))
+    step_until(pair, lambda: bool(pair.decode.side.transfer))  # its destination is sent; 10 chunks to go
+    assert "x" not in pair.prefill_h.results
+    pair.abort("x", "decode")
+    pair.decode_h.loop.run_once()  # the decode half drains; its agent tells the prefill entry
+    assert pair.decode.side.draining
+    time.sleep(0.3)  # the prefill agent has queued the peer's abort as an event for its scheduler ...
+    pair.abort("x", "prefill")  # ... which sees the client's own abort first, and forgets the room
+    started = time.monotonic()
+    step_until(pair, lambda: not pair.decode.side.draining)
+    assert time.monotonic() - started < 5, "the decode slots were held until the drain bound"
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"], timeout_s=20)["y"].output_ids == reference(prompt(5, 10), 3)
+

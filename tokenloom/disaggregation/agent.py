@@ -115,6 +115,10 @@ class TransferAgent:
         # peer holds up only the rooms that share its thread
         self._jobs: list[queue.SimpleQueue[_Job | None]] = [queue.SimpleQueue() for _ in range(SENDER_THREADS)]
         self._pending_jobs: dict[int, int] = {}  # room -> jobs queued or running (under _dst_cond)
+        # prefill entry: room -> (peer entry, message) sent once this rank's writes of the room are over, so the
+        # decode side frees the room's slots only when no write can land in them any more; held apart from the
+        # room's other state, which the scheduler may forget first (a client abort racing the peer's)
+        self._after_writes: dict[int, tuple[str, dict[str, Any]]] = {}
         self._control = threading.Thread(target=self._control_loop, name="tokenloom-pd-control", daemon=True)
         self._control.start()
         self._senders: list[threading.Thread] = []
@@ -222,6 +226,8 @@ class TransferAgent:
                     call()
                 if self.config.is_entry:
                     self._check_clocks()
+                if self._after_writes:
+                    self._flush_after_writes()
             except Exception:  # noqa: BLE001 - a bad message or peer must not stop the agent
                 logger.exception("transfer agent control loop error")
 
@@ -308,13 +314,18 @@ class TransferAgent:
         self._notify_peer(room, reason)
         self._event(room, "failed", reason)
 
-    def _notify_peer(self, room: int, reason: str, by_client: bool = False, status: int | None = None) -> None:
+    def _notify_peer(self, room: int, reason: str, by_client: bool = False, status: int | None = None,
+                     after_writes: bool = False) -> None:
         """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room. A decode
-        entry that has not sent the room's destination yet finds the prefill entry from its bootstrap."""
+        entry that has not sent the room's destination yet finds the prefill entry from its bootstrap.
+        `after_writes` (prefill): only once this rank's writes of the room are over (`_flush_after_writes`)."""
         if not self.config.is_entry:
             return
         msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client, "status": status}
         peer = self._peer_entry.get(room)
+        if peer is not None and after_writes and self.config.role == "prefill":
+            self._after_writes[room] = (peer, msg)
+            return
         if peer is not None:
             self._send(peer, msg)
             return
@@ -332,6 +343,14 @@ class TransferAgent:
 
         self._fetches.submit(resolve)
 
+    def _flush_after_writes(self) -> None:
+        """Control thread: send the notices of rooms whose writes (this rank's) are over."""
+        with self._dst_cond:
+            over = [room for room in self._after_writes if self._pending_jobs.get(room, 0) == 0]
+        for room in over:
+            peer, msg = self._after_writes.pop(room)
+            self._send(peer, msg)
+
     def finished_failed(self, room: int, reason: str) -> None:
         """The scheduler let go of a failed or aborted room (no transfer reads or writes its KV any more):
         the peer entry may free its side of it now."""
@@ -343,7 +362,7 @@ class TransferAgent:
             self._aborted.add(room)
             self._dst_cond.notify_all()
         if room not in self._reported:
-            self._notify_peer(room, reason, by_client)
+            self._notify_peer(room, reason, by_client, after_writes=True)
         self._deadlines.pop(room, None)
         if self.config.role == "decode":  # its slots stay reserved until the room's final event: bound the wait
             self._watch(room, self.config.transfer_timeout_s + 5, "the prefill server to let go of the aborted room")
@@ -351,7 +370,12 @@ class TransferAgent:
     def _on_abort(self, room: int, msg: dict[str, Any]) -> None:
         if self.config.is_entry:
             status = msg.get("status")
-            if msg.get("by_client") is True:  # not a failure: this side's answer is an abort too, without error
+            if msg.get("by_client") is True and room in self._reported and self.config.role == "decode":
+                # the KV arrived already (the request may be decoding): still the client's abort, not a final event
+                assert self._events is not None
+                self._events.send_pyobj(TransferEvent(room, "client_abort", "Aborted by the client (on the peer "
+                                                      "server)."))
+            elif msg.get("by_client") is True:  # not a failure: this side's answer is an abort too, without error
                 self._event(room, "failed", "Aborted by the client (on the peer server).", {"by_client": True})
             elif isinstance(status, int) and 400 <= status < 600:  # the peer refused it: same status here
                 self._event(room, "failed", f"the peer server refused the request: {msg.get('detail', '')}",
@@ -361,6 +385,8 @@ class TransferAgent:
             with self._dst_cond:  # a prefill entry's own sender drops the room's remaining chunks
                 self._aborted.add(room)
                 self._dst_cond.notify_all()
+            if self.config.role == "prefill":  # the decode side keeps the room's slots until it hears this
+                self._notify_peer(room, "the prefill server let go of the aborted request", after_writes=True)
 
     def _forget(self, room: int) -> None:
         for phase in ("dst", "sent", "arrived"):

@@ -81,6 +81,8 @@ class DecodeDisaggregation(DisaggSide):
             if req is not None:
                 self.arrived.append(req)
             self._end_drain(room)
+        elif event.kind == "client_abort":  # after "arrived": the request decodes or is about to
+            self._abort_past_transfer(room, event.detail)
         elif event.kind == "failed":
             data = event.data if isinstance(event.data, dict) else {}
             by_client, refused = data.get("by_client") is True, data.get("status")
@@ -91,7 +93,9 @@ class DecodeDisaggregation(DisaggSide):
             self.agent.finished_failed(room, event.detail)
 
     def _fail(self, room: int, message: str, status: int | None = 500) -> None:
-        """End the room's request (`status` None: a client abort on the prefill side, answered as an abort)."""
+        """End the room's request (`status` None: a client abort on the prefill side, answered as an abort; such
+        an abort also ends the request once its KV arrived, even decoding: the client asked for it, and the
+        prefill side sends it only after its writes are over)."""
         for req in self.prealloc:
             if req.bootstrap.room == room:
                 self.prealloc.remove(req)
@@ -101,7 +105,25 @@ class DecodeDisaggregation(DisaggSide):
         if req is not None:
             self._free(req)
             self._finish(req, message, status, error=status is not None)
+        elif status is None:
+            self._abort_past_transfer(room, message)
         self.agent.forget(room)
+
+    def _abort_past_transfer(self, room: int, message: str) -> None:
+        """A client abort on the prefill side of a request whose KV already arrived here."""
+        for queue in (self.arrived, self.retracted):
+            for req in queue:
+                if req.bootstrap.room == room:
+                    queue.remove(req)
+                    self._free(req)
+                    req.offloaded_kv = None
+                    self._finish(req, message, error=False)
+                    return
+        for lane in self.scheduler.lanes:
+            for req in lane.running:
+                if req.bootstrap is not None and req.bootstrap.room == room and not req.finished:
+                    self.scheduler.abort_request(req.rid, message, status=None)
+                    return
 
     def _end_drain(self, room: int) -> None:
         req = self.draining.pop(room, None)
