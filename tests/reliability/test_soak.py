@@ -8,8 +8,9 @@ Each test runs one server shape through three phases:
    again, and resident memory of every process stays within a bound between the middle and the end;
 2. (PP, PD) an abort storm: half of the requests aborted at random moments; the stages / servers keep agreeing
    and serving;
-3. a process is killed under load (the detokenizer, a TP rank, a PP stage, the decode server behind the router):
-   every request in flight ends with a message within a bound, the server exits non-zero and no process is left.
+3. a process is killed under load (the detokenizer, a TP rank, a PP stage, the decode server behind the router,
+   then, behind a new decode server, the prefill server): every request in flight ends with a message within a
+   bound, the server exits non-zero and no process is left.
 
 Short form by default (CI); `--long` (or TOKENLOOM_TEST_LONG=1) runs 2,000 requests per soak and prints the
 figures docs/reliability.md records.
@@ -164,7 +165,7 @@ def test_pp2_soak_abort_storm_then_a_killed_stage(tiny_runtime_model):
         server.stop(signal.SIGKILL)
 
 
-def test_pd_soak_abort_storm_then_a_killed_decode_server(tiny_runtime_model, monkeypatch):
+def test_pd_soak_abort_storm_then_a_killed_decode_then_prefill_server(tiny_runtime_model, monkeypatch):
     bootstrap = free_port()
     pd = ("--disaggregation-transfer-backend", "mooncake")
     # A prefill request whose decode half never arrives (its decode server died first) waits for the decode
@@ -190,8 +191,19 @@ def test_pd_soak_abort_storm_then_a_killed_decode_server(tiny_runtime_model, mon
         kill_under_load(router.url, decode.proc.pid, [], "pd", broken_connection_fails=True)
         _assert_idle_and_full(prefill)  # the prefill server freed what the dead decode server was sent
         assert http("GET", prefill.url + "/health")[0] == 200
+        router.stop()
+        # a new decode server, then the prefill server killed under load: the decode halves waiting for its KV
+        # fail when its heartbeat stops answering (5 s x 2 misses by default, SGLang's), its processes all exit
+        second_decode = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode",
+                                      "decode", *pd, "--num-threads", "1").wait_healthy()
+        router = Router(prefill, bootstrap, second_decode,
+                        extra=("--disable-retries", "--disable-circuit-breaker")).wait_ready()
+        kill_under_load(router.url, prefill.proc.pid, [prefill], "pd prefill killed", broken_connection_fails=True)
+        _assert_idle_and_full(second_decode)  # nothing the dead prefill server was to send is still held
+        assert http("GET", second_decode.url + "/health")[0] == 200
     finally:
         if router is not None:
             router.stop()
-        for server in (prefill, decode):
-            server.stop(signal.SIGKILL)
+        for server in (prefill, decode, second_decode):
+            if server is not None:
+                server.stop(signal.SIGKILL)
