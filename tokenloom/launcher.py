@@ -206,8 +206,9 @@ class RuntimeLauncher:
         for proc in self.processes.values():
             if proc.is_alive():
                 proc.terminate()
+        deadline = time.monotonic() + STOP_WAIT_S  # one grace period for all of them, not one each
         for proc in self.processes.values():
-            proc.join(timeout=STOP_WAIT_S)
+            proc.join(timeout=max(deadline - time.monotonic(), 0))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2)

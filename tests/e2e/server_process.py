@@ -148,9 +148,12 @@ def assert_a_hung_rank_is_named(server: ServerProcess, pid: int, label: str, tim
         start = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         thread.join(timeout=60)
+        answered_s = time.monotonic() - start
         status, body = result["reply"]
         assert status == 503, body
         assert f"{label} stopped responding" in body["error"]["message"], body
+        # answered once the timeout named the rank, not after the launcher's grace period for stopping it
+        assert answered_s < 2 * timeout_s + 5, answered_s
         assert server.wait_exit(timeout=60) == 1
         assert time.monotonic() - start < 4 * timeout_s + 10
     finally:

@@ -206,9 +206,9 @@ class TokenizerManager:
         if first:
             self.dead_error = reason
             logger.error("tokenloom engine is dead: %s", reason)
-            if self.args.tp_size * self.args.pp_size > 1:
-                self.launcher.stop_all()  # the other ranks would wait forever in their collectives
-        self._fail_all(reason)
+        self._fail_all(reason)  # answer first: stopping a hung rank takes the launcher's grace period
+        if first and self.args.tp_size * self.args.pp_size > 1:
+            self.launcher.stop_all()  # the other ranks would wait forever in their collectives
         if first and self.on_dead is not None:
             self.on_dead(reason)
 
