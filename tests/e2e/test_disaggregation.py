@@ -220,14 +220,16 @@ def test_injected_transfer_failures_then_a_killed_decode(tiny_server, tiny_runti
         router = Router(prefill, bootstrap, decode, extra=("--disable-retries",))  # it retries failures otherwise
         texts = [f"Request number {i} asks" for i in range(11)] + ["Once upon a time " * 12]  # chunked
         want = http("POST", tiny_server.url + "/generate", {"text": texts, **GREEDY})[1]
-        outcomes = []
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the router may still be finding its workers
-            try:
-                outcomes = [http("POST", router.url + "/generate", {"text": t, **GREEDY}, timeout=60) for t in texts]
-                break
+        while time.monotonic() < deadline:  # the router may still be starting or finding its workers
+            try:  # one probe (a 500 from an injected failure means the workers are found)
+                status, body = http("POST", router.url + "/generate", {"text": "probe", **GREEDY}, timeout=60)
+                if not (status == 503 and "available" in json.dumps(body)):
+                    break
             except OSError:
-                time.sleep(0.3)
+                pass
+            time.sleep(0.3)
+        outcomes = [http("POST", router.url + "/generate", {"text": t, **GREEDY}, timeout=60) for t in texts]
         failed = [(s, body) for s, body in outcomes if s != 200]
         assert 0 < len(failed) < len(texts), outcomes
         assert all(s >= 500 and "transfer" in json.dumps(body).lower() for s, body in failed), failed

@@ -320,6 +320,7 @@ def test_an_abort_on_both_servers_at_once_frees_the_decode_slots_at_once(pair_fa
     started = time.monotonic()
     step_until(pair, lambda: not pair.decode.side.draining)
     assert time.monotonic() - started < 5, "the decode slots were held until the drain bound"
+    assert pair.decode.side.failed == pair.prefill.side.failed == 0  # client aborts, no failed transfer
     pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
     assert pair.run(["y"], timeout_s=20)["y"].output_ids == reference(prompt(5, 10), 3)
 

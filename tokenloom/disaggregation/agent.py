@@ -315,13 +315,16 @@ class TransferAgent:
         self._event(room, "failed", reason)
 
     def _notify_peer(self, room: int, reason: str, by_client: bool = False, status: int | None = None,
-                     after_writes: bool = False) -> None:
+                     after_writes: bool = False, let_go: bool = False) -> None:
         """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room. A decode
         entry that has not sent the room's destination yet finds the prefill entry from its bootstrap.
-        `after_writes` (prefill): only once this rank's writes of the room are over (`_flush_after_writes`)."""
+        `after_writes` (prefill): only once this rank's writes of the room are over (`_flush_after_writes`).
+        `let_go`: not news of a failure (the peer knows, it told this side or was told) but that this side is
+        done with the room: the peer frees what it kept for it, and counts nothing."""
         if not self.config.is_entry:
             return
-        msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client, "status": status}
+        msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client, "status": status,
+               "let_go": let_go}
         peer = self._peer_entry.get(room)
         if peer is not None and after_writes and self.config.role == "prefill":
             self._after_writes[room] = (peer, msg)
@@ -354,7 +357,7 @@ class TransferAgent:
     def finished_failed(self, room: int, reason: str) -> None:
         """The scheduler let go of a failed or aborted room (no transfer reads or writes its KV any more):
         the peer entry may free its side of it now."""
-        self._calls.put(lambda: self._notify_peer(room, reason))
+        self._calls.put(lambda: self._notify_peer(room, reason, let_go=True))
 
     def _abort(self, room: int, reason: str, by_client: bool = False) -> None:
         self._remember_ended(room, reason, by_client)
@@ -368,6 +371,11 @@ class TransferAgent:
             self._watch(room, self.config.transfer_timeout_s + 5, "the prefill server to let go of the aborted room")
 
     def _on_abort(self, room: int, msg: dict[str, Any]) -> None:
+        if self.config.is_entry and msg.get("let_go") is True:
+            if self.config.role == "decode":  # a room aborted here mid-transfer may free its slots now
+                assert self._events is not None
+                self._events.send_pyobj(TransferEvent(room, "let_go"))
+            return
         if self.config.is_entry:
             status = msg.get("status")
             if msg.get("by_client") is True and room in self._reported and self.config.role == "decode":
@@ -386,7 +394,8 @@ class TransferAgent:
                 self._aborted.add(room)
                 self._dst_cond.notify_all()
             if self.config.role == "prefill":  # the decode side keeps the room's slots until it hears this
-                self._notify_peer(room, "the prefill server let go of the aborted request", after_writes=True)
+                self._notify_peer(room, "the prefill server let go of the aborted request", after_writes=True,
+                                  let_go=True)
 
     def _forget(self, room: int) -> None:
         for phase in ("dst", "sent", "arrived"):

@@ -83,6 +83,8 @@ class DecodeDisaggregation(DisaggSide):
             self._end_drain(room)
         elif event.kind == "client_abort":  # after "arrived": the request decodes or is about to
             self._abort_past_transfer(room, event.detail)
+        elif event.kind == "let_go":  # the prefill side is done with a room this side gave up on
+            self._end_drain(room)
         elif event.kind == "failed":
             data = event.data if isinstance(event.data, dict) else {}
             by_client, refused = data.get("by_client") is True, data.get("status")
