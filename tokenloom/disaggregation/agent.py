@@ -49,7 +49,7 @@ from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import check_health
 from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs
 from tokenloom.disaggregation.kv_poll import KVPoll, RoomPoll
-from tokenloom.disaggregation.pairing import RankKV, aux_writer, writers_for
+from tokenloom.disaggregation.pairing import RankKV, aux_writer, senders_for, write_targets
 from tokenloom.disaggregation.prefill_directory import PREFILL_INFO_FRESH_S, PrefillDirectory
 from tokenloom.disaggregation.transfer.base import TransferEngine, TransferError
 from tokenloom.protocol import Bootstrap, TransferEvent
@@ -526,12 +526,7 @@ class TransferAgent:
                 got = self._dst.get(room, {})
                 if got:
                     decode_world = [RankKV.from_json(r) for r in next(iter(got.values()))["decode_ranks"]]
-                    writer_of_aux = aux_writer(self.config.world)
-                    targets = []
-                    for d in decode_world:
-                        pieces = [(lay, hd) for w, lay, hd in writers_for(d, self.config.world) if w.rank == me.rank]
-                        if pieces or writer_of_aux.rank == me.rank:
-                            targets.append((d.rank, pieces))
+                    targets = write_targets(me, self.config.world, decode_world)
                     if all(rank in got for rank, _ in targets):
                         return [(got[rank], pieces) for rank, pieces in targets]
                 if time.monotonic() >= deadline:
@@ -575,9 +570,8 @@ class TransferAgent:
         prefill_world = [RankKV.from_json(r["rank_kv"]) for r in ranks]
         control = {int(r["rank_kv"]["rank"]): r["control"] for r in ranks}
         me = self.config.me
-        writers = {w.rank for w, _, _ in writers_for(me, prefill_world)}
         writer_of_aux = aux_writer(prefill_world).rank
-        self._expected[room] = writers | {writer_of_aux}
+        self._expected[room] = set(senders_for(me, prefill_world))
         self._done[room] = set()
         prefill_entry = control[min(control)]
         self._peer_entry[room] = prefill_entry

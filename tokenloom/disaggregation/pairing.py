@@ -140,6 +140,19 @@ def aux_writer(prefill_ranks: Sequence[RankKV]) -> RankKV:
     return found[0]
 
 
+def write_targets(me: RankKV, prefill_ranks: Sequence[RankKV],
+                  decode_ranks: Sequence[RankKV]) -> list[tuple[int, list[tuple[range, range]]]]:
+    """The decode ranks prefill rank `me` writes into, each with its (layers, heads) pieces: those it holds
+    KV for, and every decode rank if `me` writes the metadata slot (then possibly with no pieces)."""
+    writes_aux = aux_writer(prefill_ranks).rank == me.rank
+    targets = []
+    for d in decode_ranks:
+        pieces = [(layers, heads) for w, layers, heads in writers_for(d, prefill_ranks) if w.rank == me.rank]
+        if pieces or writes_aux:
+            targets.append((d.rank, pieces))
+    return targets
+
+
 def senders_for(decode: RankKV, prefill_ranks: Sequence[RankKV]) -> list[int]:
     """Global ranks of the prefill ranks a decode rank hears from (its KV writers and the aux writer)."""
     ranks = {writer.rank for writer, _, _ in writers_for(decode, prefill_ranks)}
