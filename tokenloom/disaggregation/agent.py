@@ -3,8 +3,8 @@ peer server's ranks, so the scheduler never blocks on the network.
 
 What it owns: the transfer engine (transfer/) with this rank's KV pool and metadata buffer registered, a
 ZMQ PULL control socket on `tcp://host:port` (JSON messages only: nothing a peer sends is unpickled), PUSH
-sockets to peers, a control thread (every message and every room's bookkeeping), and on the prefill side sender
-threads that perform the KV writes (each room's in order, on one of them).
+sockets to peers, a control thread (every message and every room's bookkeeping), and on the prefill side a `KVSender`
+(kv_sender.py: the threads that perform the KV writes, each room's in order on one of them).
 
 Protocol (room = the router's bootstrap room):
 - decode rank d, once the scheduler pre-allocated the room: "dst" (its engine, KV layout, slots, metadata
@@ -33,40 +33,30 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import random
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig, test_failure_prob
+from tokenloom.disaggregation.agent_config import AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import check_health
-from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs
+from tokenloom.disaggregation.kv_layout import KVLayout
 from tokenloom.disaggregation.kv_poll import KVPoll, RoomPoll
-from tokenloom.disaggregation.pairing import RankKV, aux_writer, senders_for, write_targets
+from tokenloom.disaggregation.kv_sender import KVSender
+from tokenloom.disaggregation.pairing import RankKV, aux_writer, senders_for
 from tokenloom.disaggregation.prefill_directory import PREFILL_INFO_FRESH_S, PrefillDirectory
-from tokenloom.disaggregation.transfer.base import TransferEngine, TransferError
+from tokenloom.disaggregation.transfer.base import TransferEngine
 from tokenloom.protocol import Bootstrap, TransferEvent
 
 logger = logging.getLogger(__name__)
 
 
 ENDED_ROOMS_KEPT = 4096  # prefill: rooms given up on, remembered after forget (a late destination gets an abort)
-@dataclass
-class _Job:
-    """One KV chunk of a room for the sender thread: tokens [start, start + len(slots)) at `slots`."""
-
-    room: int
-    start: int
-    slots: list[int]
-    is_last: bool
-    aux: bytes | None
 
 
 class TransferAgent:
@@ -93,7 +83,7 @@ class TransferAgent:
         if config.is_entry:
             self._events = self._ctx.socket(zmq.PUSH)
             self._events.connect(config.events_address)
-        # --- room state, control thread only (the sender thread reads `_dst` under `_dst_cond`) ---
+        # --- room state, control thread only (the sender keeps its own, under its lock) ---
         self._deadlines: dict[int, tuple[float, str]] = {}  # entry: room -> (deadline, what it waits for)
         # rooms this side gave up on (reason, by the client): a destination arriving later (the decode half of a
         # request aborted here before its decode server had even seen it) is answered with an abort, else the
@@ -108,26 +98,14 @@ class TransferAgent:
         self._peer_entry: dict[int, str] = {}  # room -> the peer server's entry control address
         self._room_prefill: dict[int, tuple[str, int]] = {}  # decode entry: room -> its prefill's bootstrap
         self._heartbeat: dict[tuple[str, int], tuple[float, int]] = {}  # bootstrap -> (next check, misses)
-        self._dst: dict[int, dict[int, dict[str, Any]]] = {}  # prefill: room -> decode rank -> "dst" message
-        self._dst_cond = threading.Condition()
-        self._aborted: set[int] = set()  # prefill: rooms whose remaining jobs are dropped
-        # one queue per sender thread; a room's chunks all go to the same one (in order), so a slow or frozen
-        # peer holds up only the rooms that share its thread
-        self._jobs: list[queue.SimpleQueue[_Job | None]] = [queue.SimpleQueue() for _ in range(SENDER_THREADS)]
-        self._pending_jobs: dict[int, int] = {}  # room -> jobs queued or running (under _dst_cond)
         # prefill entry: room -> (peer entry, message) sent once this rank's writes of the room are over, so the
         # decode side frees the room's slots only when no write can land in them any more; held apart from the
         # room's other state, which the scheduler may forget first (a client abort racing the peer's)
         self._after_writes: dict[int, tuple[str, dict[str, Any]]] = {}
+        self._sender = KVSender(config, engine, layout, aux, self._send, lambda: self._world_control[0]) \
+            if config.role == "prefill" else None
         self._control = threading.Thread(target=self._control_loop, name="tokenloom-pd-control", daemon=True)
         self._control.start()
-        self._senders: list[threading.Thread] = []
-        if config.role == "prefill":
-            for i, jobs in enumerate(self._jobs):
-                sender = threading.Thread(target=self._sender_loop, args=(jobs, i), name=f"tokenloom-pd-sender{i}",
-                                          daemon=True)
-                sender.start()
-                self._senders.append(sender)
 
     # --- what the bootstrap server publishes about this (prefill) rank -----------------------------------
     def registration(self, tp_size: int, pp_size: int) -> dict[str, Any]:
@@ -148,17 +126,14 @@ class TransferAgent:
     def send_chunk(self, room: int, start: int, slots: list[int], is_last: bool, aux: bytes | None) -> None:
         """Prefill: write tokens [start, start + len(slots)) of the room (slots of this rank's pool) to the
         decode ranks; `aux`: the metadata slot's bytes (aux writer, last chunk)."""
-        with self._dst_cond:
-            self._pending_jobs[room] = self._pending_jobs.get(room, 0) + 1
-        self._jobs[room % len(self._jobs)].put(_Job(room, start, slots, is_last, aux))
+        assert self._sender is not None
+        self._sender.queue_chunk(room, start, slots, is_last, aux)
 
     def wait_chunks(self, room: int, timeout_s: float | None = None) -> None:
         """Prefill: return once every queued chunk of the room was written (or dropped): its source slots may
         then be re-pointed or freed."""
-        deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s + 5)
-        with self._dst_cond:
-            while self._pending_jobs.get(room, 0) > 0 and time.monotonic() < deadline:
-                self._dst_cond.wait(0.05)
+        assert self._sender is not None
+        self._sender.wait_room(room, timeout_s or self.config.transfer_timeout_s + 5)
 
     def track_decode(self, room: int, bootstrap: Bootstrap) -> None:
         """Decode: the room waits for pre-allocation; the entry looks the prefill server up and reports
@@ -196,11 +171,9 @@ class TransferAgent:
 
     def close(self) -> None:
         self._stopped.set()
-        for jobs in self._jobs:
-            jobs.put(None)
+        if self._sender is not None:
+            self._sender.close()
         self._control.join(timeout=2)
-        for sender in self._senders:
-            sender.join(timeout=2)
         self._fetches.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
         self._ctx.destroy(linger=0)
@@ -348,9 +321,8 @@ class TransferAgent:
 
     def _flush_after_writes(self) -> None:
         """Control thread: send the notices of rooms whose writes (this rank's) are over."""
-        with self._dst_cond:
-            over = [room for room in self._after_writes if self._pending_jobs.get(room, 0) == 0]
-        for room in over:
+        assert self._sender is not None  # only a prefill entry holds notices back
+        for room in self._sender.writes_over(list(self._after_writes)):
             peer, msg = self._after_writes.pop(room)
             self._send(peer, msg)
 
@@ -361,9 +333,8 @@ class TransferAgent:
 
     def _abort(self, room: int, reason: str, by_client: bool = False) -> None:
         self._remember_ended(room, reason, by_client)
-        with self._dst_cond:
-            self._aborted.add(room)
-            self._dst_cond.notify_all()
+        if self._sender is not None:
+            self._sender.drop(room)
         if room not in self._reported:
             self._notify_peer(room, reason, by_client, after_writes=True)
         self._deadlines.pop(room, None)
@@ -390,9 +361,8 @@ class TransferAgent:
                             {"status": status})
             else:
                 self._event(room, "failed", f"the peer server gave up on the request: {msg.get('detail', '')}")
-            with self._dst_cond:  # a prefill entry's own sender drops the room's remaining chunks
-                self._aborted.add(room)
-                self._dst_cond.notify_all()
+            if self._sender is not None:  # a prefill entry's own sender drops the room's remaining chunks
+                self._sender.drop(room)
             if self.config.role == "prefill":  # the decode side keeps the room's slots until it hears this
                 self._notify_peer(room, "the prefill server let go of the aborted request", after_writes=True,
                                   let_go=True)
@@ -404,9 +374,8 @@ class TransferAgent:
                       self._room_prefill):
             table.pop(room, None)
         self._reported.discard(room)
-        with self._dst_cond:
-            self._dst.pop(room, None)
-            self._aborted.discard(room)
+        if self._sender is not None:
+            self._sender.forget(room)
 
     # --- prefill side ----------------------------------------------------------------------------------------
     def _on_dst(self, room: int, msg: dict[str, Any]) -> None:
@@ -419,9 +388,8 @@ class TransferAgent:
                                           "status": status})
             return
         decode_rank = int(msg["decode_rank"])
-        with self._dst_cond:
-            self._dst.setdefault(room, {})[decode_rank] = msg
-            self._dst_cond.notify_all()
+        assert self._sender is not None
+        self._sender.add_destination(room, decode_rank, msg)
         if self.config.is_entry:
             self._peer_entry[room] = msg["entry"]
             decode_tp = 1 + max(int(r["tp_rank"]) for r in msg["decode_ranks"])
@@ -453,85 +421,6 @@ class TransferAgent:
             self._fail_room(room, poll.detail or "the KV transfer failed")
         elif state is KVPoll.Success:
             self._event(room, phase)
-
-    def _sender_loop(self, jobs: queue.SimpleQueue[_Job | None], staging: int) -> None:
-        """One sender thread; `staging`: its own slot of the (prefill) metadata buffer, where it places a
-        room's metadata before writing it to the decode ranks."""
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            try:
-                self._run_job(job, staging % self.aux.num_slots)
-            except Exception:  # noqa: BLE001 - reported as the room's failure below
-                logger.exception("KV sender: room %d failed", job.room)
-                self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": self.config.me.rank,
-                                                   "ok": False, "detail": "the KV sender failed"})
-            finally:
-                with self._dst_cond:
-                    self._pending_jobs[job.room] -= 1
-                    if self._pending_jobs[job.room] <= 0:
-                        del self._pending_jobs[job.room]
-                    self._dst_cond.notify_all()
-
-    def _entry_address(self) -> str:
-        return self._world_control[0]
-
-    def _run_job(self, job: _Job, staging: int) -> None:
-        me = self.config.me
-        targets = self._wait_targets(job.room)
-        if targets is None:  # aborted or timed out: the entry fails the room (or already did)
-            if job.is_last:
-                self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": me.rank, "ok": False,
-                                                   "detail": "no destination for the KV (aborted or timed out)"})
-            return
-        failure = None
-        try:
-            if random.random() < test_failure_prob():
-                raise TransferError("injected transfer failure (TEST_FAILURE_PROB)")
-            for msg, pieces in targets:
-                dst_layout = KVLayout.from_json(msg["layout"])
-                dst_slots = msg["slots"][job.start: job.start + len(job.slots)]
-                runs: list[tuple[int, int, int]] = []
-                for layers, heads in pieces:
-                    runs += transfer_runs(self.layout, dst_layout, job.slots, dst_slots, layers=layers, heads=heads)
-                if job.is_last and job.aux is not None and msg.get("aux_addr") is not None:
-                    self.aux.write(staging, job.aux)
-                    runs.append((self.aux.slot_addr(staging), int(msg["aux_addr"]), len(job.aux)))
-                if runs:
-                    self.engine.write(msg["engine"], runs, self.config.transfer_timeout_s)
-        except (TransferError, ValueError) as e:
-            failure = f"KV transfer from prefill rank {me.rank} failed: {e}"
-            logger.warning("room %d: %s", job.room, failure)
-        if failure is None and not job.is_last:
-            return
-        for msg, _ in targets:
-            self._send(msg["status"], {"t": "done", "room": job.room, "rank": me.rank, "ok": failure is None,
-                                       "detail": failure or ""})
-        self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": me.rank, "ok": failure is None,
-                                           "detail": failure or ""})
-        if failure is not None:
-            with self._dst_cond:
-                self._aborted.add(job.room)
-
-    def _wait_targets(self, room: int) -> list[tuple[dict[str, Any], list[tuple[range, range]]]] | None:
-        """The decode ranks this rank writes into for `room` and the (layers, heads) pieces of each, once
-        every one of them sent its destination; None if the room was aborted or the wait timed out."""
-        me = self.config.me
-        deadline = time.monotonic() + self.config.waiting_timeout_s
-        with self._dst_cond:
-            while True:
-                if room in self._aborted:
-                    return None
-                got = self._dst.get(room, {})
-                if got:
-                    decode_world = [RankKV.from_json(r) for r in next(iter(got.values()))["decode_ranks"]]
-                    targets = write_targets(me, self.config.world, decode_world)
-                    if all(rank in got for rank, _ in targets):
-                        return [(got[rank], pieces) for rank, pieces in targets]
-                if time.monotonic() >= deadline:
-                    return None
-                self._dst_cond.wait(0.05)
 
     # --- decode side ------------------------------------------------------------------------------------------
     def _bootstrap_decode(self, room: int, bootstrap: Bootstrap) -> None:
