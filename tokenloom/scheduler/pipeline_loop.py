@@ -8,7 +8,10 @@ holds the same requests in the same lanes; nothing else is exchanged to keep the
 
 Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 addenda, seed 000):
 1. requests: stage 0 drains its inbox; every other stage receives the list from s - 1; every non-last stage
-   sends it on (the list is sent even when empty, so the stages iterate in step). Aborts and control
+   sends it on (the list is sent even when empty, so the stages iterate in step): at once when it holds
+   messages (before handling them: a state report gathers over every stage), else after step 5's submit,
+   so that its send (up to ~5 ms on a loaded host) is off the critical path from a lane's output to its
+   next forward (s + 1 needs the list only before this iteration's proxy). Aborts and control
    requests thus reach every stage at the same iteration (SGLang #28881: a per-stage abort desynchronised
    stages). A cache flush waits until no lane has a batch in flight, scheduling nothing new meanwhile (every
    stage drains alike); a state report is answered at once, as things stand (in-flight prefills count as
@@ -193,7 +196,9 @@ class PipelineLoop(_LoopBase):
         t = self.iteration
         lane, nxt = lanes[t % len(lanes)], lanes[(t + 1) % len(lanes)]
         in_flight = any(each.launched for each in lanes)
-        messages = self._exchange_requests(0 if in_flight or not sched.is_idle() else timeout_ms)
+        messages = self._take_requests(0 if in_flight or not sched.is_idle() else timeout_ms)
+        if messages:  # before handling them: a state report gathers over every stage
+            self._pass_requests_on(messages)
         start = time.perf_counter()
         for msg in messages:
             if isinstance(msg, FlushCacheRequest):
@@ -219,6 +224,8 @@ class PipelineLoop(_LoopBase):
                 self._steps[id(batch)] = step
             if ctx.is_last_stage and not self.executor_sends_output:
                 self._unsent.append((t, batch))
+        if not messages:  # after the launch: the next stage needs the list only before this batch's proxy
+            self._pass_requests_on(messages)
         if nxt.launched:
             self._apply_result(nxt)
         if ctx.is_last_stage and self.depth == 0:
@@ -236,14 +243,14 @@ class PipelineLoop(_LoopBase):
             self._went_idle()
         return busy
 
-    def _exchange_requests(self, timeout_ms: int) -> list[Any]:
+    def _take_requests(self, timeout_ms: int) -> list[Any]:
         if self.ctx.is_first_stage:
-            messages = self.inbox.recv_all(timeout_ms)
-        else:
-            messages = self._recv(self.channels.requests, "requests")["messages"]
+            return self.inbox.recv_all(timeout_ms)
+        return self._recv(self.channels.requests, "requests")["messages"]
+
+    def _pass_requests_on(self, messages: list[Any]) -> None:
         if not self.ctx.is_last_stage:
             self._send(self.channels.requests, "requests", {"messages": messages})
-        return messages
 
     def _submit(self, step: PreparedStep, proxy: dict | None) -> Future:
         """Queue the step on the executor; where the executor posts the step's send, it does so right after
