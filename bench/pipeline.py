@@ -26,6 +26,11 @@ Reported per configuration (medians over rounds), from the loops' cumulative cou
 - per stage: busy = its own forward time / wall, bubble = 1 - busy (the time its forward sat idle while the
   run was going), and its time blocked receiving (requests, proxy, outputs), sending and waiting for its
   forward;
+- the same busy and bubble fractions over the steady state only: both engines' counters are sampled every
+  0.5 s during a run, and the window runs from the first sample at which the last stage had prefilled every
+  prompt to the last at which all the requests still ran on every stage (`steady_window`). So the fill (the
+  first lane's prefill, which the other stage cannot overlap) and the drain are out of it: that is the
+  bubble "at 64 running requests"; the whole-run figure above includes them;
 - the stage costs `bench/pp_sim.py --validate` needs (decode step and prefill token times of each stage,
   scheduler CPU per step, and a gloo link measured by a ping-pong of a small and a proxy-sized message).
 Targets (issue 18): PP=2 bubble below 15% at 64 running requests (the worse stage); PP=2 throughput within
@@ -35,6 +40,7 @@ Targets (issue 18): PP=2 bubble below 15% at 64 running requests (the worse stag
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -95,6 +101,34 @@ def stage_figures(before: dict, after: dict, wall_s: float) -> dict:
             "scheduler_cpu_per_step_s": d("scheduler_cpu_s") / d("iterations") if d("iterations") else 0.0}
 
 
+def steady_window(samples: list[tuple[float, dict]],
+                  num_requests: int) -> tuple[tuple[float, dict], tuple[float, dict]] | None:
+    """The run's steady state, from its (time, server info) samples: the samples at which all `num_requests`
+    ran on every stage, none waited, and the last stage had prefilled as many tokens as stage 0 (no prefill
+    in the pipe; a prompt's prefix-cache hit makes that fewer than its length), first to last. None when
+    fewer than two samples fall inside (a run too short to sample)."""
+    def steady(info: dict) -> bool:
+        stages = info["pp_stages"]
+        return all(st["num_running_reqs"] >= num_requests and st["num_waiting_reqs"] == 0 for st in stages) \
+            and stages[-1]["stage_prefill_tokens"] == stages[0]["stage_prefill_tokens"]
+
+    inside = [(t, info) for t, info in samples if steady(info)]
+    return (inside[0], inside[-1]) if len(inside) >= 2 else None
+
+
+def steady_figures(window: tuple[tuple[float, dict], tuple[float, dict]] | None) -> dict:
+    """Each stage's busy and bubble fractions over the steady window (`steady_window`), and its length."""
+    if window is None:
+        return {"window_s": 0.0, "stages": [], "bubble_worst": float("nan")}
+    (t0, first), (t1, last) = window
+    wall = t1 - t0
+    stages = []
+    for before, after in zip(first["pp_stages"], last["pp_stages"], strict=True):
+        busy = (after["stage_forward_s"] - before["stage_forward_s"]) / wall
+        stages.append({"busy": busy, "bubble": max(0.0, 1.0 - busy)})
+    return {"window_s": wall, "stages": stages, "bubble_worst": max(s["bubble"] for s in stages)}
+
+
 def single_figures(before: dict, after: dict, wall_s: float) -> dict:
     """PP=1's counterpart of `stage_figures` (its loop counts forward+sample time as `forward_busy_s`)."""
     busy = (after["forward_busy_s"] - before["forward_busy_s"]) / wall_s if wall_s > 0 else 0.0
@@ -109,11 +143,24 @@ def median_of(runs: list[dict], key: str) -> float:
 # runs
 
 
-def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+async def _generate_sampled(engine: Engine, prompts: list[list[int]], params: dict,
+                            every_s: float | None) -> tuple[list[dict], list[tuple[float, dict]]]:
+    """Generate, and every `every_s` seconds meanwhile (None: never) take the server's counters."""
+    task = asyncio.ensure_future(engine.async_generate(input_ids=prompts, sampling_params=params))
+    samples: list[tuple[float, dict]] = []
+    while every_s is not None and not task.done():
+        await asyncio.wait([task], timeout=every_s)
+        if not task.done():
+            samples.append((time.perf_counter(), await engine.async_get_server_info()))
+    return await task, samples
+
+
+def run_once(engine: Engine, prompts: list[list[int]], output_len: int, sample_every_s: float | None = None) -> dict:
+    """One timed run; with `sample_every_s` (PP only) also the steady state's figures (`steady_window`)."""
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
     before = engine.get_server_info()
     start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    outs, samples = engine.run(_generate_sampled(engine, prompts, params, sample_every_s))
     wall = time.perf_counter() - start
     after = engine.get_server_info()
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -124,6 +171,7 @@ def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
         res["stages"] = [stage_figures(b, a, wall) for b, a in zip(before["pp_stages"], after["pp_stages"],
                                                                    strict=True)]
         res["bubble_worst"] = max(s["bubble"] for s in res["stages"])
+        res["steady"] = steady_figures(steady_window(samples, len(prompts)))
     else:
         res.update(single_figures(before, after, wall))
         res["bubble_worst"] = res["bubble"]
@@ -212,6 +260,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--sample-every", type=float, default=0.5,
+                   help="seconds between counter samples during a timed run (the steady window); 0: none")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--quick", action="store_true", help="16 prompts, 16 output tokens, 1 round")
@@ -255,13 +305,15 @@ def main() -> None:
                     order = [(pp1, runs1), (pp2, runs2)] if r % 2 == 0 else [(pp2, runs2), (pp1, runs1)]
                     round_prompts = prompts()  # the same prompts for both engines in a round
                     for engine, runs in order:
-                        runs.append(run_once(engine, round_prompts, ns.output_len))
+                        runs.append(run_once(engine, round_prompts, ns.output_len, ns.sample_every or None))
                     ratios.append(runs1[-1]["output_tok_s"] / runs2[-1]["output_tok_s"])
                     s = runs2[-1]["stages"]
                     print(f"[{name}] round {r + 1}: PP1 {runs1[-1]['output_tok_s']:7.1f} tok/s, PP2 "
                           f"{runs2[-1]['output_tok_s']:7.1f} tok/s (PP1/PP2 {ratios[-1]:.3f}); PP2 bubble "
                           + " / ".join(f"{100 * x['bubble']:.1f}%" for x in s)
-                          + f", ITL {runs2[-1]['mean_itl_ms']:.0f} vs {runs1[-1]['mean_itl_ms']:.0f} ms", flush=True)
+                          + f", ITL {runs2[-1]['mean_itl_ms']:.0f} vs {runs1[-1]['mean_itl_ms']:.0f} ms; steady "
+                          + " / ".join(f"{100 * x['bubble']:.1f}%" for x in runs2[-1]["steady"]["stages"])
+                          + f" over {runs2[-1]['steady']['window_s']:.1f} s", flush=True)
             finally:
                 pp2.shutdown()
             report["configs"][name] = {
@@ -277,18 +329,26 @@ def main() -> None:
                 "stage_costs": stage_costs(runs2, link),
                 "cached_prompt_tokens": cached_prompt_tokens(runs2, ns.num_prompts, ns.input_len),
                 "bubble_under_15pct_met": median_of(runs2, "bubble_worst") < BUBBLE_TARGET,
+                "pp2_steady_bubble_worst": statistics.median(r["steady"]["bubble_worst"] for r in runs2),
+                "pp2_steady_stages": [{"bubble": statistics.median([r["steady"]["stages"][i]["bubble"] for r in runs2
+                                                                    if r["steady"]["stages"]] or [float("nan")])}
+                                      for i in range(2)],
+                "steady_window_s": statistics.median(r["steady"]["window_s"] for r in runs2),
+                "steady_bubble_under_15pct_met": statistics.median(r["steady"]["bubble_worst"] for r in runs2)
+                < BUBBLE_TARGET,
                 "within_1_3x_met": statistics.median(ratios) <= SLOWDOWN_TARGET,
             }
     finally:
         pp1.shutdown()
     print()
     print(f"{'config':24} {'PP1 tok/s':>9} {'PP2 tok/s':>9} {'PP1/PP2':>8} {'bubble s0/s1':>14} {'ITL ms':>7} "
-          f"{'recv wait s0/s1':>16}")
+          f"{'recv wait s0/s1':>16} {'steady s0/s1':>14}")
     for name, c in report["configs"].items():
         st = c["pp2_stages"]
         print(f"{name:24} {c['pp1_output_tok_s']:9.1f} {c['pp2_output_tok_s']:9.1f} {c['slowdown_pp1_over_pp2']:8.3f} "
               f"{100 * st[0]['bubble']:6.1f}/{100 * st[1]['bubble']:5.1f}% {c['pp2_mean_itl_ms']:7.0f} "
-              f"{st[0]['recv_wait_s']:7.2f}/{st[1]['recv_wait_s']:6.2f} s")
+              f"{st[0]['recv_wait_s']:7.2f}/{st[1]['recv_wait_s']:6.2f} s "
+              + "/".join(f"{100 * x['bubble']:5.1f}" for x in c["pp2_steady_stages"]) + "%")
     if ns.json_out:
         from tokenloom.config import ServerArgs
 

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from bench.pipeline import cached_prompt_tokens, single_figures, stage_costs, stage_figures
+from bench.pipeline import (
+    cached_prompt_tokens,
+    single_figures,
+    stage_costs,
+    stage_figures,
+    steady_figures,
+    steady_window,
+)
 
 BEFORE = {"stage_forward_s": 1.0, "stage_decode_s": 0.5, "stage_decode_steps": 10, "stage_decode_reqs": 80,
           "stage_prefill_s": 0.5, "stage_prefill_tokens": 100, "recv_wait_s": 0.1, "send_wait_s": 0.0,
@@ -57,3 +64,33 @@ def test_cached_prompt_tokens_are_the_prompt_less_what_stage_0_prefilled():
     assert cached_prompt_tokens(runs, num_requests=64, input_len=32) == 31
     cold = [{"stages": [{"prefill_tokens": 64 * 32}]}]
     assert cached_prompt_tokens(cold, num_requests=64, input_len=32) == 0
+
+
+def _info(running: list[int], prefilled: list[int], forward: list[float], waiting: int = 0) -> dict:
+    return {"pp_stages": [{"num_running_reqs": n, "num_waiting_reqs": waiting, "stage_prefill_tokens": p,
+                           "stage_forward_s": f} for n, p, f in zip(running, prefilled, forward, strict=True)]}
+
+
+def test_the_steady_window_starts_once_every_prompt_is_prefilled_and_ends_before_the_first_finish():
+    samples = [
+        (0.5, _info([32, 32], [1100, 100], [5.4, 5.0], waiting=32)),  # lane 0 prefilled on stage 0, 32 wait
+        (0.8, _info([64, 64], [2100, 1100], [5.6, 5.3])),  # lane 1's prefill still in the pipe
+        (1.0, _info([64, 64], [2100, 2100], [5.9, 5.6])),  # every prompt through both stages: the window starts
+        (2.0, _info([64, 64], [2100, 2100], [6.75, 6.5])),
+        (3.0, _info([64, 64], [2100, 2100], [7.6, 7.4])),  # the last sample with every request running
+        (3.5, _info([32, 64], [2100, 2100], [8.0, 7.8])),  # one lane finished on stage 0
+    ]
+    window = steady_window(samples, num_requests=64)
+    assert window is not None and window[0][0] == 1.0 and window[1][0] == 3.0
+    fig = steady_figures(window)
+    assert fig["window_s"] == pytest.approx(2.0)
+    assert [s["bubble"] for s in fig["stages"]] == pytest.approx([1 - 1.7 / 2, 1 - 1.8 / 2])
+    assert fig["bubble_worst"] == pytest.approx(0.15)
+
+
+def test_a_run_too_short_to_sample_has_no_steady_window():
+    samples = [(0.5, _info([64, 64], [2048, 2048], [0.4, 0.4])), (0.9, _info([0, 0], [2048, 2048], [0.8, 0.8]))]
+    assert steady_window(samples, num_requests=64) is None
+    assert steady_window([], num_requests=64) is None
+    fig = steady_figures(None)
+    assert fig["window_s"] == 0.0 and math.isnan(fig["bubble_worst"])

@@ -77,8 +77,17 @@ class Engine:
         return {"success": reply.success, "message": reply.message}
 
     def get_server_info(self) -> dict[str, Any]:
-        state = self._run(self.tokenizer_manager.get_internal_state())
+        return self._run(self.async_get_server_info())
+
+    async def async_get_server_info(self) -> dict[str, Any]:
+        """Like `get_server_info`, in the caller's event loop (e.g. sampled while `async_generate` runs)."""
+        state = await self.tokenizer_manager.get_internal_state()
         return {**vars(self.server_args), **state}
+
+    def run(self, coro: Any) -> Any:
+        """Run a coroutine of this engine's async API (`async_generate`, `async_get_server_info`, ...) on the
+        engine's event loop, blocking; the synchronous methods do the same."""
+        return self._run(coro)
 
     def shutdown(self) -> None:
         if not self._closed:
