@@ -45,21 +45,39 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
         return status, text
 
 
+PORT_RETRIES = 3  # restarts of a server whose free port was taken before it bound it (by another process's bind)
+
+
 class ServerProcess:
     def __init__(self, *flags: str, module: str = "tokenloom.launch_server") -> None:
+        self.flags, self.module = flags, module
+        self.port_retries = PORT_RETRIES
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             "w+", prefix="tokenloom-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", module, *flags, "--port", str(self.port)]
-        if "--log-level" not in flags:
+        cmd = [sys.executable, "-m", self.module, *self.flags, "--port", str(self.port)]
+        if "--log-level" not in self.flags:
             cmd += ["--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def _lost_its_port(self) -> bool:
+        """The server exited because its HTTP port, free when picked, was bound by someone else meanwhile (many
+        servers and their engines bind random ports at once here)."""
+        logs = self.logs()
+        return f"could not start on 127.0.0.1:{self.port}" in logs and "address already in use" in logs
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.port_retries > 0 and self._lost_its_port():
+                    self.port_retries -= 1
+                    self._start()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.logs()}")
             try:
                 if http("GET", self.url + "/health", timeout=30)[0] == 200:
