@@ -18,6 +18,10 @@ Protocol (room = the router's bootstrap room):
 - entries: "sent" from every prefill rank → event "sent" (the KV may be released); "arrived" from every
   decode rank → event "arrived" (the request may decode); any failure → event "failed" (and "abort" to the
   peer entry, so the other side frees the room at once rather than at its timeout).
+- a room the prefill side gives up on: a prefill rank other than the entry says "over" to its entry once its
+  own writes of the room are over (a rank's "sent" counts as that too); the entry holds its notices to the
+  decode side (the abort, the let-go) until every rank's writes are over (or the transfer timeout passed),
+  so the decode side frees the room's slots only when no prefill rank can still write into them.
 Events are `TransferEvent`s pushed into the entry rank's own scheduler inbox; they reach every rank of the
 server the way requests do, so all ranks act on them at the same iteration (no collective needed).
 
@@ -98,10 +102,16 @@ class TransferAgent:
         self._peer_entry: dict[int, str] = {}  # room -> the peer server's entry control address
         self._room_prefill: dict[int, tuple[str, int]] = {}  # decode entry: room -> its prefill's bootstrap
         self._heartbeat: dict[tuple[str, int], tuple[float, int]] = {}  # bootstrap -> (next check, misses)
-        # prefill entry: room -> (peer entry, message) sent once this rank's writes of the room are over, so the
-        # decode side frees the room's slots only when no write can land in them any more; held apart from the
-        # room's other state, which the scheduler may forget first (a client abort racing the peer's)
-        self._after_writes: dict[int, tuple[str, dict[str, Any]]] = {}
+        # prefill entry: room -> (peer entry, messages, deadline) sent once every rank's writes of the room are
+        # over, so the decode side frees the room's slots only when no write can land in them any more (or at the
+        # deadline: a write is bounded by the transfer timeout); held apart from the room's other state, which
+        # the scheduler may forget first (a client abort racing the peer's)
+        self._after_writes: dict[int, tuple[str, list[dict[str, Any]], float]] = {}
+        # prefill entry: room -> the other ranks that said their writes of it are over ("over"; kept after
+        # forget, as `_ended`: a rank's "over" may come first, and a second notice of the room needs it again)
+        self._writes_over: OrderedDict[int, set[int]] = OrderedDict()
+        # prefill, not the entry: rooms given up on whose "over" goes to the entry once this rank's writes are
+        self._report_over: set[int] = set()
         self._sender = KVSender(config, engine, layout, aux, self._send, lambda: self._world_control[0]) \
             if config.role == "prefill" else None
         self._control = threading.Thread(target=self._control_loop, name="tokenloom-pd-control", daemon=True)
@@ -199,7 +209,7 @@ class TransferAgent:
                     call()
                 if self.config.is_entry:
                     self._check_clocks()
-                if self._after_writes:
+                if self._after_writes or self._report_over:
                     self._flush_after_writes()
             except Exception:  # noqa: BLE001 - a bad message or peer must not stop the agent
                 logger.exception("transfer agent control loop error")
@@ -212,7 +222,7 @@ class TransferAgent:
             logger.warning("transfer agent: dropped a malformed control message (%d bytes)", len(raw))
             return
         handler = {"dst": self._on_dst, "sent": self._on_sent, "done": self._on_done, "arrived": self._on_arrived,
-                   "abort": self._on_abort}.get(kind)
+                   "abort": self._on_abort, "over": self._on_over}.get(kind)
         if handler is None:
             logger.warning("transfer agent: unknown control message %r", kind)
             return
@@ -291,16 +301,20 @@ class TransferAgent:
                      after_writes: bool = False, let_go: bool = False) -> None:
         """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room. A decode
         entry that has not sent the room's destination yet finds the prefill entry from its bootstrap.
-        `after_writes` (prefill): only once this rank's writes of the room are over (`_flush_after_writes`).
+        `after_writes` (prefill): only once every rank's writes of the room are over (`_flush_after_writes`).
         `let_go`: not news of a failure (the peer knows, it told this side or was told) but that this side is
         done with the room: the peer frees what it kept for it, and counts nothing."""
+        if after_writes and self.config.role == "prefill" and not self.config.is_entry:
+            self._report_over.add(room)
         if not self.config.is_entry:
             return
         msg = {"t": "abort", "room": room, "detail": reason, "by_client": by_client, "status": status,
                "let_go": let_go}
         peer = self._peer_entry.get(room)
         if peer is not None and after_writes and self.config.role == "prefill":
-            self._after_writes[room] = (peer, msg)
+            held = self._after_writes.get(room)
+            deadline = time.monotonic() + self.config.transfer_timeout_s
+            self._after_writes[room] = (peer, [*held[1], msg], held[2]) if held else (peer, [msg], deadline)
             return
         if peer is not None:
             self._send(peer, msg)
@@ -320,16 +334,33 @@ class TransferAgent:
         self._fetches.submit(resolve)
 
     def _flush_after_writes(self) -> None:
-        """Control thread: send the notices of rooms whose writes (this rank's) are over."""
-        assert self._sender is not None  # only a prefill entry holds notices back
+        """Control thread (prefill): a rank other than the entry tells the entry of the rooms whose writes (its
+        own) are over; the entry sends the notices it held of rooms whose writes are over on every rank."""
+        assert self._sender is not None  # only prefill ranks hold anything back
+        entry = self._world_control[0]
+        for room in self._sender.writes_over(list(self._report_over)):
+            self._report_over.discard(room)
+            self._send(entry, {"t": "over", "room": room, "rank": self.config.me.rank})
+        others = {r.rank for r in self.config.world} - {self.config.me.rank}
+        now = time.monotonic()
         for room in self._sender.writes_over(list(self._after_writes)):
-            peer, msg = self._after_writes.pop(room)
-            self._send(peer, msg)
+            peer, msgs, deadline = self._after_writes[room]
+            if others <= self._writes_over.get(room, set()) or now >= deadline:
+                del self._after_writes[room]
+                for msg in msgs:
+                    self._send(peer, msg)
+
+    def _on_over(self, room: int, msg: dict[str, Any]) -> None:
+        if self.config.role != "prefill" or not self.config.is_entry:
+            return
+        self._writes_over.setdefault(room, set()).add(int(msg["rank"]))
+        while len(self._writes_over) > ENDED_ROOMS_KEPT:
+            self._writes_over.popitem(last=False)
 
     def finished_failed(self, room: int, reason: str) -> None:
         """The scheduler let go of a failed or aborted room (no transfer reads or writes its KV any more):
-        the peer entry may free its side of it now."""
-        self._calls.put(lambda: self._notify_peer(room, reason, let_go=True))
+        the peer entry may free its side of it once no rank of this server writes it any more."""
+        self._calls.put(lambda: self._notify_peer(room, reason, after_writes=True, let_go=True))
 
     def _abort(self, room: int, reason: str, by_client: bool = False) -> None:
         self._remember_ended(room, reason, by_client)
@@ -409,6 +440,7 @@ class TransferAgent:
     def _on_sent(self, room: int, msg: dict[str, Any]) -> None:
         if not self.config.is_entry or self.config.role != "prefill":
             return
+        self._on_over(room, msg)  # a rank's "sent" follows its last write of the room
         self._conclude(room, "sent", msg)
 
     def _conclude(self, room: int, phase: str, msg: dict[str, Any]) -> None:

@@ -120,6 +120,7 @@ class KVSender:
                 self._run(job, staging % self.aux.num_slots)
             except Exception:  # noqa: BLE001 - reported as the room's failure below
                 logger.exception("KV sender: room %d failed", job.room)
+                self.drop(job.room)  # its later chunks are not written: "sent" is this rank's last word on it
                 self._send(self._entry_address(), {"t": "sent", "room": job.room, "rank": self.config.me.rank,
                                                    "ok": False, "detail": "the KV sender failed"})
             finally:

@@ -1,0 +1,146 @@
+"""The PD control protocol between a multi-rank prefill server and a decode server, at the agents' level: real
+`TransferAgent`s (ZMQ control, sender threads) for the two stages of a PP=2 prefill server and one decode
+rank, a real bootstrap server, and tests/pd_harness.py's `MemmoveEngine` per rank (one of them can hold a
+write back). No scheduler: the test makes the calls each rank's scheduler makes.
+
+What is checked: when a room is given up on, the prefill side's notice (which lets the decode side free the
+room's KV slots) leaves only once no rank of the prefill server writes into those slots any more — not
+when the entry rank's own writes are over while another rank's write is still running."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from tests.pd_harness import MemmoveEngine
+from tokenloom.cache.kv_memory import KVMemory
+from tokenloom.disaggregation.agent import TransferAgent
+from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
+from tokenloom.disaggregation.aux_buffer import AuxBuffer
+from tokenloom.disaggregation.bootstrap_server import BootstrapServer, register_rank
+from tokenloom.disaggregation.pairing import topology_ranks
+from tokenloom.ipc import IpcAddresses, Receiver
+from tokenloom.protocol import Bootstrap, TransferEvent
+
+LAYERS, TOKENS, SLOTS = 2, 64, list(range(8))
+
+
+def memory(start_layer: int, end_layer: int) -> KVMemory:
+    return KVMemory.build(tokens=TOKENS, request_slots=4, context_len=64, page_size=1, num_kv_heads=1, head_dim=1,
+                          dtype=torch.float32, device=torch.device("cpu"), start_layer=start_layer,
+                          end_layer=end_layer, disable_radix_cache=True)
+
+
+class Ranks:
+    """A PP=2 prefill server (ranks 0 and 1, one layer each) and a one-rank decode server."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.bootstrap = BootstrapServer("127.0.0.1", 0, expected_ranks=2)
+        self.bootstrap.start()
+        prefill_world, decode_world = topology_ranks(LAYERS, 1, 1, 2), topology_ranks(LAYERS, 1, 1, 1)
+        self.events: dict[str, Receiver] = {}
+        self.queued: dict[str, list[TransferEvent]] = {}  # received, not yet taken by `next_event`
+        self.engines: list[MemmoveEngine] = []
+        self.memories: list[KVMemory] = []
+        self.prefill: list[TransferAgent] = []
+        for rank in prefill_world:
+            self.prefill.append(self._agent("prefill", rank, prefill_world, entry=rank.rank == 0))
+        for agent in self.prefill:
+            agent.set_world_control([a.control_address for a in self.prefill])
+            register_rank("127.0.0.1", self.bootstrap.port, agent.registration(1, 2))
+        self.decode = self._agent("decode", decode_world[0], decode_world, entry=True)
+        self.decode.set_world_control([self.decode.control_address])
+
+    def _agent(self, role: str, rank: Any, world: list, entry: bool) -> TransferAgent:
+        address = IpcAddresses.fresh().scheduler if entry else None
+        if entry:
+            self.events[role] = Receiver(self.ctx, address)
+        config = AgentConfig(role=role, me=rank, world=world, host="127.0.0.1", page_size=1, kv_dtype="float32",
+                             events_address=address)
+        mem = memory(rank.start_layer, rank.end_layer)
+        engine = MemmoveEngine()
+        self.engines.append(engine)
+        self.memories.append(mem)
+        aux = AuxBuffer(4 if role == "decode" else SENDER_THREADS)
+        return TransferAgent(config, engine, mem.kv_pool.layout(0), aux)
+
+    def next_event(self, role: str, timeout_s: float) -> TransferEvent | None:
+        queued = self.queued.setdefault(role, [])
+        deadline = time.monotonic() + timeout_s
+        while not queued and time.monotonic() < deadline:
+            queued += self.events[role].recv_all(50)
+        return queued.pop(0) if queued else None
+
+    def close(self) -> None:
+        for agent in [*self.prefill, self.decode]:
+            agent.close()
+        self.bootstrap.stop()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def ranks():
+    r = Ranks()
+    yield r
+    r.close()
+
+
+def start_transfer(ranks: Ranks, room: int) -> None:
+    """What the two schedulers do up to the prefill side's first KV chunk: the decode entry bootstraps and
+    sends its destination; the prefill entry reports the room ready."""
+    ranks.decode.track_decode(room, Bootstrap("127.0.0.1", ranks.bootstrap.port, room))
+    event = ranks.next_event("decode", 10)
+    assert event is not None and event.kind == "bootstrapped", event
+    ranks.decode.send_metadata(room, event.data, SLOTS, aux_index=0)
+    event = ranks.next_event("prefill", 10)
+    assert event is not None and event.kind == "ready", event
+
+
+def test_an_abort_is_told_to_the_decode_side_only_once_every_prefill_rank_stopped_writing(ranks):
+    room = 12345
+    start_transfer(ranks, room)
+    held = ranks.engines[1]  # prefill rank 1 (stage 1): its write of the room hangs until the gate opens
+    held.hold_when = lambda runs: True
+    for agent in ranks.prefill:
+        agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
+    deadline = time.monotonic() + 5
+    while ranks.engines[0].writes == 0 and time.monotonic() < deadline:  # rank 0's write is over
+        time.sleep(0.01)
+    assert ranks.engines[0].writes == 1 and held.writes == 0
+    for agent in ranks.prefill:  # the client aborts: every rank's scheduler gives the room up
+        agent.abort(room, "Aborted by the client.", by_client=True)
+    ranks.prefill[0].wait_chunks(room, timeout_s=5)  # the entry's own writes are over
+    assert ranks.next_event("decode", 1.0) is None, "the decode side was told while rank 1 still wrote its slots"
+    held.gate.set()
+    # rank 1's write, already running, completes (its "done" may make the room "arrived" first); then the abort
+    # reaches the decode side: as the room's failure, or as the client's abort of a room that arrived
+    events = []
+    while not events or events[-1].kind == "arrived":
+        event = ranks.next_event("decode", 5)
+        assert event is not None, events
+        events.append(event)
+    assert [e.kind for e in events] in (["failed"], ["arrived", "client_abort"]), events
+    assert events[0].kind != "failed" or events[0].data == {"by_client": True}, events
+    assert held.writes == 1
+
+
+def test_a_completed_transfer_then_a_let_go_is_not_held_back(ranks):
+    # every rank said "sent" (its last write is over): the prefill side's let-go goes out at once
+    room = 777
+    start_transfer(ranks, room)
+    for agent in ranks.prefill:
+        agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
+    event = ranks.next_event("prefill", 5)
+    assert event is not None and event.kind == "sent", event
+    event = ranks.next_event("decode", 5)  # the decode rank saw every writer's "done"
+    assert event is not None and event.kind == "arrived", event
+    started = time.monotonic()
+    ranks.prefill[0].finished_failed(room, "the decode side aborted the request")
+    event = ranks.next_event("decode", 5)
+    assert event is not None and event.kind == "let_go", event
+    assert time.monotonic() - started < 2
