@@ -144,3 +144,48 @@ def test_a_completed_transfer_then_a_let_go_is_not_held_back(ranks):
     event = ranks.next_event("decode", 5)
     assert event is not None and event.kind == "let_go", event
     assert time.monotonic() - started < 2
+
+
+def events_of(ranks: Ranks, role: str, room: int, timeout_s: float) -> list[TransferEvent]:
+    """The events of `room` that reach `role`'s entry within `timeout_s` (other rooms' are dropped)."""
+    found, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        event = ranks.next_event(role, 0.05)
+        if event is not None and event.room == room:
+            found.append(event)
+    return found
+
+
+def test_a_rank_whose_queued_chunk_was_dropped_does_not_let_the_decode_side_free_slots_another_rank_writes(ranks):
+    # Rooms a and b share a sender thread on each rank (room % 4). Rank 1 is busy writing a (held), so b's
+    # chunk waits behind it; rank 0 is writing b (held). The client aborts b: rank 1's queued chunk of b is
+    # dropped and it says "sent" (failed) at once; the decode side must not hear of b while rank 0 still
+    # writes b's slots (it used to: the entry failed the room on that "sent" and told the peer at once).
+    a, b = 100, 104
+    for room, slots in ((a, SLOTS), (b, [s + 8 for s in SLOTS])):
+        ranks.decode.track_decode(room, Bootstrap("127.0.0.1", ranks.bootstrap.port, room))
+        event = ranks.next_event("decode", 10)
+        assert event is not None and event.kind == "bootstrapped", event
+        ranks.decode.send_metadata(room, event.data, slots, aux_index=0)
+        event = ranks.next_event("prefill", 10)
+        assert event is not None and event.kind == "ready", event
+    entry_engine, other_engine = ranks.engines[0], ranks.engines[1]
+    entry_engine.hold_when = lambda runs: entry_engine.writes >= 1  # its first write (a) passes, b's is held
+    other_engine.hold_when = lambda runs: other_engine.writes == 0  # a's write is held, b waits behind it
+    for room in (a, b):
+        for agent in ranks.prefill:
+            agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
+    deadline = time.monotonic() + 5
+    while entry_engine.writes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # rank 0 now holds b's write; rank 1 holds a's, b's chunk queued behind it
+    assert entry_engine.writes == 1 and other_engine.writes == 0
+    for agent in ranks.prefill:
+        agent.abort(b, "Aborted by the client.", by_client=True)
+    time.sleep(0.2)  # each rank's control thread has dropped b's chunks not started yet
+    other_engine.gate.set()  # rank 1 writes a, then drops b's chunk and reports it
+    got = events_of(ranks, "decode", b, 1.5)
+    assert got == [], f"the decode side heard of b while rank 0 still wrote its slots: {got}"
+    entry_engine.gate.set()
+    got = events_of(ranks, "decode", b, 3)
+    assert [e.kind for e in got] == ["failed"] and got[0].data == {"by_client": True}, got

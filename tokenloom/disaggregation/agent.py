@@ -351,11 +351,17 @@ class TransferAgent:
                     self._send(peer, msg)
 
     def _on_over(self, room: int, msg: dict[str, Any]) -> None:
-        if self.config.role != "prefill" or not self.config.is_entry:
+        if self.config.role != "prefill" or not self.config.is_entry or len(self.config.world) == 1:
             return
         self._writes_over.setdefault(room, set()).add(int(msg["rank"]))
         while len(self._writes_over) > ENDED_ROOMS_KEPT:
             self._writes_over.popitem(last=False)
+
+    def drop_writes(self, room: int) -> None:
+        """Prefill, any thread: the room failed; its chunks not written yet are dropped, so that `wait_chunks`
+        returns once a write already running is over."""
+        if self._sender is not None:
+            self._sender.drop(room)
 
     def finished_failed(self, room: int, reason: str) -> None:
         """The scheduler let go of a failed or aborted room (no transfer reads or writes its KV any more):
@@ -441,6 +447,8 @@ class TransferAgent:
         if not self.config.is_entry or self.config.role != "prefill":
             return
         self._on_over(room, msg)  # a rank's "sent" follows its last write of the room
+        if room in self._ended:  # given up here already: a rank's dropped last chunk is not news for the peer
+            return  # (failing the room now would tell the decode side at once, while other ranks still write)
         self._conclude(room, "sent", msg)
 
     def _conclude(self, room: int, phase: str, msg: dict[str, Any]) -> None:

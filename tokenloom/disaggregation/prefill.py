@@ -125,6 +125,7 @@ class PrefillDisaggregation(DisaggSide):
         if req is not None:
             if not req.finished or req.finished_reason.get("type") != "abort":
                 req.abort(message, status)
+            self.agent.drop_writes(room)  # on every rank: no more of its chunks go out
             self._let_go(req)
             return
         req = self._in_scheduler(room)
