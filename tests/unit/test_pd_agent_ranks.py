@@ -90,13 +90,14 @@ def ranks():
     r.close()
 
 
-def start_transfer(ranks: Ranks, room: int) -> None:
+def start_transfer(ranks: Ranks, room: int, slots: list[int] = SLOTS) -> None:
     """What the two schedulers do up to the prefill side's first KV chunk: the decode entry bootstraps and
-    sends its destination; the prefill entry reports the room ready."""
+    sends its destination (the room's KV at `slots` of the decode pool); the prefill entry reports the room
+    ready."""
     ranks.decode.track_decode(room, Bootstrap("127.0.0.1", ranks.bootstrap.port, room))
     event = ranks.next_event("decode", 10)
     assert event is not None and event.kind == "bootstrapped", event
-    ranks.decode.send_metadata(room, event.data, SLOTS, aux_index=0)
+    ranks.decode.send_metadata(room, event.data, slots, aux_index=0)
     event = ranks.next_event("prefill", 10)
     assert event is not None and event.kind == "ready", event
 
@@ -162,13 +163,8 @@ def test_a_rank_whose_queued_chunk_was_dropped_does_not_let_the_decode_side_free
     # dropped and it says "sent" (failed) at once; the decode side must not hear of b while rank 0 still
     # writes b's slots (it used to: the entry failed the room on that "sent" and told the peer at once).
     a, b = 100, 104
-    for room, slots in ((a, SLOTS), (b, [s + 8 for s in SLOTS])):
-        ranks.decode.track_decode(room, Bootstrap("127.0.0.1", ranks.bootstrap.port, room))
-        event = ranks.next_event("decode", 10)
-        assert event is not None and event.kind == "bootstrapped", event
-        ranks.decode.send_metadata(room, event.data, slots, aux_index=0)
-        event = ranks.next_event("prefill", 10)
-        assert event is not None and event.kind == "ready", event
+    start_transfer(ranks, a)
+    start_transfer(ranks, b, [s + 8 for s in SLOTS])
     entry_engine, other_engine = ranks.engines[0], ranks.engines[1]
     entry_engine.hold_when = lambda runs: entry_engine.writes >= 1  # its first write (a) passes, b's is held
     other_engine.hold_when = lambda runs: other_engine.writes == 0  # a's write is held, b waits behind it
