@@ -96,19 +96,21 @@ def _chat(url: str) -> str:
 
 
 def _assert_idle_and_full(server: ServerProcess, timeout_s: float = 30) -> None:
-    """Wait until no queue of the PD server holds a request (`timeout_s`), then its pool must be full."""
+    """Wait until no queue of the PD server holds a request and its transfer agent no room (`timeout_s`), then
+    its pool must be full."""
     deadline = time.monotonic() + timeout_s
     while True:
         info = server.server_info()
         queues = [info.get(k, 0) for k in ("num_running_reqs", "num_waiting_reqs", "num_bootstrap_reqs",
                                            "num_inflight_transfer_reqs", "num_prealloc_queue_reqs",
                                            "num_transfer_queue_reqs", "num_decode_retracted_reqs",
-                                           "num_draining_reqs")]
+                                           "num_draining_reqs", "transfer_room_records")]
         if not any(queues):
             break
         if time.monotonic() > deadline:
             raise AssertionError(f"{server.url} not idle after {timeout_s} s: {[q for q in queues]} "
-                                 f"(running, waiting, bootstrap, inflight, prealloc, transfer, retracted, draining)")
+                                 f"(running, waiting, bootstrap, inflight, prealloc, transfer, retracted, draining, "
+                                 f"the transfer agent's room records)")
         time.sleep(0.1)
     assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_num_tokens"], info
 

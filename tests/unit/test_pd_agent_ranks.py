@@ -185,3 +185,45 @@ def test_a_rank_whose_queued_chunk_was_dropped_does_not_let_the_decode_side_free
     entry_engine.gate.set()
     got = events_of(ranks, "decode", b, 3)
     assert [e.kind for e in got] == ["failed"] and got[0].data == {"by_client": True}, got
+
+
+def test_a_rank_whose_write_failed_does_not_let_the_decode_side_free_slots_another_rank_writes(ranks):
+    # The entry's own write of the room fails (its peer looks gone) while rank 1 still writes. Both servers fail
+    # the room at once (the decode rank saw the failed writer's "done"), but the decode side must keep the
+    # room's slots (told so by the event) until it is let go, and that only once rank 1's write is over.
+    room = 4321
+    start_transfer(ranks, room)
+    entry_engine, other_engine = ranks.engines[0], ranks.engines[1]
+    entry_engine.fail_next = 1
+    other_engine.hold_when = lambda runs: True
+    for agent in ranks.prefill:
+        agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
+    event = ranks.next_event("prefill", 5)
+    assert event is not None and event.kind == "failed", event
+    for agent in ranks.prefill:  # what every prefill rank's scheduler does with the "failed" event
+        agent.drop_writes(room)
+        agent.finished_failed(room, event.detail)
+    got = events_of(ranks, "decode", room, 1.5)
+    assert [(e.kind, e.data) for e in got] == [("failed", {"writes_may_run": True})], got
+    ranks.decode.bound_drain(room)  # what the decode scheduler does with it: the slots wait for a let-go
+    ranks.decode.finished_failed(room, got[0].detail)
+    assert events_of(ranks, "decode", room, 1.0) == [], "the decode side was let go while rank 1 still wrote"
+    other_engine.gate.set()
+    got = events_of(ranks, "decode", room, 3)
+    assert "let_go" in [e.kind for e in got], got
+    assert other_engine.writes == 1
+    for agent in [*ranks.prefill, ranks.decode]:  # every scheduler is done with the room
+        agent.forget(room)
+    deadline = time.monotonic() + 5
+    while any(a.room_records() for a in [*ranks.prefill, ranks.decode]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [a.room_records() for a in [*ranks.prefill, ranks.decode]] == [{}, {}, {}]
+
+
+def test_a_failed_room_left_draining_is_let_go_at_the_bound(ranks):
+    # a decode room failed while writes may run, and no let-go ever comes (the prefill side lost the room)
+    ranks.decode.config.transfer_timeout_s = -4.5  # the bound (transfer timeout + 5 s) is half a second away
+    ranks.decode.bound_drain(99)
+    got = events_of(ranks, "decode", 99, 2)
+    assert [e.kind for e in got] == ["let_go"], got
+    assert ranks.decode.room_records() == {}

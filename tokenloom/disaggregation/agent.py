@@ -102,6 +102,7 @@ class TransferAgent:
         self._peer_entry: dict[int, str] = {}  # room -> the peer server's entry control address
         self._room_prefill: dict[int, tuple[str, int]] = {}  # decode entry: room -> its prefill's bootstrap
         self._heartbeat: dict[tuple[str, int], tuple[float, int]] = {}  # bootstrap -> (next check, misses)
+        self._drain_bounds: dict[int, float] = {}  # decode entry: failed room whose slots wait for a let-go -> bound
         # prefill entry: room -> (peer entry, messages, deadline) sent once every rank's writes of the room are
         # over, so the decode side frees the room's slots only when no write can land in them any more (or at the
         # deadline: a write is bounded by the transfer timeout); held apart from the room's other state, which
@@ -161,6 +162,13 @@ class TransferAgent:
         as an error)."""
         self._calls.put(lambda: self._abort(room, reason, by_client))
 
+    def bound_drain(self, room: int) -> None:
+        """Decode: the scheduler keeps a failed room's slots until the prefill side lets go; if it never does,
+        a "let_go" comes at the bound (the transfer timeout + 5 s: no write runs longer)."""
+        if self.config.is_entry:  # the entry's clock; every rank ends the drain on the same let-go event
+            self._calls.put(lambda: self._drain_bounds.__setitem__(room, time.monotonic()
+                                                                   + self.config.transfer_timeout_s + 5))
+
     def refuse(self, room: int, bootstrap: Bootstrap, reason: str, status: int) -> None:
         """Either side: a request of the room was refused at the door (a full queue, a bad request): its peer
         half is told to end too, instead of waiting for this side until a timeout (a decode entry reaches the
@@ -178,6 +186,19 @@ class TransferAgent:
     def forget(self, room: int) -> None:
         """The scheduler is done with the room (its final event was handled): drop its bookkeeping."""
         self._calls.put(lambda: self._forget(room))
+
+    def room_records(self) -> dict[str, int]:
+        """The per-room records this rank's agent holds for rooms in progress, by table, the empty ones left out
+        (any thread; a snapshot): empty once every room ended and the scheduler forgot it. Not counted: the
+        bounded memories of rooms given up on (`_ended`, `_writes_over`), kept on purpose for late messages."""
+        tables = {"deadlines": self._deadlines, "reported": self._reported, "polls": self._polls,
+                  "expected": self._expected, "done": self._done, "peer_entry": self._peer_entry,
+                  "room_prefill": self._room_prefill, "after_writes": self._after_writes,
+                  "report_over": self._report_over, "drain_bounds": self._drain_bounds}
+        held = {name: len(table) for name, table in tables.items()}
+        if self._sender is not None:
+            held.update(self._sender.room_records())
+        return {name: n for name, n in held.items() if n}
 
     def close(self) -> None:
         self._stopped.set()
@@ -257,7 +278,12 @@ class TransferAgent:
         now = time.monotonic()
         for room, (deadline, what) in list(self._deadlines.items()):
             if now >= deadline:
-                self._fail_room(room, f"timed out waiting for {what}")
+                self._fail_room(room, f"timed out waiting for {what}", writes_may_run=True)
+        for room, due in list(self._drain_bounds.items()):
+            if now >= due:  # no write of the room can still run: each is bounded by the transfer timeout
+                del self._drain_bounds[room]
+                assert self._events is not None
+                self._events.send_pyobj(TransferEvent(room, "let_go"))
         for target, (due, misses) in list(self._heartbeat.items()):
             if now >= due:
                 self._heartbeat[target] = (now + self.config.heartbeat_interval_s, misses)
@@ -288,14 +314,17 @@ class TransferAgent:
             while len(self._ended) > ENDED_ROOMS_KEPT:
                 self._ended.popitem(last=False)
 
-    def _fail_room(self, room: int, reason: str) -> None:
-        """Entry: the room failed on this side; tell the peer entry and the scheduler."""
+    def _fail_room(self, room: int, reason: str, writes_may_run: bool = False) -> None:
+        """Entry: the room failed on this side; tell the peer entry (a prefill entry once no rank of this server
+        writes the room any more: a rank's write may still run when another's failed or timed out) and the
+        scheduler (`writes_may_run`: a prefill rank may still be writing the room's KV, as when a decode rank
+        saw one writer fail or the transfer timed out; the decode scheduler then keeps the slots until let go)."""
         self._remember_ended(room, reason, False)
         target = self._room_prefill.get(room)
         if target is not None:  # its layout is looked up again next time (the prefill server may have restarted)
             self._prefill_servers.forget(target)
-        self._notify_peer(room, reason)
-        self._event(room, "failed", reason)
+        self._notify_peer(room, reason, after_writes=True)
+        self._event(room, "failed", reason, {"writes_may_run": True} if writes_may_run else None)
 
     def _notify_peer(self, room: int, reason: str, by_client: bool = False, status: int | None = None,
                      after_writes: bool = False, let_go: bool = False) -> None:
@@ -384,8 +413,14 @@ class TransferAgent:
                 assert self._events is not None
                 self._events.send_pyobj(TransferEvent(room, "let_go"))
             return
+        if self.config.role == "prefill" and room in self._ended:
+            return  # given up on here already (both sides aborted at once): the peer was or will be told
         if self.config.is_entry:
             status = msg.get("status")
+            if self.config.role == "decode" and room in self._reported and msg.get("by_client") is not True:
+                # this side failed the room first; the prefill side sends its abort once its writes are over
+                assert self._events is not None
+                self._events.send_pyobj(TransferEvent(room, "let_go"))
             if msg.get("by_client") is True and room in self._reported and self.config.role == "decode":
                 # the KV arrived already (the request may be decoding): still the client's abort, not a final event
                 assert self._events is not None
@@ -408,7 +443,7 @@ class TransferAgent:
         for phase in ("dst", "sent", "arrived"):
             self._polls.pop((room, phase), None)
         for table in (self._deadlines, self._expected, self._done, self._peer_entry,
-                      self._room_prefill):
+                      self._room_prefill, self._drain_bounds):
             table.pop(room, None)
         self._reported.discard(room)
         if self._sender is not None:
@@ -457,8 +492,8 @@ class TransferAgent:
         poll = self._polls.setdefault((room, phase), RoomPoll(len(self.config.world)))
         ok = bool(msg.get("ok"))
         state = poll.report(int(msg["rank"]), KVPoll.Success if ok else KVPoll.Failed, msg.get("detail") or "")
-        if state is KVPoll.Failed:
-            self._fail_room(room, poll.detail or "the KV transfer failed")
+        if state is KVPoll.Failed:  # other ranks' writes may still run (decode: into the room's slots)
+            self._fail_room(room, poll.detail or "the KV transfer failed", writes_may_run=True)
         elif state is KVPoll.Success:
             self._event(room, phase)
 

@@ -13,9 +13,10 @@ prefilled here, as on a unified server):
   gets it, and the request joins a lane's running requests: the next decode step extends it. No forward.
 - retraction (KV short for a decode step): the request's KV is copied to host memory and its slots freed; it
   resumes (slots re-allocated, KV copied back) before any new pre-allocation. Nothing is recomputed.
-- aborts and failures free the row, the slots and the metadata slot; a room aborted while the prefill side may
-  still be writing into its slots keeps them until the room's final event (arrived or failed), so no write
-  lands in KV another request owns.
+- aborts and failures free the row, the slots and the metadata slot; a room aborted or failed while the prefill
+  side may still be writing into its slots (a client abort mid-transfer, one prefill rank's failed write while
+  another writes, a transfer timeout) keeps them ("draining") until the prefill side lets go or the room's
+  final event, bounded by the transfer timeout + 5 s, so no write lands in KV another request owns.
 """
 
 from __future__ import annotations
@@ -89,21 +90,32 @@ class DecodeDisaggregation(DisaggSide):
             data = event.data if isinstance(event.data, dict) else {}
             by_client, refused = data.get("by_client") is True, data.get("status")
             self.failed += not by_client and refused is None
+            # a prefill rank may still write into the slots of a room in transfer (another rank's write failed,
+            # or the transfer timed out): they are kept until the prefill side lets go
+            drain = data.get("writes_may_run") is True and room in self.transfer
             self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
-                       None if by_client else refused or 500)
-            self._end_drain(room)
+                       None if by_client else refused or 500, drain=drain)
+            if not drain:
+                self._end_drain(room)
             self.agent.finished_failed(room, event.detail)
 
-    def _fail(self, room: int, message: str, status: int | None = 500) -> None:
+    def _fail(self, room: int, message: str, status: int | None = 500, drain: bool = False) -> None:
         """End the room's request (`status` None: a client abort on the prefill side, answered as an abort; such
         an abort also ends the request once its KV arrived, even decoding: the client asked for it, and the
-        prefill side sends it only after its writes are over)."""
+        prefill side sends it only after its writes are over). `drain`: a request in transfer keeps its slots
+        (answered now, freed at the let-go or its bound)."""
         for req in self.prealloc:
             if req.bootstrap.room == room:
                 self.prealloc.remove(req)
                 self._finish(req, message, status, error=status is not None)
+                self.agent.forget(room)
                 return
         req = self.transfer.pop(room, None)
+        if req is not None and drain:
+            self.draining[room] = req
+            self.agent.bound_drain(room)
+            self._finish(req, message, status, error=status is not None)
+            return  # the agent keeps the room until the drain ends (`_end_drain` forgets it)
         if req is not None:
             self._free(req)
             self._finish(req, message, status, error=status is not None)
@@ -334,4 +346,5 @@ class DecodeDisaggregation(DisaggSide):
                 "num_draining_reqs": len(self.draining),
                 "num_received_reqs": self.received, "num_failed_transfer_reqs": self.failed,
                 "num_offloaded_reqs": self.offloaded, "free_aux_slots": self.aux.available(),
-                "num_queue_polls": self.queue_polls}
+                "num_queue_polls": self.queue_polls,
+                "transfer_room_records": self.agent.room_records()}

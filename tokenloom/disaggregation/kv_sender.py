@@ -97,6 +97,13 @@ class KVSender:
             self._dst.pop(room, None)
             self._dropped.discard(room)
 
+    def room_records(self) -> dict[str, int]:
+        """Per-room records held (destinations, dropped marks, pending job counts), by table: 0s once idle and
+        forgotten."""
+        with self._cond:
+            return {"sender_dst": len(self._dst), "sender_dropped": len(self._dropped),
+                    "sender_pending": len(self._pending)}
+
     def writes_over(self, rooms: list[int]) -> list[int]:
         """Those of `rooms` with no job queued or running."""
         with self._cond:

@@ -114,9 +114,11 @@ class PrefillDisaggregation(DisaggSide):
             data = event.data if isinstance(event.data, dict) else {}
             by_client, refused = data.get("by_client") is True, data.get("status")
             self.failed += not by_client and refused is None
+            # the let-go is queued before `_fail`, whose abort of a request the scheduler holds forgets the
+            # room (`drop`): the agent still knows the peer to tell when every rank's writes of it are over
+            self.agent.finished_failed(room, event.detail)
             self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
                        None if by_client else refused or 500)
-            self.agent.finished_failed(room, event.detail)
             self.agent.forget(room)
 
     def _fail(self, room: int, message: str, status: int | None = 500) -> None:
@@ -151,6 +153,7 @@ class PrefillDisaggregation(DisaggSide):
         self.agent.abort(room, reason.get("message", "aborted"), by_client=(reason.get("status_code") or 0) < 500)
         self.agent.wait_chunks(room)
         req.kv_hold = False
+        self.agent.forget(room)  # after the abort (one queue): its notice to the peer is held apart
 
     def abort(self, rid: str, message: str) -> bool:
         """Abort `rid` if it waits in the bootstrap queue or in flight here (False: not ours)."""
@@ -212,4 +215,5 @@ class PrefillDisaggregation(DisaggSide):
     def info(self) -> dict[str, Any]:
         return {"disaggregation_mode": "prefill", "num_bootstrap_reqs": len(self.bootstrap_queue),
                 "num_inflight_transfer_reqs": len(self.inflight), "num_transferred_reqs": self.transferred,
-                "num_failed_transfer_reqs": self.failed}
+                "num_failed_transfer_reqs": self.failed,
+                "transfer_room_records": self.agent.room_records()}
