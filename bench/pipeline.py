@@ -13,7 +13,8 @@ two cores (one thread each), while PP=1 runs one process with both threads. No g
 shows what the pipeline costs.
 
 Configurations (PP=2): depth 0, 1, 2 with seed 000's two points on; at depth 0 each point off alone and both
-off (TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0). The PP=1 engine stays up the whole run;
+off (TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0); `_nobind`: depth 0 or 2 with the stages
+not bound to a core each (TOKENLOOM_CPU_OMP_THREADS_BIND=nobind). The PP=1 engine stays up the whole run;
 each PP=2 engine is started in turn and its rounds alternate with PP=1's (who goes first alternates), so every
 ratio is side by side. Workload per run: `--num-prompts` (64) random-id prompts of `--input-len` tokens (new
 prompts every round, the same for both engines: no prefix-cache hits),
@@ -62,11 +63,12 @@ MODEL_CONFIG = {
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
     "torch_dtype": "bfloat16",
 }
-# name -> (depth, early output send, overlapped sends)
-CONFIGS: dict[str, tuple[int, bool, bool]] = {
-    "pp2_d0": (0, True, True), "pp2_d1": (1, True, True), "pp2_d2": (2, True, True),
-    "pp2_d0_no_early_send": (0, False, True), "pp2_d0_no_overlap_sends": (0, True, False),
-    "pp2_d0_seed_off": (0, False, False),
+# name -> (depth, early output send, overlapped sends, each stage bound to its own core)
+CONFIGS: dict[str, tuple[int, bool, bool, bool]] = {
+    "pp2_d0": (0, True, True, True), "pp2_d1": (1, True, True, True), "pp2_d2": (2, True, True, True),
+    "pp2_d0_no_early_send": (0, False, True, True), "pp2_d0_no_overlap_sends": (0, True, False, True),
+    "pp2_d0_seed_off": (0, False, False, True),
+    "pp2_d0_nobind": (0, True, True, False), "pp2_d2_nobind": (2, True, True, False),
 }
 BUBBLE_TARGET = 0.15
 SLOWDOWN_TARGET = 1.3
@@ -289,7 +291,8 @@ def main() -> None:
     try:
         run_once(pp1, prompts(), 16)
         for name in ns.configs.split(","):
-            depth, early, overlap = CONFIGS[name]
+            depth, early, overlap, bind = CONFIGS[name]
+            os.environ["TOKENLOOM_CPU_OMP_THREADS_BIND"] = "auto" if bind else "nobind"
             os.environ["TOKENLOOM_PP_EARLY_OUTPUT_SEND"] = "1" if early else "0"
             os.environ["TOKENLOOM_PP_OVERLAP_SENDS"] = "1" if overlap else "0"
             partition = ns.partition

@@ -16,6 +16,9 @@ where it applies (small decode batches); there the TP=1 process also times its m
 second runner on the same weights and KV memory with `--disable-native-decode`) for reference. The ratio is served
 vs served; modular vs modular only if TP=2 could not run the native step (`tp2_native` false).
 
+Cores: the TP=2 ranks are bound to a core each, as the server binds its ranks by default
+(`TOKENLOOM_CPU_OMP_THREADS_BIND=nobind` runs them unbound); the TP=1 process keeps both cores.
+
 Communication: the TP=2 ranks run a `ParallelContext` subclass that times `all_reduce` / `all_gather_last_dim`
 and records every tensor through them (the library is not changed for this). On one host these go through the
 shared-memory communicator (`ParallelContext.tp_comm`); `--gloo` runs TP=2 with every collective on gloo instead
@@ -280,8 +283,13 @@ def _worker(role: str, folder: str, max_tokens: int, max_requests: int, port: in
 
             ctx, threads = SINGLE_PROCESS, 2
         else:
+            from tokenloom.distributed.cpu_binding import ENV, bind_this_process, rank_cores
             from tokenloom.distributed.groups import init_distributed
 
+            # as the server's launcher does (TOKENLOOM_CPU_OMP_THREADS_BIND, default auto): a core per rank
+            cores = rank_cores(os.environ.get(ENV), 2, sorted(os.sched_getaffinity(0)), threads_per_rank=1)
+            if cores is not None:
+                bind_this_process(cores[int(role[-1])])
             base = init_distributed(2, 1, int(role[-1]), f"127.0.0.1:{port}", "cpu", shared_memory=shared_memory)
             ctx = TimedParallelContext(**{f.name: getattr(base, f.name) for f in fields(ParallelContext)})
             threads = 1

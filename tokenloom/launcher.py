@@ -6,7 +6,9 @@ Ranks: each scheduler rank is a spawned process running `scheduler.process.run_s
 global rank and the rendezvous address (`--dist-init-addr`, default 127.0.0.1 and a free port picked here).
 Threads per rank: `--num-threads` if given, else, with several ranks on this machine, cores / local ranks
 (`topology.threads_per_rank`), set in each rank before its model is built, so ranks never oversubscribe the
-cores; one rank alone keeps torch's default.
+cores; one rank alone keeps torch's default. Cores per rank (`TOKENLOOM_CPU_OMP_THREADS_BIND`,
+distributed/cpu_binding.py): by default, on the CPU, each local rank is bound to its own block of cores; the
+rank binds itself first thing, so every thread it starts runs there.
 
 Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
 -9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in
@@ -26,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tokenloom.config import ServerArgs, check_parallel_fits
-from tokenloom.distributed import topology
+from tokenloom.distributed import cpu_binding, topology
 from tokenloom.distributed.world_board import BoardUnreachable, WorldBoard
 from tokenloom.frontend.detokenizer import run_detokenizer_process
 from tokenloom.ipc import IpcAddresses
@@ -69,6 +72,11 @@ class RuntimeLauncher:
         self.board: WorldBoard | None = None  # joined after start when the world spans several nodes
         self._pipes: dict[str, Any] = {}  # kept open: a rank that fails later reports its error through it
         self._reported: set[str] = set()  # local deaths already published on the board
+        # each local rank's cores, in self.ranks' order (None: no binding); a bad setting fails here, at once
+        threads = self.rank_args().num_threads or topology.available_cores()
+        self.rank_cores = cpu_binding.rank_cores(os.environ.get(cpu_binding.ENV), len(self.ranks),
+                                                 sorted(os.sched_getaffinity(0)), threads,
+                                                 args.device.split(":")[0])
 
     def rank_args(self) -> ServerArgs:
         """The args every local rank runs with: the thread count made explicit when ranks share this machine."""
@@ -84,14 +92,15 @@ class RuntimeLauncher:
         rank_args = self.rank_args()
         pipes: dict[str, Any] = {}
         targets: list[tuple[str, str, Any, tuple, tuple]] = []  # key, label, target, args, args after the pipe
-        for rank in self.ranks:
+        for index, rank in enumerate(self.ranks):
             key = "scheduler" if rank == 0 else f"scheduler{rank}"
+            cores = self.rank_cores[index] if self.rank_cores is not None else None
             label = rank_label(rank, self.args.tp_size, self.args.pp_size)
             if self.args.nnodes > 1:
                 label += f" on node {self.args.node_rank}"
             self.rank_of[key] = rank
             targets.append((key, "scheduler process" if self.world == 1 else label, run_scheduler_process,
-                            (rank_args, self.addresses), (rank, self.dist_init_addr)))
+                            (rank_args, self.addresses), (rank, self.dist_init_addr, cores)))
         if self.args.node_rank == 0:
             targets.append(("detokenizer", "detokenizer process", run_detokenizer_process,
                             (dataclasses.replace(self.source, gguf=None), self.args.tokenizer_path, self.addresses),

@@ -31,6 +31,12 @@ def test_tp2_server_matches_tp1_and_dies_cleanly_with_a_rank(tiny_server, tiny_r
         info = server.wait_idle_and_pool_full()
         assert info["tp_ranks_agree"] is True and info["tp_size"] == 2
         rank1 = info["process_ids"]["scheduler1"]
+        # each rank (every one of its threads) runs on its own half of the cores (TOKENLOOM_CPU_OMP_THREADS_BIND)
+        cores = sorted(os.sched_getaffinity(0))
+        bound = [set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")))
+                 for pid in (info["process_ids"]["scheduler"], rank1)]
+        assert bound == [set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:2 * (len(cores) // 2)])], bound
+        assert info["rank_cpu_cores"] == cores[:len(cores) // 2]
 
         thread, result = start_pending_request(server)
         start = time.monotonic()

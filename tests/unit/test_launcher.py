@@ -159,3 +159,24 @@ def test_threads_per_rank(flags, threads):
 def test_a_model_that_does_not_split_is_refused_before_any_rank_starts():
     with pytest.raises(ConfigError, match="--tp-size 2 cannot split the model: its 3 attention heads"):
         RuntimeLauncher(ServerArgs(tp_size=2), _source(num_attention_heads=3), addresses=None)
+
+
+@pytest.mark.parametrize("setting, flags, expected", [
+    (None, {"tp_size": 2}, [[c] for c in sorted(os.sched_getaffinity(0))[:2]]
+     if len(os.sched_getaffinity(0)) == 2 else None),
+    ("nobind", {"tp_size": 2}, None),
+    (None, {}, None),  # one rank keeps the whole machine
+])
+def test_each_local_rank_gets_its_own_cores(monkeypatch, setting, flags, expected):
+    if setting is None:
+        monkeypatch.delenv("TOKENLOOM_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", setting)
+    launcher = RuntimeLauncher(ServerArgs(**flags), _source(), addresses=None)
+    assert launcher.rank_cores == expected
+
+
+def test_a_bad_core_binding_is_refused_before_any_rank_starts(monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", "0|0")
+    with pytest.raises(ValueError, match=r"cores \[0\] are in two ranks' groups"):
+        RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)

@@ -128,3 +128,14 @@ def test_first_kernel_build_is_announced_and_a_cached_one_is_not(tmp_path, monke
     assert first[0] == f"Building native CPU kernels (first run, ~{cpu_build.BUILD_ESTIMATE_S} s)..."
     assert first[1].startswith("Native CPU kernels built in ") and len(first) == 2
     assert second == []
+
+
+def test_startup_summary_names_rank_0s_cores_when_ranks_share_the_machine():
+    lines = startup_summary(ServerArgs(pp_size=2), "/m", "LlamaForCausalLM", {**READY, "threads_per_rank": 1,
+                                                                            "rank_cpu_cores": [0]})
+    assert lines[2] == "Device: cpu (AVX512-BF16: yes, AMX: no), 1 threads per rank (rank 0 on core 0), TP 1 x " \
+                       "PP 2 on 1 node"
+    lines = startup_summary(ServerArgs(tp_size=2), "/m", "LlamaForCausalLM", {**READY, "rank_cpu_cores": [0, 2]})
+    assert "8 threads per rank (rank 0 on cores 0,2), TP 2" in lines[2]
+    lines = startup_summary(ServerArgs(), "/m", "LlamaForCausalLM", {**READY, "rank_cpu_cores": [0, 1]})
+    assert "8 threads per rank, TP 1" in lines[2]  # one rank: nothing to say

@@ -35,7 +35,8 @@ def startup_summary(args: ServerArgs, model_path: str, architecture: str, info: 
         f"{_gigabytes(info.get('kv_pool_bytes'))} ({info.get('max_total_num_tokens', '?')} tokens), "
         f"{info.get('max_running_requests', '?')} request slots",
         f"Device: {args.device} (AVX512-BF16: {_yes_no(features.get('avx512_bf16'))}, AMX: "
-        f"{_yes_no(features.get('amx'))}), {info.get('threads_per_rank', '?')} threads per rank, "
+        f"{_yes_no(features.get('amx'))}), {info.get('threads_per_rank', '?')} threads per rank"
+        f"{_cores(info.get('rank_cpu_cores'), world)}, "
         f"TP {args.tp_size} x PP {args.pp_size} on {args.nnodes} node{'s' if args.nnodes > 1 else ''}",
         "Server args: " + ", ".join(f"{key}={value!r}" for key, value in public_server_args(args).items()),
     ]
@@ -44,6 +45,17 @@ def startup_summary(args: ServerArgs, model_path: str, architecture: str, info: 
 def log_startup_summary(args: ServerArgs, model_path: str, architecture: str, info: dict[str, Any]) -> None:
     for line in startup_summary(args, model_path, architecture, info):
         logger.info("%s", line)
+
+
+def _cores(cores: Any, world: int) -> str:
+    """' (rank 0 on cores 0-3)' when ranks share a machine (the binding, TOKENLOOM_CPU_OMP_THREADS_BIND)."""
+    if world == 1 or not cores:
+        return ""
+    if len(cores) == 1:
+        return f" (rank 0 on core {cores[0]})"
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f" (rank 0 on cores {cores[0]}-{cores[-1]})"
+    return f" (rank 0 on cores {','.join(map(str, cores))})"
 
 
 def _gigabytes(nbytes: Any) -> str:

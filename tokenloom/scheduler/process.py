@@ -77,7 +77,11 @@ def exit_hung(name: str, reason: str, ready: Any, ctx: Any, addresses: Any) -> N
 
 
 def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: int = 0,
-                          dist_init_addr: str | None = None) -> None:
+                          dist_init_addr: str | None = None, cpu_cores: list[int] | None = None) -> None:
+    if cpu_cores is not None:  # before any thread starts (torch's, gloo's, ZMQ's): they all inherit it
+        from tokenloom.distributed.cpu_binding import bind_this_process
+
+        bind_this_process(cpu_cores)
     import zmq
 
     from tokenloom.device import resolve_device

@@ -1,0 +1,78 @@
+"""`TOKENLOOM_CPU_OMP_THREADS_BIND`: the cores each local rank gets, and binding a real process to them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import pytest
+
+from tokenloom.distributed.cpu_binding import bind_this_process, parse_core_list, rank_cores
+
+
+def test_auto_gives_each_rank_its_own_block_of_cores():
+    assert rank_cores(None, 2, [0, 1], threads_per_rank=1) == [[0], [1]]
+    assert rank_cores("auto", 2, [3, 2, 1, 0], threads_per_rank=2) == [[0, 1], [2, 3]]
+    assert rank_cores("", 3, list(range(7)), threads_per_rank=2) == [[0, 1], [2, 3], [4, 5]]  # core 6 unused
+
+
+@pytest.mark.parametrize("local_ranks, cores, threads, device", [
+    (1, [0, 1], 2, "cpu"),  # one rank alone keeps the whole machine
+    (3, [0, 1], 1, "cpu"),  # more ranks than cores: they must share
+    (2, [0, 1], 2, "cpu"),  # --num-threads above a rank's block: binding would stack its threads
+    (2, [0, 1], 1, "cuda"),  # ranks on GPUs
+])
+def test_auto_leaves_the_kernel_to_place_threads_when_blocks_do_not_fit(local_ranks, cores, threads, device):
+    assert rank_cores("auto", local_ranks, cores, threads_per_rank=threads, device_type=device) is None
+
+
+def test_nobind_and_explicit_groups():
+    assert rank_cores("nobind", 2, [0, 1], 1) is None
+    assert rank_cores("all", 2, [0, 1], 1) is None
+    assert rank_cores("0-1|2,3", 2, [0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert parse_core_list("0-2,5") == [0, 1, 2, 5]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("0|1|2", "names 3 core groups; this node runs 2 ranks"),
+    ("0|9", "cores [9] are not available"),
+    ("0-1|1", "cores [1] are in two ranks' groups"),
+    ("0|a", "'a' is not a core number"),
+    ("1-0|0", "runs backwards"),
+])
+def test_bad_explicit_groups_are_refused_with_the_reason(spec, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        rank_cores(spec, 2, [0, 1], 1)
+
+
+def _bind_and_report(cores, conn):
+    started = threading.Event()
+    release = threading.Event()
+
+    def existing_thread():
+        started.set()
+        release.wait(10)
+
+    before = threading.Thread(target=existing_thread)
+    before.start()
+    started.wait(10)
+    bind_this_process(cores)
+    later: list[set[int]] = []
+    after = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+    after.start()
+    after.join()
+    seen = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+    release.set()
+    before.join()
+    conn.send((os.sched_getaffinity(0), later[0], set().union(*seen.values())))
+
+
+def test_binding_covers_threads_started_before_and_after():
+    core = sorted(os.sched_getaffinity(0))[-1]
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_bind_and_report, args=([core], child))
+    proc.start()
+    main, started_later, every_thread = parent.recv()
+    proc.join(10)
+    assert main == started_later == every_thread == {core}

@@ -1,0 +1,76 @@
+"""Which CPU cores each scheduler rank of this node runs on (`TOKENLOOM_CPU_OMP_THREADS_BIND`), and binding a
+process to them. The shape of vLLM's `VLLM_CPU_OMP_THREADS_BIND` / SGLang's `SGLANG_CPU_OMP_THREADS_BIND`:
+
+- `auto` (the default): on the CPU, when several ranks share this machine and each gets whole cores, local
+  rank i runs on the i-th contiguous block of `threads_per_rank` cores of the launcher's affinity mask; one
+  rank alone, a CUDA device, more ranks than cores, or `--num-threads` above a block: no binding;
+- `nobind` (or `all`): no binding, the kernel places every thread;
+- `0-3|4-7|8,9`: the cores of local rank 0, 1, ... (one `|`-separated group per local rank of this node).
+
+Binding keeps a rank's forward, scheduling and communication threads on its own cores, so one rank's
+wake-ups never wait behind another rank's forward (with as many compute threads as cores, the kernel
+otherwise moves threads between cores and a woken thread waits for a busy one). Invariant: the groups of one
+node never overlap.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "TOKENLOOM_CPU_OMP_THREADS_BIND"
+NO_BINDING = ("nobind", "all")
+
+
+def parse_core_list(text: str) -> list[int]:
+    """`0-3,8` → [0, 1, 2, 3, 8] (ValueError with the offending part otherwise)."""
+    cores: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{ENV}: {part!r} is not a core number or a range like 0-3")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"{ENV}: the range {part!r} runs backwards")
+        cores.extend(range(first, last + 1))
+    return cores
+
+
+def rank_cores(spec: str | None, local_ranks: int, cores: list[int], threads_per_rank: int,
+               device_type: str = "cpu") -> list[list[int]] | None:
+    """Each local rank's cores under `spec` (None or "" → `auto`), or None for no binding. `cores`: the
+    launcher's allowed cores; `threads_per_rank`: the intra-op threads each rank runs."""
+    spec = (spec or "auto").strip()
+    if spec in NO_BINDING:
+        return None
+    if spec == "auto":
+        per_rank = len(cores) // local_ranks if local_ranks else 0
+        if device_type != "cpu" or local_ranks < 2 or per_rank < 1 or threads_per_rank > per_rank:
+            return None
+        ordered = sorted(cores)
+        return [ordered[i * per_rank:(i + 1) * per_rank] for i in range(local_ranks)]
+    groups = [parse_core_list(group) for group in spec.split("|")]
+    if len(groups) != local_ranks:
+        raise ValueError(f"{ENV}={spec!r} names {len(groups)} core groups; this node runs {local_ranks} ranks "
+                         f"(one group per local rank, separated by |)")
+    seen: set[int] = set()
+    for group in groups:
+        outside = set(group) - set(cores)
+        if outside:
+            raise ValueError(f"{ENV}: cores {sorted(outside)} are not available to this process "
+                             f"(allowed: {sorted(cores)})")
+        if seen & set(group):
+            raise ValueError(f"{ENV}: cores {sorted(seen & set(group))} are in two ranks' groups")
+        seen |= set(group)
+    return groups
+
+
+def bind_this_process(cores: list[int]) -> None:
+    """Run every thread of this process, and the threads it starts later, on `cores` only."""
+    wanted = set(cores)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), wanted)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
+    os.sched_setaffinity(0, wanted)
