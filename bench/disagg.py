@@ -9,7 +9,7 @@ unified server on a mixed workload (`bench/disagg_serve.py` says what it runs an
 
 (1) One request's KV moved from a prefill pool to a decode pool, shaped like SmolLM2-135M in bf16: 30 layers,
 3 KV heads, head_dim 64. A pool is one registered buffer [layers, K/V, heads, rows, head_dim]
-(`tokenloom.disaggregation.kv_layout.KVLayout`); the request's tokens are a contiguous slot range on both sides
+(`tokenloom.cache.kv_layout.KVLayout`); the request's tokens are a contiguous slot range on both sides
 (slots from 1 on the prefill side, from 7 on the decode side; slot 0 is the pool's dummy), so
 `transfer_runs` yields one run per (layer, K/V, head): 180 runs of tokens x 128 bytes, 23,040 bytes per token.
 Two processes per backend: a receiver (registers its pool, expects incoming transfers) and a writer (registers
@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs  # noqa: E402
+from tokenloom.cache.kv_layout import KVLayout, transfer_runs  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 30, 3, 64, 2  # SmolLM2-135M, bf16
 SRC_FIRST_SLOT, DST_FIRST_SLOT = 1, 7

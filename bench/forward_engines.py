@@ -13,8 +13,8 @@ import torch
 
 from bench.common import _fill_random
 from tokenloom.config import ServerArgs
-from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.models.default_model import default_model_file
 
 # --------------------------------------------------------------------------------------------------------

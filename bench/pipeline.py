@@ -213,7 +213,7 @@ def measure_link(proxy_bytes: int, reps: int = 30) -> dict:
     """One-way time of a tiny message (latency) and of a proxy-sized one (-> bandwidth) over PPChannel/gloo."""
     import torch.multiprocessing as mp
 
-    from tokenloom.launcher import free_port
+    from tokenloom.entrypoints.launcher import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

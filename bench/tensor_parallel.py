@@ -255,7 +255,7 @@ class _Driver:
         return bool(native.applies(probe))
 
     def _batch(self):
-        from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+        from tokenloom.forward_batch import ForwardBatch, ForwardMode
 
         p = self._point
         batch, length = p["batch"], p["length"]

@@ -1,4 +1,4 @@
-"""One `KVMemory` per rank, handed to both the model runner and the scheduler (as scheduler/process.py does):
+"""One `KVMemory` per rank, handed to both the model runner and the scheduler (as the rank process does):
 both see the same request table, allocator and pool; a runner given a memory uses it, and refuses one
 shaped for other layers, heads or dtype. Tiny random model, in-process."""
 

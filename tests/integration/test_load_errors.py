@@ -12,10 +12,10 @@ import torch
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.layers.linear import WeightShapeError
+from tokenloom.model_config import ModelConfigError
 from tokenloom.models import default_model
 from tokenloom.models.gguf_file import GGUFError, unpermute_qk
 from tokenloom.models.loader import WeightLoadError
-from tokenloom.models.model_config import ModelConfigError
 
 
 def _load(path: str, **kw) -> ModelRunner:

@@ -12,9 +12,9 @@ import torch.multiprocessing as mp
 
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
-from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.executor.sequence_driver import SequenceDriver
+from tokenloom.forward_batch import ForwardBatch, ForwardMode
 
 PROMPT = list(range(5, 60, 2))
 

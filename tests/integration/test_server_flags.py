@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.scheduler_harness import Harness
+from tokenloom.cache.memory_budget import MemoryBudgetError
 from tokenloom.config import ServerArgs
 from tokenloom.executor import model_runner
-from tokenloom.executor.memory_budget import MemoryBudgetError
 from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.model_config import ModelConfigError
 from tokenloom.models.loader import resolve_model_source
-from tokenloom.models.model_config import ModelConfigError
 from tokenloom.protocol import RequestAccepted
 
 MIB = 2**20

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.layers import kv_indices as kv_indices_module
 from tokenloom.layers.kv_indices import build_kv_indices, padded_kv_indices
 

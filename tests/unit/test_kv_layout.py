@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tokenloom.cache.kv_pool import KVPool
-from tokenloom.disaggregation.kv_layout import (
+from tokenloom.cache.kv_layout import (
     KVLayout,
     aligned_prefix,
     transfer_runs,
     transfer_runs_array,
 )
+from tokenloom.cache.kv_pool import KVPool
 
 HEAD_DIM = 8
 

@@ -8,11 +8,11 @@ import torch
 
 from tokenloom.cache.chunk_cache import ChunkCache
 from tokenloom.cache.kv_memory import REQ_TO_TOKEN_SLACK, KVMemory
+from tokenloom.cache.memory_budget import MemoryBudgetError
 from tokenloom.cache.radix_cache import RadixCache
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
-from tokenloom.executor.memory_budget import MemoryBudgetError
-from tokenloom.models.model_config import ModelConfig
+from tokenloom.model_config import ModelConfig
 
 CPU = torch.device("cpu")
 MIB = 2**20

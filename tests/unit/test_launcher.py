@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenloom.config import ConfigError, ServerArgs
-from tokenloom.launcher import RuntimeLauncher
+from tokenloom.entrypoints.launcher import RuntimeLauncher
 from tokenloom.models.loader import ModelSource
 
 

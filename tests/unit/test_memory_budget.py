@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tokenloom.cache.memory_budget import CPU_KV_SHARE_OF_FREE, MemoryBudgetError, kv_pool_bytes, model_nbytes
 from tokenloom.device import default_mem_fraction_static
-from tokenloom.executor.memory_budget import CPU_KV_SHARE_OF_FREE, MemoryBudgetError, kv_pool_bytes, model_nbytes
 
 GIB = 2**30
 

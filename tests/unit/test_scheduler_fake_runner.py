@@ -18,9 +18,9 @@ import torch
 from tests.scheduler_harness import LoopHarness, Result
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.executor.forward_batch import ForwardMode
 from tokenloom.executor.token_table import TokenTable
 from tokenloom.executor.worker import ForwardOutput
+from tokenloom.forward_batch import ForwardMode
 from tokenloom.protocol import FlushCacheReply, FlushCacheRequest, GetInternalStateRequest, InternalStateReply
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 

@@ -16,7 +16,7 @@ from tests.scheduler_harness import LoopHarness
 from tests.unit.test_scheduler_fake_runner import CONTEXT, GREEDY, VOCAB, FakeWorker, prompt, reference
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.executor.forward_batch import ForwardMode
+from tokenloom.forward_batch import ForwardMode
 
 
 def lanes_harness(lanes: int, tokens: int = 512, lane_cap: int | None = None,

@@ -1,7 +1,7 @@
 """`KVMemory`: the one owner of a rank's KV memory — the request table (`ReqToTokenPool`), the KV slot
 allocator, the KV pool and the prefix cache over them — and their sizing from the flags and the memory budget.
 
-Lifecycle: built once per rank by the rank's entry (scheduler/process.py; `ModelRunner` builds its own when
+Lifecycle: built once per rank by the rank's entry (entrypoints/scheduler_process.py; `ModelRunner` builds its own when
 given none, for the scheduler-less users) after the weights are loaded, since `--mem-fraction-static`
 budgets weights plus KV together; then handed to both the runner and the scheduler. Capacities
 (`max_total_num_tokens`, `request_slots`, `page_size`, `context_len`) never change afterwards.
@@ -26,7 +26,7 @@ strides. Pages are aligned (page p is slots [p * page_size, (p + 1) * page_size)
 slot). A transfer engine registers the one buffer (`KVPool.layout` describes it); a page of a layer is NOT one
 contiguous run: it is 2 * kv_heads runs (K and V of each head), each page_size * head_dim elements long, one
 head's run (max_total_num_tokens + page_size) * head_dim elements after the previous, which
-disaggregation/kv_layout.py's `transfer_runs` computes and coalesces. A page-major layout (one run per page
+cache/kv_layout.py's `transfer_runs` computes and coalesces. A page-major layout (one run per page
 and layer) would need the kernels' indexing changed.
 """
 
@@ -40,14 +40,14 @@ import torch
 from tokenloom.cache.allocator import DECODE_RUN, PagedAllocator, TokenAllocator
 from tokenloom.cache.chunk_cache import ChunkCache
 from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.memory_budget import CPU_KV_SHARE_OF_FREE, kv_pool_bytes
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.radix_cache import RadixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.config import ServerArgs
 from tokenloom.device import default_mem_fraction_static
 from tokenloom.distributed.parallel_state import ParallelContext
-from tokenloom.executor.memory_budget import CPU_KV_SHARE_OF_FREE, kv_pool_bytes
-from tokenloom.models.model_config import ModelConfig
+from tokenloom.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ REQ_TO_TOKEN_SLACK = 4
 
 def kv_capacity_tokens(args: ServerArgs, kv_bytes_per_token: int, device: torch.device,
                        memory_at_start: int | None, weight_bytes: int | None) -> int:
-    """KV slots the pool gets: `--max-total-tokens`, else the memory budget (executor/memory_budget.py) over
+    """KV slots the pool gets: `--max-total-tokens`, else the memory budget (cache/memory_budget.py) over
     the bytes one token takes on this rank; rounded down to whole pages, at least two pages."""
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens

@@ -6,7 +6,7 @@ padded tokens write to. `k_buffers[i]` / `v_buffers[i]` are the views `buffer[i,
 [kv_heads, rows, head_dim] and contiguous (head-major, so gathering a batch's slots gives [heads, tokens,
 dim] that batched matmuls use without copies); the native attention kernels read them with fixed strides
 from their data pointers. One allocation lets a transfer engine register the pool as a single buffer;
-`layout` describes it as data (disaggregation/kv_layout.py). A page of a layer is still 2 * kv_heads
+`layout` describes it as data (cache/kv_layout.py). A page of a layer is still 2 * kv_heads
 contiguous runs (K and V of each head), not one (see cache/kv_memory.py).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.disaggregation.kv_layout import KVLayout
+from tokenloom.cache.kv_layout import KVLayout
 
 
 class KVPool:

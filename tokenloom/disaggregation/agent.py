@@ -46,10 +46,10 @@ from typing import Any
 
 import zmq
 
+from tokenloom.cache.kv_layout import KVLayout
 from tokenloom.disaggregation.agent_config import AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import check_health
-from tokenloom.disaggregation.kv_layout import KVLayout
 from tokenloom.disaggregation.kv_poll import KVPoll, RoomPoll
 from tokenloom.disaggregation.kv_sender import KVSender
 from tokenloom.disaggregation.pairing import RankKV, aux_writer, senders_for

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.cache.kv_layout import KVLayout, transfer_runs
 from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig, test_failure_prob
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
-from tokenloom.disaggregation.kv_layout import KVLayout, transfer_runs
 from tokenloom.disaggregation.pairing import RankKV, write_targets
 from tokenloom.disaggregation.transfer.base import TransferEngine, TransferError
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
-from tokenloom.disaggregation.kv_layout import strict_from_json
+from tokenloom.cache.kv_layout import strict_from_json
 from tokenloom.distributed.pp_partition import stage_layer_ranges
 
 # (the rank that writes or is written, its layers, its global KV heads)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.cache.kv_layout import aligned_prefix
 from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import encode_aux
-from tokenloom.disaggregation.kv_layout import aligned_prefix
 from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.protocol import TransferEvent
 from tokenloom.scheduler.req import Req

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any
 
+from tokenloom.cache.kv_layout import KVLayout
 from tokenloom.disaggregation.bootstrap_server import fetch_parallel_info
-from tokenloom.disaggregation.kv_layout import KVLayout
 from tokenloom.disaggregation.pairing import RankKV, writers_for
 
 PREFILL_INFO_FRESH_S = 1.0

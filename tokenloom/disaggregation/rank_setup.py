@@ -1,4 +1,4 @@
-"""Making a scheduler rank one rank of a prefill or decode server (called by scheduler/process.py).
+"""Making a scheduler rank one rank of a prefill or decode server (called by entrypoints/scheduler_process.py).
 
 Per rank: the transfer engine (`--disaggregation-transfer-backend`); the metadata buffer (decode: one slot
 per request row; prefill: a staging slot per sender thread); the `TransferAgent` with this rank's KV pool

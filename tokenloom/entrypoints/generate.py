@@ -14,7 +14,7 @@ import sys
 import time
 
 from tokenloom.config import ConfigError, ServerArgs, check_device, warn_ignored_flags
-from tokenloom.models.model_config import ModelConfigError
+from tokenloom.model_config import ModelConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import threading
 
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.world_board import BoardUnreachable
-from tokenloom.launcher import RuntimeLauncher
+from tokenloom.entrypoints.launcher import RuntimeLauncher
 from tokenloom.models.loader import resolve_model_source
 
 logger = logging.getLogger("tokenloom.node")

@@ -24,13 +24,13 @@ import torch
 from tokenloom.cache.allocator import PagedAllocator, TokenAllocator
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.config import ServerArgs
 from tokenloom.device import available_memory_bytes, configure_threads, resolve_device
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
-from tokenloom.executor.forward_batch import ForwardBatch
-from tokenloom.executor.memory_budget import model_nbytes
 from tokenloom.executor.native_decode import NativeDecode
+from tokenloom.forward_batch import ForwardBatch
 from tokenloom.layers.attention.registry import create_attention_backend
 from tokenloom.layers.sampler import SampleOutput, Sampler
 from tokenloom.models.llama import LlamaForCausalLM

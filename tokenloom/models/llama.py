@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext
-from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.forward_batch import ForwardBatch
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.attention.base import AttentionBackend
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -32,7 +32,7 @@ from tokenloom.layers.linear import (
 )
 from tokenloom.layers.norm import RMSNorm
 from tokenloom.layers.rotary import RotaryEmbedding, RotaryStep
-from tokenloom.models.model_config import ModelConfig
+from tokenloom.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
-from tokenloom.executor.memory_budget import model_nbytes
+from tokenloom.model_config import ModelConfig, ModelConfigError
 from tokenloom.models.default_model import resolve_model_path
 from tokenloom.models.gguf_file import GGUFFile
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.load_progress import LoadProgress
-from tokenloom.models.model_config import ModelConfig, ModelConfigError
 from tokenloom.models.registry import model_class_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -3,8 +3,8 @@ differences (QKV bias, tied embeddings, sliding window) come from the config."""
 
 from __future__ import annotations
 
+from tokenloom.model_config import SUPPORTED_ARCHITECTURES, ModelConfigError
 from tokenloom.models.llama import LlamaForCausalLM
-from tokenloom.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfigError
 
 _MODELS = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
 

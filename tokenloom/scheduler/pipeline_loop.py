@@ -49,7 +49,7 @@ Memory safety of chunked prefill: a chunk's KV can be inserted into the prefix c
 freed) while that chunk still runs on later stages; safe because every stage executes its batches in
 launch order (one executor per stage), so a freed slot's next owner writes it after.
 A dead neighbour fails the stage's channel at once (`PPChannelError`); a hung one is bounded by
---dist-timeout and named by the heartbeat (scheduler/process.py). A forward of this stage that never returns
+--dist-timeout and named by the heartbeat (entrypoints/scheduler_process.py). A forward of this stage that never returns
 (including the sends queued behind it) trips the stage's watchdog through the executor's `StepGuard`.
 """
 

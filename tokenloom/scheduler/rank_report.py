@@ -1,4 +1,4 @@
-"""What a scheduler rank measured while starting, added to its ready message (scheduler/process.py): the
+"""What a scheduler rank measured while starting, added to its ready message (entrypoints/scheduler_process.py): the
 model dtype, this rank's parameters and weight bytes, how long its weights took to load, its KV pool's bytes,
 its torch threads, the cores it may run on and the CPU's native-kernel features. The launcher keeps the entry
 rank's message (`TokenizerManager.scheduler_info`); the server's start-up summary (entrypoints/startup_summary.py) and
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tokenloom.executor.memory_budget import model_nbytes
+from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.kernels.cpu_build import cpu_features
 
 

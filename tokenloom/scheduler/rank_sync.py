@@ -3,7 +3,7 @@
 Every TP rank runs a full `Scheduler` over its own shard's `KVMemory`. Scheduling is deterministic given
 the messages handled and the results processed (the prefix cache orders by a logical clock, retraction and
 admission read only pool sizes, which are identical after the start-up MIN-reduce), and every rank samples
-the same tokens (see scheduler/process.py). So the ranks only have to agree on the inputs:
+the same tokens (see entrypoints/scheduler_process.py). So the ranks only have to agree on the inputs:
 
 - `BroadcastInbox`: each loop iteration the entry rank drains its ZMQ socket and broadcasts the list (even
   when empty) to its TP group; the other ranks have no socket and take the entry's list. Every rank calls it

@@ -20,7 +20,7 @@ import torch
 
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
-from tokenloom.executor.forward_batch import ForwardBatch, ForwardMode
+from tokenloom.forward_batch import ForwardBatch, ForwardMode
 from tokenloom.scheduler.req import Req
 
 

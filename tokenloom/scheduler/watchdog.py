@@ -6,7 +6,7 @@ looks alive; the watchdog turns that into a failure with a reason. The forward s
 and end (`step_started` / `step_finished`, executor/forward_thread.py `StepGuard`, the one place every loop's
 forward runs through); a daemon thread wakes every `poll_s` and, when the step in progress started more than
 `timeout_s` ago, calls `on_hang(reason)` once and stops watching. The rank's `on_hang`
-(scheduler/process.py) reports the reason to the engine as a `ProcessFailed` and exits the process non-zero.
+(entrypoints/scheduler_process.py) reports the reason to the engine as a `ProcessFailed` and exits the process non-zero.
 
 Invariants: only a step in progress can trip it (an idle rank waiting for requests, or the scheduling side
 waiting on its inbox, is never a hang); the hot path is two attribute stores, no lock (the watcher reads the

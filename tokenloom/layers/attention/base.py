@@ -16,7 +16,7 @@ import torch
 
 from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
-from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -15,7 +15,7 @@ import torch
 
 from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
-from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
 from tokenloom.layers.attention.torch_native import TorchNativeBackend
 from tokenloom.layers.kv_indices import build_kv_indices

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenloom.executor.forward_batch import ForwardBatch
+from tokenloom.forward_batch import ForwardBatch
 from tokenloom.layers.attention.base import AttentionBackend
 from tokenloom.layers.kv_indices import build_kv_indices, padded_kv_indices
 

@@ -2,7 +2,7 @@
 rank's `KVMemory` once and hand it to both the model runner and the scheduler, wrap the runner in the
 worker, report readiness, run the loop.
 
-At tp_size > 1 (launched by `tokenloom/launcher.py`, one process per rank):
+At tp_size > 1 (launched by `tokenloom/entrypoints/launcher.py`, one process per rank):
 - `init_distributed` joins the rendezvous at `dist_init_addr` and builds the rank's `ParallelContext`;
 - the KV capacity and request slots are MIN-reduced over the world before the pool is built, so every rank
   holds pools of the same size and schedules within the same limits;

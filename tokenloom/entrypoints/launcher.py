@@ -37,10 +37,10 @@ from typing import Any
 from tokenloom.config import ServerArgs, check_parallel_fits
 from tokenloom.distributed import cpu_binding, topology
 from tokenloom.distributed.world_board import BoardUnreachable, WorldBoard
+from tokenloom.entrypoints.scheduler_process import rank_label, run_scheduler_process
 from tokenloom.frontend.detokenizer import run_detokenizer_process
 from tokenloom.ipc import IpcAddresses
 from tokenloom.models.loader import ModelSource
-from tokenloom.scheduler.process import rank_label, run_scheduler_process
 
 STARTUP_TIMEOUT_S = 900
 STOP_WAIT_S = 10
