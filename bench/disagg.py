@@ -80,7 +80,7 @@ def _crc(pool: torch.Tensor, first: int, tokens: int) -> int:
 
 
 def _receiver(backend: str, rows: int, conn: Any) -> None:
-    from tokenloom.disaggregation.transfer.base import make_engine
+    from tokenloom.disaggregation.transfer.factory import make_engine
 
     torch.set_num_threads(1)
     engine = make_engine(backend)
@@ -132,7 +132,7 @@ def _writer(backend: str, rows: int, tokens: list[int], repeats: int, conn: Any,
     import traceback
 
     from bench.common import _fill_random
-    from tokenloom.disaggregation.transfer.base import make_engine
+    from tokenloom.disaggregation.transfer.factory import make_engine
 
     torch.set_num_threads(1)
     try:

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tokenloom.disaggregation.transfer.base import Regions, TransferEngine, TransferError, checked_runs, make_engine
+from tokenloom.disaggregation.transfer.base import Regions, TransferEngine, TransferError, checked_runs
+from tokenloom.disaggregation.transfer.factory import make_engine
 
 BUF = 4 << 20
 SMALL_RUNS = 2500

@@ -22,7 +22,7 @@ from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import register_rank
 from tokenloom.disaggregation.pairing import topology_ranks
-from tokenloom.disaggregation.transfer.base import make_engine
+from tokenloom.disaggregation.transfer.factory import make_engine
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.distributed.pp_partition import partition_from_env
 

@@ -1,8 +1,10 @@
-"""The KV transfer engine interface of prefill/decode disaggregation, its error, and `make_engine`.
+"""The KV transfer engine interface of prefill/decode disaggregation, its error, and the helpers engines share
+(run checks, registered regions, deadlines). The engines (fake.py, mooncake.py, nixl.py) import this module;
+it imports none of them (factory.py picks one).
 
 A `TransferEngine` moves bytes from this process's registered memory into a peer engine's registered memory
 (one-sided WRITE; the receiver learns of completion from the writer over the control channel, not from the
-engine). Lifecycle: construct (`make_engine`) -> `register` every buffer a transfer may touch -> hand
+engine). Lifecycle: construct (`factory.make_engine`) -> `register` every buffer a transfer may touch -> hand
 `descriptor()` to the peers -> `write` from any number of threads -> `close`.
 
 Invariants every engine keeps:
@@ -13,8 +15,6 @@ Invariants every engine keeps:
   runs: the caller treats that range as garbage until it is written again.
 - `expect_incoming(True)` is how a receiver says transfers are due; engines whose transfers need the receiver
   to make progress (NIXL with its progress thread off) poll only while it is on.
-
-The engine libraries are imported lazily, so the fake engine works without them.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import operator
 import threading
 import time
 from typing import Protocol, runtime_checkable
-
-BACKENDS = ("mooncake", "nixl", "fake")
 
 Run = tuple[int, int, int]  # (local source address, remote destination address, bytes)
 
@@ -54,23 +52,6 @@ class TransferEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources; no call may follow."""
-
-
-def make_engine(backend: str, host: str = "127.0.0.1") -> TransferEngine:
-    """The engine for `backend`, listening on `host` (the address peers reach this process at)."""
-    if backend == "fake":
-        from tokenloom.disaggregation.transfer.fake import FakeEngine
-
-        return FakeEngine()
-    if backend == "mooncake":
-        from tokenloom.disaggregation.transfer.mooncake import MooncakeEngine
-
-        return MooncakeEngine(host)
-    if backend == "nixl":
-        from tokenloom.disaggregation.transfer.nixl import NixlEngine
-
-        return NixlEngine(host)
-    raise ValueError(f"unknown transfer backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def is_loopback(host: str) -> bool:
