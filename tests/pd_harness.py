@@ -107,7 +107,7 @@ class PDSide:
             self.side: Any = PrefillDisaggregation(harness.scheduler, self.agent)
         else:
             self.side = DecodeDisaggregation(harness.scheduler, self.agent, self.aux)
-        harness.scheduler.attach_disaggregation(self.side)
+        harness.scheduler.set_port(self.side)
 
     def close(self) -> None:
         self.agent.close()

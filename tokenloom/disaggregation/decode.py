@@ -16,11 +16,18 @@ prefilled here, as on a unified server):
 - aborts and failures free the row, the slots and the metadata slot; a room aborted or failed while the prefill
   side may still be writing into its slots (a client abort mid-transfer, one prefill rank's failed write while
   another writes, a transfer timeout) keeps them ("draining") until the prefill side lets go or the room's
-  final event, bounded by the transfer timeout + 5 s, so no write lands in KV another request owns.
+  final event, bounded by the transfer timeout + 5 s, so no write lands in KV another request owns. A room
+  already draining (a client abort) that then fails while writes may run keeps draining; so does a room whose
+  prefill server stopped answering its heartbeats (it may be frozen mid-write, and resume).
+
+State: one `DecodeRoom` per request of ours, from `admit` until it runs (prebuilt: from then on the scheduler
+holds it) or ends, and one for a running request retracted to host memory until it resumes. A room's failure
+counts once in `num_failed_transfer_reqs`: a late failure of a room this side no longer holds counts nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,24 +39,41 @@ from tokenloom.executor.worker import ForwardOutput
 from tokenloom.protocol import TransferEvent
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
+from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
     from tokenloom.scheduler.scheduler import Scheduler
+
+
+@dataclass(eq=False)
+class DecodeRoom:
+    """This side's state of one request of ours that the scheduler does not hold (yet, or while retracted)."""
+
+    req: Req
+    bootstrapped: bool = False  # the prefill server was found and is compatible
+    prefill_info: dict[str, Any] | None = None  # its layout ("bootstrapped" event), until the destination is sent
+    aux_index: int | None = None  # its metadata slot, from pre-allocation until the first token is read
+    offloaded_kv: torch.Tensor | None = None  # retracted: its KV in host memory
+    offloaded_len: int = 0  # retracted: how many tokens' KV that is
+    failure_counted: bool = False  # its failure was counted in `failed` already
+
+    @property
+    def room(self) -> int:
+        return self.req.bootstrap.room
 
 
 class DecodeDisaggregation(DisaggSide):
     role = "decode"
 
     def __init__(self, scheduler: Scheduler, agent: TransferAgent, aux: AuxBuffer) -> None:
-        super().__init__(scheduler)
-        self.agent = agent
+        super().__init__(scheduler, agent)
         self.aux = aux
         self.kv_pool = scheduler.kv_memory.kv_pool
-        self.prealloc: list[Req] = []
-        self.transfer: dict[int, Req] = {}
-        self.arrived: list[Req] = []
-        self.retracted: list[Req] = []
-        self.draining: dict[int, Req] = {}  # aborted while the prefill side may still write into its slots
+        self.prealloc: list[DecodeRoom] = []
+        self.transfer: dict[int, DecodeRoom] = {}
+        self.arrived: list[DecodeRoom] = []
+        self.retracted: list[DecodeRoom] = []
+        self.draining: dict[int, DecodeRoom] = {}  # answered while the prefill side may still write into its slots
         self.received = 0
         self.failed = 0
         self.offloaded = 0
@@ -57,68 +81,79 @@ class DecodeDisaggregation(DisaggSide):
         self.queue_polls = 0  # how often the queues were looked at
 
     # --- requests ----------------------------------------------------------------------------------------
-    def add(self, req: Req) -> bool:
-        if not self.owns(req):
-            return False
+    def admit(self, req: Req) -> bool:
         room = req.bootstrap.room
-        if self.refused(req, room in self.transfer or any(r.bootstrap.room == room for r in self.prealloc)):
+        if self.refused(req, room in self.transfer or any(r.room == room for r in self.prealloc)):
             return True
         req.input_logprobs = None  # the prompt's logprobs are the prefill server's answer (the router merges)
-        req.pd_bootstrapped = False
-        req.aux_index = None
-        self.prealloc.append(req)
+        self.prealloc.append(DecodeRoom(req))
         self.agent.track_decode(room, req.bootstrap)
         return True
 
     def on_event(self, event: TransferEvent) -> None:
         room = event.room
         if event.kind == "bootstrapped":
-            for req in self.prealloc:
-                if req.bootstrap.room == room:
-                    req.pd_bootstrapped = True
-                    req.pd_prefill_info = event.data
+            for state in self.prealloc:
+                if state.room == room:
+                    state.bootstrapped = True
+                    state.prefill_info = event.data
         elif event.kind == "arrived":
-            req = self.transfer.pop(room, None)
-            if req is not None:
-                self.arrived.append(req)
+            state = self.transfer.pop(room, None)
+            if state is not None:
+                self.arrived.append(state)
             self._end_drain(room)
         elif event.kind == "client_abort":  # after "arrived": the request decodes or is about to
             self._abort_past_transfer(room, event.detail)
         elif event.kind == "let_go":  # the prefill side is done with a room this side gave up on
             self._end_drain(room)
         elif event.kind == "failed":
-            data = event.data if isinstance(event.data, dict) else {}
-            by_client, refused = data.get("by_client") is True, data.get("status")
-            self.failed += not by_client and refused is None
-            # a prefill rank may still write into the slots of a room in transfer (another rank's write failed,
-            # or the transfer timed out): they are kept until the prefill side lets go
-            drain = data.get("writes_may_run") is True and room in self.transfer
-            self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
-                       None if by_client else refused or 500, drain=drain)
-            if not drain:
-                self._end_drain(room)
-            self.agent.finished_failed(room, event.detail)
+            self._on_failed(room, event)
+
+    def _on_failed(self, room: int, event: TransferEvent) -> None:
+        data = event.data if isinstance(event.data, dict) else {}
+        by_client, refused = data.get("by_client") is True, data.get("status")
+        held = self._held(room)
+        if held is not None and not held.failure_counted and not by_client and refused is None:
+            held.failure_counted = True  # a room fails once here, however many notices of it come
+            self.failed += 1
+        # a prefill rank may still write into the slots of a room in transfer (another rank's write failed, the
+        # transfer timed out, the prefill server stopped answering): they are kept until the prefill side lets go,
+        # also when a client abort already moved the room to draining
+        drain = data.get("writes_may_run") is True and (room in self.transfer or room in self.draining)
+        self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
+                   None if by_client else refused or 500, drain=drain)
+        if not drain:
+            self._end_drain(room)
+        self.agent.finished_failed(room, event.detail)
+
+    def _held(self, room: int) -> DecodeRoom | None:
+        """The room's state while this side holds it short of running (pre-allocation, transfer, draining)."""
+        found = self.transfer.get(room) or self.draining.get(room)
+        return found or next((state for state in self.prealloc if state.room == room), None)
 
     def _fail(self, room: int, message: str, status: int | None = 500, drain: bool = False) -> None:
         """End the room's request (`status` None: a client abort on the prefill side, answered as an abort; such
         an abort also ends the request once its KV arrived, even decoding: the client asked for it, and the
         prefill side sends it only after its writes are over). `drain`: a request in transfer keeps its slots
-        (answered now, freed at the let-go or its bound)."""
-        for req in self.prealloc:
-            if req.bootstrap.room == room:
-                self.prealloc.remove(req)
-                self._finish(req, message, status, error=status is not None)
+        (answered now, freed at the let-go or its bound), and one draining already keeps draining."""
+        for state in self.prealloc:
+            if state.room == room:
+                self.prealloc.remove(state)
+                self._finish(state.req, message, status, error=status is not None)
                 self.agent.forget(room)
                 return
-        req = self.transfer.pop(room, None)
-        if req is not None and drain:
-            self.draining[room] = req
+        if drain and room in self.draining:  # answered already; its slots wait for the let-go, bounded
             self.agent.bound_drain(room)
-            self._finish(req, message, status, error=status is not None)
+            return
+        state = self.transfer.pop(room, None)
+        if state is not None and drain:
+            self.draining[room] = state
+            self.agent.bound_drain(room)
+            self._finish(state.req, message, status, error=status is not None)
             return  # the agent keeps the room until the drain ends (`_end_drain` forgets it)
-        if req is not None:
-            self._free(req)
-            self._finish(req, message, status, error=status is not None)
+        if state is not None:
+            self._free(state)
+            self._finish(state.req, message, status, error=status is not None)
         elif status is None:
             self._abort_past_transfer(room, message)
         self.agent.forget(room)
@@ -126,23 +161,20 @@ class DecodeDisaggregation(DisaggSide):
     def _abort_past_transfer(self, room: int, message: str) -> None:
         """A client abort on the prefill side of a request whose KV already arrived here."""
         for queue in (self.arrived, self.retracted):
-            for req in queue:
-                if req.bootstrap.room == room:
-                    queue.remove(req)
-                    self._free(req)
-                    req.offloaded_kv = None
-                    self._finish(req, message, error=False)
+            for state in queue:
+                if state.room == room:
+                    queue.remove(state)
+                    self._free(state)
+                    self._finish(state.req, message, error=False)
                     return
-        for lane in self.scheduler.lanes:
-            for req in lane.running:
-                if req.bootstrap is not None and req.bootstrap.room == room and not req.finished:
-                    self.scheduler.abort_request(req.rid, message, status=None)
-                    return
+        req = self.scheduler.find_request(lambda r: self.owns(r) and r.bootstrap.room == room)
+        if req is not None:  # decoding
+            self.scheduler.abort_request(req.rid, message, status=None)
 
     def _end_drain(self, room: int) -> None:
-        req = self.draining.pop(room, None)
-        if req is not None:
-            self._free(req)
+        state = self.draining.pop(room, None)
+        if state is not None:
+            self._free(state)
             self.agent.forget(room)
 
     def _finish(self, req: Req, message: str, status: int | None = None, error: bool = True) -> None:
@@ -154,43 +186,37 @@ class DecodeDisaggregation(DisaggSide):
             req.abort(message)
         else:
             req.abort(message, status)
-        self.scheduler.output.emit([req])
+        self.scheduler.emit(req)
 
-    def _free(self, req: Req) -> None:
-        """Give back the row, KV slots and metadata slot of a request that never decoded here."""
-        if req.req_pool_idx is not None:
-            slots = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
-            if req.kv_len:
-                self.scheduler.allocator.free(slots)
-            self.scheduler.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-            req.kv_len = 0
-        if req.aux_index is not None:
-            self.aux.free(req.aux_index)
-            req.aux_index = None
+    def _free(self, state: DecodeRoom) -> None:
+        """Give back the row, KV slots, metadata slot and host copy of a request that is not decoding here."""
+        self.scheduler.free_kv(state.req)
+        if state.aux_index is not None:
+            self.aux.free(state.aux_index)
+            state.aux_index = None
+        state.offloaded_kv = None
 
     def abort(self, rid: str, message: str) -> bool:
-        for req in self.prealloc:
-            if req.rid == rid:
-                self.prealloc.remove(req)
-                self.agent.abort(req.bootstrap.room, message, by_client=True)
-                self.agent.forget(req.bootstrap.room)
-                self._finish(req, message)
+        for state in self.prealloc:
+            if state.req.rid == rid:
+                self.prealloc.remove(state)
+                self.agent.abort(state.room, message, by_client=True)
+                self.agent.forget(state.room)
+                self._finish(state.req, message)
                 return True
-        for room, req in list(self.transfer.items()):
-            if req.rid == rid:
+        for room, state in list(self.transfer.items()):
+            if state.req.rid == rid:
                 del self.transfer[room]
                 self.agent.abort(room, message, by_client=True)
-                self.draining[room] = req  # its slots may still be written: freed at the room's final event
-                self._finish(req, message)
+                self.draining[room] = state  # its slots may still be written: freed at the room's final event
+                self._finish(state.req, message)
                 return True
-        for req in [*self.arrived, *self.retracted]:
-            if req.rid == rid:
-                (self.arrived if req in self.arrived else self.retracted).remove(req)
-                self._free(req)
-                req.offloaded_kv = None
-                self.agent.forget(req.bootstrap.room)
-                self._finish(req, message)
+        for state in [*self.arrived, *self.retracted]:
+            if state.req.rid == rid:
+                (self.arrived if state in self.arrived else self.retracted).remove(state)
+                self._free(state)
+                self.agent.forget(state.room)
+                self._finish(state.req, message)
                 return True
         return False
 
@@ -212,126 +238,99 @@ class DecodeDisaggregation(DisaggSide):
     def _reserved(self) -> int:
         """KV tokens kept for the requests already decoding or on their way (SGLang's decode reservation)."""
         per = self.scheduler.args.num_reserved_decode_tokens
-        reqs = [*self.scheduler.running, *self.transfer.values(), *self.arrived]
+        reqs = [*self.scheduler.running, *(s.req for s in self.transfer.values()), *(s.req for s in self.arrived)]
         return sum(min(per, max(r.sampling_params.max_new_tokens - len(r.output_ids), 0)) for r in reqs)
 
     def _room_for(self, tokens: int, req: Req) -> bool:
         s = self.scheduler
-        budget = s.memory.available_tokens() - self._reserved()
+        budget = s.free_kv_tokens() - self._reserved()
         growth = min(s.args.num_reserved_decode_tokens, req.sampling_params.max_new_tokens,
                      CLIP_MAX_NEW_TOKENS_ESTIMATION)
         active = len(s.running) + len(self.transfer) + len(self.arrived)
-        return (budget >= tokens + growth and s.req_to_token_pool.available_size() > 0
-                and active < s.max_running_requests)
-
-    def _allocate(self, req: Req, tokens: int) -> torch.Tensor:
-        s = self.scheduler
-        row = s.req_to_token_pool.alloc(1)[0]
-        s.memory._ensure(tokens + s.args.page_size)
-        zero = torch.zeros(1, dtype=torch.int64, device=s.kv_memory.device)
-        slots = s.allocator.alloc_extend(zero, torch.tensor([tokens], dtype=torch.int64, device=zero.device), zero)
-        if slots is None:
-            s.req_to_token_pool.free(row)
-            raise RuntimeError("decode pre-allocation found no KV slots although the budget said it fits")
-        s.req_to_token_pool.req_to_token[row, :tokens] = slots.to(torch.int32)
-        req.req_pool_idx = row
-        req.kv_len = tokens
-        return slots
+        return budget >= tokens + growth and s.free_request_rows() > 0 and active < s.max_running_requests
 
     def _preallocate(self) -> None:
-        for req in list(self.prealloc):
-            if not req.pd_bootstrapped:
+        for state in list(self.prealloc):
+            if not state.bootstrapped:
                 continue
+            req = state.req
             tokens = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
             if self.aux.available() == 0 or not self._room_for(tokens, req):
                 break  # in order: a large request is not overtaken forever
-            self.prealloc.remove(req)
-            slots = self._allocate(req, tokens)
-            req.aux_index = self.aux.alloc()
-            self.transfer[req.bootstrap.room] = req
-            self.agent.send_metadata(req.bootstrap.room, req.pd_prefill_info, slots.tolist(), req.aux_index)
-            req.pd_prefill_info = None
+            self.prealloc.remove(state)
+            slots = self.scheduler.reserve_kv(req, tokens)
+            state.aux_index = self.aux.alloc()
+            self.transfer[state.room] = state
+            self.agent.send_metadata(state.room, state.prefill_info, slots.tolist(), state.aux_index)
+            state.prefill_info = None
 
     def _prebuild(self) -> None:
-        s = self.scheduler
+        """The first token (and its logprobs) of each arrived request, read from its metadata slot, is applied as
+        if this server had sampled it; the requests that go on start decoding (no forward)."""
         started: list[Req] = []
-        for req in self.arrived:
-            room = req.bootstrap.room
+        for state in self.arrived:
+            req, room = state.req, state.room
             try:
-                payload = self.aux.read(req.aux_index, room)
+                payload = self.aux.read(state.aux_index, room)
             except AuxSlotError as e:
-                self._free(req)
+                self._free(state)
                 self._finish(req, f"KV transfer failed: {e}", 500)
                 self.agent.forget(room)
                 continue
-            self.aux.free(req.aux_index)
-            req.aux_index = None
+            self.aux.free(state.aux_index)
+            state.aux_index = None
             self.agent.forget(room)
             self.received += 1
             req.cached_tokens = int(payload.get("cached", 0))
-            token = int(payload["token"])
-            out = ForwardOutput(next_token_ids=[token])
+            out = ForwardOutput(next_token_ids=[int(payload["token"])])
             if req.return_logprob and "logprob" in payload:
                 out.logprobs = [float(payload["logprob"])]
                 out.top_logprobs = [[(float(v), int(i)) for v, i in payload.get("top", [])]]
                 out.token_ids_logprobs = [payload.get("ids")]
-            s.output._append(req, 0, out)
-            s.worker.write_tokens([req.req_pool_idx], [token])
-            if req.finished:
-                s.output.release(req)
-            else:
+            if self.scheduler.apply_token(req, out):
                 started.append(req)
-            s.output.emit([req])
         self.arrived = []
         for req in started:
-            self._least_busy_lane().running.append(req)
-
-    def _least_busy_lane(self) -> Lane:
-        return min(self.scheduler.lanes, key=lambda lane: (lane.admitted(), lane.index))
+            self.scheduler.start_running(req)
 
     # --- hooks the prefill side uses --------------------------------------------------------------------------------
-    def after_extend(self, batch: Any) -> None:
+    def after_prefill(self, batch: ScheduleBatch) -> None:
         """Nothing to send: this server's own prefills (warm-up, fake rooms) are local."""
 
-    def before_repoint(self, req: Req) -> None:
+    def holds_kv(self, req: Req) -> bool:
         """No transfer reads this server's KV."""
+        return False
 
-    def drop(self, req: Req) -> None:
-        """Requests here never hold KV for a transfer (`kv_hold` is a prefill-side state)."""
-
-    def retracts_to_host(self, req: Req) -> bool:
-        return self.owns(req)
+    def settle_reads(self, req: Req, aborting: bool) -> None:
+        """No transfer reads this server's KV."""
 
     def holds_incoming_kv(self) -> bool:
         """Whether requests not running yet hold KV here (pre-allocated, arrived, or aborted mid-transfer)."""
         return bool(self.transfer or self.arrived or self.draining)
 
     # --- retraction to host memory ---------------------------------------------------------------------------------
-    def offload(self, req: Req) -> None:
-        """Retract a running request: its KV to host memory, its slots and row freed (no recompute later)."""
-        s = self.scheduler
-        slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
-        req.offloaded_kv = self.kv_pool.buffer.index_select(3, slots).cpu()
-        s.allocator.free(slots)
-        s.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.retraction_count += 1
+    def retract(self, req: Req) -> bool:
+        """Retract a running request of ours: its KV to host memory, its slots and row freed; it resumes before any
+        new pre-allocation, without recompute."""
+        if not self.owns(req):
+            return False
+        state = DecodeRoom(req, offloaded_len=req.kv_len)
+        state.offloaded_kv = self.kv_pool.buffer.index_select(3, self.scheduler.request_slots(req)).cpu()
+        self.scheduler.free_kv(req)
         self.offloaded += 1
-        self.retracted.append(req)
+        self.retracted.append(state)
+        return True
 
     def _resume(self) -> None:
-        s = self.scheduler
         while self.retracted:
-            req = self.retracted[0]
-            tokens = req.kv_len
-            if not self._room_for(tokens, req):
+            state = self.retracted[0]
+            if not self._room_for(state.offloaded_len, state.req):
                 return
             self.retracted.pop(0)
-            slots = self._allocate(req, tokens)
-            self.kv_pool.buffer.index_copy_(3, slots, req.offloaded_kv.to(self.kv_pool.buffer.device))
-            req.offloaded_kv = None
-            s.worker.write_tokens([req.req_pool_idx], [req.output_ids[-1]])
-            self._least_busy_lane().running.append(req)
+            slots = self.scheduler.reserve_kv(state.req, state.offloaded_len)
+            self.kv_pool.buffer.index_copy_(3, slots, state.offloaded_kv.to(self.kv_pool.buffer.device))
+            state.offloaded_kv = None
+            self.scheduler.start_running(state.req)
 
     # --- state --------------------------------------------------------------------------------------------------------
     def num_queued(self) -> int:

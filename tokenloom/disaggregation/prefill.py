@@ -8,14 +8,19 @@ served as on a unified server):
 - waiting queue → normal prefill batching (radix hits, chunking). After each chunk's results, its KV pages
   go to the agent's sender thread (page-aligned: a partial page waits for the next chunk); after the last
   chunk, the rest and the metadata slot (first token, its logprobs, cached tokens, room).
-- inflight: the request holds its KV (`Req.kv_hold`: the output processor neither releases nor answers it)
-  until "sent" (every prefill rank wrote its part): the KV goes into the prefix cache, the answer out.
+- inflight: the request holds its KV (the scheduler neither releases nor answers it: `holds_kv`) until
+  "sent" (every prefill rank wrote its part): the KV goes into the prefix cache, the answer out.
   "failed" ends it with a 500 and frees the KV once no write reads it any more.
 Every rank of the server runs this over the same messages and events, so all decide alike.
+
+State: one `PrefillRoom` per request of ours, from `admit` until its KV is let go (the transfer is over, or
+it was dropped): while it exists the request's KV and answer are held. A room's failure counts once in
+`num_failed_transfer_reqs` (a late notice of a room already ended here finds nothing to count).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.cache.kv_layout import aligned_prefix
@@ -23,6 +28,7 @@ from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import encode_aux
 from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.protocol import TransferEvent
+from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
@@ -44,12 +50,20 @@ def first_token_payload(req: Req) -> dict[str, Any]:
     return payload
 
 
+@dataclass(eq=False)
+class PrefillRoom:
+    """This side's state of one request of ours while its KV is held for the transfer."""
+
+    req: Req
+    sent: int = 0  # prompt tokens handed to the sender so far (page-aligned until the last chunk)
+
+
 class PrefillDisaggregation(DisaggSide):
     role = "prefill"
 
     def __init__(self, scheduler: Scheduler, agent: TransferAgent) -> None:
-        super().__init__(scheduler)
-        self.agent = agent
+        super().__init__(scheduler, agent)
+        self.rooms: dict[int, PrefillRoom] = {}  # every request of ours whose KV (and answer) is held
         self.bootstrap_queue: dict[int, Req] = {}
         self.inflight: dict[int, Req] = {}
         self.early_ready: dict[int, None] = {}
@@ -61,45 +75,42 @@ class PrefillDisaggregation(DisaggSide):
         return len(self.bootstrap_queue)
 
     # --- requests ----------------------------------------------------------------------------------------
-    def add(self, req: Req) -> bool:
-        """Take a validated request with a room into the bootstrap queue (False: serve it as unified)."""
-        if not self.owns(req):
-            return False
+    def admit(self, req: Req) -> bool:
+        """Take a validated request with a room into the bootstrap queue."""
         room = req.bootstrap.room
         in_use = room in self.bootstrap_queue or room in self.inflight or self._in_scheduler(room) is not None
         if self.refused(req, in_use):
             return True
         if room in self.early_failed:
             req.abort(*self.early_failed.pop(room))
-            self.scheduler.output.emit([req])
+            self.scheduler.emit(req)
             return True
         params = req.sampling_params
         params.max_new_tokens = min(params.max_new_tokens, 1) if params.max_new_tokens else 1
         params.min_new_tokens = min(params.min_new_tokens, 1)
-        req.kv_hold = True
-        req.pd_sent = 0
+        self.rooms[room] = PrefillRoom(req)
         if room in self.early_ready:  # the decode side was faster than the request
             del self.early_ready[room]
-            self.scheduler.waiting_queue.append(req)
+            self.scheduler.queue_prefill(req)
         else:
             self.bootstrap_queue[room] = req
             self.agent.track_prefill(room)
         return True
 
     def _in_scheduler(self, room: int) -> Req | None:
-        s = self.scheduler
-        candidates = [*s.waiting_queue, *s.running, *s.prefilling.values()]
-        if s.chunked_req is not None:
-            candidates.append(s.chunked_req)
-        return next((r for r in candidates if r.bootstrap is not None and r.bootstrap.room == room
-                     and not r.finished), None)
+        return self.scheduler.find_request(lambda r: self.owns(r) and r.bootstrap.room == room)
+
+    def _held(self, req: Req) -> PrefillRoom | None:
+        """`req`'s state while its KV is held (None: not ours, or let go)."""
+        state = self.rooms.get(req.bootstrap.room) if req.bootstrap is not None else None
+        return state if state is not None and state.req is req else None
 
     def on_event(self, event: TransferEvent) -> None:
         room = event.room
         if event.kind == "ready":
             req = self.bootstrap_queue.pop(room, None)
             if req is not None:
-                self.scheduler.waiting_queue.append(req)
+                self.scheduler.queue_prefill(req)
             elif self._in_scheduler(room) is None and room not in self.inflight:
                 self.early_ready[room] = None
                 while len(self.early_ready) > MAX_EARLY_READY:
@@ -113,47 +124,41 @@ class PrefillDisaggregation(DisaggSide):
         elif event.kind == "failed":
             data = event.data if isinstance(event.data, dict) else {}
             by_client, refused = data.get("by_client") is True, data.get("status")
-            self.failed += not by_client and refused is None
             # the let-go is queued before `_fail`, whose abort of a request the scheduler holds forgets the
-            # room (`drop`): the agent still knows the peer to tell when every rank's writes of it are over
+            # room (`settle_reads`): the agent still knows the peer to tell when every rank's writes of it are over
             self.agent.finished_failed(room, event.detail)
-            self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
-                       None if by_client else refused or 500)
+            ended = self._fail(room, event.detail if by_client or refused else f"KV transfer failed: {event.detail}",
+                               None if by_client else refused or 500)
+            self.failed += ended and not by_client and refused is None
             self.agent.forget(room)
 
-    def _fail(self, room: int, message: str, status: int | None = 500) -> None:
-        """End the room's request (`status` None: a client abort on the decode side, answered as an abort)."""
+    def _fail(self, room: int, message: str, status: int | None = 500) -> bool:
+        """End the room's request (`status` None: a client abort on the decode side, answered as an abort).
+        True when this ended a request of ours or is the first news of a room whose request has not arrived
+        (a failure counts once)."""
         req = self.bootstrap_queue.pop(room, None) or self.inflight.pop(room, None)
         if req is not None:
             if not req.finished or req.finished_reason.get("type") != "abort":
                 req.abort(message, status)
             self.agent.drop_writes(room)  # on every rank: no more of its chunks go out
             self._let_go(req)
-            return
+            return True
         req = self._in_scheduler(room)
         if req is not None:  # waiting, or prefilling: the scheduler finds and frees it
             self.scheduler.abort_request(req.rid, message, status=status)
-        else:  # its request has not reached this server yet
-            self.early_failed[room] = (message, status)
-            while len(self.early_failed) > MAX_EARLY_READY:
-                self.early_failed.pop(next(iter(self.early_failed)))
+            return True
+        first = room not in self.early_failed  # its request has not reached this server yet
+        self.early_failed[room] = (message, status)
+        while len(self.early_failed) > MAX_EARLY_READY:
+            self.early_failed.pop(next(iter(self.early_failed)))
+        return first
 
     def _let_go(self, req: Req) -> None:
         """The room's writes are over (or never started): release the KV into the cache and answer."""
         self.agent.wait_chunks(req.bootstrap.room)
-        req.kv_hold = False
-        self.scheduler.output.release(req)
-        self.scheduler.output.emit([req])
-
-    def drop(self, req: Req) -> None:
-        """The scheduler aborts a request of ours that holds KV (client abort, failure): stop its writes,
-        wait for any write still reading its slots, then let the scheduler free them."""
-        room = req.bootstrap.room
-        reason = req.finished_reason or {}
-        self.agent.abort(room, reason.get("message", "aborted"), by_client=(reason.get("status_code") or 0) < 500)
-        self.agent.wait_chunks(room)
-        req.kv_hold = False
-        self.agent.forget(room)  # after the abort (one queue): its notice to the peer is held apart
+        if self._held(req) is not None:
+            del self.rooms[req.bootstrap.room]
+        self.scheduler.finish(req)
 
     def abort(self, rid: str, message: str) -> bool:
         """Abort `rid` if it waits in the bootstrap queue or in flight here (False: not ours)."""
@@ -168,39 +173,53 @@ class PrefillDisaggregation(DisaggSide):
                     return True
         return False
 
+    # --- KV the transfer reads ----------------------------------------------------------------------------------
+    def holds_kv(self, req: Req) -> bool:
+        return self._held(req) is not None
+
+    def settle_reads(self, req: Req, aborting: bool) -> None:
+        """Before the scheduler re-points a held request's row (its queued writes must be done reading the
+        slots) or frees the KV of one it aborted (client abort, failure: stop its writes, wait for any write
+        still reading its slots, then let go so the scheduler frees them)."""
+        if self._held(req) is None:
+            return
+        room = req.bootstrap.room
+        if not aborting:
+            self.agent.wait_chunks(room)
+            return
+        reason = req.finished_reason or {}
+        self.agent.abort(room, reason.get("message", "aborted"), by_client=(reason.get("status_code") or 0) < 500)
+        self.agent.wait_chunks(room)
+        del self.rooms[room]
+        self.agent.forget(room)  # after the abort (one queue): its notice to the peer is held apart
+
     # --- after a prefill batch's results --------------------------------------------------------------------
-    def after_extend(self, batch: ScheduleBatch) -> None:
+    def after_prefill(self, batch: ScheduleBatch) -> None:
         """Queue the KV each request of `batch` completed (its chunk) for the decode side."""
         page = self.scheduler.args.page_size
-        r2t = self.scheduler.req_to_token_pool.req_to_token
         seq_lens = batch.seq_lens.tolist()
         for req, upto in zip(batch.reqs, seq_lens, strict=True):
-            if not req.kv_hold or req.req_pool_idx is None:
+            state = self._held(req)
+            if state is None or req.req_pool_idx is None:
                 continue
             room = req.bootstrap.room
             if req.finished and req.finished_reason.get("type") == "abort":
                 continue  # the abort path frees it
             last = bool(req.output_ids)
             end = upto if last else aligned_prefix(upto, page)
-            if end > req.pd_sent or last:
-                slots = r2t[req.req_pool_idx, req.pd_sent:end].tolist()
+            if end > state.sent or last:
+                slots = self.scheduler.request_slots(req, state.sent, end).tolist()
                 aux = encode_aux(room, first_token_payload(req)) if last else None
-                self.agent.send_chunk(room, req.pd_sent, slots, last, aux)
-                req.pd_sent = end
+                self.agent.send_chunk(room, state.sent, slots, last, aux)
+                state.sent = end
             if last:
                 self.inflight[room] = req
 
-    def before_repoint(self, req: Req) -> None:
-        """Before the scheduler re-points `req`'s row at cached slots (freeing duplicates), its queued writes
-        must be done reading them."""
-        if req.kv_hold:
-            self.agent.wait_chunks(req.bootstrap.room)
-
     # --- hooks the decode side uses -----------------------------------------------------------------------------
-    def before_schedule(self, lane: Any) -> None:
+    def before_schedule(self, lane: Lane) -> None:
         """Nothing to plan here: ready requests join the waiting queue when their event arrives."""
 
-    def retracts_to_host(self, req: Req) -> bool:
+    def retract(self, req: Req) -> bool:
         """A prefill server retracts by recomputing, as a unified one (its requests never decode)."""
         return False
 

@@ -21,10 +21,13 @@ from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import register_rank
+from tokenloom.disaggregation.decode import DecodeDisaggregation
 from tokenloom.disaggregation.pairing import topology_ranks
+from tokenloom.disaggregation.prefill import PrefillDisaggregation
 from tokenloom.disaggregation.transfer.factory import make_engine
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.distributed.pp_partition import partition_from_env
+from tokenloom.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +40,10 @@ def advertised_host(host: str) -> str:
     return host
 
 
-def attach_disaggregation(args: ServerArgs, parallel: ParallelContext, scheduler: Any, memory: KVMemory,
+def attach_disaggregation(args: ServerArgs, parallel: ParallelContext, scheduler: Scheduler, memory: KVMemory,
                           num_layers: int, num_kv_heads: int, events_address: str | None) -> TransferAgent:
-    """Build this rank's agent and side and attach the side to `scheduler`; returns the agent (closed by the
+    """Build this rank's agent and side and make the side `scheduler`'s request port; returns the agent (closed by the
     caller at exit). `events_address`: the entry rank's scheduler inbox (None on every other rank)."""
-    from tokenloom.disaggregation.decode import DecodeDisaggregation
-    from tokenloom.disaggregation.prefill import PrefillDisaggregation
-
     world = topology_ranks(num_layers, num_kv_heads, parallel.tp_size, parallel.pp_size, partition_from_env())
     me = world[parallel.rank]
     host = advertised_host(args.host)
@@ -62,12 +62,12 @@ def attach_disaggregation(args: ServerArgs, parallel: ParallelContext, scheduler
         addresses = gathered
     agent.set_world_control(addresses)
     if decode:
-        scheduler.attach_disaggregation(DecodeDisaggregation(scheduler, agent, aux))
+        scheduler.set_port(DecodeDisaggregation(scheduler, agent, aux))
     else:
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host  # the HTTP process, same node
         register_rank(local, args.disaggregation_bootstrap_port, agent.registration(parallel.tp_size,
                                                                                          parallel.pp_size))
-        scheduler.attach_disaggregation(PrefillDisaggregation(scheduler, agent))
+        scheduler.set_port(PrefillDisaggregation(scheduler, agent))
     logger.info("Disaggregation: %s rank %d, %s transfer engine, control %s", args.disaggregation_mode,
                 parallel.rank, engine.backend, agent.control_address)
     return agent

@@ -28,7 +28,11 @@ from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
 class OutputProcessor:
     def __init__(self, tree_cache: PrefixCache, req_to_token_pool: ReqToTokenPool, tokenizer: Any,
-                 send: Callable[[Any], None], stream_interval: int) -> None:
+                 send: Callable[[Any], None], stream_interval: int,
+                 held: Callable[[Req], bool] = lambda req: False) -> None:
+        """`held(req)`: whether something outside the scheduler (its request port: a PD transfer) still reads a
+        finished request's KV; such a request is neither released nor answered here until it is let go."""
+        self.held = held
         self.tree_cache = tree_cache
         self.req_to_token_pool = req_to_token_pool
         self.tokenizer = tokenizer
@@ -39,7 +43,7 @@ class OutputProcessor:
     def release(self, req: Req) -> None:
         """Give a finished (or aborted) request's KV to the cache and free its row, unless a launched batch
         still uses them (then processing that batch's results releases it)."""
-        if req.req_pool_idx is None or req.inflight > 0 or req.kv_hold:  # kv_hold: a PD transfer reads it
+        if req.req_pool_idx is None or req.inflight > 0 or self.held(req):
             return
         self.tree_cache.cache_finished(req.req_pool_idx, req.all_ids(), req.kv_len, req.prefix_len, req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
@@ -74,7 +78,7 @@ class OutputProcessor:
                 req.finished_reason = finish_length(0)
                 self.release(req)
                 continue
-            self._append(req, i, out)
+            self.append_token(req, i, out)
             if req.finished:
                 self.release(req)
             else:
@@ -91,12 +95,14 @@ class OutputProcessor:
             if req.finished:  # aborted, or finished in the batch before (overlap): this token is discarded
                 self.release(req)
                 continue
-            self._append(req, i, out, check is None or i in check)
+            self.append_token(req, i, out, check is None or i in check)
             if req.finished:
                 self.release(req)
         self.emit(batch.reqs)
 
-    def _append(self, req: Req, i: int, out: ForwardOutput, may_finish: bool = True) -> None:
+    def append_token(self, req: Req, i: int, out: ForwardOutput, may_finish: bool = True) -> None:
+        """Append row `i` of `out` (token, logprobs) to `req`'s outputs and, with `may_finish`, run its stop
+        checks."""
         if not req.output_ids:
             req.first_token_time = time.time()
         req.output_ids.append(out.next_token_ids[i])
@@ -116,14 +122,15 @@ class OutputProcessor:
 
     # --- streaming ---------------------------------------------------------------------------------
     def emit(self, reqs: list[Req]) -> None:
-        """Send new tokens of finished requests, and of streaming ones every `stream_interval` tokens."""
+        """Send new tokens of finished requests, and of streaming ones every `stream_interval` tokens (not of a
+        request whose KV is `held`: it is answered once let go)."""
         picked = []
         for req in reqs:
-            if req.is_chunked > 0 or req.finish_sent or req.kv_hold:  # kv_hold: answered once transferred
+            if req.is_chunked > 0 or req.finish_sent:
                 continue
             new = len(req.output_ids) - req.sent_len
             interval = req.sampling_params.stream_interval or self.stream_interval
-            if req.finished or (req.stream and new >= interval):
+            if (req.finished or (req.stream and new >= interval)) and not self.held(req):  # held: answered later
                 picked.append(req)
         if picked:
             self.send(make_token_output(picked))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tokenloom.protocol import finish_abort, finish_length, finish_stop
+from tokenloom.protocol import Bootstrap, finish_abort, finish_length, finish_stop
 from tokenloom.sampling.sampling_params import SamplingParams
 
 # Clip used when estimating how many tokens a request may still generate (SGLang's default).
@@ -36,7 +36,7 @@ class Req:
                  input_text: str | None = None, stream: bool = False, return_logprob: bool = False,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1, token_ids_logprob: list[int] | None = None,
                  arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
-                 bootstrap: Any = None) -> None:
+                 bootstrap: Bootstrap | None = None) -> None:
         self.rid = rid
         self.input_text = input_text
         self.origin_input_ids = list(input_ids)
@@ -49,17 +49,9 @@ class Req:
         self.token_ids_logprob = token_ids_logprob if return_logprob else None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.eos_token_ids = eos_token_ids
-        # Prefill/decode disaggregation (tokenloom/disaggregation/prefill.py, decode.py): the room; on the
-        # prefill side `kv_hold` keeps the KV (and the answer) until the transfer is over, `pd_sent` counts the
-        # tokens handed to the sender; on the decode side the metadata slot, whether the prefill server was
-        # found, and the KV of a request retracted to host memory.
+        # Prefill/decode disaggregation: where its prefill server is and the room both servers know it by (request
+        # input; the disaggregated side's own state of the request is its own: disaggregation/prefill.py, decode.py).
         self.bootstrap = bootstrap
-        self.kv_hold = False
-        self.pd_sent = 0
-        self.pd_bootstrapped = False
-        self.pd_prefill_info: Any = None  # decode: the prefill server's layout, from the "bootstrapped" event
-        self.aux_index: int | None = None
-        self.offloaded_kv: torch.Tensor | None = None
         # Memory state
         self.req_pool_idx: int | None = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)

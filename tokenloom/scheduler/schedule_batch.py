@@ -2,8 +2,10 @@
 bookkeeping that turns it into a `ForwardBatch`.
 
 `prepare_for_extend` gives admitted requests a row, writes their cached prefix into it and allocates KV
-slots for their new tokens; `prepare_for_decode` allocates one slot per running request. Both evict from
-the prefix cache first when the allocator is short. Per-request tensors are built in request order.
+slots for their new tokens; `prepare_for_decode` allocates one slot per running request; `reserve` gives one
+request a row and slots outside any batch (KV that arrives from elsewhere), `free` gives them back uncached.
+All evict from the prefix cache first when the allocator is short. Per-request tensors are built in request
+order.
 
 Both advance `req.kv_len` when the batch is planned, not when its results arrive: with the overlap
 scheduler the next batch is planned while this one runs, and must already see these tokens as placed.
@@ -85,10 +87,7 @@ class BatchMemory:
         prefix = torch.tensor([r.prefix_len for r in reqs], dtype=torch.int64, device=device)
         seq = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64, device=device)
         row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
-        page = self.allocator.page_size
-        self._ensure(int((seq - prefix).sum()) + len(reqs) * (page - 1))
-        last = self._last_slots(row_t, prefix)
-        slots = self.allocator.alloc_extend(prefix, seq, last)
+        slots = self._alloc_extend(row_t, prefix, seq)
         if slots is None:
             raise KVCacheOOM(f"KV pool cannot hold an admitted prefill of {int((seq - prefix).sum())} tokens")
         ids = [t for r in reqs for t in r.fill_ids[r.prefix_len:]]
@@ -97,6 +96,47 @@ class BatchMemory:
         return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND,
                              input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
                              req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
+
+    def _alloc_extend(self, rows: torch.Tensor, prefix: torch.Tensor, seq: torch.Tensor) -> torch.Tensor | None:
+        """Slots for positions prefix[i]..seq[i]-1 of each row, evicting from the prefix cache first when the
+        allocator is short (None: the pool cannot hold them even then)."""
+        page = self.allocator.page_size
+        self._ensure(int((seq - prefix).sum()) + int(rows.numel()) * (page - 1))
+        return self.allocator.alloc_extend(prefix, seq, self._last_slots(rows, prefix))
+
+    def reserve(self, req: Req, tokens: int) -> torch.Tensor:
+        """A row and KV slots for `tokens` tokens of `req` (none cached), without a batch: for KV that
+        arrives from elsewhere or comes back from host memory. Sets the row, its slots and `kv_len`; returns
+        the slots (int64, in token order). The caller checked that they fit (`available_tokens`, a free row)."""
+        rows = self.req_to_token_pool.alloc(1)
+        if rows is None:
+            raise KVCacheOOM("no free request row for a KV reservation")
+        row_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        slots = self._alloc_extend(row_t, zero, torch.tensor([tokens], dtype=torch.int64, device=self.device))
+        if slots is None:
+            self.req_to_token_pool.free(rows[0])
+            raise KVCacheOOM(f"KV pool cannot hold a reservation of {tokens} tokens")
+        self.req_to_token_pool.req_to_token[rows[0], :tokens] = slots.to(torch.int32)
+        req.req_pool_idx = rows[0]
+        req.kv_len = tokens
+        return slots
+
+    def slots(self, req: Req, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The KV slots (int64) of `req`'s tokens [start, end) (end: its `kv_len`)."""
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, start: req.kv_len if end is None else end] \
+            .to(torch.int64)
+
+    def free(self, req: Req) -> None:
+        """Give back `req`'s row and KV slots without caching them (KV nobody will match: never decoded here,
+        or copied elsewhere); `req` then holds no KV (`kv_len` 0)."""
+        if req.req_pool_idx is None:
+            return
+        if req.kv_len:
+            self.allocator.free(self.slots(req))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_len = 0
 
     def decode_tokens_needed(self, reqs: list[Req]) -> int:
         """Free slots a decode step of `reqs` needs (a new page only where the last one is full)."""

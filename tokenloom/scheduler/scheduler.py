@@ -23,6 +23,12 @@ caches or evicts in it. The worker is reached only through `SchedulerWorker` (pr
 ids, its device), so scheduling runs against a fake worker in unit tests
 (tests/unit/test_scheduler_fake_runner.py).
 
+How requests enter and leave is the request port's (scheduler/request_port.py): `UnifiedPort` on a unified
+server; a prefill or decode server's side of disaggregation (disaggregation/prefill.py, decode.py), set with
+`set_port`, takes the requests with a bootstrap room and hands them over through the operations in the
+"request port" section below (queue for prefill, reserve KV, apply a token sampled elsewhere, start running,
+find, answer); the scheduler tells it what it needs to know through the port's hooks, and nothing else.
+
 Tensor parallelism: every TP rank runs its own `Scheduler` over its shard's `KVMemory` (same capacities, MIN-
 reduced at start) and handles the entry rank's broadcast messages in the same order (scheduler/rank_sync.py).
 Every decision here is a function of those messages, the pool sizes and the sampled tokens (no clocks, no
@@ -63,6 +69,7 @@ from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
 from tokenloom.scheduler.prefill_adder import AddResult, PrefillAdder
 from tokenloom.scheduler.profiler import TraceProfiler
 from tokenloom.scheduler.req import Req
+from tokenloom.scheduler.request_port import RequestPort, UnifiedPort
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
 from tokenloom.scheduler.stats import NewTokenRatio, StepStats
 
@@ -109,7 +116,8 @@ class SchedulerWorker(Protocol):
     table (`lane_state`: the lane's `new_lane_state()`, its sampling state); `execute(step)` runs on the forward
     side, reads a decode step's inputs from its token table by request row and returns the sampled tokens.
     Neither allocates or frees KV memory. `device` is where the forwards run (the overlap loop's forward thread
-    makes its stream for it).
+    makes its stream for it). `write_tokens` (only for requests a request port starts: `start_running`) makes
+    tokens that came from elsewhere the newest of their rows, without a forward.
     """
 
     eos_token_ids: tuple[int, ...]
@@ -120,6 +128,8 @@ class SchedulerWorker(Protocol):
     def prepare(self, batch: ScheduleBatch, lane_state: Any) -> PreparedStepLike: ...
 
     def execute(self, step: Any) -> ForwardOutput: ...
+
+    def write_tokens(self, rows: list[int], token_ids: list[int]) -> None: ...
 
 
 class Scheduler:
@@ -141,7 +151,10 @@ class Scheduler:
         self.allocator = memory.token_allocator
         self.tree_cache = memory.tree_cache
         self.memory = BatchMemory(self.req_to_token_pool, self.allocator, self.tree_cache, memory.device)
-        self.output = OutputProcessor(self.tree_cache, self.req_to_token_pool, tokenizer, send, args.stream_interval)
+        # How requests enter and leave (scheduler/request_port.py): a unified server's until `set_port`.
+        self.port: RequestPort = UnifiedPort()
+        self.output = OutputProcessor(self.tree_cache, self.req_to_token_pool, tokenizer, send, args.stream_interval,
+                                      held=self._held_by_port)
         self.send = send
         self.max_total_num_tokens = memory.max_total_num_tokens
         self.context_len = memory.context_len
@@ -164,19 +177,17 @@ class Scheduler:
         self.stats = StepStats(args.decode_log_interval)
         self.eos_token_ids = worker.eos_token_ids
         self.ranks_agree = ranks_agree
-        # Prefill/decode disaggregation: the server's side (disaggregation/prefill.py or decode.py), attached by
-        # the rank's entry with `attach_disaggregation`; None on a unified server.
-        self.disagg: Any = None
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
         self.trace_profiler = trace_profiler or TraceProfiler()
 
-    def attach_disaggregation(self, side: Any) -> None:
-        """Make this a prefill or decode server's scheduler (`side`: a PrefillDisaggregation or
-        DecodeDisaggregation). Hooks: requests with a room go to the side's queues; its events arrive as
-        `TransferEvent` messages; it sees every prefill result (prefill) and plans before every batch (decode:
-        pre-allocation, arrivals, resuming), and a decode retraction offloads KV instead of re-queueing."""
-        self.disagg = side
+    def set_port(self, port: RequestPort) -> None:
+        """Make `port` decide how requests enter and leave (a prefill or decode server's side of
+        disaggregation); set before the first request arrives."""
+        self.port = port
+
+    def _held_by_port(self, req: Req) -> bool:
+        return self.port.holds_kv(req)
 
     @property
     def running(self) -> list[Req]:
@@ -190,9 +201,7 @@ class Scheduler:
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.rid, msg.message)
         elif isinstance(msg, TransferEvent):
-            if self.disagg is None:
-                raise TypeError("a TransferEvent reached a scheduler that is not disaggregated")
-            self.disagg.on_event(msg)
+            self.port.on_event(msg)
         elif isinstance(msg, FlushCacheRequest):
             loop.settle_all()
             self.send(self.flush_cache())
@@ -214,10 +223,9 @@ class Scheduler:
         if error is not None:
             req.abort(*error)
             self.output.emit([req])
-            if self.disagg is not None:
-                self.disagg.refused_at_door(req)
+            self.port.take(req)  # refused: the port may only tell whoever else waits for it
             return
-        taken = self.disagg is not None and self.disagg.add(req)  # (or refused by it: then finished)
+        taken = self.port.take(req)  # (or refused by it: then finished)
         if tr.stream and not req.finished:  # the HTTP side may now start the answer as a 200 stream
             self.send(RequestAccepted(req.rid))
         if not taken:
@@ -232,7 +240,7 @@ class Scheduler:
                     f"({self.max_req_input_len} tokens).", 400)
         if req.return_logprob and not -1 <= req.logprob_start_len < n:  # the tokenizer manager checks it first
             return f"logprob_start_len ({req.logprob_start_len}) must be -1 or a prompt position below {n}.", 400
-        queued = len(self.waiting_queue) + (self.disagg.num_queued() if self.disagg is not None else 0)
+        queued = len(self.waiting_queue) + self.port.num_queued()
         if self.args.max_queued_requests is not None and queued >= self.args.max_queued_requests:
             return "The request queue is full.", 503
         # SGLang's clamp: prompt + outputs must fit the context and the KV pool (a request alone always fits)
@@ -265,13 +273,11 @@ class Scheduler:
             if req.rid == rid and not req.finished:  # processing its prefill's result releases it
                 self._finish_aborted(req, message, status)
                 return
-        if self.disagg is not None:
-            self.disagg.abort(rid, message)
+        self.port.abort(rid, message)
 
     def _finish_aborted(self, req: Req, message: str, status: int = 400) -> None:
         req.abort(message, status)
-        if req.kv_hold:  # a PD prefill whose KV a transfer may be reading: stop and wait for it first
-            self.disagg.drop(req)
+        self.port.settle_reads(req, aborting=True)  # a transfer reading its KV stops first
         self.output.release(req)
         self.output.emit([req])
 
@@ -280,8 +286,7 @@ class Scheduler:
         """The next batch of `lane` (the first lane by default): a prefill when waiting requests fit, else a
         decode step of the lane's running requests."""
         lane = lane or self.lanes[0]
-        if self.disagg is not None:
-            self.disagg.before_schedule(lane)
+        self.port.before_schedule(lane)
         batch = self._get_new_batch_prefill(lane)
         if batch is not None:
             lane.last_decode = None
@@ -314,8 +319,7 @@ class Scheduler:
                              self.args.max_prefill_tokens,
                              self.chunked_prefill_size, running_slots)
         if self.chunked_req is not None:
-            if self.disagg is not None:
-                self.disagg.before_repoint(self.chunked_req)
+            self.port.settle_reads(self.chunked_req, aborting=False)  # its slots are re-pointed at cached ones
             self.output.cache_progress(self.chunked_req)  # its previous chunk becomes its locked prefix
             self.chunked_req.init_next_round_input(match)
             adder.add_chunked_req(self.chunked_req)
@@ -382,7 +386,7 @@ class Scheduler:
             victims = [r for r in order if not (len(lane.running) == 1 and r is lane.running[0])]
             if not victims:
                 waits = any(other.launched for other in self.lanes if other is not lane) or \
-                    (self.disagg is not None and self.disagg.holds_incoming_kv())
+                    self.port.holds_incoming_kv()
                 if not waits:  # nothing else holds the KV it needs and never will: end it, keep serving
                     last = lane.running[0]
                     lane.running.remove(last)
@@ -398,8 +402,8 @@ class Scheduler:
                 if req in each.running:
                     each.running.remove(req)
             self.num_retracted += 1
-            if self.disagg is not None and self.disagg.retracts_to_host(req):
-                self.disagg.offload(req)  # decode side: KV to host memory, resumed without recompute
+            if self.port.retract(req):  # e.g. a decode server's: KV to host memory, resumed without recompute
+                req.retraction_count += 1
                 continue
             self.tree_cache.release_unfinished(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
             self.req_to_token_pool.free(req.req_pool_idx)
@@ -448,8 +452,7 @@ class Scheduler:
                 if req.inflight == 0:
                     self.prefilling.pop(id(req), None)
             lane.running.extend(self.output.process_extend(batch, out))
-            if self.disagg is not None:
-                self.disagg.after_extend(batch)
+            self.port.after_prefill(batch)
         else:
             self.output.process_decode(batch, out)
             self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
@@ -458,10 +461,72 @@ class Scheduler:
             self.token_digest = hash((self.token_digest, tuple(r.output_ids[-1] if r.output_ids else -1
                                                                 for r in batch.reqs)))
 
+    # --- the request port's operations (a disaggregated server's side hands its requests over) -----------------
+    def queue_prefill(self, req: Req) -> None:
+        """Queue `req` (checked by `add_request`, then taken by the port) for prefill, as a new request."""
+        self.waiting_queue.append(req)
+
+    def find_request(self, match: Callable[[Req], bool]) -> Req | None:
+        """An unfinished request the scheduler holds (waiting, chunked, being prefilled or running) that
+        `match`es, or None."""
+        candidates = [*self.waiting_queue, *self.running, *self.prefilling.values()]
+        if self.chunked_req is not None:
+            candidates.append(self.chunked_req)
+        return next((r for r in candidates if not r.finished and match(r)), None)
+
+    def free_kv_tokens(self) -> int:
+        """KV slots a reservation may take now: free ones and those the prefix cache would evict."""
+        return self.memory.available_tokens()
+
+    def free_request_rows(self) -> int:
+        return self.req_to_token_pool.available_size()
+
+    def reserve_kv(self, req: Req, tokens: int) -> torch.Tensor:
+        """Give `req` (not admitted anywhere) a row and KV slots for `tokens` tokens, evicting from the prefix
+        cache as a batch would: for KV that arrives from elsewhere. Returns the slots in token order; the
+        caller checked they fit (`free_kv_tokens`, `free_request_rows`)."""
+        return self.memory.reserve(req, tokens)
+
+    def request_slots(self, req: Req, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The KV slots (int64) of `req`'s tokens [start, end) (end: all it holds)."""
+        return self.memory.slots(req, start, end)
+
+    def free_kv(self, req: Req) -> None:
+        """Free `req`'s row and KV without caching it: a request that never decoded here (its KV reserved for
+        a transfer), or whose KV was copied elsewhere. Not for a request in a lane or a launched batch."""
+        self.memory.free(req)
+
+    def apply_token(self, req: Req, out: ForwardOutput) -> bool:
+        """Apply the token of row 0 of `out` (id, logprobs), sampled elsewhere, to `req` as if this scheduler
+        had sampled it: appended with its stop checks, then answered (streamed; or finished: its KV released
+        into the cache). True when `req` goes on: then `start_running` it."""
+        self.output.append_token(req, 0, out)
+        if req.finished:
+            self.output.release(req)
+        self.output.emit([req])
+        return not req.finished
+
+    def start_running(self, req: Req) -> None:
+        """`req` holds its row and the KV of every token but its newest (`output_ids[-1]`, the input of its
+        next decode step): that token goes into the worker's token table and `req` joins the running
+        requests of the least busy lane, whose next decode step extends it (no prefill)."""
+        self.worker.write_tokens([req.req_pool_idx], [req.output_ids[-1]])
+        min(self.lanes, key=lambda lane: (lane.admitted(), lane.index)).running.append(req)
+
+    def emit(self, req: Req) -> None:
+        """Send `req`'s news (new tokens; its finish, once set) to the detokenizer now."""
+        self.output.emit([req])
+
+    def finish(self, req: Req) -> None:
+        """`req` finished outside a step (its finish reason is set, no lane holds it): its KV goes to the prefix
+        cache and its row is freed (unless a launched batch or the port still holds them), and it is answered."""
+        self.output.release(req)
+        self.output.emit([req])
+
     # --- control ------------------------------------------------------------------------------------
     def is_idle(self) -> bool:
         return (not self.waiting_queue and self.chunked_req is None and all(lane.is_empty() for lane in self.lanes)
-                and (self.disagg is None or self.disagg.is_idle()))
+                and self.port.is_idle())
 
     def check_idle_integrity(self) -> None:
         if self.is_idle():
@@ -498,7 +563,7 @@ class Scheduler:
             "num_retracted_reqs": self.num_retracted,
             "last_gen_throughput": self.stats.last_gen_throughput,
             "cache_hit_rate": self.stats.cache_hit_rate(),
-            **(self.disagg.info() if self.disagg is not None else {}),
+            **self.port.info(),
             **(loop_info or {}),
             "time": time.time(),
         }
