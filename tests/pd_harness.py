@@ -21,13 +21,14 @@ import torch
 from tests.scheduler_harness import LoopHarness, Result
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
-from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import BootstrapServer, register_rank
 from tokenloom.disaggregation.decode import DecodeDisaggregation
+from tokenloom.disaggregation.decode_agent import DecodeAgent
 from tokenloom.disaggregation.pairing import topology_ranks
 from tokenloom.disaggregation.prefill import PrefillDisaggregation
+from tokenloom.disaggregation.prefill_agent import PrefillAgent
 from tokenloom.disaggregation.transfer.base import TransferError
 from tokenloom.ipc import IpcAddresses, Receiver
 from tokenloom.protocol import Bootstrap, TokenizedRequest
@@ -100,12 +101,14 @@ class PDSide:
         memory = harness.memory
         self.aux = AuxBuffer(memory.request_slots if role == "decode" else SENDER_THREADS)
         self.engine = MemmoveEngine()
-        self.agent = TransferAgent(config, self.engine, memory.kv_pool.layout(0), self.aux)
+        agent_class = PrefillAgent if role == "prefill" else DecodeAgent
+        self.agent = agent_class(config, self.engine, memory.kv_pool.layout(0), self.aux)
         self.agent.set_world_control([self.agent.control_address])
-        if role == "prefill":
+        if isinstance(self.agent, PrefillAgent):
             register_rank("127.0.0.1", bootstrap_port, self.agent.registration(1, 1))
             self.side: Any = PrefillDisaggregation(harness.scheduler, self.agent)
         else:
+            assert isinstance(self.agent, DecodeAgent)
             self.side = DecodeDisaggregation(harness.scheduler, self.agent, self.aux)
         harness.scheduler.set_port(self.side)
 

@@ -1,6 +1,6 @@
 """The PD control protocol between a multi-rank prefill server and a decode server, at the agents' level: real
-`TransferAgent`s (ZMQ control, sender threads) for the two stages of a PP=2 prefill server and one decode
-rank, a real bootstrap server, and tests/pd_harness.py's `MemmoveEngine` per rank (one of them can hold a
+`PrefillAgent`s and a `DecodeAgent` (ZMQ control, sender threads) for the two stages of a PP=2 prefill server
+and one decode rank, a real bootstrap server, and tests/pd_harness.py's `MemmoveEngine` per rank (one of them can hold a
 write back). No scheduler: the test makes the calls each rank's scheduler makes.
 
 What is checked: when a room is given up on, the prefill side's notice (which lets the decode side free the
@@ -18,11 +18,12 @@ import zmq
 
 from tests.pd_harness import MemmoveEngine
 from tokenloom.cache.kv_memory import KVMemory
-from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import BootstrapServer, register_rank
+from tokenloom.disaggregation.decode_agent import DecodeAgent
 from tokenloom.disaggregation.pairing import topology_ranks
+from tokenloom.disaggregation.prefill_agent import PrefillAgent
 from tokenloom.ipc import IpcAddresses, Receiver
 from tokenloom.protocol import Bootstrap, TransferEvent
 
@@ -47,7 +48,7 @@ class Ranks:
         self.queued: dict[str, list[TransferEvent]] = {}  # received, not yet taken by `next_event`
         self.engines: list[MemmoveEngine] = []
         self.memories: list[KVMemory] = []
-        self.prefill: list[TransferAgent] = []
+        self.prefill: list[PrefillAgent] = []
         for rank in prefill_world:
             self.prefill.append(self._agent("prefill", rank, prefill_world, entry=rank.rank == 0))
         for agent in self.prefill:
@@ -56,7 +57,7 @@ class Ranks:
         self.decode = self._agent("decode", decode_world[0], decode_world, entry=True)
         self.decode.set_world_control([self.decode.control_address])
 
-    def _agent(self, role: str, rank: Any, world: list, entry: bool) -> TransferAgent:
+    def _agent(self, role: str, rank: Any, world: list, entry: bool) -> Any:
         address = IpcAddresses.fresh().scheduler if entry else None
         if entry:
             self.events[role] = Receiver(self.ctx, address)
@@ -67,7 +68,7 @@ class Ranks:
         self.engines.append(engine)
         self.memories.append(mem)
         aux = AuxBuffer(4 if role == "decode" else SENDER_THREADS)
-        return TransferAgent(config, engine, mem.kv_pool.layout(0), aux)
+        return (PrefillAgent if role == "prefill" else DecodeAgent)(config, engine, mem.kv_pool.layout(0), aux)
 
     def next_event(self, role: str, timeout_s: float) -> TransferEvent | None:
         queued = self.queued.setdefault(role, [])

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import AuxBuffer, AuxSlotError
+from tokenloom.disaggregation.decode_agent import DecodeAgent
 from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.protocol import TransferEvent
@@ -65,8 +65,9 @@ class DecodeRoom:
 class DecodeDisaggregation(DisaggSide):
     role = "decode"
 
-    def __init__(self, scheduler: Scheduler, agent: TransferAgent, aux: AuxBuffer) -> None:
+    def __init__(self, scheduler: Scheduler, agent: DecodeAgent, aux: AuxBuffer) -> None:
         super().__init__(scheduler, agent)
+        self.agent: DecodeAgent = agent
         self.aux = aux
         self.kv_pool = scheduler.kv_memory.kv_pool
         self.prealloc: list[DecodeRoom] = []

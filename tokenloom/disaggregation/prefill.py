@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.cache.kv_layout import aligned_prefix
-from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import encode_aux
+from tokenloom.disaggregation.prefill_agent import PrefillAgent
 from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.protocol import TransferEvent
 from tokenloom.scheduler.lane import Lane
@@ -61,8 +61,9 @@ class PrefillRoom:
 class PrefillDisaggregation(DisaggSide):
     role = "prefill"
 
-    def __init__(self, scheduler: Scheduler, agent: TransferAgent) -> None:
+    def __init__(self, scheduler: Scheduler, agent: PrefillAgent) -> None:
         super().__init__(scheduler, agent)
+        self.agent: PrefillAgent = agent
         self.rooms: dict[int, PrefillRoom] = {}  # every request of ours whose KV (and answer) is held
         self.bootstrap_queue: dict[int, Req] = {}
         self.inflight: dict[int, Req] = {}

@@ -22,8 +22,10 @@ from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.bootstrap_server import register_rank
 from tokenloom.disaggregation.decode import DecodeDisaggregation
+from tokenloom.disaggregation.decode_agent import DecodeAgent
 from tokenloom.disaggregation.pairing import topology_ranks
 from tokenloom.disaggregation.prefill import PrefillDisaggregation
+from tokenloom.disaggregation.prefill_agent import PrefillAgent
 from tokenloom.disaggregation.transfer.factory import make_engine
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.distributed.pp_partition import partition_from_env
@@ -54,19 +56,21 @@ def attach_disaggregation(args: ServerArgs, parallel: ParallelContext, scheduler
                          kv_dtype=str(memory.kv_pool.dtype).removeprefix("torch."),
                          events_address=events_address if parallel.is_entry else None,
                          expected_decode_tp=args.disaggregation_decode_tp)
-    agent = TransferAgent(config, engine, memory.kv_pool.layout(me.head_start), aux)
+    agent_class = DecodeAgent if decode else PrefillAgent
+    agent = agent_class(config, engine, memory.kv_pool.layout(me.head_start), aux)
     addresses = [agent.control_address]
     if parallel.world_size > 1:
         gathered: list[Any] = [None] * parallel.world_size
         torch.distributed.all_gather_object(gathered, agent.control_address, group=parallel.world_cpu_group)
         addresses = gathered
     agent.set_world_control(addresses)
-    if decode:
+    if isinstance(agent, DecodeAgent):
         scheduler.set_port(DecodeDisaggregation(scheduler, agent, aux))
     else:
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host  # the HTTP process, same node
         register_rank(local, args.disaggregation_bootstrap_port, agent.registration(parallel.tp_size,
                                                                                          parallel.pp_size))
+        assert isinstance(agent, PrefillAgent)
         scheduler.set_port(PrefillDisaggregation(scheduler, agent))
     logger.info("Disaggregation: %s rank %d, %s transfer engine, control %s", args.disaggregation_mode,
                 parallel.rank, engine.backend, agent.control_address)
