@@ -9,6 +9,7 @@ when the entry rank's own writes are over while another rank's write is still ru
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import zmq
 
+import tokenloom.disaggregation.decode_agent as decode_agent_module
 from tests.pd_harness import MemmoveEngine
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig
@@ -37,13 +39,16 @@ def memory(start_layer: int, end_layer: int) -> KVMemory:
 
 
 class Ranks:
-    """A PP=2 prefill server (ranks 0 and 1, one layer each) and a one-rank decode server."""
+    """A PP=2 prefill server (ranks 0 and 1, one layer each; `prefill_pp=1`: one rank) and a one-rank decode
+    server; `prefill_config` / `decode_config`: each side's `AgentConfig` clocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_pp: int = 2, prefill_config: dict[str, Any] | None = None,
+                 decode_config: dict[str, Any] | None = None) -> None:
         self.ctx = zmq.Context()
-        self.bootstrap = BootstrapServer("127.0.0.1", 0, expected_ranks=2)
+        self.bootstrap = BootstrapServer("127.0.0.1", 0, expected_ranks=prefill_pp)
         self.bootstrap.start()
-        prefill_world, decode_world = topology_ranks(LAYERS, 1, 1, 2), topology_ranks(LAYERS, 1, 1, 1)
+        self.configs = {"prefill": prefill_config or {}, "decode": decode_config or {}}
+        prefill_world, decode_world = topology_ranks(LAYERS, 1, 1, prefill_pp), topology_ranks(LAYERS, 1, 1, 1)
         self.events: dict[str, Receiver] = {}
         self.queued: dict[str, list[TransferEvent]] = {}  # received, not yet taken by `next_event`
         self.engines: list[MemmoveEngine] = []
@@ -53,7 +58,7 @@ class Ranks:
             self.prefill.append(self._agent("prefill", rank, prefill_world, entry=rank.rank == 0))
         for agent in self.prefill:
             agent.set_world_control([a.control_address for a in self.prefill])
-            register_rank("127.0.0.1", self.bootstrap.port, agent.registration(1, 2))
+            register_rank("127.0.0.1", self.bootstrap.port, agent.registration(1, prefill_pp))
         self.decode = self._agent("decode", decode_world[0], decode_world, entry=True)
         self.decode.set_world_control([self.decode.control_address])
 
@@ -62,7 +67,7 @@ class Ranks:
         if entry:
             self.events[role] = Receiver(self.ctx, address)
         config = AgentConfig(role=role, me=rank, world=world, host="127.0.0.1", page_size=1, kv_dtype="float32",
-                             events_address=address)
+                             events_address=address, **self.configs[role])
         mem = memory(rank.start_layer, rank.end_layer)
         engine = MemmoveEngine()
         self.engines.append(engine)
@@ -89,6 +94,19 @@ def ranks():
     r = Ranks()
     yield r
     r.close()
+
+
+@pytest.fixture
+def make_ranks():
+    made: list[Ranks] = []
+
+    def make(**kw: Any) -> Ranks:
+        made.append(Ranks(**kw))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
 
 
 def start_transfer(ranks: Ranks, room: int, slots: list[int] = SLOTS) -> None:
@@ -228,3 +246,85 @@ def test_a_failed_room_left_draining_is_let_go_at_the_bound(ranks):
     got = events_of(ranks, "decode", 99, 2)
     assert [e.kind for e in got] == ["let_go"], got
     assert ranks.decode.room_records() == {}
+
+
+def test_a_decode_failure_crossed_by_a_prefill_client_abort_is_let_go_without_waiting_for_the_bound(make_ranks):
+    # The decode side fails a room while writes may run (its waiting timeout) and keeps its slots; the prefill
+    # side's client abort crosses it, so the prefill entry ignores the decode side's abort (the room ended there
+    # already) and its own notice, sent once its writes are over, is a client's abort: that notice must let the
+    # decode side's drain go (it used to wait for the bound: the transfer timeout + 5 s)
+    ranks = make_ranks(decode_config={"waiting_timeout_s": 1.5})
+    room = 2468
+    start_transfer(ranks, room)
+    held = ranks.engines[1]  # prefill rank 1's write hangs until the gate opens
+    held.hold_when = lambda runs: True
+    for agent in ranks.prefill:
+        agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
+    for agent in ranks.prefill:  # the client aborts on the prefill server
+        agent.abort(room, "Aborted by the client.", by_client=True)
+    got = events_of(ranks, "decode", room, 3)
+    assert [(e.kind, e.data) for e in got] == [("failed", {"writes_may_run": True})], got
+    ranks.decode.bound_drain(room)  # what the decode scheduler does with it
+    ranks.decode.finished_failed(room, got[0].detail)
+    held.gate.set()  # rank 1's write is over: the prefill entry's held notice goes out
+    got = events_of(ranks, "decode", room, 3)
+    assert "let_go" in [e.kind for e in got], got
+
+
+def test_a_single_rank_prefill_room_failed_by_its_clock_writes_no_chunk_queued_later(make_ranks):
+    # A one-rank prefill server's entry fails a room (waiting timeout): its notice to the decode side leaves at
+    # once (no other rank writes), so a chunk its scheduler queues before handling the failure must not be written
+    # into slots the decode side is freeing
+    ranks = make_ranks(prefill_pp=1, prefill_config={"waiting_timeout_s": 0.5})
+    room = 1357
+    start_transfer(ranks, room)
+    event = ranks.next_event("prefill", 5)
+    assert event is not None and event.kind == "failed" and "timed out" in event.detail, event
+    ranks.prefill[0].send_chunk(room, 0, SLOTS, is_last=True, aux=None)  # its scheduler has not seen the failure
+    ranks.prefill[0].wait_chunks(room, timeout_s=5)
+    assert ranks.engines[0].writes == 0, "a chunk of a failed room was written"
+
+
+def test_a_lost_prefill_servers_rooms_fail_while_writes_may_run_and_drain_until_its_ranks_are_gone(make_ranks,
+                                                                                                  monkeypatch):
+    # A prefill server that stops answering its heartbeats may be frozen mid-write and resume: its rooms keep
+    # their decode slots (drain), bounded; once every rank of it is gone (its control socket refuses
+    # connections), nothing of it can write any more and the drain ends
+    ranks = make_ranks(decode_config={"heartbeat_interval_s": 0.2, "heartbeat_max_failure": 1})
+    room = 9753
+    start_transfer(ranks, room)
+    monkeypatch.setattr(decode_agent_module, "check_health", lambda host, port, timeout_s=3.0: False)
+    got = events_of(ranks, "decode", room, 3)
+    assert [(e.kind, e.data) for e in got] == [("failed", {"writes_may_run": True})], got
+    assert "stopped responding" in got[0].detail
+    ranks.decode.bound_drain(room)  # the decode scheduler keeps the room's slots
+    ranks.decode.finished_failed(room, got[0].detail)
+    assert events_of(ranks, "decode", room, 1.0) == [], "let go while the (frozen) prefill ranks still exist"
+    for agent in ranks.prefill:  # the prefill server's processes exit
+        agent.close()
+    ranks.prefill = []
+    got = events_of(ranks, "decode", room, 3)
+    assert [e.kind for e in got] == ["let_go"], got
+    ranks.decode.forget(room)
+    deadline = time.monotonic() + 5
+    while ranks.decode.room_records() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ranks.decode.room_records() == {}
+
+
+def test_a_bootstrap_answer_for_a_room_already_forgotten_reports_nothing(make_ranks):
+    # The decode scheduler aborted (and forgot) a room in pre-allocation while the prefill server's bootstrap
+    # was still being looked up; the look-up's late failure must not report the room failed a second time
+    ranks = make_ranks(decode_config={"bootstrap_timeout_s": 1.0})
+    silent = socket.socket()  # accepts connections (its backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        room = 8642
+        ranks.decode.track_decode(room, Bootstrap("127.0.0.1", silent.getsockname()[1], room))
+        ranks.decode.abort(room, "Aborted by the client.", by_client=True)
+        ranks.decode.forget(room)
+        assert events_of(ranks, "decode", room, 2.5) == []  # the look-up gave up after about 1 s
+        assert ranks.decode.room_records() == {}
+    finally:
+        silent.close()

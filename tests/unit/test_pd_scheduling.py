@@ -6,6 +6,7 @@ full (the harness checks idle integrity on both sides)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from tests.pd_harness import PDPair, small_memory
 from tests.scheduler_harness import LoopHarness
 from tests.unit.test_scheduler_fake_runner import VOCAB, FakeWorker, prompt, reference
 from tokenloom.config import ServerArgs
+from tokenloom.protocol import TransferEvent
 
 CONTEXT = 256
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -324,3 +326,43 @@ def test_an_abort_on_both_servers_at_once_frees_the_decode_slots_at_once(pair_fa
     pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
     assert pair.run(["y"], timeout_s=20)["y"].output_ids == reference(prompt(5, 10), 3)
 
+
+
+def test_a_room_draining_after_a_client_abort_keeps_its_slots_when_it_then_fails_while_writes_may_run(pair_factory):
+    # The client aborts on the decode server mid-transfer (the room drains: its slots wait for the prefill side to
+    # let go); then the room fails while a prefill write may still run (the decode entry saw a writer fail): the
+    # slots must still wait, not be freed at once under a write that may land in them
+    pair = pair_factory()
+    writing = threading.Event()
+
+    def hold(runs: list[tuple[int, int, int]]) -> bool:
+        writing.set()
+        return True
+    pair.prefill.engine.hold_when = hold  # the room's (only) write is held until the gate opens
+    pair.submit("x", prompt(4, 20), dict(GREEDY, max_new_tokens=8))
+    step_until(pair, writing.is_set)
+    room = pair.rooms["x"]
+    pair.abort("x", "decode")
+    pair.decode_h.loop.run_once()  # (the prefill loop is not stepped: its let-go would wait for the held write)
+    assert room in pair.decode.side.draining
+    pair.decode_h.inbox.send(TransferEvent(room, "failed", "a prefill rank's write failed", {"writes_may_run": True}))
+    pair.decode_h.loop.run_once()
+    assert room in pair.decode.side.draining, "the slots were freed while a write may still land in them"
+    pair.decode_h._collect()
+    assert pair.decode_h.results["x"].finish_reason["type"] == "abort"
+    pair.prefill.engine.gate.set()
+    pair.run(["x"])  # the write ends, the prefill side lets go: both sides idle with full pools
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_a_rooms_failure_counts_once_however_many_notices_of_it_come(pair_factory):
+    # a late notice of a room the decode side already failed and forgot (a bootstrap answer after the room's
+    # timeout, a prefill abort after a drain's bound) finds nothing to end and counts nothing
+    pair = pair_factory(prefill_args={"page_size": 4}, decode_args={"page_size": 1})
+    pair.submit("x", prompt(8, 10), dict(GREEDY, max_new_tokens=4))
+    assert "page size mismatch" in pair.run(["x"])["x"].finish_reason["message"]
+    assert pair.decode.side.info()["num_failed_transfer_reqs"] == 1
+    pair.decode_h.inbox.send(TransferEvent(pair.rooms["x"], "failed", "a late notice"))
+    pair.run(["x"])
+    assert pair.decode.side.info()["num_failed_transfer_reqs"] == 1
