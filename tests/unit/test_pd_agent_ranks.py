@@ -10,6 +10,7 @@ when the entry rank's own writes are over while another rank's write is still ru
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any
 
@@ -256,11 +257,16 @@ def test_a_decode_failure_crossed_by_a_prefill_client_abort_is_let_go_without_wa
     ranks = make_ranks(decode_config={"waiting_timeout_s": 1.5})
     room = 2468
     start_transfer(ranks, room)
-    held = ranks.engines[1]  # prefill rank 1's write hangs until the gate opens
-    held.hold_when = lambda runs: True
+    held, writing = ranks.engines[1], threading.Event()  # prefill rank 1's write hangs until the gate opens
+
+    def hold(runs: list[tuple[int, int, int]]) -> bool:
+        writing.set()
+        return True
+    held.hold_when = hold
     for agent in ranks.prefill:
         agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
-    for agent in ranks.prefill:  # the client aborts on the prefill server
+    assert writing.wait(5)
+    for agent in ranks.prefill:  # the client aborts on the prefill server while rank 1 writes
         agent.abort(room, "Aborted by the client.", by_client=True)
     got = events_of(ranks, "decode", room, 3)
     assert [(e.kind, e.data) for e in got] == [("failed", {"writes_may_run": True})], got
