@@ -18,6 +18,7 @@ import sys
 import time
 
 from tokenloom.config import ConfigError, ServerArgs, check_device
+from tokenloom.entrypoints.engine import Engine
 from tokenloom.model_config import ModelConfigError
 
 
@@ -53,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace, args: ServerArgs) -> int:
-    from tokenloom.entrypoints.engine import Engine
-
     start = time.perf_counter()
     try:
         engine = Engine(**dataclasses.asdict(args))  # warns about ignored flags itself
