@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenloom.protocol import finish_length, finish_stop
+from tokenloom.finish_reason import finish_length, finish_stop
 from tokenloom.sampling.sampling_params import SamplingParams
 
 # Output tokens decoded to look for stop strings: as many as the longest stop string has characters (every

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tokenloom.protocol import finish_abort
+from tokenloom.finish_reason import finish_abort
 from tokenloom.sampling.sampling_params import SamplingParams
 from tokenloom.sampling.stopping import finish_reason
 
