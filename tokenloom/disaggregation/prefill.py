@@ -28,6 +28,7 @@ from tokenloom.disaggregation.aux_buffer import encode_aux
 from tokenloom.disaggregation.prefill_agent import PrefillAgent
 from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.protocol import TransferEvent
+from tokenloom.sampling.stopping import cap_new_tokens
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -86,9 +87,7 @@ class PrefillDisaggregation(DisaggSide):
             req.abort(*self.early_failed.pop(room))
             self.scheduler.emit(req)
             return True
-        params = req.sampling_params
-        params.max_new_tokens = min(params.max_new_tokens, 1) if params.max_new_tokens else 1
-        params.min_new_tokens = min(params.min_new_tokens, 1)
+        cap_new_tokens(req.sampling_params, 1)  # validated: max_new_tokens >= 1 here (0 was refused), so exactly 1
         self.rooms[room] = PrefillRoom(req)
         if room in self.early_ready:  # the decode side was faster than the request
             del self.early_ready[room]
