@@ -1,10 +1,10 @@
 """Making a scheduler rank one rank of a prefill or decode server (called by entrypoints/scheduler_process.py).
 
 Per rank: the transfer engine (`--disaggregation-transfer-backend`); the metadata buffer (decode: one slot
-per request row; prefill: a staging slot per sender thread); the `TransferAgent` with this rank's KV pool
-registered; the control addresses of every rank of the server (all-gathered over the world CPU group); the
-prefill ranks' registration with the bootstrap service the prefill server's HTTP process runs; and the
-scheduler's side (`PrefillDisaggregation` / `DecodeDisaggregation`).
+per request row; prefill: a staging slot per sender thread); the role's agent (`PrefillAgent` / `DecodeAgent`)
+with this rank's KV pool registered; the control addresses of every rank of the server (all-gathered over the
+world CPU group); the prefill ranks' registration with the bootstrap service the prefill server's HTTP process
+runs; and the role's side (`PrefillDisaggregation` / `DecodeDisaggregation`), made the scheduler's request port.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def attach_disaggregation(args: ServerArgs, parallel: ParallelContext, scheduler
     if isinstance(agent, DecodeAgent):
         scheduler.set_port(DecodeDisaggregation(scheduler, agent, aux))
     else:
+        assert isinstance(agent, PrefillAgent)
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host  # the HTTP process, same node
         register_rank(local, args.disaggregation_bootstrap_port, agent.registration(parallel.tp_size,
                                                                                          parallel.pp_size))
-        assert isinstance(agent, PrefillAgent)
         scheduler.set_port(PrefillDisaggregation(scheduler, agent))
     logger.info("Disaggregation: %s rank %d, %s transfer engine, control %s", args.disaggregation_mode,
                 parallel.rank, engine.backend, agent.control_address)
