@@ -155,7 +155,7 @@ class Scheduler:
         # How requests enter and leave (scheduler/request_port.py): a unified server's until `set_port`.
         self.port: RequestPort = UnifiedPort()
         self.output = OutputProcessor(self.tree_cache, self.req_to_token_pool, tokenizer, send, args.stream_interval,
-                                      held=self._held_by_port)
+                                      held=self.port.holds_kv)
         self.send = send
         self.max_total_num_tokens = memory.max_total_num_tokens
         self.context_len = memory.context_len
@@ -186,9 +186,7 @@ class Scheduler:
         """Make `port` decide how requests enter and leave (a prefill or decode server's side of
         disaggregation); set before the first request arrives."""
         self.port = port
-
-    def _held_by_port(self, req: Req) -> bool:
-        return self.port.holds_kv(req)
+        self.output.held = port.holds_kv  # a request whose KV a transfer reads is released and answered by the port
 
     @property
     def running(self) -> list[Req]:
