@@ -4,8 +4,9 @@ What it owns: a ZMQ context; a PULL socket bound on a random port of the rank's 
 only: nothing a peer sends is unpickled); a PUSH socket per peer address, made on first use (`send`, any
 thread); on the entry rank, a PUSH socket into its own scheduler's inbox (`event`: `TransferEvent`s, which
 reach every rank of the server the way requests do); the queue of calls other threads hand to the control
-thread (`call`); a small pool for the blocking look-ups (`submit`: HTTP to a bootstrap server, health probes);
-and the control thread itself.
+thread (`call`); a small pool for the blocking look-ups (`submit`: HTTP to a bootstrap server, which may retry
+for as long as the bootstrap timeout), another for the health probes (`probe`: each bounded by its own short
+timeout, so look-ups waiting on a dead server never delay them); and the control thread itself.
 
 The control thread, every 20 ms or as soon as a message comes: hands every message received to `on_message(kind,
 room, msg)` (a malformed one is logged and dropped), runs the queued calls in order, then `on_tick()` (the
@@ -13,7 +14,7 @@ agent's clocks and held notices). An exception in any of them is logged and the 
 agent keeps about its rooms is touched only from these, hence only on this thread.
 
 Lifecycle: construct (binds the PULL socket) → `start(on_message, on_tick)` once the agent's state exists →
-`stop()` (the thread ends, look-ups not started are dropped) → `close()` (sockets closed, unsent messages
+`stop()` (the thread ends, look-ups and probes not started are dropped) → `close()` (sockets closed, unsent messages
 dropped).
 """
 
@@ -49,6 +50,7 @@ class ControlChannel:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._fetches = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenloom-pd-fetch")
+        self._probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-pd-probe")
         self._events: zmq.Socket | None = None
         if events_address is not None:
             self._events = self._ctx.socket(zmq.PUSH)
@@ -80,6 +82,10 @@ class ControlChannel:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the look-up pool (it hands any result back with `call`)."""
         self._fetches.submit(fn, *args)
+
+    def probe(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)`, a health probe with its own short timeout, on the probe pool (results via `call`)."""
+        self._probes.submit(fn, *args)
 
     # --- control thread ----------------------------------------------------------------------------------------
     def event(self, event: TransferEvent) -> None:
@@ -125,6 +131,7 @@ class ControlChannel:
         if self._thread is not None:
             self._thread.join(timeout=2)
         self._fetches.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

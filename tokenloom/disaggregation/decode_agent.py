@@ -91,9 +91,9 @@ class DecodeAgent(TransferAgent):
         for room, _ in self._drain_bounds.expired(now):  # no write of the room can still run
             self.channel.event(TransferEvent(room, "let_go"))
         for target in self._heartbeats.due(now):
-            self.channel.submit(self._probe, target)
+            self.channel.probe(self._probe, target)
         for room, _ in self._gone_checks.expired(now):
-            self.channel.submit(self._check_gone, room, self._writers.get(room, []))
+            self.channel.probe(self._check_gone, room, self._writers.get(room, []))
 
     def _probe(self, target: Target) -> None:
         healthy = check_health(target[0], target[1], timeout_s=min(2.0, self.config.heartbeat_interval_s))
