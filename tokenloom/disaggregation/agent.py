@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +60,7 @@ MESSAGE_KINDS = ("dst", "sent", "done", "arrived", "abort", "over")  # what peer
 Handler = Callable[[int, dict[str, Any]], None]
 
 
-class TransferAgent:
+class TransferAgent(ABC):
     role = ""
 
     def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout, aux: AuxBuffer) -> None:
@@ -85,9 +86,9 @@ class TransferAgent:
     def _start(self) -> None:
         self.channel.start(self._on_message, self._tick)
 
+    @abstractmethod
     def _handlers(self) -> dict[str, Handler]:
         """The control messages this role handles (those of the other role are ignored)."""
-        raise NotImplementedError
 
     # --- scheduler-thread API (never blocks on the network) ------------------------------------------------
     def abort(self, room: int, reason: str, by_client: bool = False) -> None:
@@ -180,21 +181,22 @@ class TransferAgent:
         return {"t": "abort", "room": room, "detail": reason, "by_client": by_client, "status": status,
                 "let_go": let_go}
 
+    @abstractmethod
     def _notify_peer(self, room: int, reason: str, by_client: bool = False, status: int | None = None,
                      after_writes: bool = False, let_go: bool = False) -> None:
         """Entry: tell the peer server's entry that this side gave up on (or is done failing) the room.
         `after_writes` (prefill): only once every rank's writes of the room are over. `let_go`: not news of a
         failure (the peer knows, it told this side or was told) but that this side is done with the room: the
         peer frees what it kept for it, and counts nothing."""
-        raise NotImplementedError
 
     def _abort(self, room: int, reason: str, by_client: bool = False) -> None:
         if room not in self._reported:
             self._notify_peer(room, reason, by_client, after_writes=True)
         self._deadlines.cancel(room)
 
+    @abstractmethod
     def _refuse(self, room: int, bootstrap: Bootstrap, reason: str, status: int) -> None:
-        raise NotImplementedError
+        """A request of the room was refused at this server's door (control thread)."""
 
     def _failure_event(self, room: int, msg: dict[str, Any]) -> None:
         """Entry: the peer's abort of a room this side has not reported, as the room's "failed" event."""
