@@ -106,8 +106,9 @@ def reference(tiny4) -> dict:
                                                      (2, 0, ("EARLY_OUTPUT_SEND", "OVERLAP_SENDS")),
                                                      (3, 2, ("OVERLAP_SENDS",))])
 def test_pipeline_equals_pp1(tiny4, reference, monkeypatch, pp_size, depth, seed_off):
-    """`seed_off`: seed 000's points turned off (the sends posted by the scheduling thread, and waited for
-    at the end of each iteration), as bench/pipeline.py runs them."""
+    """`seed_off`: the send optimizations turned off, the early output send and/or overlapped sends (the
+    sends posted by the scheduling thread, and waited for at the end of each iteration), as bench/pipeline.py
+    runs them."""
     for point in seed_off:
         monkeypatch.setenv(f"TOKENLOOM_PP_{point}", "0")
     out = _run(tiny4, pp_size, depth, max_total_tokens=4096)
