@@ -12,9 +12,10 @@ from tokenloom.distributed.cpu_binding import bind_this_process, parse_core_list
 
 
 def test_auto_gives_each_rank_its_own_block_of_cores():
-    assert rank_cores(None, 2, [0, 1], threads_per_rank=1) == [[0], [1]]
-    assert rank_cores("auto", 2, [3, 2, 1, 0], threads_per_rank=2) == [[0, 1], [2, 3]]
-    assert rank_cores("", 3, list(range(7)), threads_per_rank=2) == [[0, 1], [2, 3], [4, 5]]  # core 6 unused
+    assert rank_cores(None, 2, [0, 1], num_threads=1) == [[0], [1]]
+    assert rank_cores(None, 2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]  # no --num-threads: a block per rank
+    assert rank_cores("auto", 2, [3, 2, 1, 0], num_threads=2) == [[0, 1], [2, 3]]
+    assert rank_cores("", 3, list(range(7)), num_threads=2) == [[0, 1], [2, 3], [4, 5]]  # core 6 unused
 
 
 @pytest.mark.parametrize("local_ranks, cores, threads, device", [
@@ -24,14 +25,22 @@ def test_auto_gives_each_rank_its_own_block_of_cores():
     (2, [0, 1], 1, "cuda"),  # ranks on GPUs
 ])
 def test_auto_leaves_the_kernel_to_place_threads_when_blocks_do_not_fit(local_ranks, cores, threads, device):
-    assert rank_cores("auto", local_ranks, cores, threads_per_rank=threads, device_type=device) is None
+    assert rank_cores("auto", local_ranks, cores, num_threads=threads, device_type=device) is None
 
 
 def test_nobind_and_explicit_groups():
     assert rank_cores("nobind", 2, [0, 1], 1) is None
     assert rank_cores("all", 2, [0, 1], 1) is None
     assert rank_cores("0-1|2,3", 2, [0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert rank_cores("3,2,2|0", 2, [0, 1, 2, 3]) == [[2, 3], [0]]  # sorted, a core named twice counted once
     assert parse_core_list("0-2,5") == [0, 1, 2, 5]
+
+
+def test_explicit_groups_refuse_more_threads_than_cores():
+    assert rank_cores("0|1-3", 2, [0, 1, 2, 3], num_threads=1) == [[0], [1, 2, 3]]
+    with pytest.raises(ValueError, match=r"--num-threads 2 is more than the 1 cores of local rank 0's group \[0\], "
+                                         r"so its threads would share cores; give --num-threads 1 or less"):
+        rank_cores("0|1-3", 2, [0, 1, 2, 3], num_threads=2)
 
 
 @pytest.mark.parametrize("spec, message", [

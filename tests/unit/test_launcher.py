@@ -180,3 +180,20 @@ def test_a_bad_core_binding_is_refused_before_any_rank_starts(monkeypatch):
     monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", "0|0")
     with pytest.raises(ValueError, match=r"cores \[0\] are in two ranks' groups"):
         RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+
+
+def _mask(monkeypatch, cores) -> None:
+    """This process's affinity mask as `taskset -c` would leave it (what the launcher reads)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+
+
+def test_a_rank_bound_to_an_explicit_group_runs_a_thread_per_core(monkeypatch):
+    _mask(monkeypatch, range(4))
+    monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", "0|1-3")
+    launcher = RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+    assert launcher.rank_cores == [[0], [1, 2, 3]]
+    assert [launcher.rank_args(i).num_threads for i in range(2)] == [1, 3]
+    launcher = RuntimeLauncher(ServerArgs(tp_size=2, num_threads=1), _source(), addresses=None)
+    assert [launcher.rank_args(i).num_threads for i in range(2)] == [1, 1]
+    with pytest.raises(ValueError, match=r"--num-threads 2 is more than the 1 cores of local rank 0's group \[0\]"):
+        RuntimeLauncher(ServerArgs(tp_size=2, num_threads=2), _source(), addresses=None)

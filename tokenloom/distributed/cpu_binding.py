@@ -2,10 +2,14 @@
 process to them. The shape of vLLM's `VLLM_CPU_OMP_THREADS_BIND` / SGLang's `SGLANG_CPU_OMP_THREADS_BIND`:
 
 - `auto` (the default): on the CPU, when several ranks share this machine and each gets whole cores, local
-  rank i runs on the i-th contiguous block of `threads_per_rank` cores of the launcher's affinity mask; one
+  rank i runs on the i-th contiguous block of cores / local ranks cores of the launcher's affinity mask; one
   rank alone, a CUDA device, more ranks than cores, or `--num-threads` above a block: no binding;
 - `nobind` (or `all`): no binding, the kernel places every thread;
 - `0-3|4-7|8,9`: the cores of local rank 0, 1, ... (one `|`-separated group per local rank of this node).
+
+Threads: a rank bound to cores runs one intra-op thread per core of its set (the launcher makes that its
+`--num-threads`) unless `--num-threads` is given; a `--num-threads` above an explicit group's size is refused
+at launch, since its threads would share cores (`auto` declines to bind instead).
 
 Binding keeps a rank's forward, scheduling and communication threads on its own cores, so one rank's
 wake-ups never wait behind another rank's forward (with as many compute threads as cores, the kernel
@@ -36,25 +40,28 @@ def parse_core_list(text: str) -> list[int]:
     return cores
 
 
-def rank_cores(spec: str | None, local_ranks: int, cores: list[int], threads_per_rank: int,
+def rank_cores(spec: str | None, local_ranks: int, cores: list[int], num_threads: int | None = None,
                device_type: str = "cpu") -> list[list[int]] | None:
     """Each local rank's cores under `spec` (None or "" → `auto`), or None for no binding. `cores`: the
-    launcher's allowed cores; `threads_per_rank`: the intra-op threads each rank runs."""
+    launcher's allowed cores; `num_threads`: `--num-threads` (None: not given, each bound rank then runs one
+    thread per core of its set). Explicit groups come back sorted, without repeated cores."""
     spec = (spec or "auto").strip()
     if spec in NO_BINDING:
         return None
     if spec == "auto":
-        per_rank = len(cores) // local_ranks if local_ranks else 0
-        if device_type != "cpu" or local_ranks < 2 or per_rank < 1 or threads_per_rank > per_rank:
+        if device_type != "cpu" or local_ranks < 2:
+            return None
+        per_rank = len(cores) // local_ranks
+        if per_rank < 1 or (num_threads is not None and num_threads > per_rank):
             return None
         ordered = sorted(cores)
         return [ordered[i * per_rank:(i + 1) * per_rank] for i in range(local_ranks)]
-    groups = [parse_core_list(group) for group in spec.split("|")]
+    groups = [sorted(set(parse_core_list(group))) for group in spec.split("|")]
     if len(groups) != local_ranks:
         raise ValueError(f"{ENV}={spec!r} names {len(groups)} core groups; this node runs {local_ranks} ranks "
                          f"(one group per local rank, separated by |)")
     seen: set[int] = set()
-    for group in groups:
+    for index, group in enumerate(groups):
         outside = set(group) - set(cores)
         if outside:
             raise ValueError(f"{ENV}: cores {sorted(outside)} are not available to this process "
@@ -62,6 +69,11 @@ def rank_cores(spec: str | None, local_ranks: int, cores: list[int], threads_per
         if seen & set(group):
             raise ValueError(f"{ENV}: cores {sorted(seen & set(group))} are in two ranks' groups")
         seen |= set(group)
+        if num_threads is not None and num_threads > len(group):
+            raise ValueError(f"{ENV}: --num-threads {num_threads} is more than the {len(group)} cores of local "
+                             f"rank {index}'s group {group}, so its threads would share cores; give "
+                             f"--num-threads {min(len(g) for g in groups)} or less, larger groups, or leave "
+                             f"--num-threads out (each rank then runs one thread per core of its group)")
     return groups
 
 
