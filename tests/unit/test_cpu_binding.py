@@ -55,6 +55,25 @@ def test_bad_explicit_groups_are_refused_with_the_reason(spec, message):
         rank_cores(spec, 2, [0, 1], 1)
 
 
+def _report_mask(conn):
+    conn.send(sorted(os.sched_getaffinity(0)))
+
+
+def test_a_child_started_under_a_narrower_mask_sees_only_it():
+    """What `taskset -c N` does to a server: its launcher reads the narrower mask, and cuts blocks from it."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    parent, child = mp.get_context("spawn").Pipe()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})  # inherited by the child at its start, as under taskset
+    try:
+        proc = mp.get_context("spawn").Process(target=_report_mask, args=(child,))
+        proc.start()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert parent.recv() == [core]
+    proc.join(10)
+
+
 def _bind_and_report(cores, conn):
     started = threading.Event()
     release = threading.Event()

@@ -187,6 +187,18 @@ def _mask(monkeypatch, cores) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
 
 
+def test_auto_binds_within_this_process_mask(monkeypatch):
+    """Two servers on one host started under disjoint masks (taskset) get disjoint blocks, one thread per core."""
+    monkeypatch.delenv("TOKENLOOM_CPU_OMP_THREADS_BIND", raising=False)
+    blocks = []
+    for mask in (range(4, 8), range(0, 4)):
+        _mask(monkeypatch, mask)
+        launcher = RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+        blocks.append(launcher.rank_cores)
+        assert [launcher.rank_args(i).num_threads for i in range(2)] == [2, 2]
+    assert blocks == [[[4, 5], [6, 7]], [[0, 1], [2, 3]]]
+
+
 def test_a_rank_bound_to_an_explicit_group_runs_a_thread_per_core(monkeypatch):
     _mask(monkeypatch, range(4))
     monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", "0|1-3")

@@ -2,14 +2,23 @@
 process to them. The shape of vLLM's `VLLM_CPU_OMP_THREADS_BIND` / SGLang's `SGLANG_CPU_OMP_THREADS_BIND`:
 
 - `auto` (the default): on the CPU, when several ranks share this machine and each gets whole cores, local
-  rank i runs on the i-th contiguous block of cores / local ranks cores of the launcher's affinity mask; one
-  rank alone, a CUDA device, more ranks than cores, or `--num-threads` above a block: no binding;
+  rank i runs on the i-th contiguous block of cores / local ranks cores of the launcher's affinity mask (the
+  cores it inherited: `taskset`, a container's cpuset), never of the whole host; one rank alone, a CUDA
+  device, more ranks than cores, or `--num-threads` above a block: no binding;
 - `nobind` (or `all`): no binding, the kernel places every thread;
 - `0-3|4-7|8,9`: the cores of local rank 0, 1, ... (one `|`-separated group per local rank of this node).
 
 Threads: a rank bound to cores runs one intra-op thread per core of its set (the launcher makes that its
 `--num-threads`) unless `--num-threads` is given; a `--num-threads` above an explicit group's size is refused
 at launch, since its threads would share cores (`auto` declines to bind instead).
+
+Several servers on one host (a prefill and a decode server, nodes of a multi-node run simulated on one
+machine): each server's `auto` cuts its blocks from its own affinity mask and knows nothing of the others,
+so servers started with the same mask bind their rank i to the same block and share those cores. Start each
+under its own cores (`taskset -c 0-7 ...`, `taskset -c 8-15 ...`, or a container cpuset) and their blocks are
+disjoint; or give each server explicit groups. Binding depends on nothing but this process's own mask and
+settings: no state is shared between servers (a host-wide registry would make one server's binding depend
+on unrelated processes that happen to run).
 
 Binding keeps a rank's forward, scheduling and communication threads on its own cores, so one rank's
 wake-ups never wait behind another rank's forward (with as many compute threads as cores, the kernel
