@@ -1,4 +1,6 @@
-"""`TOKENLOOM_CPU_OMP_THREADS_BIND`: the cores each local rank gets, and binding a real process to them."""
+"""`TOKENLOOM_CPU_OMP_THREADS_BIND`: the cores each local rank gets (within the affinity mask, explicit groups
+against `--num-threads`), reading the mask, and binding a real process to them (a core outside the mask
+refused with the reason)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import threading
 
 import pytest
 
-from tokenloom.distributed.cpu_binding import bind_this_process, parse_core_list, rank_cores
+from tokenloom.distributed import cpu_binding
+from tokenloom.distributed.cpu_binding import (
+    CoreBindingError,
+    allowed_cores,
+    bind_this_process,
+    parse_core_list,
+    rank_cores,
+)
 
 
 def test_auto_gives_each_rank_its_own_block_of_cores():
@@ -23,6 +32,7 @@ def test_auto_gives_each_rank_its_own_block_of_cores():
     (3, [0, 1], 1, "cpu"),  # more ranks than cores: they must share
     (2, [0, 1], 2, "cpu"),  # --num-threads above a rank's block: binding would stack its threads
     (2, [0, 1], 1, "cuda"),  # ranks on GPUs
+    (2, None, None, "cpu"),  # the mask could not be read
 ])
 def test_auto_leaves_the_kernel_to_place_threads_when_blocks_do_not_fit(local_ranks, cores, threads, device):
     assert rank_cores("auto", local_ranks, cores, num_threads=threads, device_type=device) is None
@@ -33,6 +43,7 @@ def test_nobind_and_explicit_groups():
     assert rank_cores("all", 2, [0, 1], 1) is None
     assert rank_cores("0-1|2,3", 2, [0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert rank_cores("3,2,2|0", 2, [0, 1, 2, 3]) == [[2, 3], [0]]  # sorted, a core named twice counted once
+    assert rank_cores("0|1-3", 2, None) == [[0], [1, 2, 3]]  # unknown mask: each rank checks when it binds
     assert parse_core_list("0-2,5") == [0, 1, 2, 5]
 
 
@@ -55,8 +66,39 @@ def test_bad_explicit_groups_are_refused_with_the_reason(spec, message):
         rank_cores(spec, 2, [0, 1], 1)
 
 
+def test_allowed_cores_is_the_mask_or_none_when_unreadable(monkeypatch):
+    assert allowed_cores() == sorted(os.sched_getaffinity(0))
+
+    def fails(pid):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_getaffinity", fails)
+    assert allowed_cores() is None
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert allowed_cores() is None
+
+
+def test_binding_to_a_core_outside_the_mask_is_refused_with_the_reason():
+    mask = os.sched_getaffinity(0)
+    outside = max(mask) + 1000
+    with pytest.raises(CoreBindingError, match=rf"cores \[{outside}\] of this rank's set \[{min(mask)}, {outside}\] "
+                                               rf"are outside the cores this process may run on"):
+        bind_this_process([min(mask), outside])
+    assert os.sched_getaffinity(0) == mask  # refused before anything was bound
+
+
+def test_a_kernel_refusal_is_a_binding_error(monkeypatch):
+    def refuses(pid, cores):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(cpu_binding.os, "sched_setaffinity", refuses)
+    core = min(os.sched_getaffinity(0))
+    with pytest.raises(CoreBindingError, match=rf"binding this rank to cores \[{core}\] failed: Invalid argument"):
+        bind_this_process([core])
+
+
 def _report_mask(conn):
-    conn.send(sorted(os.sched_getaffinity(0)))
+    conn.send(allowed_cores())
 
 
 def test_a_child_started_under_a_narrower_mask_sees_only_it():

@@ -4,7 +4,7 @@ process to them. The shape of vLLM's `VLLM_CPU_OMP_THREADS_BIND` / SGLang's `SGL
 - `auto` (the default): on the CPU, when several ranks share this machine and each gets whole cores, local
   rank i runs on the i-th contiguous block of cores / local ranks cores of the launcher's affinity mask (the
   cores it inherited: `taskset`, a container's cpuset), never of the whole host; one rank alone, a CUDA
-  device, more ranks than cores, or `--num-threads` above a block: no binding;
+  device, more ranks than cores, an unreadable mask, or `--num-threads` above a block: no binding;
 - `nobind` (or `all`): no binding, the kernel places every thread;
 - `0-3|4-7|8,9`: the cores of local rank 0, 1, ... (one `|`-separated group per local rank of this node).
 
@@ -23,7 +23,9 @@ on unrelated processes that happen to run).
 Binding keeps a rank's forward, scheduling and communication threads on its own cores, so one rank's
 wake-ups never wait behind another rank's forward (with as many compute threads as cores, the kernel
 otherwise moves threads between cores and a woken thread waits for a busy one). Invariant: the groups of one
-node never overlap.
+node never overlap, and every core of a group is in the launcher's mask (when it can be read); a rank whose
+cores are no longer all allowed when it binds (a cpuset narrowed meanwhile) fails its start-up with
+`CoreBindingError` rather than run on whatever part of its set is left.
 """
 
 from __future__ import annotations
@@ -49,16 +51,30 @@ def parse_core_list(text: str) -> list[int]:
     return cores
 
 
-def rank_cores(spec: str | None, local_ranks: int, cores: list[int], num_threads: int | None = None,
+class CoreBindingError(RuntimeError):
+    """A rank could not be bound to its cores (some are outside the cores this process may run on)."""
+
+
+def allowed_cores() -> list[int] | None:
+    """The cores this process may run on, sorted (its affinity mask, as taskset or a cpuset narrowed it), or
+    None where the mask cannot be read (no `sched_getaffinity` on this platform, or the call failed)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def rank_cores(spec: str | None, local_ranks: int, cores: list[int] | None, num_threads: int | None = None,
                device_type: str = "cpu") -> list[list[int]] | None:
     """Each local rank's cores under `spec` (None or "" → `auto`), or None for no binding. `cores`: the
-    launcher's allowed cores; `num_threads`: `--num-threads` (None: not given, each bound rank then runs one
-    thread per core of its set). Explicit groups come back sorted, without repeated cores."""
+    launcher's allowed cores (`allowed_cores()`; None: unknown, so `auto` does not bind and explicit groups are
+    checked only when each rank binds); `num_threads`: `--num-threads` (None: not given, each bound rank then
+    runs one thread per core of its set). Explicit groups come back sorted, without repeated cores."""
     spec = (spec or "auto").strip()
     if spec in NO_BINDING:
         return None
     if spec == "auto":
-        if device_type != "cpu" or local_ranks < 2:
+        if cores is None or device_type != "cpu" or local_ranks < 2:
             return None
         per_rank = len(cores) // local_ranks
         if per_rank < 1 or (num_threads is not None and num_threads > per_rank):
@@ -71,7 +87,7 @@ def rank_cores(spec: str | None, local_ranks: int, cores: list[int], num_threads
                          f"(one group per local rank, separated by |)")
     seen: set[int] = set()
     for index, group in enumerate(groups):
-        outside = set(group) - set(cores)
+        outside = set(group) - set(cores) if cores is not None else set()
         if outside:
             raise ValueError(f"{ENV}: cores {sorted(outside)} are not available to this process "
                              f"(allowed: {sorted(cores)})")
@@ -87,11 +103,22 @@ def rank_cores(spec: str | None, local_ranks: int, cores: list[int], num_threads
 
 
 def bind_this_process(cores: list[int]) -> None:
-    """Run every thread of this process, and the threads it starts later, on `cores` only."""
+    """Run every thread of this process, and the threads it starts later, on `cores` only.
+
+    Raises CoreBindingError, naming the cores, when some of them are outside this process's affinity mask
+    (the kernel would otherwise bind to what is left of the set, or refuse it), or when the kernel refuses."""
     wanted = set(cores)
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), wanted)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
-    os.sched_setaffinity(0, wanted)
+    allowed = allowed_cores()
+    if allowed is not None and not wanted <= set(allowed):
+        raise CoreBindingError(f"{ENV}: cores {sorted(wanted - set(allowed))} of this rank's set {sorted(wanted)} "
+                               f"are outside the cores this process may run on ({allowed})")
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(task), wanted)
+            except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+                continue
+        os.sched_setaffinity(0, wanted)
+    except OSError as e:
+        raise CoreBindingError(f"{ENV}: binding this rank to cores {sorted(wanted)} failed: "
+                               f"{e.strerror or e}") from None

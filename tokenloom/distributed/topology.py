@@ -76,7 +76,7 @@ def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask, which containers and taskset narrow)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # platforms without sched_getaffinity
+    except (AttributeError, OSError):  # platforms without sched_getaffinity, or a mask that cannot be read
         return max(1, os.cpu_count() or 1)
 
 

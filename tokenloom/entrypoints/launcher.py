@@ -5,11 +5,11 @@ supervises them; stops them.
 Ranks: each scheduler rank is a spawned process running `scheduler.process.run_scheduler_process` with its
 global rank and the rendezvous address (`--dist-init-addr`, default 127.0.0.1 and a free port picked here).
 Cores per rank (`TOKENLOOM_CPU_OMP_THREADS_BIND`, distributed/cpu_binding.py): by default, on the CPU, each
-local rank is bound to its own block of cores; the rank binds itself first thing, so every thread it starts
-runs there. Threads per rank: `--num-threads` if given; else a bound rank runs one per core of its set, and
-unbound ranks sharing this machine cores / local ranks each (`topology.threads_per_rank`), set in each rank
-before its model is built, so ranks never oversubscribe the cores; one unbound rank alone keeps torch's
-default.
+local rank is bound to its own block of this process's allowed cores; the rank binds itself first thing, so
+every thread it starts runs there, and a rank that cannot bind fails its start-up like any other. Threads per
+rank: `--num-threads` if given; else a bound rank runs one per core of its set, and unbound ranks sharing this
+machine cores / local ranks each (`topology.threads_per_rank`), set in each rank before its model is built, so
+ranks never oversubscribe the cores; one unbound rank alone keeps torch's default.
 
 Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
 -9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in
@@ -75,7 +75,7 @@ class RuntimeLauncher:
         self._reported: set[str] = set()  # local deaths already published on the board
         # each local rank's cores, in self.ranks' order (None: no binding); a bad setting fails here, at once
         self.rank_cores = cpu_binding.rank_cores(os.environ.get(cpu_binding.ENV), len(self.ranks),
-                                                 sorted(os.sched_getaffinity(0)), args.num_threads,
+                                                 cpu_binding.allowed_cores(), args.num_threads,
                                                  args.device.split(":")[0])
 
     def rank_args(self, index: int | None = None) -> ServerArgs:
