@@ -2,8 +2,9 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["Engine"]
+from tokenloom.version import __version__
+
+__all__ = ["Engine", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

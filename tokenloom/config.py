@@ -23,6 +23,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.device import device_unavailable_reason
+from tokenloom.distributed.pp_partition import stage_layer_ranges
+from tokenloom.distributed.topology import parse_dist_init_addr
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
@@ -257,8 +261,6 @@ class ServerArgs:
         if not self.watchdog_timeout > 0:
             raise ConfigError(f"--watchdog-timeout must be > 0 seconds; got {self.watchdog_timeout}")
         if self.dist_init_addr is not None:
-            from tokenloom.distributed.topology import parse_dist_init_addr
-
             try:
                 parse_dist_init_addr(self.dist_init_addr)
             except ValueError as e:
@@ -314,8 +316,6 @@ def check_device(args: ServerArgs) -> None:
     CPU-only torch, or an index past the last GPU), instead of failing inside the scheduler process."""
     if args.device == "cpu":
         return
-    from tokenloom.device import device_unavailable_reason
-
     reason = device_unavailable_reason(args.device)
     if reason is not None:
         raise ConfigError(f"--device {args.device}: {reason}")
@@ -330,8 +330,6 @@ def check_parallel_fits(args: ServerArgs, config: Any) -> None:
     `QKVParallelLinear`: one KV head per rank, each head on tp_size / num_kv_heads ranks).
     The vocabulary is padded to a multiple of 64 x tp_size, so it always splits."""
     if args.pp_size > 1:
-        from tokenloom.distributed.pp_partition import stage_layer_ranges
-
         try:
             stage_layer_ranges(config.num_hidden_layers, args.pp_size)
         except ValueError as e:

@@ -186,7 +186,16 @@ class _World:
         return self.ctl[name].recv()
 
     def signal(self, name: str, sig: int) -> None:
-        os.kill(self.procs[name].pid, sig)
+        """Send `sig`; for SIGSTOP, return only once every thread of the process is stopped (the signal is
+        asynchronous: a transfer thread returning from a syscall could otherwise still answer a write)."""
+        pid = self.procs[name].pid
+        os.kill(pid, sig)
+        if sig != signal.SIGSTOP:
+            return
+        deadline = time.monotonic() + 10
+        while not _all_threads_stopped(pid):
+            assert time.monotonic() < deadline, f"{name} did not stop within 10 s"
+            time.sleep(0.01)
 
     def finish(self, name: str) -> int | None:
         assert self.call(name, "exit") == "closed"
@@ -206,6 +215,18 @@ class _World:
                     pass
         for p in self.procs.values():
             p.join(timeout=10)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is in the stopped state ('T' in /proc/PID/task/TID/stat)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that exited meanwhile
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def _no_error(result: dict) -> None:

@@ -30,9 +30,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tokenloom import device as device_util
+import tokenloom.device as device_util
 from tokenloom.distributed import topology
 from tokenloom.distributed.parallel_state import ParallelContext
+from tokenloom.distributed.shm_comm import DEFAULT_TIMEOUT_S, ShmCommunicator
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ def init_distributed(tp_size: int, pp_size: int, rank: int, dist_init_addr: str 
         ctx = ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, **mine)
         if tp_size > 1 and shared_memory and device.type == "cpu" \
                 and _one_host(arrivals, topology.tp_group_ranks(pp_rank, tp_size)):
-            from tokenloom.distributed.shm_comm import DEFAULT_TIMEOUT_S, ShmCommunicator
-
             comm = ShmCommunicator.create(ctx, timeout_s=op_timeout_s or DEFAULT_TIMEOUT_S)
             if comm is not None:
                 ctx = dataclasses.replace(ctx, tp_comm=comm)

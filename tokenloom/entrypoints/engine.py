@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tokenloom.config import ServerArgs, check_device, warn_ignored_flags
-from tokenloom.frontend.tokenizer_manager import TokenizerManager
+from tokenloom.entrypoints.runtime import start_tokenizer_manager
 from tokenloom.protocol import TokenizedRequest
 
 
@@ -28,7 +28,7 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         check_device(self.server_args)
         warn_ignored_flags(self.server_args)
-        self.tokenizer_manager = TokenizerManager(self.server_args)
+        self.tokenizer_manager = start_tokenizer_manager(self.server_args)
         self.tokenizer = self.tokenizer_manager.tokenizer
         self._loop = asyncio.new_event_loop()
         self._loop_lock = threading.Lock()

@@ -31,7 +31,6 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import tokenloom
 from tokenloom.config import ServerArgs
 from tokenloom.entrypoints.body_limit import BodyLimitMiddleware
 from tokenloom.entrypoints.loads import legacy_load, loads_prometheus, loads_report
@@ -54,6 +53,7 @@ from tokenloom.models.default_model import DEFAULT_MODEL_ALIAS
 from tokenloom.protocol import HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX
 from tokenloom.scheduler.profiler import PROFILE_FIELDS
 from tokenloom.tokenizer import generation_defaults
+from tokenloom.version import __version__
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -116,7 +116,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs, on_fatal: Callable[[str],
             warmup.cancel()
             tm.shutdown()
 
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)  # inside the key check
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
@@ -187,7 +187,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         internal["token_usage"] = internal["kv_tokens_in_use"] / max(internal["max_total_num_tokens"], 1)
         startup = {k: v for k, v in tm.scheduler_info.items() if k != "status"}
         return JSONResponse({**public_server_args(args), **startup, **internal, "internal_states": [internal],
-                             "served_model_name": state.model_name, "version": tokenloom.__version__,
+                             "served_model_name": state.model_name, "version": __version__,
                              "process_ids": {name: p.pid for name, p in tm.processes.items()}})
 
     @app.get("/get_model_info")
@@ -211,7 +211,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if format not in ("json", "prometheus"):
             return body_error(f"format must be 'json' or 'prometheus', got {format!r}")
         try:
-            report = loads_report(await tm.get_internal_state(), tokenloom.__version__, include, dp_rank)
+            report = loads_report(await tm.get_internal_state(), __version__, include, dp_rank)
         except ValueError as e:
             return body_error(str(e))
         if format == "prometheus":

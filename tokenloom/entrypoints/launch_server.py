@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None, prog: str = "tokenloom serve") -> int:
     if problem is not None:  # fail before the model load, not after it
         print(f"error: {problem}", file=sys.stderr)
         return 1
-    from tokenloom.frontend.tokenizer_manager import TokenizerManager
+    from tokenloom.entrypoints.runtime import start_tokenizer_manager
 
     try:
-        tm = TokenizerManager(args)
+        tm = start_tokenizer_manager(args)
     except (ValueError, RuntimeError, OSError) as e:  # bad model path/config, a child that failed to start
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
 from tokenloom.kernels.cpu_build import load_library
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
+from tokenloom.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ class NativeDecode:
     @staticmethod
     def _unsupported(model, attn_backend, dtype: torch.dtype, device: torch.device,
                      parallel: ParallelContext) -> str | None:
-        from tokenloom.models.llama import LlamaForCausalLM
-
         if device.type != "cpu" or dtype != torch.bfloat16:
             return "needs the CPU and bfloat16"
         if not (getattr(model, "is_first", False) and getattr(model, "is_last", False)):

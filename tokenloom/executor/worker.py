@@ -1,4 +1,5 @@
-"""`ModelWorker`: runs a `ScheduleBatch` on the `ModelRunner` and returns a `ForwardOutput`.
+"""`ModelWorker`: runs a scheduler's plan for one step (a `StepPlan`, executor/step_plan.py: the scheduler's
+`ScheduleBatch`) on the `ModelRunner` and returns a `ForwardOutput`.
 
 It is the seam between scheduler (CPU plan, `Req`s) and device (the scheduler uses only `prepare`, `execute`,
 `eos_token_ids` and `device`: `scheduler.SchedulerWorker`), in two halves so the overlap scheduler can run
@@ -36,11 +37,11 @@ from tokenloom.executor.prompt_logprobs import (
     read_logits,
     token_ids_logprobs,
 )
+from tokenloom.executor.step_plan import StepPlan
 from tokenloom.executor.token_table import TokenTable
 from tokenloom.forward_batch import ForwardBatch
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_rows import SamplingRows
-from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
 
 @dataclass
@@ -105,7 +106,7 @@ class ModelWorker:
             return None
         return SamplingRows(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
 
-    def prepare(self, batch: ScheduleBatch, lane_state: SamplingRows | None) -> PreparedStep:
+    def prepare(self, batch: StepPlan, lane_state: SamplingRows | None) -> PreparedStep:
         """`lane_state` None (a non-last pipeline stage): a forward-only step, no sampling information."""
         reqs = batch.reqs
         fb = batch.to_forward_batch()

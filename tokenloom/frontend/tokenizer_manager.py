@@ -1,11 +1,12 @@
-"""`TokenizerManager`: the engine/server side of the runtime. Through a `RuntimeLauncher` it starts the
-scheduler ranks and the detokenizer (tokenloom/entrypoints/launcher.py owns the topology); it validates and tokenizes
-requests, sends them to the scheduler's entry rank, and routes outputs coming back from the detokenizer to the waiting
-caller (one `ReqState` per request id).
+"""`TokenizerManager`: the engine/server side of the runtime. It is handed the processes behind it (a
+`RuntimeProcesses`: the scheduler ranks and the detokenizer, and on a prefill server the bootstrap service; the
+entry points build them, entrypoints/runtime.py) and starts them; it validates and tokenizes requests, sends
+them to the scheduler's entry rank, and routes outputs coming back from the detokenizer to the waiting caller
+(one `ReqState` per request id).
 
 Threads: a receiver thread owns the incoming socket and hands each output to the caller's asyncio loop
 (`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user or
-server loop (async_generate, the HTTP server). It also watches the children (`launcher.dead()`): if one
+server loop (async_generate, the HTTP server). It also watches the children (`runtime.dead()`): if one
 dies (a scheduler rank is named by rank, e.g. "scheduler rank 1 (tp 1, pp 0)"), every pending
 request fails with a clear error, new requests are refused, and `on_dead` (if set; the HTTP server sets it
 to exit non-zero) is called once from the receiver thread.
@@ -30,18 +31,17 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from tokenloom.config import ServerArgs
 from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
-from tokenloom.entrypoints.launcher import RuntimeLauncher
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
 from tokenloom.frontend.request_metrics import ServingMetrics
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
-from tokenloom.models.loader import resolve_model_source
+from tokenloom.models.loader import ModelSource
 from tokenloom.protocol import (
     AbortRequest,
     BatchStrOutput,
@@ -83,17 +83,38 @@ class ReqState:
     logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
 
 
+class RuntimeProcesses(Protocol):
+    """The processes behind a tokenizer manager, built by the entry point over the same `IpcAddresses`."""
+
+    processes: dict[str, mp.Process]  # by name ("scheduler", "scheduler1", ..., "detokenizer"), filled as they start
+
+    def start(self) -> dict[str, Any]:
+        """Start every process and wait until the scheduler ranks are ready; their capacities (rank 0's)."""
+
+    def dead(self) -> str | None:
+        """What died or hung ("scheduler rank 1 (tp 1, pp 0) exited with code -9"), or None."""
+
+    def dead_besides(self, name: str) -> list[str]:
+        """The processes other than `name` that are dead, each described as `dead` does."""
+
+    def stop_all(self, clean: bool = False) -> None:
+        """Stop every process still running (`clean`: a deliberate shutdown, not a failure); idempotent."""
+
+
 class TokenizerManager:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, source: ModelSource, addresses: IpcAddresses,
+                 runtime: RuntimeProcesses) -> None:
+        """`runtime` is started here, after this side's sockets are bound (`addresses`); if it fails to
+        start, what started is stopped and the error raised."""
         self.args = args
-        self.source = resolve_model_source(args)
+        self.source = source
         self.tokenizer = load_tokenizer(self.source, args.tokenizer_path)
         self.context_len = self.source.config.context_length
         self.vocab_size = self.source.config.vocab_size
         self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
         # tokenizing (and chat templates) run here, off the HTTP event loop (the tokenizer releases the GIL)
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-tokenize")
-        self.addresses = IpcAddresses.fresh()
+        self.addresses = addresses
         self.zmq_ctx = zmq.Context()
         self.receiver = Receiver(self.zmq_ctx, self.addresses.engine)
         self.sender = Sender(self.zmq_ctx, self.addresses.scheduler)
@@ -102,29 +123,20 @@ class TokenizerManager:
         self._control_waiters: dict[type, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self.dead_error: str | None = None
         self._stopping = threading.Event()
-        self.processes: dict[str, mp.Process] = {}
+        self.runtime = runtime
+        self.processes = runtime.processes  # filled as they start
         self.scheduler_info: dict[str, Any] = {}
         self.on_dead: Callable[[str], None] | None = None
         self.last_output_time = 0.0  # time.monotonic() of the last output from the runtime
         self.metrics = ServingMetrics()  # /metrics (frontend/request_metrics.py)
-        self.bootstrap_server = None  # a prefill server's bootstrap service (disaggregation/bootstrap_server.py)
         self._launch()
         self._thread = threading.Thread(target=self._receive_loop, name="tokenloom-receiver", daemon=True)
         self._thread.start()
 
     # --- processes ----------------------------------------------------------------------------------
     def _launch(self) -> None:
-        """The launcher spawns and supervises the scheduler ranks and the detokenizer (entrypoints/launcher.py)."""
-        self.launcher = RuntimeLauncher(self.args, self.source, self.addresses)
-        self.processes = self.launcher.processes  # filled as they start
         try:
-            if self.args.disaggregation_mode == "prefill":  # the ranks register with it as they start
-                from tokenloom.disaggregation.bootstrap_server import BootstrapServer
-
-                self.bootstrap_server = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
-                                                        expected_ranks=self.args.tp_size * self.args.pp_size)
-                self.bootstrap_server.start()
-            self.scheduler_info = self.launcher.start()
+            self.scheduler_info = self.runtime.start()
         except Exception:
             self.shutdown()
             raise
@@ -134,10 +146,7 @@ class TokenizerManager:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        if hasattr(self, "launcher"):
-            self.launcher.stop_all(clean=self.dead_error is None)
-        if self.bootstrap_server is not None:
-            self.bootstrap_server.stop()
+        self.runtime.stop_all(clean=self.dead_error is None)
         self._fail_all("the engine was shut down")
         if hasattr(self, "tokenize_pool"):
             self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -159,7 +168,7 @@ class TokenizerManager:
                 self._dispatch(msg)
             if time.monotonic() - last_check > CHILD_CHECK_S:
                 last_check = time.monotonic()
-                reason = self.launcher.dead()
+                reason = self.runtime.dead()
                 if reason is not None and not self._stopping.is_set():
                     self._mark_dead(f"the {reason}")
 
@@ -193,7 +202,7 @@ class TokenizerManager:
         if self.args.tp_size * self.args.pp_size > 1 and msg.process.startswith("scheduler"):
             deadline = time.monotonic() + DEAD_PEER_WAIT_S
             while True:
-                dead = self.launcher.dead_besides(msg.process)
+                dead = self.runtime.dead_besides(msg.process)
                 if dead or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
@@ -206,9 +215,9 @@ class TokenizerManager:
         if first:
             self.dead_error = reason
             logger.error("tokenloom engine is dead: %s", reason)
-        self._fail_all(reason)  # answer first: stopping a hung rank takes the launcher's grace period
+        self._fail_all(reason)  # answer first: stopping a hung rank takes the runtime's grace period
         if first and self.args.tp_size * self.args.pp_size > 1:
-            self.launcher.stop_all()  # the other ranks would wait forever in their collectives
+            self.runtime.stop_all()  # the other ranks would wait forever in their collectives
         if first and self.on_dead is not None:
             self.on_dead(reason)
 

@@ -13,7 +13,7 @@ import ctypes
 import torch
 
 from tokenloom.kernels.cpu_build import load_library
-from tokenloom.layers.kv_indices import kv_indptr_from_lens, out_of_bounds_error
+from tokenloom.kernels.kv_index_common import kv_indptr_from_lens, out_of_bounds_error
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:

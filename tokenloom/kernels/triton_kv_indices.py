@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.layers.kv_indices import kv_indptr_from_lens
+from tokenloom.kernels.kv_index_common import kv_indptr_from_lens
 
 BLOCK = 512  # columns per loop iteration; lengths are often a few hundred to a few thousand
 

@@ -11,7 +11,7 @@ Three implementations share that contract, picked by `build_kv_indices(..., back
 - `torch` (`build_kv_indices_torch`): vectorized, no Python loop over requests; the CPU fallback, and any
   device's path when nothing faster applies.
 - `triton` (tokenloom/kernels/triton_kv_indices.py): one program per request; the default for CUDA tensors
-  when triton imports. It is imported only when picked, so a CPU install never needs triton.
+  when triton imports. It is imported only when picked (an optional engine), so a CPU install never needs triton.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import functools
 from collections.abc import Callable
 
 import torch
+
+from tokenloom.kernels.kv_index_common import kv_indptr_from_lens, out_of_bounds_error
+from tokenloom.kernels.native_kv_indices import native_kv_index_builder
 
 KV_INDEX_BACKENDS = ("auto", "native", "torch", "triton")
 
@@ -60,14 +63,6 @@ def _auto_backend(req_to_token: torch.Tensor) -> str:
     return "torch"
 
 
-@functools.cache  # the answer cannot change within a process
-def native_kv_index_builder() -> KvIndexBuilder | None:
-    """The native CPU implementation, or None when the kernel library does not build here."""
-    from tokenloom.kernels.native_kv_indices import native_kv_index_builder as load
-
-    return load()
-
-
 @functools.cache  # the answer cannot change within a process, and a failed import is slow to retry each step
 def triton_kv_index_builder() -> KvIndexBuilder | None:
     """The Triton implementation, or None when triton does not import."""
@@ -76,16 +71,6 @@ def triton_kv_index_builder() -> KvIndexBuilder | None:
     except ImportError:
         return None
     return build_kv_indices_triton
-
-
-def kv_indptr_from_lens(kv_lens: torch.Tensor, total: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(kv_lens as int64, kv_indptr [B+1] int64, total): the part both implementations share."""
-    lens = kv_lens.to(torch.int64)
-    kv_indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=kv_indptr[1:])
-    if total is None:
-        total = int(kv_indptr[-1])
-    return lens, kv_indptr, total
 
 
 def build_kv_indices_torch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
@@ -133,14 +118,6 @@ def _check_bounds(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Te
     bad = (lens < 0) | (first < 0) | (first + lens > width) | (rows < 0) | (rows >= n_rows)
     if bool(bad.any()):
         raise out_of_bounds_error(req_to_token, rows, lens, starts, int(bad.nonzero()[0]))
-
-
-def out_of_bounds_error(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                        starts: torch.Tensor | None, i: int) -> IndexError:
-    """The error for request i, whose slice does not lie inside `req_to_token`."""
-    first = 0 if starts is None else int(starts[i])
-    return IndexError(f"request {i}: row {int(rows[i])}, columns [{first}, {first + int(lens[i])}) "
-                      f"outside req_to_token of shape {tuple(req_to_token.shape)}")
 
 
 def padded_kv_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,

@@ -25,112 +25,25 @@ marks each step's start and end. Every processed step (`_finish_step`) also step
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
 
 from tokenloom.config import ServerArgs
-from tokenloom.device import keep_this_thread_single_threaded
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread, StepGuard, StepMarks
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.lane import Lane
+from tokenloom.scheduler.loop_base import EventLoop, Inbox, LoopBase, serve_with_executor
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
+from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, seed_options
 from tokenloom.scheduler.rank_sync import BroadcastOverlap
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 from tokenloom.scheduler.scheduler import Scheduler
 from tokenloom.scheduler.step_profile import StepProfiler, StepTiming, profiling_requested
 
-IDLE_POLL_MS = 100
 
-
-class Inbox(Protocol):
-    def recv_all(self, timeout_ms: int = 0) -> list[Any]: ...
-
-
-class EventLoop(Protocol):
-    def run_once(self, timeout_ms: int = 0) -> bool: ...
-
-    def run_forever(self) -> None: ...
-
-
-class _LoopBase:
-    def __init__(self, scheduler: Scheduler, inbox: Inbox, profiler: StepProfiler | None = None) -> None:
-        self.scheduler = scheduler
-        self.inbox = inbox
-        self.profiler = profiler or StepProfiler(enabled=False)
-        self._last_end: dict[int, float] = {}  # per lane: when its previous result was processed
-        self._idle_checked = False  # the integrity check runs once per idle period, not on every idle poll
-        self._started = time.perf_counter()
-        # Cumulative counters (benchmarks take differences): forward+sample time, scheduler CPU time outside
-        # the forward, and decode steps with their summed periods.
-        self.totals = {"forward_busy_s": 0.0, "scheduler_cpu_s": 0.0, "decode_steps": 0, "decode_period_s": 0.0,
-                       "decode_tokens": 0}
-
-    def _receive_and_schedule(self, timeout_ms: int) -> tuple[ScheduleBatch | None, float]:
-        messages = self.inbox.recv_all(timeout_ms)
-        if messages:
-            self._idle_checked = False
-        start = time.perf_counter()  # waiting on an empty inbox is not scheduling work
-        for msg in messages:
-            self.scheduler.handle(msg, self)
-        batch = self.scheduler.get_next_batch_to_run(self)
-        return batch, time.perf_counter() - start
-
-    def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming,
-                     lane: Lane | None = None) -> None:
-        """Process `batch`'s results (of `lane`, the first by default) and account its timing; a decode step's
-        period is the time since the same lane's previous result (one token of its requests)."""
-        start = time.perf_counter()
-        self._idle_checked = False
-        self.scheduler.process_batch_result(batch, out, lane)
-        end = time.perf_counter()
-        timing.process = end - start
-        timing.forward, timing.sample = out.forward_s, out.sample_s
-        key = 0 if lane is None else lane.index
-        previous = self._last_end.get(key)
-        timing.period = end - previous if previous is not None else 0.0
-        self._last_end[key] = end
-        totals = self.totals
-        totals["forward_busy_s"] += timing.forward + timing.sample
-        totals["scheduler_cpu_s"] += timing.cpu_outside_forward
-        if timing.is_decode and timing.period > 0:
-            totals["decode_steps"] += 1
-            totals["decode_period_s"] += timing.period
-            totals["decode_tokens"] += timing.batch_size
-        self.profiler.record(timing)
-        self.scheduler.trace_profiler.step_done()
-        self._on_step(timing)
-
-    def _on_step(self, timing: StepTiming) -> None:
-        pass
-
-    def _went_idle(self) -> None:
-        self._last_end.clear()
-        if not self._idle_checked:  # walking the tree and the free lists costs ms on a large pool
-            self._idle_checked = True
-            self.scheduler.check_idle_integrity()
-
-    def settle(self, lane: Lane) -> None:
-        """`LoopControl`: nothing is in flight while this loop plans (each step runs to completion)."""
-
-    def settle_all(self) -> None:
-        """`LoopControl`: nothing is in flight while this loop plans (each step runs to completion)."""
-
-    def info(self) -> dict:
-        return {"step_profile": self.profiler.summary(), "loop_wall_s": time.perf_counter() - self._started,
-                **self.totals}
-
-    def run_forever(self) -> None:
-        busy = True
-        while True:
-            busy = self.run_once(0 if busy else IDLE_POLL_MS)
-
-
-class NormalLoop(_LoopBase):
+class NormalLoop(LoopBase):
     """Receive → schedule → run → process, each step to completion (no overlap)."""
 
     def __init__(self, scheduler: Scheduler, inbox: Inbox, profiler: StepProfiler | None = None,
@@ -155,7 +68,7 @@ class NormalLoop(_LoopBase):
         return {"overlap_schedule": "off", "overlap_active": False, **super().info()}
 
 
-class OverlapLoop(_LoopBase):
+class OverlapLoop(LoopBase):
     """Launch batch k+1 on the forward thread, then process batch k while k+1 computes."""
 
     def __init__(self, scheduler: Scheduler, inbox: Inbox, policy: FixedOverlap | AdaptiveOverlap | BroadcastOverlap,
@@ -212,28 +125,6 @@ class OverlapLoop(_LoopBase):
         return {**self.policy.info(), "forward_thread_idle_fraction": idle, **super().info()}
 
 
-def serve_with_executor(executor: ForwardThread | ForwardOnCaller, schedule_forever: Callable[[], None]) -> None:
-    """Run `schedule_forever` (a loop's scheduling side). With a `ForwardOnCaller`, this thread serves the
-    forward steps and scheduling runs on a new thread; an error on either side ends both and is raised here."""
-    if not isinstance(executor, ForwardOnCaller):
-        schedule_forever()
-        return
-    errors: list[BaseException] = []
-
-    def schedule() -> None:
-        keep_this_thread_single_threaded()
-        try:
-            schedule_forever()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the serving thread
-            errors.append(e)
-        finally:
-            executor.stop()
-
-    threading.Thread(target=schedule, name="tokenloom-scheduler", daemon=True).start()
-    executor.serve_forever()
-    raise errors[0] if errors else RuntimeError("the scheduling thread stopped")
-
-
 def overlap_mode(args: ServerArgs) -> str:
     """`--disable-overlap-schedule` (SGLang's spelling) wins over `--overlap-schedule`."""
     return "off" if args.disable_overlap_schedule else args.overlap_schedule
@@ -250,8 +141,6 @@ def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forwar
     profiler = StepProfiler(profiling_requested(args.enable_step_profile))
     guard = StepGuard.from_env(watchdog)
     if parallel.pp_size > 1:  # the pipeline overlaps by itself: --overlap-schedule does not apply
-        from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, seed_options
-
         executor = (ForwardOnCaller(scheduler.worker, guard) if forward_on_caller
                     else ForwardThread(scheduler.worker, args.num_threads, guard))
         return PipelineLoop(scheduler, inbox, StageChannels.build(parallel), parallel, executor,

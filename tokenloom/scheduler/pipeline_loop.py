@@ -77,7 +77,7 @@ from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
 from tokenloom.executor.worker import ForwardOutput, ForwardResult, ModelWorker, PreparedStep
 from tokenloom.protocol import FlushCacheRequest
 from tokenloom.scheduler.lane import Lane
-from tokenloom.scheduler.loops import Inbox, _LoopBase, serve_with_executor
+from tokenloom.scheduler.loop_base import Inbox, LoopBase, serve_with_executor
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 from tokenloom.scheduler.scheduler import Scheduler
 from tokenloom.scheduler.step_profile import StepProfiler, StepTiming
@@ -130,7 +130,7 @@ class StageChannels:
         return self.output_in is not None and self.output_out is not None
 
 
-class PipelineLoop(_LoopBase):
+class PipelineLoop(LoopBase):
     def __init__(self, scheduler: Scheduler, inbox: Inbox | None, channels: StageChannels, ctx: ParallelContext,
                  executor: ForwardThread | ForwardOnCaller, depth: int = 0, *, early_output_send: bool = True,
                  overlap_sends: bool = True, profiler: StepProfiler | None = None) -> None:
