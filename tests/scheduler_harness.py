@@ -4,11 +4,14 @@ scheduling matrix (radix on/off, chunk sizes, page sizes, retraction, aborts) ru
 
 `LoopHarness` drives any worker over a given `KVMemory` (tests/unit/test_scheduler_fake_runner.py gives it a
 fake one); `Harness` builds the real one as the scheduler process does: the weights, one `KVMemory` handed
-to both the model runner and the scheduler, the `ModelWorker`."""
+to both the model runner and the scheduler, the `ModelWorker`. `generate_in_process` generates with an
+existing `ModelRunner` through the scheduler and a worker over the runner's own memory: the tests' one way
+to generate without starting processes (the serving path, its stop rule included)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,3 +98,22 @@ class Harness(LoopHarness):
         memory = loaded.kv_memory(args)
         self.runner = ModelRunner(args, loaded=loaded, memory=memory)
         super().__init__(args, ModelWorker(self.runner, eos), memory, self.runner.vocab_size, tokenizer)
+
+
+def generate_in_process(runner: ModelRunner, prompts: Sequence[Sequence[int]], params: Sequence[dict[str, Any]],
+                        eos_token_ids: Sequence[int] = (), worker: SchedulerWorker | None = None) -> list[list[int]]:
+    """Generate for `prompts` (one sampling dict each) together, through a `Scheduler` with the normal loop over
+    `runner`'s memory and `worker` (default: a `ModelWorker` of `runner` with `eos_token_ids`); returns each
+    prompt's output ids. The prefix cache is emptied before and after (nothing is matched from another run)
+    and the pools are checked full when it goes idle."""
+    args = dataclasses.replace(runner.args, overlap_schedule="off")
+    worker = worker or ModelWorker(runner, tuple(eos_token_ids))
+    h = LoopHarness(args, worker, runner.memory, runner.vocab_size)
+    assert h.scheduler.flush_cache().success
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        h.submit(f"gen{i}", ids, p)
+    results = [h.run()[f"gen{i}"] for i in range(len(prompts))]
+    assert h.scheduler.flush_cache().success
+    refused = [r.finish_reason for r in results if r.finish_reason["type"] == "abort"]
+    assert not refused, refused
+    return [r.output_ids for r in results]

@@ -174,15 +174,3 @@ class ProcessFailed:
 
     process: str
     error: str
-
-
-def finish_length(length: int) -> dict[str, Any]:
-    return {"type": "length", "length": length}
-
-
-def finish_stop(matched: int | str) -> dict[str, Any]:
-    return {"type": "stop", "matched": matched}
-
-
-def finish_abort(message: str, status_code: int = 400, err_type: str = "BadRequestError") -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}

@@ -21,9 +21,9 @@ import pydoc_data.topics
 import pytest
 import torch
 
+from tests.forward_steps import ForwardSteps
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
-from tokenloom.executor.sequence_driver import SequenceDriver
 from tokenloom.layers import cpu_gemm
 from tokenloom.layers.attention.cpu_paged import CpuPagedBackend
 from tokenloom.tokenizer import load_tokenizer
@@ -86,13 +86,13 @@ def test_runner_is_the_default_configuration(runner):
 
 
 def test_prefill_path_is_as_close_to_fp32_as_transformers_bf16(runner, prompts, references):
-    driver = SequenceDriver(runner)
-    seqs = [driver.start() for _ in prompts]
+    steps = ForwardSteps(runner)
+    seqs = [steps.start() for _ in prompts]
     try:
-        logits = driver.extend(seqs, prompts, return_all_logits=True)  # one extend batch of SEQS x LENGTH
+        logits = steps.extend(seqs, prompts, return_all_logits=True)  # one extend batch of SEQS x LENGTH
     finally:
         for seq in seqs:
-            driver.release(seq)
+            steps.release(seq)
     _check("prefill", logits.view(SEQS, LENGTH, -1), references)
 
 
@@ -109,15 +109,15 @@ def test_decode_path_is_as_close_to_fp32_as_transformers_bf16(runner, prompts, r
             return original_run(batch)
 
         native.run = counting_run
-    driver = SequenceDriver(runner)
-    seqs = [driver.start() for _ in prompts]
+    steps = ForwardSteps(runner)
+    seqs = [steps.start() for _ in prompts]
     try:
-        steps = [driver.extend(seqs, [[p[i]] for p in prompts], as_decode=i > 0) for i in range(LENGTH)]
+        logits = [steps.extend(seqs, [[p[i]] for p in prompts]) for i in range(LENGTH)]  # decode after the first
     finally:
         for seq in seqs:
-            driver.release(seq)
+            steps.release(seq)
         if native is not None:
             native.run = original_run
     if native is not None:
         assert calls == [SEQS] * (LENGTH - 1)
-    _check("decode", torch.stack(steps, dim=1), references)
+    _check("decode", torch.stack(logits, dim=1), references)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokenloom.finish_reason import finish_length, finish_stop
 from tokenloom.frontend.detokenizer import DetokenizerManager, _held_back
-from tokenloom.protocol import BatchTokenOutput, finish_length, finish_stop
+from tokenloom.protocol import BatchTokenOutput
 
 
 @pytest.fixture(scope="module")

@@ -207,11 +207,10 @@ def test_dead_scheduler_fails_pending_calls_fast(tiny_runtime_model):
         eng.shutdown()
 
 
-def test_real_smollm2_engine_matches_forward_driver():
+def test_real_smollm2_engine_matches_in_process_generation():
+    from tests.scheduler_harness import generate_in_process
     from tokenloom.config import ServerArgs
     from tokenloom.executor.model_runner import ModelRunner
-    from tokenloom.executor.sequence_driver import SequenceDriver
-    from tokenloom.sampling.sampling_params import SamplingParams
 
     prompts = ["The capital city of France is", "Write a short poem about the sea:"]
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
@@ -219,7 +218,6 @@ def test_real_smollm2_engine_matches_forward_driver():
         outs = eng.generate(prompts, params)
         ids = [eng.tokenizer(p).input_ids for p in prompts]
     runner = ModelRunner(ServerArgs(dtype="float32", max_total_tokens=1024, max_running_requests=4))
-    sp = SamplingParams.from_dict(params, runner.vocab_size)
-    ref = [SequenceDriver(runner).generate([i], [sp], eos_token_ids=[])[0] for i in ids]
+    ref = [generate_in_process(runner, [i], [params])[0] for i in ids]
     assert [o["output_ids"] for o in outs] == ref
     assert "Paris" in outs[0]["text"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.forward_steps import ForwardSteps
 from tests.model_factory import VARIANTS
+from tests.scheduler_harness import generate_in_process
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
-from tokenloom.executor.sequence_driver import SequenceDriver
-from tokenloom.sampling.sampling_params import SamplingParams
 
 
 def _runner(folder: str, **kw) -> ModelRunner:
@@ -21,12 +21,12 @@ def _runner(folder: str, **kw) -> ModelRunner:
 def test_tiny_model_logits_match_transformers(tiny_model_dir, variant):
     folder, hf = tiny_model_dir(variant)
     runner = _runner(folder)
-    driver = SequenceDriver(runner)
+    steps = ForwardSteps(runner)
     gen = torch.Generator().manual_seed(1)
     lengths = [37, 5, 100]  # one batch of different lengths (and > the llama3 original context of 64)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
-    seqs = [driver.start() for _ in prompts]
-    logits = driver.extend(seqs, prompts, return_all_logits=True)
+    seqs = [steps.start() for _ in prompts]
+    logits = steps.extend(seqs, prompts, return_all_logits=True)
     ours = torch.split(logits, lengths)
     for prompt, mine in zip(prompts, ours, strict=True):
         with torch.no_grad():
@@ -34,7 +34,7 @@ def test_tiny_model_logits_match_transformers(tiny_model_dir, variant):
         assert (mine - ref).abs().max().item() < 2e-4
         assert torch.equal(mine.argmax(-1), ref.argmax(-1))
     for s in seqs:
-        driver.release(s)
+        steps.release(s)
     assert runner.token_allocator.available_size() == runner.max_total_num_tokens
 
 
@@ -42,8 +42,7 @@ def test_tiny_model_greedy_generation_matches_transformers(tiny_model_dir):
     folder, hf = tiny_model_dir("qwen2")
     runner = _runner(folder)
     prompt = list(range(3, 40))
-    ours = SequenceDriver(runner).generate([prompt], [SamplingParams.from_dict(
-        {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}, 256)], eos_token_ids=[])[0]
+    ours = generate_in_process(runner, [prompt], [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}])[0]
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(20):
@@ -56,10 +55,10 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_runner_fp32, smollm2_hf_
 
     tokenizer = load_tokenizer(smollm2_runner_fp32.source)
     prompt = tokenizer("The capital city of France is Paris. The capital city of Germany is").input_ids
-    driver = SequenceDriver(smollm2_runner_fp32)
-    seq = driver.start()
-    mine = driver.extend([seq], [prompt], return_all_logits=True)
-    driver.release(seq)
+    steps = ForwardSteps(smollm2_runner_fp32)
+    seq = steps.start()
+    mine = steps.extend([seq], [prompt], return_all_logits=True)
+    steps.release(seq)
     with torch.no_grad():
         ref = smollm2_hf_reference(torch.tensor([prompt])).logits[0].float()
     assert (mine - ref).abs().max().item() < 2e-3
@@ -71,10 +70,9 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2_runner_fp32, s
 
     tokenizer = load_tokenizer(smollm2_runner_fp32.source)
     prompt = tokenizer("Once upon a time, in a small village,").input_ids
-    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
-                                      smollm2_runner_fp32.vocab_size)
-    ours = SequenceDriver(smollm2_runner_fp32).generate([prompt], [params],
-                                                        eos_token_ids(smollm2_runner_fp32.source, tokenizer))[0]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    ours = generate_in_process(smollm2_runner_fp32, [prompt], [params],
+                               eos_token_ids(smollm2_runner_fp32.source, tokenizer))[0]
     with torch.no_grad():
         ref = smollm2_hf_reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                             eos_token_id=None)[0, len(prompt):].tolist()

@@ -1,5 +1,5 @@
-"""The one-shot `tokenloom generate` command: runs prompts through the forward path (the README's examples on
-the real SmolLM2 in the default configuration, bf16); bad input exits 2 with one clear line."""
+"""The one-shot `tokenloom generate` command: runs prompts through the engine (the README's examples on the
+real SmolLM2 in the default configuration, bf16); bad input exits 2 with one clear line."""
 
 from __future__ import annotations
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.scheduler_harness import Harness
+from tests.scheduler_harness import Harness, generate_in_process
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import LoadedModel, ModelRunner
-from tokenloom.executor.sequence_driver import SequenceDriver
-from tokenloom.sampling.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -50,9 +48,9 @@ def test_runner_uses_the_memory_it_is_given(folder):
                             device=torch.device("cpu"), start_layer=0, end_layer=cfg.num_hidden_layers)
     runner = ModelRunner(args, loaded=loaded, memory=memory)
     assert runner.memory is memory and runner.max_total_num_tokens == 96 and runner.kv_pool is memory.kv_pool
-    params = SamplingParams.from_dict(dict(GREEDY, max_new_tokens=4), cfg.vocab_size)
-    given = SequenceDriver(runner).generate([[1, 2, 3, 4, 5]], [params], [0])
-    own = SequenceDriver(ModelRunner(args, loaded=loaded)).generate([[1, 2, 3, 4, 5]], [params], [0])
+    params = dict(GREEDY, max_new_tokens=4)
+    given = generate_in_process(runner, [[1, 2, 3, 4, 5]], [params], [0])
+    own = generate_in_process(ModelRunner(args, loaded=loaded), [[1, 2, 3, 4, 5]], [params], [0])
     assert given == own and len(given[0]) == 4
     memory.check_idle_integrity()
 

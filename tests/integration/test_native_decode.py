@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.forward_steps import ForwardSteps
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
-from tokenloom.executor.sequence_driver import SequenceDriver
 from tokenloom.layers import cpu_gemm
 
 pytestmark = pytest.mark.skipif(cpu_gemm._small_gemm() is None,
@@ -27,14 +27,14 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 def _decode_run(runner: ModelRunner, tokens: list[int], prompt: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Prefill `prompt` tokens, then decode the rest one at a time; logits of every decode step, and the
     sequence's K rows of the first layer."""
-    driver = SequenceDriver(runner)
-    seq = driver.start()
+    steps = ForwardSteps(runner)
+    seq = steps.start()
     try:
-        driver.extend([seq], [tokens[:prompt]])
-        logits = [driver.extend([seq], [[t]]) for t in tokens[prompt:]]
-        k_rows = runner.kv_pool.k_buffers[0][:, seq.slots].clone()
+        steps.extend([seq], [tokens[:prompt]])
+        logits = [steps.extend([seq], [[t]]) for t in tokens[prompt:]]
+        k_rows = runner.kv_pool.k_buffers[0][:, steps.slots(seq)].clone()
     finally:
-        driver.release(seq)
+        steps.release(seq)
     return logits, k_rows
 
 
@@ -110,15 +110,15 @@ def test_small_batches_match_modular_path(tiny_model_dir, batch):
     def run(native):
         saved = runner.native_decode
         runner.native_decode = saved if native else None
-        driver = SequenceDriver(runner)
-        seqs = [driver.start() for _ in range(batch)]
+        steps = ForwardSteps(runner)
+        seqs = [steps.start() for _ in range(batch)]
         try:
-            driver.extend(seqs, prompts)
-            return [driver.extend(seqs, [[f[i]] for f in follow]) for i in range(12)]
+            steps.extend(seqs, prompts)
+            return [steps.extend(seqs, [[f[i]] for f in follow]) for i in range(12)]
         finally:
             runner.native_decode = saved
             for seq in seqs:
-                driver.release(seq)
+                steps.release(seq)
 
     for step, (a, b) in enumerate(zip(run(True), run(False), strict=True)):
         assert a.shape == (batch, 256)
@@ -138,17 +138,17 @@ def test_steps_aside_where_it_does_not_apply(tiny_model_dir):
     runner = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=512,
                                     max_running_requests=8))
     runner.native_decode.max_batch = 3  # the limit is checked per step, whatever its value
-    driver = SequenceDriver(runner)
-    seqs = [driver.start() for _ in range(runner.native_decode.max_batch + 1)]
-    driver.extend(seqs, [[1, 2, 3 + i] for i in range(len(seqs))])
+    steps = ForwardSteps(runner)
+    seqs = [steps.start() for _ in range(runner.native_decode.max_batch + 1)]
+    steps.extend(seqs, [[1, 2, 3 + i] for i in range(len(seqs))])
     calls = []
     original_run = runner.native_decode.run
     runner.native_decode.run = lambda batch: calls.append(1) or original_run(batch)
-    driver.extend(seqs, [[7] for _ in seqs])  # one request too many: the modular path
-    driver.extend(seqs[:1], [[8]])  # an extend of one token on a cached prefix as decode: native
+    steps.extend(seqs, [[7] for _ in seqs])  # one request too many: the modular path
+    steps.extend(seqs[:1], [[8]])  # an extend of one token on a cached prefix as decode: native
     assert calls == [1]
     for seq in seqs:
-        driver.release(seq)
+        steps.release(seq)
 
 
 def test_native_step_without_amx():

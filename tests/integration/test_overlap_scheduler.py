@@ -147,13 +147,33 @@ def test_disable_overlap_schedule_flag_means_off(folder):
     assert h.scheduler.internal_state(h.loop.info())["overlap_schedule"] == "off"
 
 
+class _RebuiltEachStep:
+    """A lane's sampling state built afresh from the requests' token lists at every step
+    (`SamplingBatchInfo.from_requests`): nothing carried from one step to the next."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
+        self.vocab_size, self.eos_token_ids, self.device = vocab_size, eos_token_ids, device
+
+    def info_for(self, reqs, is_decode: bool, return_logprob: bool = False, top_logprobs_num: int = 0):
+        from tokenloom.sampling.sampling_batch import SamplingBatchInfo
+
+        return SamplingBatchInfo.from_requests(
+            [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
+            self.vocab_size, self.eos_token_ids, self.device, return_logprob, top_logprobs_num,
+            pending_outputs=[r.pending_tokens > 0 for r in reqs])
+
+
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_penalties_and_bias_match_a_per_step_rebuild(folder, mode):
-    """The scheduler carries penalty state and logit bias across decode steps (`SamplingRows`); the forward
-    driver rebuilds them from the token lists at every step. Greedy outputs must agree, with requests joining
-    mid-way (max running 2 of 4) so the state is rebuilt and carried in turns."""
-    from tokenloom.executor.sequence_driver import SequenceDriver
-    from tokenloom.sampling.sampling_params import SamplingParams
+    """The scheduler carries penalty state and logit bias across decode steps (`SamplingRows`); the reference
+    rebuilds them from the token lists at every step, each request alone. Greedy outputs must agree, with
+    requests joining mid-way (max running 2 of 4) so the state is rebuilt and carried in turns."""
+    from tests.scheduler_harness import generate_in_process
+    from tokenloom.executor.worker import ModelWorker
+
+    class RebuildingWorker(ModelWorker):
+        def new_lane_state(self) -> _RebuiltEachStep:
+            return _RebuiltEachStep(self.runner.vocab_size, self.eos_token_ids, self.device)
 
     base = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     params = [dict(base, frequency_penalty=1.5, presence_penalty=0.8), dict(base, repetition_penalty=1.8),
@@ -163,7 +183,6 @@ def test_penalties_and_bias_match_a_per_step_rebuild(folder, mode):
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         h.submit(f"p{i}", ids, p)
     results = h.run()
-    driver = SequenceDriver(h.runner)
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-        want = driver.generate([ids], [SamplingParams.from_dict(p, h.runner.vocab_size)], eos_token_ids=[EOS])[0]
+        [want] = generate_in_process(h.runner, [ids], [p], worker=RebuildingWorker(h.runner, (EOS,)))
         assert results[f"p{i}"].output_ids == want, i

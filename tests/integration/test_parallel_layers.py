@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.forward_steps import ForwardSteps
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.executor.model_runner import ModelRunner
-from tokenloom.executor.sequence_driver import SequenceDriver
 from tokenloom.forward_batch import ForwardBatch, ForwardMode
 
 PROMPT = list(range(5, 60, 2))
@@ -24,9 +24,9 @@ def _args(folder: str) -> ServerArgs:
 
 
 def _reference(folder: str) -> torch.Tensor:
-    driver = SequenceDriver(ModelRunner(_args(folder)))
-    seq = driver.start()
-    return driver.extend([seq], [PROMPT], return_all_logits=True)
+    steps = ForwardSteps(ModelRunner(_args(folder)))
+    seq = steps.start()
+    return steps.extend([seq], [PROMPT], return_all_logits=True)
 
 
 def _extend_batch(runner: ModelRunner) -> ForwardBatch:
@@ -57,9 +57,9 @@ def _tp_worker(rank: int, port: int, folder: str, out: dict) -> None:
         torch.set_num_threads(1)
         ctx = ParallelContext(tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD)
         runner = ModelRunner(_args(folder), parallel=ctx)
-        driver = SequenceDriver(runner)
-        seq = driver.start()
-        logits = driver.extend([seq], [PROMPT], return_all_logits=True)
+        steps = ForwardSteps(runner)
+        seq = steps.start()
+        logits = steps.extend([seq], [PROMPT], return_all_logits=True)
         out[rank] = logits.clone()
     finally:
         dist.destroy_process_group()

@@ -10,13 +10,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.e2e.server_process import free_port
+from tests.forward_steps import ForwardSteps
 from tests.model_factory import make_tiny_with_smollm2_tokenizer
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.groups import destroy_distributed, init_distributed
 from tokenloom.distributed.pp_channel import PPChannel
 from tokenloom.distributed.pp_partition import stage_layers
 from tokenloom.executor.model_runner import ModelRunner
-from tokenloom.executor.sequence_driver import SequenceDriver
 
 PROMPT = list(range(5, 60, 2))
 STEPS = 6
@@ -36,12 +36,12 @@ def _stage(rank: int, pp: int, port: int, folder: str, results: dict) -> None:
         runner = ModelRunner(_args(folder), ctx, start_layer=start, end_layer=end)
         assert len(runner.kv_pool.k_buffers) == end - start
         channel = PPChannel(ctx.world_cpu_group, ctx.pp_next_rank, ctx.pp_prev_rank)
-        driver = SequenceDriver(runner)
-        seq = driver.start()
+        steps = ForwardSteps(runner)
+        seq = steps.start()
         tokens, sampled, logits = PROMPT, [], []
         for _ in range(STEPS):
             proxy = None if ctx.is_first_stage else channel.recv("proxy")
-            out = driver.extend([seq], [tokens], pp_proxy=proxy)
+            out = steps.extend([seq], [tokens], pp_proxy=proxy)
             if not ctx.is_last_stage:
                 channel.isend("proxy", out)
                 token = int(channel.recv("output")["next_token_ids"][0])  # from the last stage, via the ring
@@ -67,11 +67,11 @@ def three_layer_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(three_layer_model) -> tuple[list[int], torch.Tensor]:
-    driver = SequenceDriver(ModelRunner(_args(three_layer_model)))
-    seq = driver.start()
+    steps = ForwardSteps(ModelRunner(_args(three_layer_model)))
+    seq = steps.start()
     tokens, sampled, logits = PROMPT, [], []
     for _ in range(STEPS):
-        out = driver.extend([seq], [tokens])
+        out = steps.extend([seq], [tokens])
         logits.append(out[-1].clone())
         sampled.append(int(out[-1].argmax()))
         tokens = [sampled[-1]]

@@ -86,14 +86,13 @@ def test_random_seed_seeds_dummy_weights_and_the_sampler(folder):
 @pytest.mark.parametrize("dtype, expected", [("auto", torch.bfloat16), ("float32", torch.float32),
                                              ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
 def test_dtype_sets_weights_and_kv_cache(folder, dtype, expected):
-    from tokenloom.executor.sequence_driver import SequenceDriver
-    from tokenloom.sampling.sampling_params import SamplingParams
+    from tests.scheduler_harness import generate_in_process
 
     runner = _runner(folder, dtype=dtype, max_total_tokens=128)
     assert runner.dtype == expected == runner.kv_pool.dtype
     assert runner.model.layers[0].self_attn.qkv_proj.weight.dtype == expected
-    params = SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, 256)
-    out = SequenceDriver(runner).generate([[1, 2, 3, 4]], [params], [0])
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    out = generate_in_process(runner, [[1, 2, 3, 4]], [params], [0])
     assert len(out[0]) == 3 and all(0 <= t < 256 for t in out[0])
 
 

@@ -23,6 +23,7 @@ from tokenloom.disaggregation.agent import TransferAgent
 from tokenloom.disaggregation.aux_buffer import encode_aux
 from tokenloom.disaggregation.side import DisaggSide
 from tokenloom.protocol import TransferEvent
+from tokenloom.sampling.stopping import cap_new_tokens
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
@@ -73,9 +74,7 @@ class PrefillDisaggregation(DisaggSide):
             req.abort(*self.early_failed.pop(room))
             self.scheduler.output.emit([req])
             return True
-        params = req.sampling_params
-        params.max_new_tokens = min(params.max_new_tokens, 1) if params.max_new_tokens else 1
-        params.min_new_tokens = min(params.min_new_tokens, 1)
+        cap_new_tokens(req.sampling_params, 1)  # validated: max_new_tokens >= 1 here (0 was refused), so exactly 1
         req.kv_hold = True
         req.pd_sent = 0
         if room in self.early_ready:  # the decode side was faster than the request

@@ -1,19 +1,24 @@
-"""One-shot generation from the command line: load a model, run prompts, print the completions.
+"""One-shot generation from the command line: start the engine, run prompts, print the completions.
 
     tokenloom generate "The capital of France is" --max-new-tokens 32
     python -m tokenloom.entrypoints.generate --chat "Write a haiku about looms"
 
 Every server flag (--model-path, --dtype, --page-size, ...) is accepted. With no --model-path the default
-SmolLM2-135M-Instruct GGUF is used.
+SmolLM2-135M-Instruct GGUF is used. The prompts run through `tokenloom.Engine`, the runtime `tokenloom serve`
+serves (scheduler and detokenizer processes: continuous batching, prefix cache, the same stop rule), as one
+batch. The runtime's own logs are quiet unless --log-level asks for them: stdout holds one line per prompt,
+stderr the timing line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
-from tokenloom.config import ConfigError, ServerArgs, check_device, warn_ignored_flags
+from tokenloom.config import ConfigError, ServerArgs, check_device
+from tokenloom.entrypoints.engine import Engine
 from tokenloom.model_config import ModelConfigError
 
 
@@ -29,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="Per-request sampling seed.")
     parser.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
     ServerArgs.add_cli_args(parser)
+    parser.set_defaults(log_level="warning")  # the output is the completions, not the runtime's start-up log
     return parser
 
 
@@ -38,10 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli_namespace(ns)
         check_device(args)
-        if args.tp_size > 1:  # one process, no ranks: the forward path only (`tokenloom serve` runs TP)
+        if args.tp_size > 1:  # one model rank: a one-shot command keeps to the single-rank engine
             raise ConfigError(f"--tp-size {args.tp_size}: `tokenloom generate` runs one process; use "
                               "`tokenloom serve` or tokenloom.Engine for tensor parallelism")
-        warn_ignored_flags(args)
         return _run(ns, args)
     except (ConfigError, ModelConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -49,27 +54,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace, args: ServerArgs) -> int:
-    from tokenloom.executor.model_runner import ModelRunner
-    from tokenloom.executor.sequence_driver import SequenceDriver
-    from tokenloom.sampling.sampling_params import SamplingParams
-    from tokenloom.tokenizer import eos_token_ids, load_tokenizer
-
     start = time.perf_counter()
-    runner = ModelRunner(args)
-    tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
-    load_s = time.perf_counter() - start
-    prompts = []
-    for text in ns.prompts:
-        if ns.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        prompts.append(tokenizer(text).input_ids)
-    params = [SamplingParams.from_dict({"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
-                                        "top_p": ns.top_p, "top_k": ns.top_k, "sampling_seed": ns.seed},
-                                       runner.vocab_size) for _ in prompts]
-    start = time.perf_counter()
-    outputs = SequenceDriver(runner).generate(prompts, params, eos_token_ids(runner.source, tokenizer))
-    gen_s = time.perf_counter() - start
+    try:
+        engine = Engine(**dataclasses.asdict(args))  # warns about ignored flags itself
+    except RuntimeError as e:  # a runtime process failed to start (its log above says why)
+        raise ValueError(str(e)) from None
+    with engine:
+        tokenizer = engine.tokenizer
+        load_s = time.perf_counter() - start
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True) if ns.chat else text
+                   for text in ns.prompts]
+        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
+                  "top_k": ns.top_k, "sampling_seed": ns.seed}
+        start = time.perf_counter()
+        outputs = [out["output_ids"] for out in engine.generate(prompts, [params] * len(prompts))]
+        gen_s = time.perf_counter() - start
     for text, out in zip(ns.prompts, outputs, strict=True):
         print(f"{text!r} -> {tokenizer.decode(out, skip_special_tokens=True)!r}")
     total = sum(len(o) for o in outputs)

@@ -4,7 +4,7 @@ runs one `ForwardBatch` at a time.
 Construction: `LoadedModel.load` reads the memory available at start, then loads the weights (the memory
 budget of `--mem-fraction-static` covers both, so the KV memory is sized after them); the rank's entry builds
 the `KVMemory` from it and hands the same object to the runner and the scheduler. Given no memory, the runner
-builds its own (the scheduler-less users: `SequenceDriver`, benchmarks, forward-path tests).
+builds its own (the scheduler-less users: benchmarks and the forward-path tests).
 
 Per step: `prepare(batch)` writes the new tokens' KV slots into `req_to_token` and lets the attention backend
 build its metadata once (`forward` does it when the caller did not); `forward(batch)` runs the model and
@@ -105,7 +105,7 @@ class ModelRunner:
             raise ValueError(f"KVMemory rows hold {self.memory.context_len} tokens; the model's context is "
                              f"{self.context_len}")
 
-    # Aliases of the memory's parts, read by the scheduler-less users (SequenceDriver, benchmarks, tests).
+    # Aliases of the memory's parts, read by the scheduler-less users (benchmarks, tests).
     @property
     def req_to_token_pool(self) -> ReqToTokenPool:
         return self.memory.req_to_token_pool

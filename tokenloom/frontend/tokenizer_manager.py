@@ -56,6 +56,7 @@ from tokenloom.protocol import (
     TokenizedRequest,
 )
 from tokenloom.sampling.sampling_params import SamplingParams
+from tokenloom.sampling.stopping import new_token_room
 from tokenloom.scheduler.profiler import start_profile_request
 from tokenloom.tokenizer import load_tokenizer, longest_token_chars
 
@@ -400,9 +401,9 @@ class TokenizerManager:
 
     def _check_length(self, n: int, params: SamplingParams) -> None:
         """Prompt plus max_new_tokens within the context (a 400, as vLLM answers); the KV pool clamps
-        max_new_tokens instead (the scheduler, as SGLang)."""
+        max_new_tokens instead (the scheduler, as SGLang). Both measure the room with `new_token_room`."""
         self._check_input_len(n)
-        if params.max_new_tokens is not None and n + params.max_new_tokens >= self.context_len:
+        if params.max_new_tokens is not None and params.max_new_tokens > new_token_room(n, self.context_len):
             raise ValueError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
                 f"You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the input messages "

@@ -86,11 +86,13 @@ class SamplingBatchInfo:
         self.seen_mask[rows, token_ids] = True
 
     def finish_candidates(self, next_token_ids: torch.Tensor, eos_token_ids: torch.Tensor) -> list[int] | None:
-        """Rows whose new token may finish their request, found with tensor ops over the whole batch; every
-        other row certainly keeps running (`Req.check_finished` would set nothing), so output processing
-        checks only these. The new token is output number `output_lens + 1`. A row is a candidate when that
-        reaches max_new_tokens, when it is an EOS id that counts (not ignore_eos, min_new_tokens reached), or
-        when the request has stop_token_ids or stop strings (checked in Python). None: check every row."""
+        """Rows whose new token may finish their request, found with tensor ops over the whole batch. Only a
+        filter in front of the stop rule (`sampling.stopping.finish_reason`), never a second rule: every other
+        row certainly keeps running (the rule would return None for it), so output processing runs the rule on
+        these only, and it decides. The new token is output number `output_lens + 1`. A row is a candidate when
+        that reaches max_new_tokens, when it is an EOS id that counts (not ignore_eos, min_new_tokens reached),
+        or when the request has stop_token_ids or stop strings (checked by the rule). None: check every row.
+        tests/unit/test_finish_candidates.py holds it against the rule on random batches."""
         if self.max_new_tokens is None:
             return None
         count = self.output_lens + 1

@@ -21,7 +21,7 @@ from typing import Any
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.executor.worker import ForwardOutput
-from tokenloom.protocol import BatchTokenOutput, finish_length
+from tokenloom.protocol import BatchTokenOutput
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 
@@ -70,10 +70,11 @@ class OutputProcessor:
             if req.finished:  # aborted while in flight
                 self.release(req)
                 continue
-            if req.max_new_tokens == 0:
-                req.finished_reason = finish_length(0)
-                self.release(req)
-                continue
+            if not req.output_ids:
+                req.check_finished()  # the stop rule before any token: max_new_tokens 0 (prompt scoring) ends here
+                if req.finished:
+                    self.release(req)
+                    continue
             self._append(req, i, out)
             if req.finished:
                 self.release(req)

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from tokenloom.protocol import finish_abort, finish_length, finish_stop
+from tokenloom.finish_reason import finish_abort
 from tokenloom.sampling.sampling_params import SamplingParams
+from tokenloom.sampling.stopping import finish_reason
 
 # Clip used when estimating how many tokens a request may still generate (SGLang's default).
 CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
@@ -168,30 +169,11 @@ class Req:
 
     # --- stopping ------------------------------------------------------------------------------------
     def check_finished(self, tail_text: Any = None) -> None:
-        """Set `finished_reason` after a new output token. `tail_text(n)` decodes the last n output tokens
-        (given when the request has stop strings)."""
-        if self.finished:
-            return
-        params = self.sampling_params
-        if len(self.output_ids) >= self.max_new_tokens:
-            self.finished_reason = finish_length(self.max_new_tokens)
-            # A stop token/string on the very last allowed token still counts as a stop.
-        token = self.output_ids[-1]
-        if len(self.output_ids) < params.min_new_tokens:
-            return
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self.finished_reason = finish_stop(token)
-            return
-        if params.stop_token_ids and token in params.stop_token_ids:
-            self.finished_reason = finish_stop(token)
-            return
-        if params.stop and tail_text is not None:
-            longest = max(len(s) for s in params.stop)
-            text = tail_text(min(len(self.output_ids), longest + 2))
-            for stop in params.stop:
-                if stop in text:
-                    self.finished_reason = finish_stop(stop)
-                    return
+        """Set `finished_reason` by the stop rule (sampling/stopping.py) after a new output token, or before the
+        first one (max_new_tokens 0). `tail_text(n)` decodes the last n output tokens (given when the request
+        has stop strings)."""
+        if not self.finished:
+            self.finished_reason = finish_reason(self.sampling_params, self.output_ids, self.eos_token_ids, tail_text)
 
     def abort(self, message: str, status_code: int = 400) -> None:
         if not self.finished:

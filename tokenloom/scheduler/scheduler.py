@@ -57,6 +57,7 @@ from tokenloom.protocol import (
     TokenizedRequest,
     TransferEvent,
 )
+from tokenloom.sampling.stopping import cap_new_tokens, new_token_room
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
@@ -236,10 +237,7 @@ class Scheduler:
         if self.args.max_queued_requests is not None and queued >= self.args.max_queued_requests:
             return "The request queue is full.", 503
         # SGLang's clamp: prompt + outputs must fit the context and the KV pool (a request alone always fits)
-        limit = min(self.context_len, self.max_total_num_tokens) - n - 1
-        params = req.sampling_params
-        params.max_new_tokens = limit if params.max_new_tokens is None else min(params.max_new_tokens, limit)
-        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+        cap_new_tokens(req.sampling_params, new_token_room(n, min(self.context_len, self.max_total_num_tokens)))
         return None
 
     def abort_request(self, rid: str, message: str = "Aborted by the client.", status: int = 400) -> None:
