@@ -87,7 +87,7 @@ EARLY_OUTPUT_SEND_ENV = "TOKENLOOM_PP_EARLY_OUTPUT_SEND"  # "0": the early outpu
 OVERLAP_SENDS_ENV = "TOKENLOOM_PP_OVERLAP_SENDS"  # "0": overlapped sends off (benchmarks)
 
 
-def seed_options(environ: dict[str, str] | None = None) -> dict[str, bool]:
+def send_options(environ: dict[str, str] | None = None) -> dict[str, bool]:
     """The two send optimizations (early output send, overlapped sends), each on unless the environment turns
     it off (for bench/pipeline.py)."""
     env = os.environ if environ is None else environ
