@@ -15,7 +15,7 @@ by rep, (a) in rounds of its own right after them):
   available; otherwise its column shows "-" and a note says why.
 
 Request lengths are uniform random in [1, max-len] for each `--max-lens` value: 4096 (the issue's "context up
-to 4096") and 160 (the seed's workload: input 20-32, output 128). `req_to_token` is [batch + 64, 4096] int32
+to 4096") and 160 (short chat-like requests: input 20-32, output 128). `req_to_token` is [batch + 64, 4096] int32
 filled with random slot ids (no untouched pages), requests sit in random rows, `kv_start` is not used (the
 decode case). Best-of is the figure least disturbed by other processes. One torch thread by default (the
 gather in (b) is single-threaded in torch; (c) would otherwise get both cores).

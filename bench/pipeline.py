@@ -12,14 +12,15 @@ many layers: then stage 0 idles whatever the split (`--partition`). The two stag
 two cores (one thread each), while PP=1 runs one process with both threads. No gain is expected here: the figure
 shows what the pipeline costs.
 
-Configurations (PP=2): depth 0, 1, 2 with seed 000's two points on; at depth 0 each point off alone and both
-off (TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0); `_nobind`: depth 0 or 2 with the stages
-not bound to a core each (TOKENLOOM_CPU_OMP_THREADS_BIND=nobind). The PP=1 engine stays up the whole run;
-each PP=2 engine is started in turn and its rounds alternate with PP=1's (who goes first alternates), so every
-ratio is side by side. Workload per run: `--num-prompts` (64) random-id prompts of `--input-len` tokens (new
-prompts every round, the same for both engines: no prefix-cache hits),
-submitted at once with --max-running-requests = the prompt count (64 running requests: two micro-batches of
-32 at PP=2), greedy, `--output-len` new tokens each.
+Configurations (PP=2): depth 0, 1, 2 with the loop's two send optimizations on (the early output send: the last
+stage's output leaves for stage 0 as its forward ends; overlapped sends: sends posted right behind their step,
+overlapping the next receives); at depth 0 each off alone and both off (`pp2_d0_seed_off`, a name kept for existing
+results; TOKENLOOM_PP_EARLY_OUTPUT_SEND=0 / TOKENLOOM_PP_OVERLAP_SENDS=0); `_nobind`: depth 0 or 2 with the stages
+not bound to a core each (TOKENLOOM_CPU_OMP_THREADS_BIND=nobind). The PP=1 engine stays up the whole run; each PP=2
+engine is started in turn and its rounds alternate with PP=1's (who goes first alternates), so every ratio is side
+by side. Workload per run: `--num-prompts` (64) random-id prompts of `--input-len` tokens (new prompts every round,
+the same for both engines: no prefix-cache hits), submitted at once with --max-running-requests = the prompt count
+(64 running requests: two micro-batches of 32 at PP=2), greedy, `--output-len` new tokens each.
 
 Reported per configuration (medians over rounds), from the loops' cumulative counters around each run:
 - output throughput and its ratio to PP=1's within the round (PP1 / PP2: the slowdown);

@@ -32,8 +32,8 @@ class SimConfig:
 
     stages: tuple[StageCost, ...]
     depth: int = 0
-    early_output_send: bool = True  # seed 000 point 1
-    grouped_sends: bool = True  # seed 000 point 2
+    early_output_send: bool = True  # point 1: the last stage's output sent to stage 0 as its forward ends
+    grouped_sends: bool = True  # point 2: sends posted behind their step, overlapping the next receives
     early_send_blocking: bool = False  # point 1 ON with the CPU waiting for the forward (see module docstring)
     stream_ordered_proxy: bool = False  # step 8's send posted by the forward thread behind the forward
     max_running_requests: int = 512

@@ -1,10 +1,18 @@
-"""A discrete-event model of tokenloom's pipeline-parallel event loop (issue 18; seed 000's two optimizations).
+"""A discrete-event model of tokenloom's pipeline-parallel event loop (issue 18) and its two send optimizations.
 
-    .venv/bin/python bench/pp_sim.py --scenario seed      # seed 000's shape, points on/off, depth 0 and 1
+    .venv/bin/python bench/pp_sim.py --scenario seed      # the PP4 x TP8 shape below, points on/off, depth 0, 1
     .venv/bin/python bench/pp_sim.py --sweep [--quick]    # ON vs OFF over link latency x last-stage imbalance
     .venv/bin/python bench/pp_sim.py --validate FILE      # predicted vs measured for bench/pipeline.py's runs
-    .venv/bin/python bench/pp_sim.py --calibrate          # re-derive the seed's forward-time scale (~4 min)
+    .venv/bin/python bench/pp_sim.py --calibrate          # re-derive that shape's forward-time scale (~4 min)
     add --json to print every mode's figures as one JSON object on the last line; --quick: 256 requests.
+
+The two optimizations (pipeline_loop.py; TOKENLOOM_PP_EARLY_OUTPUT_SEND, TOKENLOOM_PP_OVERLAP_SENDS): point 1,
+the early output send: the last stage's output is sent to stage 0 as soon as its forward ends, not after the
+stage has processed the previous result; point 2, overlapped sends: each send is posted right behind the step
+that produced it and nobody waits for it, so sends and the next receives overlap compute. `--scenario seed`
+(the name is kept for existing command lines) models a large deployment: PP4 over 4 nodes of 8 H200 each
+(TP8 per stage), Qwen3-235B-A22B-shaped stages, 1024 requests of ~4096 input and ~1536 output tokens all sent
+at t=0; its forward-time scale is calibrated to a reported throughput of that shape (see `SEED_TARGET_REQ_S`).
 
 What is modelled (`PipelineSim`): pp stages, each a CPU thread plus a forward thread, running the loop of
 tokenloom/scheduler/pipeline_loop.py with L = pp + depth lanes. Each stage's loop is a generator on one event
@@ -323,19 +331,22 @@ def simulate(cfg: SimConfig, reqs: list[Req]) -> dict:
 
 
 def loop_forms(early_output_send: bool = True, grouped_sends: bool = True) -> dict:
-    """How pipeline_loop.py implements seed 000's points: the executor posts point 1's output send behind the
+    """How pipeline_loop.py implements the two points: the executor posts point 1's output send behind the
     step (the CPU never waits for it), and the proxy too while point 2 is ON (`overlap_sends`); with point 2
     OFF the loop's CPU waits for the forward and posts the proxy itself."""
     return {"early_output_send": early_output_send, "grouped_sends": grouped_sends, "early_send_blocking": False,
             "stream_ordered_proxy": grouped_sends}
 
 
-# -- seed 000's shape. The model is not named in the seed; assumed Qwen3-235B-A22B (94 layers, hidden 4096), which
-# the same author ran on the same 4 x H200 TP8 PP4 setup in sglang#7979 (--chunked-prefill-size 16384). Layers per
+# -- the `--scenario seed` shape: SGLang serving PP4 x TP8 on 4 nodes of 8 H200, 1024 requests of 4096 input and
+# 1536 output tokens (range ratio 0.9), all at t=0, with reported figures of 4.61 req/s with both points off and
+# 4.65 with both on at depth 0 (4.62 at depth 1, both off). The model is assumed to be Qwen3-235B-A22B (94 layers,
+# hidden 4096), which SGLang #7979 ran on a 4 x H200 TP8 PP4 setup (--chunked-prefill-size 16384). Layers per
 # stage follow SGLang's split; PER_LAYER is a roofline-shaped guess of one layer on 8 H200 (weights read, FLOPs,
 # KV bytes), the last stage adds the LM head. SEED_SCALE and SEED_MAX_RUNNING are calibrated (--calibrate) so the
-# baseline (both points off, depth 0) gives the seed's 4.61 req/s and bench_serving's concurrency ~568: they are
-# fitted, not measured. The CPU and link costs are plausible values for SGLang on 400 Gb/s-class RDMA, not measured.
+# baseline (both points off, depth 0) gives the reported 4.61 req/s and bench_serving's concurrency ~568: they
+# are fitted, not measured. The CPU and link costs are plausible values for SGLang on 400 Gb/s-class RDMA, not
+# measured.
 SEED_LAYERS = (23, 23, 24, 24)
 PER_LAYER = StageCost(a=0.1e-3, b=0.19e-6, c=0.2e-3, d=0.4e-6, e=0.17e-9)
 LM_HEAD = StageCost(a=0.1e-3, c=0.1e-3)
@@ -400,8 +411,8 @@ def run_seed(quick: bool, rate: float = float("inf")) -> dict:
     }
     res = {name: simulate(seed_config(**kw), reqs) for name, kw in variants.items()}
     base = res["depth0 both off (baseline)"]
-    print(f"seed 000 shape: {len(reqs)} requests, PP4, scale {SEED_SCALE}, max_running {SEED_MAX_RUNNING}; "
-          f"seed measured 4.61 (off) -> 4.65 (on) req/s at depth 0, 4.62 at depth 1 (off)")
+    print(f"PP4 x TP8 shape: {len(reqs)} requests, PP4, scale {SEED_SCALE}, max_running {SEED_MAX_RUNNING}; "
+          f"reported 4.61 (off) -> 4.65 (on) req/s at depth 0, 4.62 at depth 1 (off)")
     print(f"{'variant':<42} {'req/s':>6} {'tok/s':>8} {'vs off':>7} {'conc':>6} {'TTFT s':>7} {'ITL50':>6} "
           f"{'ITL99':>7} {'bubble per stage':>23} {'sendw s':>7} {'recvw s':>7}")
     for name, m in res.items():
@@ -412,13 +423,13 @@ def run_seed(quick: bool, rate: float = float("inf")) -> dict:
 
 def run_sweep(quick: bool, rate: float = float("inf")) -> dict:
     """Both points ON (seed_config's forms: the proxy posted by the CPU) vs both OFF at depth 0; x1.0 is the
-    calibrated seed (its last stage is already ~6% above stage 0: one more layer and the LM head); other
+    calibrated PP4 x TP8 shape (its last stage is already ~6% above stage 0: one more layer and the LM head); other
     multipliers scale the last stage's forward costs."""
     reqs = seed_workload(256 if quick else 1024, rate)
     latencies = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
     imbalances = (1.0, 1.1, 1.25, 1.5)
     table = []
-    print("gain of both points ON vs both OFF (depth 0, req/s), seed shape; rows: link latency, columns: last "
+    print("gain of both points ON vs both OFF (depth 0, req/s), PP4 x TP8 shape; rows: link latency, columns: last "
           "stage forward x")
     print(f"{'latency':>9} " + " ".join(f"{'x' + str(m):>16}" for m in imbalances))
     for lat in latencies:
@@ -532,13 +543,14 @@ def run_calibrate(quick: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--scenario", choices=["seed"])
+    mode.add_argument("--scenario", choices=["seed"], help="seed: the PP4 x TP8 shape (4 nodes of 8 H200, "
+                      "1024 requests of ~4096 in / ~1536 out tokens) with the two send optimizations on and off")
     mode.add_argument("--sweep", action="store_true")
     mode.add_argument("--validate", metavar="FILE")
     mode.add_argument("--calibrate", action="store_true")
     ap.add_argument("--quick", action="store_true", help="256 requests instead of 1024 (calibration: one point)")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals (req/s) for "
-                    "--scenario and --sweep; default inf: all requests at t=0, as in the seed")
+                    "--scenario and --sweep; default inf: all requests at t=0, as in the reported runs")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     args = ap.parse_args(argv)
     if args.scenario:

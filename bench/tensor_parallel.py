@@ -287,7 +287,7 @@ def _worker(role: str, folder: str, max_tokens: int, max_requests: int, port: in
             from tokenloom.distributed.groups import init_distributed
 
             # as the server's launcher does (TOKENLOOM_CPU_OMP_THREADS_BIND, default auto): a core per rank
-            cores = rank_cores(os.environ.get(ENV), 2, sorted(os.sched_getaffinity(0)), threads_per_rank=1)
+            cores = rank_cores(os.environ.get(ENV), 2, sorted(os.sched_getaffinity(0)), num_threads=1)
             if cores is not None:
                 bind_this_process(cores[int(role[-1])])
             base = init_distributed(2, 1, int(role[-1]), f"127.0.0.1:{port}", "cpu", shared_memory=shared_memory)

@@ -326,7 +326,8 @@ def check_parallel_fits(args: ServerArgs, config: Any) -> None:
     `--pp-size` (or TOKENLOOM_PP_LAYER_PARTITION) its layers cannot be split by.
 
     Query heads and the MLP's intermediate features are split evenly; KV heads are split when there are at
-    least as many as ranks, else replicated, so `tp_size` must then be a multiple of them (REFERENCE.md §7).
+    least as many as ranks, else replicated, so `tp_size` must then be a multiple of them (vLLM's and SGLang's
+    `QKVParallelLinear`: one KV head per rank, each head on tp_size / num_kv_heads ranks).
     The vocabulary is padded to a multiple of 64 x tp_size, so it always splits."""
     if args.pp_size > 1:
         try:

@@ -9,11 +9,11 @@ requests want and a small decode reservation, so concurrent requests retract to 
 Pairs (one router each): PP2 → PP1, PP2 → PP2, PP3 → PP2, TP2 → TP1, TP2/PP1 → PP2. Each pair takes
 concurrent requests (chunked long prompts, a shared prefix for radix hits on the prefill side, one streamed).
 
-Then seed 001's stress shape scaled to this machine, on PP2 → PP2 (the seed's shape) with the decode side's
+Then a retraction stress shape scaled to this machine, on PP2 → PP2 with the decode side's
 `--schedule-conservativeness 0.1`: many concurrent long-output requests through a decode pool a fraction of
-their KV, retracting again and again. SGLang left 118 of 256 such requests unfinished after 30 minutes; here
-every one must finish with the unified server's tokens. Short form by default; `TOKENLOOM_TEST_LONG=1` runs
-the long form (64 requests of ~300 prompt and ~400 new tokens)."""
+their KV, retracting again and again. SGLang was reported to leave 118 of 256 such requests unfinished after
+30 minutes; here every one must finish with the unified server's tokens. Short form by default;
+`TOKENLOOM_TEST_LONG=1` runs the long form (64 requests of ~300 prompt and ~400 new tokens)."""
 
 from __future__ import annotations
 

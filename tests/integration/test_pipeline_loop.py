@@ -83,13 +83,13 @@ def _run(model: str, pp_size: int, depth: int = 0, tp_size: int = 1, abort: bool
         if pp_size > 1:
             assert info["pp_lanes"] == pp_size + depth
             out["layers"] = sorted({tuple(s["layers"]) for s in info["pp_stages"]})
-            out["seed_points"] = (info["pp_early_output_send"], info["pp_overlap_sends"])
+            out["send_options"] = (info["pp_early_output_send"], info["pp_overlap_sends"])
         assert eng.flush_cache()["success"]
     return out
 
 
 def _assert_same(pp: dict, ref: dict) -> None:
-    for key in sorted(ref.keys() & pp.keys() - {"retracted", "layers", "seed_points"}):
+    for key in sorted(ref.keys() & pp.keys() - {"retracted", "layers", "send_options"}):
         if key in ("logprobs", "prompt_logprobs"):
             for a, b in zip(pp[key], ref[key], strict=True):
                 assert a == pytest.approx(b, abs=1e-4), key
@@ -102,17 +102,18 @@ def reference(tiny4) -> dict:
     return _run(tiny4, 1, max_total_tokens=4096)
 
 
-@pytest.mark.parametrize("pp_size, depth, seed_off", [(2, 0, ()), (2, 2, ()), (3, 1, ()),
+@pytest.mark.parametrize("pp_size, depth, sends_off", [(2, 0, ()), (2, 2, ()), (3, 1, ()),
                                                      (2, 0, ("EARLY_OUTPUT_SEND", "OVERLAP_SENDS")),
                                                      (3, 2, ("OVERLAP_SENDS",))])
-def test_pipeline_equals_pp1(tiny4, reference, monkeypatch, pp_size, depth, seed_off):
-    """`seed_off`: seed 000's points turned off (the sends posted by the scheduling thread, and waited for
-    at the end of each iteration), as bench/pipeline.py runs them."""
-    for point in seed_off:
+def test_pipeline_equals_pp1(tiny4, reference, monkeypatch, pp_size, depth, sends_off):
+    """`sends_off`: the send optimizations turned off, the early output send and/or overlapped sends (the
+    sends posted by the scheduling thread, and waited for at the end of each iteration), as bench/pipeline.py
+    runs them."""
+    for point in sends_off:
         monkeypatch.setenv(f"TOKENLOOM_PP_{point}", "0")
     out = _run(tiny4, pp_size, depth, max_total_tokens=4096)
     _assert_same(out, reference)
-    assert out["seed_points"] == ("EARLY_OUTPUT_SEND" not in seed_off, "OVERLAP_SENDS" not in seed_off)
+    assert out["send_options"] == ("EARLY_OUTPUT_SEND" not in sends_off, "OVERLAP_SENDS" not in sends_off)
     assert out["layers"] == ([(0, 2), (2, 4)] if pp_size == 2 else [(0, 1), (1, 2), (2, 4)])
 
 

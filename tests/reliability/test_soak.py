@@ -14,14 +14,23 @@ Each test runs one server shape through three phases:
 
 Short form by default (CI); `--long` (or TOKENLOOM_TEST_LONG=1) runs 2,000 requests per soak and prints the
 figures docs/reliability.md records.
+
+Every server and router a test starts is registered with the `started` fixture as it is created (before it is
+waited for), and stopped when the test ends, whether it passed, failed an assertion part-way, or timed out
+waiting for a process: a failed soak leaves nothing running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
 
 from tests.e2e.server_process import ServerProcess, free_port, http
 from tests.e2e.test_disaggregation import Router, _assert_idle_and_full
@@ -56,6 +65,39 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+Started = TypeVar("Started", ServerProcess, Router)
+
+
+def stop_started(processes: list[ServerProcess | Router]) -> None:
+    """Stop `processes`, the last started first (a router before the servers it fronts). A server is killed
+    with its children (scheduler ranks, detokenizer), which would otherwise only follow within their parent
+    watch's period; a router is terminated (then killed)."""
+    for process in reversed(processes):
+        if isinstance(process, Router):
+            process.stop()
+            continue
+        # only a server still running: a reaped one's pid may belong to someone else's process by now
+        children = process.children() if process.proc.poll() is None else []
+        process.stop(signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def started() -> Iterator[Callable[[Started], Started]]:
+    """`started(ServerProcess(...))` / `started(Router(...))`: the process, registered to be stopped when the
+    test ends, however it ends (a process stopped earlier by the test is left as it is)."""
+    processes: list[ServerProcess | Router] = []
+
+    def register(process: Started) -> Started:
+        processes.append(process)
+        return process
+
+    yield register
+    stop_started(processes)
 
 
 def is_a_full_queue(refusal: str) -> bool:
@@ -123,87 +165,70 @@ def kill_under_load(url: str, victim_pid: int, servers_that_exit: list[ServerPro
     return report
 
 
-def test_unified_soak_then_a_killed_detokenizer(tiny_runtime_model):
-    server = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--num-threads", "1").wait_healthy()
-    try:
-        soak(server.url, [server], "unified")
-        server.wait_idle_and_pool_full()
-        detokenizer = server.server_info()["process_ids"]["detokenizer"]
-        kill_under_load(server.url, detokenizer, [server], "unified")
-        assert "detokenizer" in server.logs()
-    finally:
-        server.stop(signal.SIGKILL)
+def test_unified_soak_then_a_killed_detokenizer(tiny_runtime_model, started):
+    server = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--num-threads", "1")).wait_healthy()
+    soak(server.url, [server], "unified")
+    server.wait_idle_and_pool_full()
+    detokenizer = server.server_info()["process_ids"]["detokenizer"]
+    kill_under_load(server.url, detokenizer, [server], "unified")
+    assert "detokenizer" in server.logs()
 
 
-def test_tp2_soak_then_a_killed_rank(tiny_runtime_model):
-    server = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--tp-size", "2").wait_healthy()
-    try:
-        soak(server.url, [server], "tp2")
-        server.wait_idle_and_pool_full()
-        info = server.server_info()
-        assert info["tp_ranks_agree"] is True
-        kill_under_load(server.url, info["process_ids"]["scheduler1"], [server], "tp2")
-        assert "rank 1" in server.logs()
-    finally:
-        server.stop(signal.SIGKILL)
+def test_tp2_soak_then_a_killed_rank(tiny_runtime_model, started):
+    server = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--tp-size", "2")).wait_healthy()
+    soak(server.url, [server], "tp2")
+    server.wait_idle_and_pool_full()
+    info = server.server_info()
+    assert info["tp_ranks_agree"] is True
+    kill_under_load(server.url, info["process_ids"]["scheduler1"], [server], "tp2")
+    assert "rank 1" in server.logs()
 
 
-def test_pp2_soak_abort_storm_then_a_killed_stage(tiny_runtime_model):
-    server = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--pp-size", "2").wait_healthy()
-    try:
-        soak(server.url, [server], "pp2")
-        soak(server.url, [server], "pp2 abort storm", abort_share=0.5)  # SGLang's stages diverged here (#34572)
-        info = server.wait_idle_and_pool_full()
-        for stage in info.get("pp_stages", []):  # every stage's pool, not only stage 0's
-            assert stage["available_kv_tokens"] + stage["evictable_kv_tokens"] == stage["max_total_num_tokens"], info
-        status, out = http("POST", server.url + "/generate", {"text": "Still in step?",
-                                                              "sampling_params": {"max_new_tokens": 4}})
-        assert status == 200 and out["meta_info"]["completion_tokens"] == 4
-        kill_under_load(server.url, info["process_ids"]["scheduler1"], [server], "pp2")  # stage 1
-        assert "rank 1" in server.logs()
-    finally:
-        server.stop(signal.SIGKILL)
+def test_pp2_soak_abort_storm_then_a_killed_stage(tiny_runtime_model, started):
+    server = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--pp-size", "2")).wait_healthy()
+    soak(server.url, [server], "pp2")
+    soak(server.url, [server], "pp2 abort storm", abort_share=0.5)  # SGLang's stages diverged here (#34572)
+    info = server.wait_idle_and_pool_full()
+    for stage in info.get("pp_stages", []):  # every stage's pool, not only stage 0's
+        assert stage["available_kv_tokens"] + stage["evictable_kv_tokens"] == stage["max_total_num_tokens"], info
+    status, out = http("POST", server.url + "/generate", {"text": "Still in step?",
+                                                          "sampling_params": {"max_new_tokens": 4}})
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 4
+    kill_under_load(server.url, info["process_ids"]["scheduler1"], [server], "pp2")  # stage 1
+    assert "rank 1" in server.logs()
 
 
-def test_pd_soak_abort_storm_then_a_killed_decode_then_prefill_server(tiny_runtime_model, monkeypatch):
+def test_pd_soak_abort_storm_then_a_killed_decode_then_prefill_server(tiny_runtime_model, monkeypatch, started):
     bootstrap = free_port()
     pd = ("--disaggregation-transfer-backend", "mooncake")
     # A prefill request whose decode half never arrives (its decode server died first) waits for the decode
     # side's destination until the bootstrap timeout (SGLang's default 300 s); that timeout is the bound here.
     monkeypatch.setenv("TOKENLOOM_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "10")
-    prefill = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode", "prefill",
-                            "--disaggregation-bootstrap-port", str(bootstrap), *pd, "--num-threads", "1")
-    decode = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode", "decode", *pd,
-                           "--num-threads", "1")
-    router = None
-    try:
-        prefill.wait_healthy()
-        decode.wait_healthy()
-        # no retries (a retried request would hide the refusal); no circuit breaker: it would turn the servers'
-        # 503s into the router's own refusals of nearly everything, and the servers would not see the load
-        router = Router(prefill, bootstrap, decode,
-                        extra=("--disable-retries", "--disable-circuit-breaker")).wait_ready()
-        both = (prefill.url, decode.url)
-        soak(router.url, [prefill, decode], "pd", abort_urls=both)
-        soak(router.url, [prefill, decode], "pd abort storm", abort_urls=both, abort_share=0.5)
-        _assert_idle_and_full(prefill)
-        _assert_idle_and_full(decode)  # not the drain bound: every aborted room's slots are let go at once
-        kill_under_load(router.url, decode.proc.pid, [], "pd", broken_connection_fails=True)
-        _assert_idle_and_full(prefill)  # the prefill server freed what the dead decode server was sent
-        assert http("GET", prefill.url + "/health")[0] == 200
-        router.stop()
-        # a new decode server, then the prefill server killed under load: the decode halves waiting for its KV
-        # fail when its heartbeat stops answering (5 s x 2 misses by default, SGLang's), its processes all exit
-        second_decode = ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode",
-                                      "decode", *pd, "--num-threads", "1").wait_healthy()
-        router = Router(prefill, bootstrap, second_decode,
-                        extra=("--disable-retries", "--disable-circuit-breaker")).wait_ready()
-        kill_under_load(router.url, prefill.proc.pid, [prefill], "pd prefill killed", broken_connection_fails=True)
-        _assert_idle_and_full(second_decode)  # nothing the dead prefill server was to send is still held
-        assert http("GET", second_decode.url + "/health")[0] == 200
-    finally:
-        if router is not None:
-            router.stop()
-        for server in (prefill, decode, second_decode):
-            if server is not None:
-                server.stop(signal.SIGKILL)
+    prefill = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode", "prefill",
+                                    "--disaggregation-bootstrap-port", str(bootstrap), *pd, "--num-threads", "1"))
+    decode = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode", "decode",
+                                   *pd, "--num-threads", "1"))
+    prefill.wait_healthy()
+    decode.wait_healthy()
+    # no retries (a retried request would hide the refusal); no circuit breaker: it would turn the servers'
+    # 503s into the router's own refusals of nearly everything, and the servers would not see the load
+    router = started(Router(prefill, bootstrap, decode,
+                            extra=("--disable-retries", "--disable-circuit-breaker"))).wait_ready()
+    both = (prefill.url, decode.url)
+    soak(router.url, [prefill, decode], "pd", abort_urls=both)
+    soak(router.url, [prefill, decode], "pd abort storm", abort_urls=both, abort_share=0.5)
+    _assert_idle_and_full(prefill)
+    _assert_idle_and_full(decode)  # not the drain bound: every aborted room's slots are let go at once
+    kill_under_load(router.url, decode.proc.pid, [], "pd", broken_connection_fails=True)
+    _assert_idle_and_full(prefill)  # the prefill server freed what the dead decode server was sent
+    assert http("GET", prefill.url + "/health")[0] == 200
+    router.stop()
+    # a new decode server, then the prefill server killed under load: the decode halves waiting for its KV
+    # fail when its heartbeat stops answering (5 s x 2 misses by default, SGLang's), its processes all exit
+    second_decode = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--disaggregation-mode",
+                                          "decode", *pd, "--num-threads", "1")).wait_healthy()
+    router = started(Router(prefill, bootstrap, second_decode,
+                            extra=("--disable-retries", "--disable-circuit-breaker"))).wait_ready()
+    kill_under_load(router.url, prefill.proc.pid, [prefill], "pd prefill killed", broken_connection_fails=True)
+    _assert_idle_and_full(second_decode)  # nothing the dead prefill server was to send is still held
+    assert http("GET", second_decode.url + "/health")[0] == 200

@@ -180,3 +180,59 @@ def test_a_bad_core_binding_is_refused_before_any_rank_starts(monkeypatch):
     monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", "0|0")
     with pytest.raises(ValueError, match=r"cores \[0\] are in two ranks' groups"):
         RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+
+
+def _mask(monkeypatch, cores) -> None:
+    """This process's affinity mask as `taskset -c` would leave it (what the launcher reads)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+
+
+def test_auto_binds_within_this_process_mask(monkeypatch):
+    """Two servers on one host started under disjoint masks (taskset) get disjoint blocks, one thread per core."""
+    monkeypatch.delenv("TOKENLOOM_CPU_OMP_THREADS_BIND", raising=False)
+    blocks = []
+    for mask in (range(4, 8), range(0, 4)):
+        _mask(monkeypatch, mask)
+        launcher = RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+        blocks.append(launcher.rank_cores)
+        assert [launcher.rank_args(i).num_threads for i in range(2)] == [2, 2]
+    assert blocks == [[[4, 5], [6, 7]], [[0, 1], [2, 3]]]
+
+
+def test_a_rank_bound_to_an_explicit_group_runs_a_thread_per_core(monkeypatch):
+    _mask(monkeypatch, range(4))
+    monkeypatch.setenv("TOKENLOOM_CPU_OMP_THREADS_BIND", "0|1-3")
+    launcher = RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+    assert launcher.rank_cores == [[0], [1, 2, 3]]
+    assert [launcher.rank_args(i).num_threads for i in range(2)] == [1, 3]
+    launcher = RuntimeLauncher(ServerArgs(tp_size=2, num_threads=1), _source(), addresses=None)
+    assert [launcher.rank_args(i).num_threads for i in range(2)] == [1, 1]
+    with pytest.raises(ValueError, match=r"--num-threads 2 is more than the 1 cores of local rank 0's group \[0\]"):
+        RuntimeLauncher(ServerArgs(tp_size=2, num_threads=2), _source(), addresses=None)
+
+
+def test_an_unreadable_mask_leaves_the_ranks_unbound(monkeypatch):
+    def fails(pid):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_getaffinity", fails)
+    monkeypatch.delenv("TOKENLOOM_CPU_OMP_THREADS_BIND", raising=False)
+    launcher = RuntimeLauncher(ServerArgs(tp_size=2), _source(), addresses=None)
+    assert launcher.rank_cores is None
+    assert launcher.rank_args(0).num_threads == max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_a_rank_that_cannot_bind_ends_the_launch_with_the_reason():
+    """A core outside the rank's mask (a cpuset narrowed after the launcher checked): the real rank process
+    reports why through its ready pipe, as any start-up failure, and the launch fails naming it and the cores.
+    Node 1 of 2: no detokenizer, and the rank fails before it would meet its peers."""
+    args = ServerArgs(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1")
+    launcher = RuntimeLauncher(args, _source(), addresses=None, startup_timeout_s=120)
+    outside = max(os.sched_getaffinity(0)) + 1000
+    launcher.rank_cores = [[outside]]
+    with pytest.raises(RuntimeError, match=rf"scheduler rank 1 \(tp 1, pp 0\) on node 1 failed to start: "
+                                           rf"CoreBindingError: TOKENLOOM_CPU_OMP_THREADS_BIND: cores \[{outside}\] "
+                                           rf"of this rank's set \[{outside}\] are outside the cores this process"):
+        launcher.start()
+    assert list(launcher.processes) == ["scheduler1"]
+    assert not launcher.processes["scheduler1"].is_alive()

@@ -244,22 +244,33 @@ def _three_rank_scenarios(ctx) -> dict:
     out["alternating"] = _ring(blocking, stage, prev, RING_ITERATIONS // 2, recv_first=recv_first_for_stage(stage))
     dist.barrier(group=group)
 
-    # blocking sends, every stage sending first (what `blocking_send` does, with a bound on the wait): every
-    # stage waits in its send for a receiver that waits in its own send
+    # blocking sends, every stage sending first (what `blocking_send` does, with a bound on the wait): each
+    # stage's send waits for a receiver held in its own send, so no receive is posted and no send completes.
+    # Stages 0 and 1 take their bounded waits one after the other, in the order the barriers fix, never at once:
+    # a wait that times out makes gloo close every connection of that rank on the group, and a neighbour whose
+    # send to it is pending then fails with "connection closed" instead of its own timeout (which of two
+    # simultaneous bounds fires first is up to the scheduler: the flake this order removes). While stage 0
+    # waits, stages 1 and 2 sit in a barrier on `group`'s own connections: they post no receive and close
+    # nothing, so only stage 0's bound can end its wait. While stage 1 waits, stage 2 still posts no receive
+    # (its own send failed when stage 0's timeout closed their connection, and a failure, unlike a timeout,
+    # closes no other connection), so only stage 1's bound can end its wait.
     doomed = PPChannel(deadlock_group, nxt, prev)
-    t0 = time.monotonic()
-    try:
-        doomed.isend("proxy", {"x": torch.zeros(1 << 16)}).wait(timeout_s=DEADLOCK_TIMEOUT_S)
-        doomed.recv("proxy")
-        out["deadlock"] = "completed"
-    except PPChannelError as e:
-        out["deadlock"] = (type(e).__name__, time.monotonic() - t0, str(e))
-    try:
-        doomed.isend("proxy", {})
-        out["after_deadlock"] = "sent"
-    except PPChannelError as e:
-        out["after_deadlock"] = f"{type(e).__name__}: {e}"
-    dist.barrier(group=group)  # world_cpu_group has its own connections: still usable
+    handle = doomed.isend("proxy", {"x": torch.zeros(1 << 16)})  # posted on every stage; received nowhere
+    for turn in (0, 1):
+        if stage == turn:
+            t0 = time.monotonic()
+            try:
+                handle.wait(timeout_s=DEADLOCK_TIMEOUT_S)
+                doomed.recv("proxy", timeout_s=DEADLOCK_TIMEOUT_S)
+                out["deadlock"] = "completed"
+            except PPChannelError as e:
+                out["deadlock"] = (type(e).__name__, time.monotonic() - t0, str(e))
+            try:
+                doomed.isend("proxy", {})
+                out["after_deadlock"] = "sent"
+            except PPChannelError as e:
+                out["after_deadlock"] = f"{type(e).__name__}: {e}"
+        dist.barrier(group=group)  # world_cpu_group has its own connections: still usable
 
     # a stage that dies: stage 2 exits while stage 0 waits for its message
     if stage == 2:
@@ -403,9 +414,14 @@ def test_ring_alternating_order_with_blocking_sends(three):
 
 
 def test_ring_blocking_send_first_deadlocks(three):
-    """The negative control: with sends that block, every stage sending first is a cycle of waits."""
+    """The negative control: with sends that block, every stage sending first is a cycle of waits. Each
+    stage's bounded wait is the only thing that can end it (the scenario orders them), so each must end in
+    its own timeout, after the full bound; a send that completed ("completed") or a failure of any other kind
+    fails the test."""
     for stage in (0, 1):
-        kind, elapsed, text = three[stage]["deadlock"]
+        outcome = three[stage]["deadlock"]
+        assert isinstance(outcome, tuple), (stage, outcome)  # "completed": a send went through, no deadlock
+        kind, elapsed, text = outcome
         assert kind == "PPChannelTimeout" and elapsed >= DEADLOCK_TIMEOUT_S - 0.1, three[stage]["deadlock"]
         assert text.startswith(f"send of 'proxy' to rank {stage + 1}:"), text
         assert three[stage]["after_deadlock"].startswith("PPChannelTimeout: send of 'proxy'"), three[stage]

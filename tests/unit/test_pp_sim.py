@@ -1,9 +1,10 @@
 """bench/pp_sim.py, the discrete-event model of the pipeline loop, against hand-computed timelines: pp=1 makespan =
 sum of forwards (depth 0/1, chunked or not), a cached prompt prefix, idle gaps, a chunked prompt's TTFT, the
 batcher's caps, the pp=2 single-request critical path, one send in flight per channel, a forward thread's proxy
-send leaving when its forward ends, the depth-1 bubble, the two seed 000 options (never slower, in
-pipeline_loop.py's forms and with a CPU-posted proxy; the CPU-blocking form of point 1 is), the seed scenario's
-margin, and `--validate` on a bench/pipeline.py-shaped JSON."""
+send leaving when its forward ends, the depth-1 bubble, the two send optimizations (the early output send and
+overlapped sends: never slower, in pipeline_loop.py's forms and with a CPU-posted proxy; the CPU-blocking form
+of the early output send is), the `--scenario seed` (PP4 x TP8) shape's margin, and `--validate` on a
+bench/pipeline.py-shaped JSON."""
 
 from __future__ import annotations
 
@@ -208,11 +209,11 @@ def test_point1_blocking_the_cpu_puts_the_last_stages_processing_in_series():
 
 def test_seed_scenario_on_beats_off_by_about_the_seeds_margin():
     # seed_config's defaults: point 1 non-blocking, the proxy posted by the CPU once the forward is done, the form
-    # whose gain matches what the seed measured (pipeline_loop.py's forward-thread proxy gains more: --scenario seed)
+    # whose gain matches the reported one (pipeline_loop.py's forward-thread proxy gains more: --scenario seed)
     reqs = seed_workload(256)
     off = simulate(seed_config(**OFF), reqs)["request_throughput"]
     on = simulate(seed_config(), reqs)["request_throughput"]
-    assert 1.002 < on / off < 1.03  # seed 000: 4.61 -> 4.65 req/s (+0.9%)
+    assert 1.002 < on / off < 1.03  # reported for this shape: 4.61 -> 4.65 req/s (+0.9%)
 
 
 def test_validate_reads_the_pipeline_benchmark_schema(tmp_path, capsys):

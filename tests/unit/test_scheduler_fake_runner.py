@@ -1,6 +1,7 @@
-"""Scheduling against a fake worker (DESIGN.md §3): the real `Scheduler`, `KVMemory` (a small pool on the
-CPU) and event loops, no model. Continuous batching, chunked prefill, radix-cache hits, retraction under a
-tiny pool, EOS, and aborts of waiting and running requests; every test ends with the pools full.
+"""Scheduling against a fake worker (it stands where the model worker would): the real `Scheduler`, `KVMemory`
+(a small pool on the CPU) and event loops, no model. Continuous batching, chunked prefill, radix-cache hits,
+retraction under a tiny pool, EOS, and aborts of waiting and running requests; every test ends with the pools
+full.
 
 The fake's next token reads the KV pool: every token id is stored in K at its slot when its step runs, and a
 request's next token is the sum of its whole sequence read back through the KV slots the scheduler gave it,

@@ -51,10 +51,12 @@ the blocking send-first ring is tested to deadlock.
 
 Timeouts and failures. `recv(tag, timeout_s)` bounds the wait for the wanted message, parked ones included;
 without it the group's own timeout (`init_distributed`'s `op_timeout_s`, torch's default otherwise) bounds
-every piece, sends included. A timeout is fatal: gloo closes the connection to that peer on the group ("pair
-closure"), so `PPChannelTimeout` is raised and every later call raises `PPChannelError` (other users of the
-group with that peer fail too). A peer that dies closes its sockets and the pending operation fails at once
-with `PPChannelError`, instead of hanging.
+every piece, sends included. A timeout is fatal: gloo closes every connection this rank has on the group, to
+all peers, not only the one waited on, so `PPChannelTimeout` is raised and every later call raises
+`PPChannelError` (other users of the group on this rank fail too, and so does a peer's pending operation with
+this rank: it sees "connection closed", a `PPChannelError`, rather than a timeout of its own). A failure
+that is not a timeout closes only the connection it happened on. A peer that dies closes its sockets and the
+pending operation fails at once with `PPChannelError`, instead of hanging.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def all_tp_groups(tp_size: int, pp_size: int) -> list[list[int]]:
 def pp_neighbours(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
     """(prev, next): the global ranks with the same tp_rank on the previous and next stage, as a ring.
 
-    The ring closes last → first because sampled tokens travel from the last stage back to stage 0
-    (REFERENCE.md §5). At pp_size 1 both are `rank` itself.
+    The ring closes last → first because sampled tokens travel from the last stage back to stage 0, which
+    embeds them in its next batch (as in SGLang's `event_loop_pp`). At pp_size 1 both are `rank` itself.
     """
     tp_rank, pp_rank = rank_coords(rank, tp_size, pp_size)
     prev_stage = (pp_rank - 1) % pp_size
@@ -76,7 +76,7 @@ def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask, which containers and taskset narrow)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # platforms without sched_getaffinity
+    except (AttributeError, OSError):  # platforms without sched_getaffinity, or a mask that cannot be read
         return max(1, os.cpu_count() or 1)
 
 

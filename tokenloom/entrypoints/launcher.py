@@ -4,11 +4,12 @@ supervises them; stops them.
 
 Ranks: each scheduler rank is a spawned process running `scheduler.process.run_scheduler_process` with its
 global rank and the rendezvous address (`--dist-init-addr`, default 127.0.0.1 and a free port picked here).
-Threads per rank: `--num-threads` if given, else, with several ranks on this machine, cores / local ranks
-(`topology.threads_per_rank`), set in each rank before its model is built, so ranks never oversubscribe the
-cores; one rank alone keeps torch's default. Cores per rank (`TOKENLOOM_CPU_OMP_THREADS_BIND`,
-distributed/cpu_binding.py): by default, on the CPU, each local rank is bound to its own block of cores; the
-rank binds itself first thing, so every thread it starts runs there.
+Cores per rank (`TOKENLOOM_CPU_OMP_THREADS_BIND`, distributed/cpu_binding.py): by default, on the CPU, each
+local rank is bound to its own block of this process's allowed cores; the rank binds itself first thing, so
+every thread it starts runs there, and a rank that cannot bind fails its start-up like any other. Threads per
+rank: `--num-threads` if given; else a bound rank runs one per core of its set, and unbound ranks sharing this
+machine cores / local ranks each (`topology.threads_per_rank`), set in each rank before its model is built, so
+ranks never oversubscribe the cores; one unbound rank alone keeps torch's default.
 
 Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
 -9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in
@@ -73,14 +74,20 @@ class RuntimeLauncher:
         self._pipes: dict[str, Any] = {}  # kept open: a rank that fails later reports its error through it
         self._reported: set[str] = set()  # local deaths already published on the board
         # each local rank's cores, in self.ranks' order (None: no binding); a bad setting fails here, at once
-        threads = self.rank_args().num_threads or topology.available_cores()
         self.rank_cores = cpu_binding.rank_cores(os.environ.get(cpu_binding.ENV), len(self.ranks),
-                                                 sorted(os.sched_getaffinity(0)), threads,
+                                                 cpu_binding.allowed_cores(), args.num_threads,
                                                  args.device.split(":")[0])
 
-    def rank_args(self) -> ServerArgs:
-        """The args every local rank runs with: the thread count made explicit when ranks share this machine."""
-        if self.args.num_threads is not None or len(self.ranks) == 1:
+    def rank_args(self, index: int | None = None) -> ServerArgs:
+        """The args local rank `index` (in self.ranks' order; None: an unbound rank) runs with: the thread
+        count made explicit unless --num-threads gave it, as many as its cores when it is bound, else cores /
+        local ranks when ranks share this machine."""
+        if self.args.num_threads is not None:
+            return self.args
+        cores = self.rank_cores[index] if index is not None and self.rank_cores is not None else None
+        if cores is not None:
+            return dataclasses.replace(self.args, num_threads=len(cores))
+        if len(self.ranks) == 1:
             return self.args
         return dataclasses.replace(self.args, num_threads=topology.threads_per_rank(len(self.ranks)))
 
@@ -89,7 +96,6 @@ class RuntimeLauncher:
         On any failure every child is stopped and RuntimeError names what failed; `cancelled()` turning true
         (a signal arrived) stops the wait the same way."""
         ctx = mp.get_context("spawn")
-        rank_args = self.rank_args()
         pipes: dict[str, Any] = {}
         targets: list[tuple[str, str, Any, tuple, tuple]] = []  # key, label, target, args, args after the pipe
         for index, rank in enumerate(self.ranks):
@@ -100,7 +106,7 @@ class RuntimeLauncher:
                 label += f" on node {self.args.node_rank}"
             self.rank_of[key] = rank
             targets.append((key, "scheduler process" if self.world == 1 else label, run_scheduler_process,
-                            (rank_args, self.addresses), (rank, self.dist_init_addr, cores)))
+                            (self.rank_args(index), self.addresses), (rank, self.dist_init_addr, cores)))
         if self.args.node_rank == 0:
             targets.append(("detokenizer", "detokenizer process", run_detokenizer_process,
                             (dataclasses.replace(self.source, gguf=None), self.args.tokenizer_path, self.addresses),

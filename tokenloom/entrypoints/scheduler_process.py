@@ -78,10 +78,14 @@ def exit_hung(name: str, reason: str, ready: Any, ctx: Any, addresses: Any) -> N
 
 def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: int = 0,
                           dist_init_addr: str | None = None, cpu_cores: list[int] | None = None) -> None:
+    bind_error: Exception | None = None
     if cpu_cores is not None:  # before any thread starts (torch's, gloo's, ZMQ's): they all inherit it
-        from tokenloom.distributed.cpu_binding import bind_this_process
+        from tokenloom.distributed.cpu_binding import CoreBindingError, bind_this_process
 
-        bind_this_process(cpu_cores)
+        try:
+            bind_this_process(cpu_cores)
+        except CoreBindingError as e:  # raised again below, where every start-up failure is reported
+            bind_error = e
     import zmq
 
     from tokenloom.device import resolve_device
@@ -114,6 +118,8 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     world = args.tp_size * args.pp_size
     heartbeat = None
     try:
+        if bind_error is not None:
+            raise bind_error
         parallel = init_distributed(args.tp_size, args.pp_size, rank, dist_init_addr, resolve_device(args.device),
                                     init_timeout_s=RENDEZVOUS_TIMEOUT_S,
                                     op_timeout_s=args.dist_timeout or DEFAULT_DIST_TIMEOUT_S,

@@ -36,7 +36,7 @@ from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.loop_base import EventLoop, Inbox, LoopBase, serve_with_executor
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
-from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, seed_options
+from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, send_options
 from tokenloom.scheduler.rank_sync import BroadcastOverlap
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 from tokenloom.scheduler.scheduler import Scheduler
@@ -144,7 +144,7 @@ def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forwar
         executor = (ForwardOnCaller(scheduler.worker, guard) if forward_on_caller
                     else ForwardThread(scheduler.worker, args.num_threads, guard))
         return PipelineLoop(scheduler, inbox, StageChannels.build(parallel), parallel, executor,
-                            args.pp_async_batch_depth, profiler=profiler, **seed_options())
+                            args.pp_async_batch_depth, profiler=profiler, **send_options())
     mode = overlap_mode(args)
     if mode == "off":
         return NormalLoop(scheduler, inbox, profiler, guard)

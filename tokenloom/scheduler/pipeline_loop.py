@@ -6,7 +6,13 @@ requests and every stage handles the same messages at the same iteration and app
 at the same iteration, so every stage makes the same decisions (admission, chunking, retraction, aborts) and
 holds the same requests in the same lanes; nothing else is exchanged to keep them in step.
 
-Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 addenda, seed 000):
+Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L. The order follows SGLang's `event_loop_pp`
+(sglang/srt/managers/scheduler_pp_mixin.py; async sends and --pp-async-batch-depth came with SGLang #11852),
+with two send optimizations, each on by default and each with an environment switch for the benchmark: the
+early output send (the last stage's output leaves for stage 0 as soon as its forward ends) and overlapped
+sends (a send is posted right behind the step that produced it, so sends and the next receives overlap the
+forward; SGLang #7979 proposed overlapping PP sends and receives, #33705 posting the proxy send behind the
+next forward):
 1. requests: stage 0 drains its inbox; every other stage receives the list from s - 1; every non-last stage
    sends it on (the list is sent even when empty, so the stages iterate in step): at once when it holds
    messages (before handling them: a state report gathers over every stage), else after step 5's submit,
@@ -20,9 +26,9 @@ Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 add
 3. last stage, depth > 0: send stage 0 the output of the batch launched at iteration t - depth.
 4. non-first stages with a batch: receive its proxy (hidden states, residual) from s - 1 (blocking).
 5. submit the step to the executor (the last stage forwards and samples; others only forward). With
-   `early_output_send` (seed 000 point 1) at depth 0 the executor sends the last stage's output to stage 0
-   right after sampling; with `overlap_sends` (point 2) a non-last stage's executor sends the proxy to
-   s + 1 right after the forward. Such a send is queued behind its step, as an isend on a CUDA forward
+   `early_output_send` (the early output send) at depth 0 the executor sends the last stage's output to
+   stage 0 right after sampling; with `overlap_sends` (overlapped sends) a non-last stage's executor sends
+   the proxy to s + 1 right after the forward. Such a send is queued behind its step, as an isend on a CUDA forward
    stream is, and the scheduling thread never waits for the step: it goes on to step 7 and the next
    iteration's receives while the forward runs.
 6. lane nxt's oldest batch (launched at t + 1 - L): stage 0 receives its output from the last stage; a
@@ -30,10 +36,11 @@ Iteration t on stage s, lane mb = t % L, nxt = (t + 1) % L (REFERENCE.md §5 add
    Stage 0 records the tokens in its token table (it embeds them next); every stage then processes the
    result (`process_batch_result`). So a lane is scheduled again only after its result was applied: a lane
    never has pending tokens under PP.
-7. the sends the executor does not do: the last stage's output at depth 0 with point 1 off (after step 6's
-   processing); a non-last stage's proxy with point 2 off (the scheduling thread waits for the forward).
-With `overlap_sends` off (point 2 undone, for the benchmark) a stage also waits at the end of each iteration
-until every message it sent in it was received, so sends never overlap the next receives.
+7. the sends the executor does not do: the last stage's output at depth 0 with the early output send off
+   (after step 6's processing); a non-last stage's proxy with overlapped sends off (the scheduling thread
+   waits for the forward).
+With `overlap_sends` off (for the benchmark) a stage also waits at the end of each iteration until every
+message it sent in it was received, so sends never overlap the next receives.
 
 Channels (distributed/pp_channel.py), one per message type, each on its own gloo tag: requests (s -> s + 1),
 proxy (s -> s + 1), output (last -> 0 -> 1 -> ... -> pp - 2); one object per direction, each used by one
@@ -76,12 +83,13 @@ from tokenloom.scheduler.scheduler import Scheduler
 from tokenloom.scheduler.step_profile import StepProfiler, StepTiming
 
 REQUESTS_TAG, PROXY_TAG, OUTPUT_TAG = 11, 12, 13  # gloo tags of the three channels
-EARLY_OUTPUT_SEND_ENV = "TOKENLOOM_PP_EARLY_OUTPUT_SEND"  # "0": seed 000 point 1 off (benchmarks)
-OVERLAP_SENDS_ENV = "TOKENLOOM_PP_OVERLAP_SENDS"  # "0": seed 000 point 2 off (benchmarks)
+EARLY_OUTPUT_SEND_ENV = "TOKENLOOM_PP_EARLY_OUTPUT_SEND"  # "0": the early output send off (benchmarks)
+OVERLAP_SENDS_ENV = "TOKENLOOM_PP_OVERLAP_SENDS"  # "0": overlapped sends off (benchmarks)
 
 
-def seed_options(environ: dict[str, str] | None = None) -> dict[str, bool]:
-    """Seed 000's two optimizations, on unless the environment turns one off (for bench/pipeline.py)."""
+def send_options(environ: dict[str, str] | None = None) -> dict[str, bool]:
+    """The two send optimizations (early output send, overlapped sends), each on unless the environment turns
+    it off (for bench/pipeline.py)."""
     env = os.environ if environ is None else environ
     return {"early_output_send": env.get(EARLY_OUTPUT_SEND_ENV, "1") != "0",
             "overlap_sends": env.get(OVERLAP_SENDS_ENV, "1") != "0"}
@@ -139,8 +147,8 @@ class PipelineLoop(LoopBase):
         self.early_output_send = early_output_send
         self.overlap_sends = overlap_sends
         # Which sends the executor posts, right behind the step that produced them (the scheduling thread
-        # does not wait for that step): the last stage's outputs at depth 0 with seed point 1, every proxy
-        # with point 2. The others are posted by the scheduling thread.
+        # does not wait for that step): the last stage's outputs at depth 0 with the early output send, every
+        # proxy with overlapped sends. The others are posted by the scheduling thread.
         self.executor_sends_output = ctx.is_last_stage and depth == 0 and early_output_send
         self.executor_sends_proxy = not ctx.is_last_stage and overlap_sends
         self.worker: ModelWorker = scheduler.worker  # type: ignore[assignment]
@@ -229,10 +237,10 @@ class PipelineLoop(LoopBase):
         if nxt.launched:
             self._apply_result(nxt)
         if ctx.is_last_stage and self.depth == 0:
-            self._send_outputs(t)  # point 1 off: this step's output, after the processing above
+            self._send_outputs(t)  # early output send off: this step's output, after the processing above
         if batch is not None and not ctx.is_last_stage and not self.executor_sends_proxy:
             self._send(self.channels.proxy_out, "proxy", self._wait(self._forwards[id(batch)]).proxy)
-        if not self.overlap_sends:  # point 2 off: this iteration's sends complete before the next receives
+        if not self.overlap_sends:  # overlapped sends off: this iteration's sends complete before the next receives
             for channel in (self.channels.requests, self.channels.output_out, self.channels.proxy_out):
                 if channel is not None and not (channel is self.channels.output_out and self.executor_sends_output):
                     self._wait_sent(channel)

@@ -1,6 +1,6 @@
 """`PrefillAdder`: decides which waiting requests join the next prefill batch, under token budgets.
 
-Budgets (REFERENCE.md §3):
+Budgets (the shape of SGLang's `PrefillAdder`, sglang/srt/managers/schedule_policy.py):
 - `rem_total_tokens`: free + evictable KV, minus what running requests are expected to still need
   (remaining max_new_tokens, clipped at 4096, times the new-token ratio) and what admitted requests need;
 - `rem_input_tokens`: `--max-prefill-tokens` of new prompt tokens per batch (one oversize request may still

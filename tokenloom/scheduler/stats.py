@@ -2,7 +2,8 @@
 
 `NewTokenRatio` estimates what fraction of their remaining max_new_tokens running requests will still use:
 it starts at min(0.7 * conservativeness, 1), decays linearly over 600 decode steps to 14% of that while
-nothing is retracted, and jumps back up after a retraction (REFERENCE.md §3).
+nothing is retracted, and jumps back up after a retraction (SGLang's defaults: SGLANG_INIT_NEW_TOKEN_RATIO 0.7,
+SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600 in sglang/srt/environ.py).
 `StepStats` logs, at INFO, one line per prefill batch and one every `decode_log_interval` decode steps, in
 SGLang's wording ("Prefill batch. #new-seq: 1, #new-token: 12, #cached-token: 0, token usage: 0.00,
 #running-req: 0, #queue-req: 0"; "Decode batch. #running-req: ..., gen throughput (token/s): ..."). Token usage
