@@ -1,5 +1,5 @@
-"""Many short requests at once (seed document 003, scaled to this machine): per-step CPU time outside the
-forward, and its share of the step, at the largest decode batch.
+"""Many short requests at once, where per-request CPU work (KV indices, batching) weighs most (scaled to
+this machine): per-step CPU time outside the forward, and its share of the step, at the largest decode batch.
 
     .venv/bin/python bench/many_requests.py                 # 2000 prompts, input 32, output 128, 2048 slots
     .venv/bin/python bench/many_requests.py --num-prompts 512 --output-len 32    # a few minutes

@@ -5,7 +5,7 @@ Every loop implements `EventLoop`: `run_once()` does one iteration and says whet
 issues implement the same protocol around the same `Scheduler`.
 
 - `NormalLoop`: receive → schedule → prepare → forward → process, each step to completion.
-- `OverlapLoop` ("zero-overhead" scheduling, seed documents 002/004): the forward runs on a
+- `OverlapLoop` ("zero-overhead" scheduling, as SGLang's overlap scheduler): the forward runs on a
   `ForwardThread`; after launching batch k+1 the loop processes batch k's results while k+1 computes, so the
   forward never waits for the scheduler. Batch k+1 is planned before k's tokens are known (its inputs are
   read from the worker's token table on the forward side, executor/token_table.py). Its policy decides,
