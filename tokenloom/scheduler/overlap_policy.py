@@ -5,8 +5,8 @@ threads share the cores and the GIL, so on a small model it can be slower than r
 completion (SGLang users saw overlap lose on small models too: sgl-project/sglang#2558). `AdaptiveOverlap`
 therefore measures instead of guessing: it runs short probe windows of decode steps in each mode, alternating
 (overlap, normal, overlap, normal), compares the wall time per generated token, and keeps the faster mode for
-`HOLD_STEPS` decode steps, or until the batch size drifts far from the one it measured at; then it probes again. Ties (within `MARGIN`) go to normal
-scheduling, which has no extra step of latency. Per-step CPU time outside the forward and forward time are
+`HOLD_STEPS` decode steps, or until the batch size drifts far from the one it measured at; then it probes
+again. Ties (within `MARGIN`) go to normal scheduling, which has no extra step of latency. Per-step CPU time outside the forward and forward time are
 recorded alongside and reported with each decision.
 
 Switching is free of token loss by construction: the loop only changes how many launched batches it keeps
