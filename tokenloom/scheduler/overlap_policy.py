@@ -1,13 +1,13 @@
 """When the overlap loop overlaps: always (`--overlap-schedule on`) or when measurement says it pays (`auto`).
 
 Overlap hides the scheduler's CPU work (schedule, prepare, process) behind the forward, but on a CPU the two
-threads share the cores and the GIL, so on a small model it can be slower than running each step to
-completion (SGLang users saw overlap lose on small models too: sgl-project/sglang#2558). `AdaptiveOverlap`
-therefore measures instead of guessing: it runs short probe windows of decode steps in each mode, alternating
-(overlap, normal, overlap, normal), compares the wall time per generated token, and keeps the faster mode for
+threads share the cores and the GIL, so on a small model it can be slower than running each step to completion
+(SGLang users saw overlap lose on small models too: sgl-project/sglang#2558). `AdaptiveOverlap` therefore
+measures instead of guessing: it runs short probe windows of decode steps in each mode, alternating (overlap,
+normal, overlap, normal), compares the wall time per generated token, and keeps the faster mode for
 `HOLD_STEPS` decode steps, or until the batch size drifts far from the one it measured at; then it probes
-again. Ties (within `MARGIN`) go to normal scheduling, which has no extra step of latency. Per-step CPU time outside the forward and forward time are
-recorded alongside and reported with each decision.
+again. Ties (within `MARGIN`) go to normal scheduling, which has no extra step of latency. Per-step CPU time
+outside the forward and forward time are recorded alongside and reported with each decision.
 
 Switching is free of token loss by construction: the loop only changes how many launched batches it keeps
 in flight; every launched batch is processed exactly once.
