@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(ns.json_out, "w") as f:
             json.dump(report, f, indent=1)
     failed = [f"{r['backend']} {r['tokens']}" for r in rows if r["verified"] is False]
+    print(json.dumps({**report, "failed": failed}))  # the headline, last, as every benchmark prints it
     if failed:
         sys.exit(f"transferred bytes differ from the source: {', '.join(failed)}")
     return report
