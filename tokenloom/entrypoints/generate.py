@@ -57,7 +57,7 @@ def _run(ns: argparse.Namespace, args: ServerArgs) -> int:
     start = time.perf_counter()
     try:
         engine = Engine(**dataclasses.asdict(args))  # warns about ignored flags itself
-    except RuntimeError as e:  # a runtime process failed to start (its log above says why)
+    except (RuntimeError, OSError) as e:  # a runtime process failed to start (its log above says why), as serve
         raise ValueError(str(e)) from None
     with engine:
         tokenizer = engine.tokenizer
