@@ -1,0 +1,54 @@
+/*
+ * What the GGUF-quantized matmul kernels share (csrc/quant_gemm.c drives them; one file per type family
+ * supplies the per-type functions).
+ *
+ * A weight is a [n, k] matrix whose every row is a run of GGUF blocks (file layout, or the type's own
+ * same-size re-layout made once at load by its `repack` function); row r starts at w + r * row_bytes.
+ *
+ * Activations for the small-row (decode) path are quantized once per call, per 32-element block, to int8
+ * (symmetric: d = max|x| / 127, q = round(x / d)), in the activations' natural column order; each block also
+ * carries the sum of its q (for the types whose weights have an offset: Q4_0's -8, Q4_1's min, the K types'
+ * mins). AVX512-VNNI's vpdpbusd multiplies unsigned weight bytes by these signed activation bytes.
+ */
+#ifndef TOKENLOOM_QUANT_COMMON_H
+#define TOKENLOOM_QUANT_COMMON_H
+
+#include <stdint.h>
+
+#define TL_QK 32 /* activation block */
+
+/* GGUF type ids (gguf.constants.GGMLQuantizationType) */
+enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q8_0 = 8, TL_Q4_K = 12, TL_Q5_K = 13, TL_Q6_K = 14 };
+
+/* m rows of quantized activations, k columns (k % 32 == 0): row r's quants at q + r * k, its block scales at
+ * d + r * (k / 32), its block sums at s + r * (k / 32). */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s;
+    int m;
+    int64_t k;
+} tl_act_q8;
+
+/* out[r * out_stride + (j - n0)] = sum_i W[j][i] * A[r][i] for rows r < a->m and weight rows j in [n0, n1)
+ * (float32, before any bias). Called from inside an OpenMP region: single-threaded, no allocation. */
+typedef void (*tl_dot_rows_fn)(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                               float *out, int64_t out_stride);
+
+/* One weight row (k columns) dequantized to float32: exactly the gguf package's dequantize. */
+typedef void (*tl_dequant_row_fn)(const uint8_t *row, int64_t k, float *out);
+
+/* Re-lays out one row's blocks in place for the type's dot kernel (same size), or NULL when the type keeps
+ * the file layout. dequant_row must read the re-laid-out form. */
+typedef void (*tl_repack_row_fn)(uint8_t *row, int64_t k);
+
+typedef struct {
+    int type;
+    int block;      /* elements per block */
+    int block_size; /* bytes per block */
+    tl_dot_rows_fn dot_rows;
+    tl_dequant_row_fn dequant_row;
+    tl_repack_row_fn repack_row;
+} tl_quant_type;
+
+#endif
