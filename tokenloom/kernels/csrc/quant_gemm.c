@@ -32,7 +32,11 @@ enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, 
 #define SMALL_M_LIMIT 16          /* the small path's per-chunk output buffer holds this many rows */
 #define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
 
-static int quant_small_m_max = 4; /* rows up to which the int8 stream beats the dequantized tile (bench) */
+/* Rows up to which the int8 stream beats the dequantized tile (bench/quant_gemm.py --small-m; -1: not yet
+ * decided). With AMX the tile's matmul is nearly free and its dequantize sets the crossover: 12 rows
+ * (49152x576, 8192x2048, 3072x576 Q4_1: int8 path 1.6x faster at 8 rows, 1.15x slower at 16). Without AMX
+ * the tile path's AVX512-BF16 matmul costs more, so the int8 path keeps its whole range. */
+static int quant_small_m_max = -1;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && HAVE_PAIR_GEMM
 #define HAVE_QUANT_GEMM 1
@@ -54,7 +58,14 @@ KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != 
 
 /* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). */
 KERNEL_API int quant_small_m(int value) {
-    if (value >= 0) quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
+    if (value >= 0)
+        quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
+    else if (quant_small_m_max < 0) /* a benign race: every caller decides the same */
+#if HAVE_AMX
+        quant_small_m_max = amx_gemm_supported() ? 12 : SMALL_M_LIMIT;
+#else
+        quant_small_m_max = SMALL_M_LIMIT;
+#endif
     return quant_small_m_max;
 }
 
@@ -279,6 +290,15 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                      int out_is_f32, int threads) {
     const int64_t row_bytes = k / t->block * t->block_size, tile_rows = 16 * TILE_BLOCKS;
     const int64_t groups = (n + tile_rows - 1) / tile_rows;
+#if HAVE_AMX
+    /* With AMX, bf16 x goes through amx_gemm.c's tiles: its weight layout per 16 features is the same
+     * feature-pair order, and its x copy (tile order, padded) is made once here. */
+    const int use_amx = !x_is_f32 && amx_gemm_supported();
+    const uint16_t *xa = use_amx ? padded_input(x, x_stride, m, k, k) : NULL;
+    if (use_amx && xa == NULL) return QUANT_E_MEMORY;
+#else
+    const int use_amx = 0;
+#endif
     /* per thread: one float32 row, the row-major tile, its transposed copy, the [m, 64] sums */
     const int64_t elem = x_is_f32 ? 4 : 2;
     const size_t tile_bytes = (size_t)(tile_rows * k * elem), row_f32 = (size_t)(k * 4);
@@ -289,6 +309,9 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
         if (scratch == NULL) {
             _Pragma("omp atomic write") failed = 1;
         }
+#if HAVE_AMX
+        if (use_amx) amx_configure();
+#endif
         float *rowf = (float *)scratch;
         uint32_t *tile = (uint32_t *)(scratch + row_f32);
         uint32_t *packed = (uint32_t *)(scratch + row_f32 + tile_bytes);
@@ -297,7 +320,8 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
         for (int64_t g = 0; g < groups; ++g) {
             if (scratch == NULL) continue;
             const int64_t f0 = g * tile_rows, count = n - f0 < tile_rows ? n - f0 : tile_rows;
-            const int blocks = (int)((count + 15) / 16);
+            int blocks = (int)((count + 15) / 16);
+            if (use_amx) blocks = (blocks + 1) / 2 * 2; /* AMX takes feature blocks in pairs */
             for (int64_t c = 0; c < 16 * blocks; ++c) { /* rows past n are zero: their outputs are dropped */
                 char *dst = (char *)tile + (size_t)(c * k * elem);
                 if (c >= count) {
@@ -318,6 +342,12 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                 case 2: rows_f32(x, x_stride, m, (const float *)packed, k, 2, buf, tile_rows); break;
                 default: rows_f32(x, x_stride, m, (const float *)packed, k, 1, buf, tile_rows); break;
                 }
+            } else if (use_amx) {
+#if HAVE_AMX
+                for (int q = 0; q < blocks / 2; ++q)
+                    pair_tiles(xa, m, k, (const uint16_t *)packed + (int64_t)q * 2 * 16 * k, NULL, NULL, count,
+                               32 * q, NULL, buf, tile_rows);
+#endif
             } else {
                 const uint16_t *xb = x, *pk = (const uint16_t *)packed;
                 switch (blocks) { /* pair_gemm.c's register bands over the bf16 feature-pair tile */
@@ -329,6 +359,9 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
             }
             epilogue(buf, tile_rows, m, f0, count, bias, bias_is_f32, out, out_stride, out_is_f32);
         }
+#if HAVE_AMX
+        if (use_amx) _tile_release();
+#endif
         free(scratch);
     }
     return failed ? QUANT_E_MEMORY : QUANT_OK;
@@ -346,7 +379,7 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     if (rc != QUANT_OK) return rc;
     if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
     if (m == 0 || n == 0) return QUANT_OK;
-    if (!x_is_f32 && m <= quant_small_m_max)
+    if (!x_is_f32 && m <= quant_small_m(-1))
         return small_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                           threads);
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
