@@ -10,9 +10,10 @@
  *    float32 summation: |err| <= sum_i |w_i| * d_x(i) / 2 with d_x = max|x_block| / 127.
  *  - many rows (prefill, batched decode) and every float32 x: per thread, a tile of up to 64 weight rows is
  *    dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature vectors, and
- *    multiplied with register-blocked float32 accumulators: for bf16 x, bf16 weights (the dequantized value
- *    rounded once, as loading the GGUF to bf16 would) through pair_gemm.c's AVX512-BF16 bands; for float32 x,
- *    float32 weights (exact) and float32 FMAs.
+ *    multiplied with float32 accumulators: for bf16 x, bf16 weights (the dequantized value rounded once, as
+ *    loading the GGUF to bf16 would; the legacy family writes them directly) through amx_gemm.c's tiles
+ *    where AMX runs, else pair_gemm.c's AVX512-BF16 register bands; for float32 x, float32 weights (exact)
+ *    and float32 FMAs.
  * Outputs are float32 sums plus bias, stored unrounded (float32 out) or rounded once to bf16.
  *
  * Every entry point returns 0, or a negative QUANT_E* code (nothing meaningful is written then).
@@ -115,10 +116,12 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
         if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
     const int64_t row_bytes = k / t->block * t->block_size;
     const size_t elem = out_dtype == 0 ? 4 : 2;
+    const tl_dequant_bf16_fn to_bf16 = out_dtype == 0 ? NULL : tl_legacy_dequant_bf16(type);
+    const int via_f32 = out_dtype != 0 && to_bf16 == NULL; /* bf16 out: float32 first, then rounded */
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
-        float *buf = out_dtype == 0 ? NULL : aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
-        if (out_dtype != 0 && buf == NULL) {
+        float *buf = via_f32 ? aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64)) : NULL;
+        if (via_f32 && buf == NULL) {
             _Pragma("omp atomic write") failed = 1;
         }
         _Pragma("omp for schedule(static)")
@@ -127,6 +130,8 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
             char *dst = (char *)out + (size_t)i * (size_t)k * elem;
             if (out_dtype == 0) {
                 t->dequant_row(row, k, (float *)dst);
+            } else if (to_bf16 != NULL) {
+                to_bf16(row, k, (uint16_t *)dst);
             } else if (buf != NULL) {
                 t->dequant_row(row, k, buf);
                 store_row(buf, k, dst, 0);
@@ -303,6 +308,7 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
     const int64_t elem = x_is_f32 ? 4 : 2;
     const size_t tile_bytes = (size_t)(tile_rows * k * elem), row_f32 = (size_t)(k * 4);
     const size_t per_thread = row_f32 + 2 * tile_bytes + (size_t)(m * tile_rows * 4);
+    const tl_dequant_bf16_fn to_bf16 = tl_legacy_dequant_bf16(t->type); /* else float32, then rounded */
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
         char *scratch = aligned_alloc(64, (per_thread + 63) / 64 * 64);
@@ -328,6 +334,8 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                     memset(dst, 0, (size_t)(k * elem));
                 } else if (x_is_f32) {
                     t->dequant_row(w + (f0 + c) * row_bytes, k, (float *)dst);
+                } else if (to_bf16 != NULL) {
+                    to_bf16(w + (f0 + c) * row_bytes, k, (uint16_t *)dst);
                 } else {
                     t->dequant_row(w + (f0 + c) * row_bytes, k, rowf);
                     store_row(rowf, k, dst, 0);
