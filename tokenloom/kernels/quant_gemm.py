@@ -251,8 +251,10 @@ def linear(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
                                 x2.dtype == torch.float32, x2.shape[0], _ptr(bias),
                                 bias is not None and bias.dtype == torch.float32, _ptr(out), out.stride(0),
                                 out.dtype == torch.float32, torch.get_num_threads())
-    _check(rc, f"linear {qm.name} [{qm.rows}, {qm.cols}]")
-    out = out.view(*x.shape[:-1], qm.rows)
+    if rc:
+        _check(rc, f"linear {qm.name} [{qm.rows}, {qm.cols}]")
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], qm.rows)
     return out if direct else out.to(out_dtype)
 
 
