@@ -178,19 +178,21 @@ static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t 
 /* buf [rows, ld] float32 sums of features f0 .. f0 + count -> out (+ bias), one row per activation row. */
 static void epilogue(const float *buf, int64_t ld, int64_t rows, int64_t f0, int64_t count, const void *bias,
                      int bias_is_f32, void *out, int64_t out_stride, int out_is_f32) {
-    float tmp[64];
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c0 = 0; c0 < count; c0 += 64) {
-            const int64_t c1 = count - c0 < 64 ? count : c0 + 64;
-            for (int64_t c = c0; c < c1; ++c) {
-                float v = buf[r * ld + c];
-                if (bias != NULL)
-                    v += bias_is_f32 ? ((const float *)bias)[f0 + c] : bf16_to_f32(((const uint16_t *)bias)[f0 + c]);
-                tmp[c - c0] = v;
-            }
-            void *dst = out_is_f32 ? (void *)((float *)out + r * out_stride + f0 + c0)
-                                   : (void *)((uint16_t *)out + r * out_stride + f0 + c0);
-            store_row(tmp, c1 - c0, dst, out_is_f32);
+    for (int64_t c = 0; c < count; c += 16) {
+        const __mmask16 mask = count - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - c)) - 1u);
+        __m512 b = _mm512_setzero_ps();
+        if (bias != NULL)
+            b = bias_is_f32 ? _mm512_maskz_loadu_ps(mask, (const float *)bias + f0 + c)
+                            : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + f0 + c)),
+                                  16));
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, buf + r * ld + c), b);
+            if (out_is_f32)
+                _mm512_mask_storeu_ps((float *)out + r * out_stride + f0 + c, mask, v);
+            else /* vcvtneps2bf16 rounds to nearest even, as f32_to_bf16 */
+                _mm256_mask_storeu_epi16((uint16_t *)out + r * out_stride + f0 + c, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(v));
         }
     }
 }
@@ -352,9 +354,17 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                 }
             } else if (use_amx) {
 #if HAVE_AMX
-                for (int q = 0; q < blocks / 2; ++q)
-                    pair_tiles(xa, m, k, (const uint16_t *)packed + (int64_t)q * 2 * 16 * k, NULL, NULL, count,
-                               32 * q, NULL, buf, tile_rows);
+                /* straight into out (+ a bf16 bias) when it can; a float32 bias goes through buf */
+                const int direct = bias == NULL || !bias_is_f32;
+                for (int q = 0; q < blocks / 2; ++q) {
+                    const uint16_t *b0 = (const uint16_t *)packed + (int64_t)q * 2 * 16 * k;
+                    if (direct)
+                        pair_tiles(xa, m, k, b0, NULL, bias, n, f0 + 32 * q, out_is_f32 ? NULL : out,
+                                   out_is_f32 ? out : NULL, out_stride);
+                    else
+                        pair_tiles(xa, m, k, b0, NULL, NULL, count, 32 * q, NULL, buf, tile_rows);
+                }
+                if (direct) continue;
 #endif
             } else {
                 const uint16_t *xb = x, *pk = (const uint16_t *)packed;
