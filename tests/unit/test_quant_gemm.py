@@ -156,6 +156,13 @@ def test_bad_shapes_have_clear_errors():
     assert lib.quant_linear(ctypes.c_int(1), *args) == -1  # F16 is no quantized type
 
 
+def test_other_dtypes_take_the_reference():
+    qm = _matrix("Q4_0", 16, 64, 8)
+    x = torch.randn(2, 64).half()
+    ref = (x.float() @ qg.dequantize(qm).T).half()
+    assert torch.equal(qg.linear(x, qg.prepare(qm)), ref) and torch.equal(qg.linear(x, qm), ref)
+
+
 def test_native_args():
     qm = _matrix("Q4_0", 16, 64, 7)
     with pytest.raises(ValueError, match="prepared"):

@@ -234,10 +234,9 @@ def linear(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
         raise ValueError(f"linear: bias {tuple(bias.shape)} != ({qm.rows},) of {qm.name} weight")
     out_dtype = out_dtype or x.dtype
     if not native_supported(qm.qtype) or x.device.type != "cpu" or x.dtype not in _NATIVE_DTYPES:
-        if qm.packed:
-            raise RuntimeError(f"linear: a prepared {qm.name} matrix needs the native kernel for {x.dtype} "
-                               f"on {x.device}")
-        out = torch.nn.functional.linear(x.float(), dequantize(qm), None if bias is None else bias.float())
+        # the reference (a prepared matrix dequantizes through the kernel, bit-identically)
+        w = dequantize(qm).to(x.device)
+        out = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
         return out.to(out_dtype)
     qm = prepare(qm)
     x2 = x.reshape(-1, qm.cols)
