@@ -11,3 +11,4 @@
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"
+#include "quant_kquants.c"

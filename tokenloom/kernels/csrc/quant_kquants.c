@@ -1,14 +1,325 @@
 /*
  * GGUF k-quant types (Q4_K, Q5_K, Q6_K: 256-element super-blocks) for csrc/quant_gemm.c: per-type dot
- * kernels against int8 activations (quant_common.h), exact dequantize, optional same-size re-layout.
+ * kernels against int8 activations (quant_common.h), exact dequantize; the file layout is kept (no re-layout).
  *
  * Built inside kernels.c, after quant_common.h. `tl_kquant_type(type)` is the family's table lookup: the
  * type's functions, or NULL when this family does not handle the type.
+ *
+ * Layouts (ggml's block_q4_K / block_q5_K / block_q6_K, as gguf-py's quants.py dequantizes them):
+ *   Q4_K (144 B): f16 d, f16 dmin, u8 scales[12], u8 qs[128]. Eight sub-blocks of 32 with a 6-bit scale sc and
+ *        6-bit min m packed in scales[12]; w = d*sc*q - dmin*m. qs holds each 64-element chunk in 32 bytes:
+ *        low nibbles are its first 32 elements, high nibbles the next 32.
+ *   Q5_K (176 B): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]: Q4_K plus a fifth bit, element
+ *        32*j + l's in bit j of qh[l].
+ *   Q6_K (210 B): u8 ql[128], u8 qh[64], i8 scales[16], f16 d. Sixteen sub-blocks of 16, w = d*sc*(q - 32):
+ *        element 128*h + 64*s + l (l < 64) has its low nibble in ql[64*h + l] (nibble s) and its high two bits
+ *        in qh[32*h + l % 32] at bit 2*(2*s + l / 32).
+ *
+ * Exactness: d*sc is exact in float32 (an f16 times an integer below 2^8), and so is d*sc*q (at most 23
+ * significant bits), so the dequantized value has at most one rounding (Q4_K/Q5_K's "- dmin*m"), the same
+ * one numpy's float32 arithmetic makes, in any association or fused multiply-add: bit-equal to gguf-py.
+ *
+ * Dot kernel: per 64-element chunk the weight quants are decoded once into 64 unsigned bytes (natural order)
+ * and multiplied with each activation row's signed bytes by vpdpbusd: 16 int32 lanes, lane l covering
+ * elements 4l..4l+3, so lanes 0-7 lie in one 32-element activation block and lanes 8-15 in the next (and, for
+ * Q6_K, each group of 4 lanes in one 16-element sub-block). Each lane is converted to float and accumulated
+ * with its own scale (weight sub-block scale x activation block scale): per-lane float accumulators, one
+ * horizontal sum per output. The min terms (Q4_K/Q5_K: dmin*m_j * d_a*s_a per sub-block) are 8-lane products
+ * per super-block; Q6_K's -32 offset is folded into vpdpbusd's accumulator input as -32 * (sum of the
+ * activation bytes per 4 lanes), computed once per activation chunk. Weight rows are processed RB at a time
+ * and activation rows MB at a time (register blocking), so a decoded chunk serves every activation row and an
+ * activation chunk every weight row.
  */
+#ifndef TOKENLOOM_QUANT_KQUANTS_C
+#define TOKENLOOM_QUANT_KQUANTS_C
+
+#include "bf16_common.h"
 #include "quant_common.h"
+#include <omp.h>
 #include <stddef.h>
+#include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KQ_VNNI 1
+#else
+#define KQ_VNNI 0
+#endif
+
+#define KQ_K 256 /* elements per super-block */
+#define KQ4_BYTES 144
+#define KQ5_BYTES 176
+#define KQ6_BYTES 210
+
+/* IEEE half -> float, exactly (every f16 is a float32). */
+static inline float kq_f16(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else {
+        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal: mant * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Q4_K/Q5_K's 12 scale bytes -> sc[8], m[8] (6 bits each). Bytes 0-3: sc 0-3 (low 6 bits) and the top two
+ * bits of sc 4-7; bytes 4-7: m 0-3 and the top bits of m 4-7; bytes 8-11: low nibbles of sc 4-7 and (high
+ * nibbles) of m 4-7. Done on 32-bit words, four sub-blocks per operation. */
+static inline void kq_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u0, u1, u2, t[4];
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    t[0] = u0 & 0x3f3f3f3fu;
+    t[1] = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+    t[2] = u1 & 0x3f3f3f3fu;
+    t[3] = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+    memcpy(sc, t, 8);
+    memcpy(m, t + 2, 8);
+}
+
+/* ---------------------------------------------------------------- dequantize (portable, exact) */
+
+static void kq4_dequant_row_scalar(const uint8_t *row, int64_t k, float *out, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t b = 0; b < k / KQ_K; ++b, out += KQ_K) {
+        const uint8_t *blk = row + b * bytes, *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        const float d = kq_f16(blk), dmin = kq_f16(blk + 2);
+        uint8_t sc[8], m[8];
+        kq_scale_min(blk + 4, sc, m);
+        for (int j = 0; j < 8; ++j) {
+            const float ds = d * (float)sc[j], dm = dmin * (float)m[j];
+            for (int l = 0; l < 32; ++l) {
+                int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xf;
+                if (five) q |= ((qh[l] >> j) & 1) << 4;
+                out[32 * j + l] = ds * (float)q - dm;
+            }
+        }
+    }
+}
+
+static void kq6_dequant_row_scalar(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / KQ_K; ++b, out += KQ_K) {
+        const uint8_t *blk = row + b * KQ6_BYTES, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = kq_f16(blk + 208);
+        for (int e = 0; e < KQ_K; ++e) {
+            const int h = e / 128, s = (e / 64) % 2, l = e % 64;
+            const int lo = (ql[64 * h + l] >> (4 * s)) & 0xf;
+            const int hi = (qh[32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3;
+            out[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+static void kq4_dequant_row(const uint8_t *row, int64_t k, float *out) { kq4_dequant_row_scalar(row, k, out, 0); }
+static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq4_dequant_row_scalar(row, k, out, 1); }
+static void kq6_dequant_row(const uint8_t *row, int64_t k, float *out) { kq6_dequant_row_scalar(row, k, out); }
+
+/* ---------------------------------------------------------------- dot kernels */
+
+#if KQ_VNNI
+
+/* Chunk c (64 elements) of a super-block as 64 unsigned quant bytes in element order. `qh` is the
+ * super-block's fifth-bit/high-bit bytes broadcast to both 256-bit halves, loaded once per super-block. */
+static inline __attribute__((always_inline)) __m512i kq_decode(int type, const uint8_t *blk, __m512i qh, int c) {
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    if (type == TL_Q6_K) {
+        __m512i lo = _mm512_loadu_si512(blk + 64 * (c / 2));
+        if (c % 2) lo = _mm512_srli_epi16(lo, 4);
+        lo = _mm512_and_si512(lo, nib);
+        /* bytes 0-31: bits 2t of qh, bytes 32-63: bits 2t+2, t = 2 * (c % 2); a per-half word shift keeps the
+         * two wanted bits inside their own byte (shift <= 6) */
+        const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * (c % 2))),
+                                                 _mm256_set1_epi16((short)(4 * (c % 2) + 2)), 1);
+        __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
+        return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+    }
+    const uint8_t *qs = blk + (type == TL_Q5_K ? 48 : 16) + 32 * c;
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi16(both, shift), nib);
+    if (type == TL_Q5_K) {
+        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                               _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+        q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(16));
+    }
+    return q;
+}
+
+/* Lane l <- v[base + l / div] (v's low lanes): a per-lane scale from per-sub-block scales. */
+static inline __attribute__((always_inline)) __m512 kq_spread(__m512 v, int base, int div) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(base),
+                                         _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                             13, 14, 15),
+                                                           div == 8 ? 3 : 2));
+    return _mm512_permutexvar_ps(idx, v);
+}
+
+/* Outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB); RB, MB compile-time constants. */
+static inline __attribute__((always_inline)) void kq_tile(int type, int RB, int MB, const uint8_t *w,
+                                                          int64_t row_bytes, int64_t j, const tl_act_q8 *a,
+                                                          int r0, float *out, int64_t out_stride) {
+    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
+    const int64_t bytes = type == TL_Q4_K ? KQ4_BYTES : type == TL_Q5_K ? KQ5_BYTES : KQ6_BYTES;
+    __m512 acc[4][4];
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const int8_t *xq[4];
+        __m512 da[4]; /* activation block scales of this super-block, lanes 0-7 */
+        for (int r = 0; r < MB; ++r) {
+            xq[r] = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
+            da[r] = _mm512_zextps256_ps512(_mm256_loadu_ps(a->d + (int64_t)(r0 + r) * nblk32 + 8 * b));
+        }
+        const uint8_t *blk[4];
+        __m512 wsc[4]; /* weight sub-block scales d*sc: 8 lanes (Q4_K/Q5_K) or 16 (Q6_K) */
+        __m512i qh[4];
+        for (int i = 0; i < RB; ++i) {
+            blk[i] = w + (j + i) * row_bytes + b * bytes;
+            if (type == TL_Q6_K) {
+                const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk[i] + 192));
+                wsc[i] = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk[i] + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
+                qh[i] = _mm512_setzero_si512(); /* loaded per 128-element half, in the chunk loop */
+            } else {
+                uint8_t sc[8], m[8];
+                kq_scale_min(blk[i] + 4, sc, m);
+                uint64_t sc64, m64;
+                memcpy(&sc64, sc, 8);
+                memcpy(&m64, m, 8);
+                const __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc64)));
+                const __m512 mf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m64)));
+                wsc[i] = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk[i])), scf);
+                const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk[i] + 2)), mf); /* lanes 8-15 zero */
+                for (int r = 0; r < MB; ++r) { /* - sum_j dmin*m_j * d_a*s_a over the 8 sub-blocks */
+                    const __m512 sa = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(
+                        _mm256_loadu_si256((const __m256i *)(a->s + (int64_t)(r0 + r) * nblk32 + 8 * b))));
+                    acc[i][r] = _mm512_fnmadd_ps(dm, _mm512_mul_ps(da[r], sa), acc[i][r]);
+                }
+                qh[i] = type == TL_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[i] + 16)))
+                                        : _mm512_setzero_si512();
+            }
+        }
+        for (int c = 0; c < 4; ++c) {
+            __m512i x[4], init[4];
+            __m512 as[4];
+            for (int r = 0; r < MB; ++r) {
+                x[r] = _mm512_loadu_si512(xq[r] + 64 * c);
+                as[r] = kq_spread(da[r], 2 * c, 8);
+                init[r] = _mm512_setzero_si512();
+                if (type == TL_Q6_K) /* -32 * (sum of each lane's 4 activation bytes): the weights' offset */
+                    init[r] = _mm512_sub_epi32(init[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                            _mm512_set1_epi8(32), x[r]));
+            }
+            for (int i = 0; i < RB; ++i) {
+                if (type == TL_Q6_K && c % 2 == 0)
+                    qh[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[i] + 128 + 16 * c)));
+                const __m512i q = kq_decode(type, blk[i], qh[i], c);
+                const __m512 ws = type == TL_Q6_K ? kq_spread(wsc[i], 4 * c, 4) : kq_spread(wsc[i], 2 * c, 8);
+                for (int r = 0; r < MB; ++r) {
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init[r], q, x[r]));
+                    acc[i][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, as[r]), acc[i][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + i] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+#define KQ_TILES(T, NAME)                                                                                        \
+    static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out, \
+                     int64_t out_stride) {                                                                       \
+        int64_t j = n0;                                                                                          \
+        for (; j + 4 <= n1; j += 4) {                                                                            \
+            int r = 0;                                                                                           \
+            for (; r + 4 <= a->m; r += 4) kq_tile(T, 4, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            switch (a->m - r) {                                                                                  \
+            case 3: kq_tile(T, 4, 3, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 2: kq_tile(T, 4, 2, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 1: kq_tile(T, 4, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            default: break;                                                                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (; j < n1; ++j) {                                                                                    \
+            int r = 0;                                                                                           \
+            for (; r + 4 <= a->m; r += 4) kq_tile(T, 1, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            for (; r < a->m; ++r) kq_tile(T, 1, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride);           \
+        }                                                                                                        \
+    }
+KQ_TILES(TL_Q4_K, kq4_dot_rows)
+KQ_TILES(TL_Q5_K, kq5_dot_rows)
+KQ_TILES(TL_Q6_K, kq6_dot_rows)
+#undef KQ_TILES
+
+#else /* portable: dequantize a super-block, float dot with the dequantized activations */
+
+static void kq_dot_rows_scalar(void (*deq)(const uint8_t *, int64_t, float *), int64_t bytes, const uint8_t *w,
+                               int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                               int64_t out_stride) {
+    float wv[KQ_K];
+    for (int64_t j = n0; j < n1; ++j)
+        for (int r = 0; r < a->m; ++r) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < a->k / KQ_K; ++b) {
+                deq(w + j * row_bytes + b * bytes, KQ_K, wv);
+                for (int e = 0; e < KQ_K; ++e)
+                    sum += wv[e] * a->d[r * (a->k / TL_QK) + (b * KQ_K + e) / TL_QK] * a->q[r * a->k + b * KQ_K + e];
+            }
+            out[(int64_t)r * out_stride + (j - n0)] = sum;
+        }
+}
+static void kq4_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
+                         int64_t os) { kq_dot_rows_scalar(kq4_dequant_row, KQ4_BYTES, w, rb, n0, n1, a, o, os); }
+static void kq5_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
+                         int64_t os) { kq_dot_rows_scalar(kq5_dequant_row, KQ5_BYTES, w, rb, n0, n1, a, o, os); }
+static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
+                         int64_t os) { kq_dot_rows_scalar(kq6_dequant_row, KQ6_BYTES, w, rb, n0, n1, a, o, os); }
+#endif
+
+static const tl_quant_type kq_types[3] = {
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, kq4_dequant_row, NULL},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, kq5_dequant_row, NULL},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, kq6_dequant_row, NULL},
+};
 
 static const tl_quant_type *tl_kquant_type(int type) {
-    (void)type;
-    return NULL; /* the family's kernels land here */
+    for (int i = 0; i < 3; ++i)
+        if (kq_types[i].type == type) return &kq_types[i];
+    return NULL;
 }
+
+/* ---------------------------------------------------------------- test entry points (tests/unit) */
+
+/* One row (k columns) of `type` dequantized; -1 for a type not of this family or k not whole super-blocks. */
+KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float *out) {
+    const tl_quant_type *t = tl_kquant_type(type);
+    if (t == NULL || k % KQ_K) return -1;
+    t->dequant_row(row, k, out);
+    return 0;
+}
+
+/* out[m, n] = A . W^T for an [n, k] weight and activations already quantized per the contract, weight rows
+ * split over `threads` OpenMP threads in runs of 4; -1 for a bad type or shape. */
+KERNEL_API int kquant_dot_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const int8_t *q,
+                               const float *d, const int32_t *s, int m, int64_t k, float *out, int threads) {
+    const tl_quant_type *t = tl_kquant_type(type);
+    if (t == NULL || k % KQ_K || m < 1 || row_bytes < k / KQ_K * t->block_size || threads < 1) return -1;
+    const tl_act_q8 a = {q, d, s, m, k};
+    const int64_t units = (n + 3) / 4;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t n0 = units * id / nt * 4, n1 = units * (id + 1) / nt * 4 < n ? units * (id + 1) / nt * 4 : n;
+        if (n0 < n1) t->dot_rows(w, row_bytes, n0, n1, &a, out + n0, n);
+    }
+    return 0;
+}
+
+#endif /* TOKENLOOM_QUANT_KQUANTS_C */
