@@ -1,7 +1,8 @@
 """The GGUF k-quant kernels (csrc/quant_kquants.c: Q4_K, Q5_K, Q6_K) against the `gguf` package.
 
 Blocks are written byte by byte (random quants and scales, sane f16 d/dmin), since gguf-py does not quantize
-the K types. `dequant_row` must be bit-equal to `gguf.quants.dequantize`; the int8-activation dot kernel is
+the K types. Q4_K/Q5_K rows are first re-laid out by the type's `repack_row` (as `prepare` does); `dequant_row` of that
+form must be bit-equal to `gguf.quants.dequantize`; the int8-activation dot kernel is
 checked twice: against the float64 product of gguf's dequantized weights with the activations it actually
 saw (the int8 values times their block scale: only float32 summation error remains), and against the float32
 matmul with the unquantized activations, within the activation-rounding bound sum_i |w_i| * d_i / 2 (each
@@ -72,6 +73,14 @@ def ptr(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
+def prepared(qtype: int, data: np.ndarray, cols: int) -> np.ndarray:
+    """The rows re-laid out for the kernel (a copy)."""
+    out = data.copy()
+    for r in range(out.shape[0]):
+        assert LIB.kquant_repack_row(qtype, ptr(out[r]), ctypes.c_int64(cols)) == 0
+    return out
+
+
 def kernel_dequant(qtype: int, data: np.ndarray, cols: int) -> np.ndarray:
     out = np.empty((data.shape[0], cols), np.float32)
     for r in range(data.shape[0]):
@@ -97,7 +106,9 @@ def test_dequant_row_bit_equal_to_gguf(qtype, wide):
     rows, cols = 7, 1024
     data = make_blocks(qtype, rows, cols, seed=qtype * 10 + wide, wide=wide)
     ref = reference_weights(qtype, data, cols)
-    got = kernel_dequant(qtype, data, cols)
+    packed = prepared(qtype, data, cols)
+    assert packed.shape == data.shape and (qtype == Q6_K) == np.array_equal(packed, data)
+    got = kernel_dequant(qtype, packed, cols)
     assert np.isfinite(ref).all()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), \
         f"{np.count_nonzero(got != ref)} of {got.size} values differ"
@@ -114,7 +125,7 @@ def test_dot_rows_vs_dequantized_matmul(qtype, m, k):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # an all-zero activation block (d = 0)
     q, d, s = quantize_activations(x)
-    got = kernel_dot(qtype, data, q, d, s).astype(np.float64)
+    got = kernel_dot(qtype, prepared(qtype, data, k), q, d, s).astype(np.float64)
 
     # 1. against the activations the kernel saw: only float32 summation error
     seen = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
@@ -130,10 +141,10 @@ def test_dot_rows_vs_dequantized_matmul(qtype, m, k):
     assert np.max(np.abs(got - ref) / (np.abs(x) @ np.abs(w).T / 127)) < 1.0
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
 def test_dot_rows_strided_rows_and_thread_counts(qtype):
     n, k, m = 13, 512, 2
-    data = make_blocks(qtype, n, k, seed=5)
+    data = prepared(qtype, make_blocks(qtype, n, k, seed=5), k)
     padded = np.zeros((n, data.shape[1] + 64), np.uint8)
     padded[:, :data.shape[1]] = data
     x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)

@@ -38,8 +38,11 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__)
 #define KQ_VNNI 1
 #else
 #define KQ_VNNI 0
@@ -53,6 +56,9 @@
 /* IEEE half -> float, exactly (every f16 is a float32). */
 static inline float kq_f16(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)h);
+#endif
     uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (mant << 13);
@@ -83,21 +89,75 @@ static inline void kq_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     memcpy(m, t + 2, 8);
 }
 
+/* ---------------------------------------------------------------- Q4_K/Q5_K re-layout
+ *
+ * `prepare` re-lays each Q4_K/Q5_K super-block out (same size, same bits) so the dot kernel decodes it with a
+ * few vector operations:
+ *   bytes 0-7:  f16 d    | sc_j << (16 + 6j)   (one little-endian 64-bit word; j = 0..7)
+ *   bytes 8-15: f16 dmin | m_j  << (16 + 6j)
+ *   Q5_K only, 32 bytes: four 64-bit masks, the fifth bits of the quant vectors P, Q, R, S below
+ *   64 bytes: low nibbles = P, high nibbles = Q;  64 bytes: low nibbles = R, high nibbles = S
+ * where, for byte b < 64, P[b] is element 32 * (b / 16) + b % 16 (the first halves of sub-blocks 0-3), Q[b]
+ * the same plus 16 (their second halves), R and S the same for sub-blocks 4-7 (plus 128). So each 16-byte
+ * lane of P and Q lies in one sub-block (lane l: sub-block l, or 4 + l for R and S), and vpdpbusd's int32
+ * lanes of P and Q (and of R and S) can be summed before the per-sub-block float scaling. */
+
+/* Element of super-block position (vector v in P, Q, R, S; byte b). */
+static inline int kq_elem(int v, int b) { return 128 * (v / 2) + 32 * (b / 16) + 16 * (v % 2) + b % 16; }
+
+static void kq45_repack_row(uint8_t *row, int64_t k, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk) {
+        uint8_t *p = row + blk * bytes, q[KQ_K], sc[8], m[8], out[KQ5_BYTES];
+        const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+        kq_scale_min(p + 4, sc, m);
+        for (int e = 0; e < KQ_K; ++e) {
+            const int j = e / 32, l = e % 32;
+            q[e] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xf) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+        }
+        uint64_t w0 = (uint64_t)p[0] | ((uint64_t)p[1] << 8), w1 = (uint64_t)p[2] | ((uint64_t)p[3] << 8);
+        for (int j = 0; j < 8; ++j) {
+            w0 |= (uint64_t)sc[j] << (16 + 6 * j);
+            w1 |= (uint64_t)m[j] << (16 + 6 * j);
+        }
+        memcpy(out, &w0, 8);
+        memcpy(out + 8, &w1, 8);
+        uint8_t *nib = out + (five ? 48 : 16);
+        for (int v = 0; v < 4; ++v) {
+            uint64_t mask = 0;
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq_elem(v, b);
+                mask |= (uint64_t)(q[e] >> 4) << b;
+                if (v % 2 == 0) nib[64 * (v / 2) + b] = q[e] & 0xf;
+                else nib[64 * (v / 2) + b] |= (uint8_t)((q[e] & 0xf) << 4);
+            }
+            if (five) memcpy(out + 16 + 8 * v, &mask, 8);
+        }
+        memcpy(p, out, (size_t)bytes);
+    }
+}
+static void kq4_repack_row(uint8_t *row, int64_t k) { kq45_repack_row(row, k, 0); }
+static void kq5_repack_row(uint8_t *row, int64_t k) { kq45_repack_row(row, k, 1); }
+
 /* ---------------------------------------------------------------- dequantize (portable, exact) */
 
-static void kq4_dequant_row_scalar(const uint8_t *row, int64_t k, float *out, int five) {
+/* Q4_K/Q5_K in the re-laid-out form above. */
+static void kq45_dequant_row(const uint8_t *row, int64_t k, float *out, int five) {
     const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
-    for (int64_t b = 0; b < k / KQ_K; ++b, out += KQ_K) {
-        const uint8_t *blk = row + b * bytes, *qh = blk + 16, *qs = blk + (five ? 48 : 16);
-        const float d = kq_f16(blk), dmin = kq_f16(blk + 2);
-        uint8_t sc[8], m[8];
-        kq_scale_min(blk + 4, sc, m);
-        for (int j = 0; j < 8; ++j) {
-            const float ds = d * (float)sc[j], dm = dmin * (float)m[j];
-            for (int l = 0; l < 32; ++l) {
-                int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xf;
-                if (five) q |= ((qh[l] >> j) & 1) << 4;
-                out[32 * j + l] = ds * (float)q - dm;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        const uint8_t *p = row + blk * bytes, *nib = p + (five ? 48 : 16);
+        uint64_t w0, w1;
+        memcpy(&w0, p, 8);
+        memcpy(&w1, p + 8, 8);
+        const float d = kq_f16(p), dmin = kq_f16(p + 8);
+        for (int v = 0; v < 4; ++v) {
+            uint64_t mask = 0;
+            if (five) memcpy(&mask, p + 16 + 8 * v, 8);
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq_elem(v, b), j = e / 32;
+                const int q = ((nib[64 * (v / 2) + b] >> (4 * (v % 2))) & 0xf) | (int)(((mask >> b) & 1) << 4);
+                const float ds = d * (float)((w0 >> (16 + 6 * j)) & 63), dm = dmin * (float)((w1 >> (16 + 6 * j)) & 63);
+                out[e] = ds * (float)q - dm;
             }
         }
     }
@@ -117,8 +177,8 @@ static void kq6_dequant_row_scalar(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
-static void kq4_dequant_row(const uint8_t *row, int64_t k, float *out) { kq4_dequant_row_scalar(row, k, out, 0); }
-static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq4_dequant_row_scalar(row, k, out, 1); }
+static void kq4_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row(row, k, out, 0); }
+static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row(row, k, out, 1); }
 static void kq6_dequant_row(const uint8_t *row, int64_t k, float *out) { kq6_dequant_row_scalar(row, k, out); }
 
 /* ---------------------------------------------------------------- dot kernels */
@@ -233,29 +293,98 @@ static inline __attribute__((always_inline)) void kq_tile(int type, int RB, int 
         for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + i] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-#define KQ_TILES(T, NAME)                                                                                        \
+/* Q4_K/Q5_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per
+ * super-block and activation row, the natural 64-byte chunks c0..c3 are regrouped by 16-byte lanes into the
+ * P, Q, R, S order of the weights (one vshufi64x2 each); int32 sums of P and Q (R and S) share sub-blocks
+ * lane for lane, so each super-block needs two int->float conversions per output, not four. */
+static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, int MB, const uint8_t *w,
+                                                            int64_t row_bytes, int64_t j, const tl_act_q8 *a,
+                                                            int r0, float *out, int64_t out_stride) {
+    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK, bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    const __m512i lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
+    /* header word w (16 + 6j bit offsets) -> bytes j: sc_j (low qword) and m_j (high qword) */
+    const __m128i fields = _mm_set1_epi64x(0x3a342e28221c1610LL);
+    const __m512i dd_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc[4][4];
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i x[4][4];
+        __m512 asA[4], asB[4], dsa[4];
+        for (int r = 0; r < MB; ++r) {
+            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
+            const __m512i c0 = _mm512_loadu_si512(xq), c1 = _mm512_loadu_si512(xq + 64);
+            const __m512i c2 = _mm512_loadu_si512(xq + 128), c3 = _mm512_loadu_si512(xq + 192);
+            x[r][0] = _mm512_shuffle_i64x2(c0, c1, 0x88);
+            x[r][1] = _mm512_shuffle_i64x2(c0, c1, 0xdd);
+            x[r][2] = _mm512_shuffle_i64x2(c2, c3, 0x88);
+            x[r][3] = _mm512_shuffle_i64x2(c2, c3, 0xdd);
+            const int64_t o = (int64_t)(r0 + r) * nblk32 + 8 * b;
+            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + o));
+            asA[r] = _mm512_permutexvar_ps(lane4, da);
+            asB[r] = _mm512_permutexvar_ps(lane4b, da);
+            /* lanes 8-15: d_a * s_a per sub-block, for the min term (lanes 0-7 zero) */
+            const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(a->d + o),
+                                            _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->s + o))));
+            dsa[r] = _mm512_insertf32x8(_mm512_setzero_ps(), ds, 1);
+        }
+        for (int i = 0; i < RB; ++i) {
+            const uint8_t *blk = w + (j + i) * row_bytes + b * bytes, *qs = blk + (five ? 48 : 16);
+            const __m128i hdr = _mm_loadu_si128((const __m128i *)blk);
+            const __m128i scm = _mm_and_si128(_mm_multishift_epi64_epi8(fields, hdr), _mm_set1_epi8(63));
+            const __m512 dd = _mm512_permutexvar_ps(dd_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_shuffle_epi32(hdr, 0x08))));
+            /* dd: d in lanes 0-7, dmin in 8-15 (f16 words 0 and 4); wv lanes 0-7: d * sc_j, 8-15: dmin * m_j */
+            const __m512 wv = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scm)));
+            const __m512 wsA = _mm512_permutexvar_ps(lane4, wv), wsB = _mm512_permutexvar_ps(lane4b, wv);
+            const __m512i w0 = _mm512_loadu_si512(qs), w1 = _mm512_loadu_si512(qs + 64);
+            __m512i v[4] = {_mm512_and_si512(w0, nib), _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib),
+                            _mm512_and_si512(w1, nib), _mm512_and_si512(_mm512_srli_epi16(w1, 4), nib)};
+            if (five)
+                for (int t = 0; t < 4; ++t) {
+                    uint64_t bits;
+                    memcpy(&bits, blk + 16 + 8 * t, 8);
+                    v[t] = _mm512_mask_add_epi8(v[t], _cvtu64_mask64(bits), v[t], sixteen);
+                }
+            for (int r = 0; r < MB; ++r) {
+                const __m512i iA = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x[r][0]),
+                                                       v[1], x[r][1]);
+                const __m512i iB = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[2], x[r][2]),
+                                                       v[3], x[r][3]);
+                __m512 t = _mm512_fnmadd_ps(wv, dsa[r], acc[i][r]);
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iA), _mm512_mul_ps(wsA, asA[r]), t);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iB), _mm512_mul_ps(wsB, asB[r]), t);
+            }
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + i] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+#define KQ_TILES(TILE, T, NAME)                                                                                        \
     static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out, \
                      int64_t out_stride) {                                                                       \
         int64_t j = n0;                                                                                          \
         for (; j + 4 <= n1; j += 4) {                                                                            \
             int r = 0;                                                                                           \
-            for (; r + 4 <= a->m; r += 4) kq_tile(T, 4, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            for (; r + 4 <= a->m; r += 4) TILE(T, 4, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
             switch (a->m - r) {                                                                                  \
-            case 3: kq_tile(T, 4, 3, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
-            case 2: kq_tile(T, 4, 2, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
-            case 1: kq_tile(T, 4, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 3: TILE(T, 4, 3, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 2: TILE(T, 4, 2, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 1: TILE(T, 4, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
             default: break;                                                                                      \
             }                                                                                                    \
         }                                                                                                        \
         for (; j < n1; ++j) {                                                                                    \
             int r = 0;                                                                                           \
-            for (; r + 4 <= a->m; r += 4) kq_tile(T, 1, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
-            for (; r < a->m; ++r) kq_tile(T, 1, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride);           \
+            for (; r + 4 <= a->m; r += 4) TILE(T, 1, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            for (; r < a->m; ++r) TILE(T, 1, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride);           \
         }                                                                                                        \
     }
-KQ_TILES(TL_Q4_K, kq4_dot_rows)
-KQ_TILES(TL_Q5_K, kq5_dot_rows)
-KQ_TILES(TL_Q6_K, kq6_dot_rows)
+KQ_TILES(kq_tile45, 0, kq4_dot_rows)
+KQ_TILES(kq_tile45, 1, kq5_dot_rows)
+KQ_TILES(kq_tile, TL_Q6_K, kq6_dot_rows)
 #undef KQ_TILES
 
 #else /* portable: dequantize a super-block, float dot with the dequantized activations */
@@ -284,8 +413,8 @@ static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, c
 #endif
 
 static const tl_quant_type kq_types[3] = {
-    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, kq4_dequant_row, NULL},
-    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, kq5_dequant_row, NULL},
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, kq4_dequant_row, kq4_repack_row},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, kq5_dequant_row, kq5_repack_row},
     {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, kq6_dequant_row, NULL},
 };
 
@@ -302,6 +431,14 @@ KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float
     const tl_quant_type *t = tl_kquant_type(type);
     if (t == NULL || k % KQ_K) return -1;
     t->dequant_row(row, k, out);
+    return 0;
+}
+
+/* One row re-laid out in place for the dot kernel (the type's repack; nothing for Q6_K); -1 as above. */
+KERNEL_API int kquant_repack_row(int type, uint8_t *row, int64_t k) {
+    const tl_quant_type *t = tl_kquant_type(type);
+    if (t == NULL || k % KQ_K) return -1;
+    if (t->repack_row) t->repack_row(row, k);
     return 0;
 }
 
