@@ -163,128 +163,106 @@ static void kq45_dequant_row(const uint8_t *row, int64_t k, float *out, int five
     }
 }
 
-static void kq6_dequant_row_scalar(const uint8_t *row, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / KQ_K; ++b, out += KQ_K) {
-        const uint8_t *blk = row + b * KQ6_BYTES, *ql = blk, *qh = blk + 128;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = kq_f16(blk + 208);
-        for (int e = 0; e < KQ_K; ++e) {
+/* ---------------------------------------------------------------- Q6_K re-layout
+ *
+ * Same idea for Q6_K (210 bytes; scales and d stay at bytes 192-209): its sub-blocks are 16 elements, so the
+ * quant vectors P_h, Q_h of each 128-element half h pair 8-element runs: byte b of P_h is element
+ * 128h + 16 * (b / 8) + b % 8, of Q_h the same plus 8; int32 lane l of either lies in sub-block 8h + l / 2.
+ *   bytes 0-63: low nibbles P_0, high nibbles Q_0 (low 4 bits of the 6-bit quants); bytes 64-127: P_1, Q_1
+ *   bytes 128-191: byte b holds the top two bits of P_0[b], Q_0[b], P_1[b], Q_1[b] at bits 0-1, 2-3, 4-5, 6-7 */
+
+static inline int kq6_elem(int v, int b) { return 128 * (v / 2) + 16 * (b / 8) + 8 * (v % 2) + b % 8; }
+
+static void kq6_repack_row(uint8_t *row, int64_t k) {
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk) {
+        uint8_t *p = row + blk * KQ6_BYTES, q[KQ_K], out[192] = {0};
+        for (int e = 0; e < KQ_K; ++e) { /* the file layout (see the top of this file) */
             const int h = e / 128, s = (e / 64) % 2, l = e % 64;
-            const int lo = (ql[64 * h + l] >> (4 * s)) & 0xf;
-            const int hi = (qh[32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3;
-            out[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
+            q[e] = (uint8_t)(((p[64 * h + l] >> (4 * s)) & 0xf) | (((p[128 + 32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3) << 4));
         }
+        for (int v = 0; v < 4; ++v)
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq6_elem(v, b);
+                out[64 * (v / 2) + b] |= (uint8_t)((q[e] & 0xf) << (4 * (v % 2)));
+                out[128 + b] |= (uint8_t)((q[e] >> 4) << (2 * v));
+            }
+        memcpy(p, out, sizeof out);
+    }
+}
+
+static void kq6_dequant_row(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        const uint8_t *p = row + blk * KQ6_BYTES;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const float d = kq_f16(p + 208);
+        for (int v = 0; v < 4; ++v)
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq6_elem(v, b);
+                const int q = ((p[64 * (v / 2) + b] >> (4 * (v % 2))) & 0xf) | (((p[128 + b] >> (2 * v)) & 3) << 4);
+                out[e] = (d * (float)sc[e / 16]) * (float)(q - 32);
+            }
     }
 }
 
 static void kq4_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row(row, k, out, 0); }
 static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row(row, k, out, 1); }
-static void kq6_dequant_row(const uint8_t *row, int64_t k, float *out) { kq6_dequant_row_scalar(row, k, out); }
 
 /* ---------------------------------------------------------------- dot kernels */
 
 #if KQ_VNNI
 
-/* Chunk c (64 elements) of a super-block as 64 unsigned quant bytes in element order. `qh` is the
- * super-block's fifth-bit/high-bit bytes broadcast to both 256-bit halves, loaded once per super-block. */
-static inline __attribute__((always_inline)) __m512i kq_decode(int type, const uint8_t *blk, __m512i qh, int c) {
-    const __m512i nib = _mm512_set1_epi8(0x0f);
-    if (type == TL_Q6_K) {
-        __m512i lo = _mm512_loadu_si512(blk + 64 * (c / 2));
-        if (c % 2) lo = _mm512_srli_epi16(lo, 4);
-        lo = _mm512_and_si512(lo, nib);
-        /* bytes 0-31: bits 2t of qh, bytes 32-63: bits 2t+2, t = 2 * (c % 2); a per-half word shift keeps the
-         * two wanted bits inside their own byte (shift <= 6) */
-        const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * (c % 2))),
-                                                 _mm256_set1_epi16((short)(4 * (c % 2) + 2)), 1);
-        __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
-        return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-    }
-    const uint8_t *qs = blk + (type == TL_Q5_K ? 48 : 16) + 32 * c;
-    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    __m512i q = _mm512_and_si512(_mm512_srlv_epi16(both, shift), nib);
-    if (type == TL_Q5_K) {
-        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
-                                               _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
-        q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(16));
-    }
-    return q;
-}
-
-/* Lane l <- v[base + l / div] (v's low lanes): a per-lane scale from per-sub-block scales. */
-static inline __attribute__((always_inline)) __m512 kq_spread(__m512 v, int base, int div) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(base),
-                                         _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                                                             13, 14, 15),
-                                                           div == 8 ? 3 : 2));
-    return _mm512_permutexvar_ps(idx, v);
-}
-
-/* Outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB); RB, MB compile-time constants. */
-static inline __attribute__((always_inline)) void kq_tile(int type, int RB, int MB, const uint8_t *w,
-                                                          int64_t row_bytes, int64_t j, const tl_act_q8 *a,
-                                                          int r0, float *out, int64_t out_stride) {
+/* Q6_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per half
+ * of a super-block and activation row, the natural chunks are regrouped by 8-byte runs into the P, Q order
+ * (one vpermt2q each); the weights' -32 offset enters vpdpbusd's accumulator as -32 * (the activation bytes'
+ * sum per int32 lane of P and Q), computed once per activation half. */
+static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, int MB, const uint8_t *w,
+                                                           int64_t row_bytes, int64_t j, const tl_act_q8 *a,
+                                                           int r0, float *out, int64_t out_stride) {
+    (void)unused;
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
-    const int64_t bytes = type == TL_Q4_K ? KQ4_BYTES : type == TL_Q5_K ? KQ5_BYTES : KQ6_BYTES;
+    const __m512i nib = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), n32 = _mm512_set1_epi8(32);
+    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sub[2] = {_mm512_srli_epi32(lane, 1), _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
+    const __m512i act[2] = {_mm512_srli_epi32(lane, 2), _mm512_add_epi32(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(4))};
     __m512 acc[4][4];
     for (int i = 0; i < RB; ++i)
         for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        const int8_t *xq[4];
-        __m512 da[4]; /* activation block scales of this super-block, lanes 0-7 */
+        __m512i x[4][4], init[4][2];
+        __m512 as[4][2];
         for (int r = 0; r < MB; ++r) {
-            xq[r] = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
-            da[r] = _mm512_zextps256_ps512(_mm256_loadu_ps(a->d + (int64_t)(r0 + r) * nblk32 + 8 * b));
+            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
+            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + (int64_t)(r0 + r) * nblk32 + 8 * b));
+            for (int h = 0; h < 2; ++h) {
+                const __m512i c0 = _mm512_loadu_si512(xq + 128 * h), c1 = _mm512_loadu_si512(xq + 128 * h + 64);
+                x[r][2 * h] = _mm512_permutex2var_epi64(c0, even, c1);
+                x[r][2 * h + 1] = _mm512_permutex2var_epi64(c0, odd, c1);
+                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), n32, x[r][2 * h]),
+                                                        n32, x[r][2 * h + 1]);
+                init[r][h] = _mm512_sub_epi32(_mm512_setzero_si512(), s32);
+                as[r][h] = _mm512_permutexvar_ps(act[h], da);
+            }
         }
-        const uint8_t *blk[4];
-        __m512 wsc[4]; /* weight sub-block scales d*sc: 8 lanes (Q4_K/Q5_K) or 16 (Q6_K) */
-        __m512i qh[4];
         for (int i = 0; i < RB; ++i) {
-            blk[i] = w + (j + i) * row_bytes + b * bytes;
-            if (type == TL_Q6_K) {
-                const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk[i] + 192));
-                wsc[i] = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk[i] + 208)),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
-                qh[i] = _mm512_setzero_si512(); /* loaded per 128-element half, in the chunk loop */
-            } else {
-                uint8_t sc[8], m[8];
-                kq_scale_min(blk[i] + 4, sc, m);
-                uint64_t sc64, m64;
-                memcpy(&sc64, sc, 8);
-                memcpy(&m64, m, 8);
-                const __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc64)));
-                const __m512 mf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m64)));
-                wsc[i] = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk[i])), scf);
-                const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk[i] + 2)), mf); /* lanes 8-15 zero */
-                for (int r = 0; r < MB; ++r) { /* - sum_j dmin*m_j * d_a*s_a over the 8 sub-blocks */
-                    const __m512 sa = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(
-                        _mm256_loadu_si256((const __m256i *)(a->s + (int64_t)(r0 + r) * nblk32 + 8 * b))));
-                    acc[i][r] = _mm512_fnmadd_ps(dm, _mm512_mul_ps(da[r], sa), acc[i][r]);
-                }
-                qh[i] = type == TL_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[i] + 16)))
-                                        : _mm512_setzero_si512();
-            }
-        }
-        for (int c = 0; c < 4; ++c) {
-            __m512i x[4], init[4];
-            __m512 as[4];
-            for (int r = 0; r < MB; ++r) {
-                x[r] = _mm512_loadu_si512(xq[r] + 64 * c);
-                as[r] = kq_spread(da[r], 2 * c, 8);
-                init[r] = _mm512_setzero_si512();
-                if (type == TL_Q6_K) /* -32 * (sum of each lane's 4 activation bytes): the weights' offset */
-                    init[r] = _mm512_sub_epi32(init[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                                            _mm512_set1_epi8(32), x[r]));
-            }
-            for (int i = 0; i < RB; ++i) {
-                if (type == TL_Q6_K && c % 2 == 0)
-                    qh[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[i] + 128 + 16 * c)));
-                const __m512i q = kq_decode(type, blk[i], qh[i], c);
-                const __m512 ws = type == TL_Q6_K ? kq_spread(wsc[i], 4 * c, 4) : kq_spread(wsc[i], 2 * c, 8);
+            const uint8_t *blk = w + (j + i) * row_bytes + b * KQ6_BYTES;
+            const __m512 wsc = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk + 208)),
+                                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128((const __m128i *)(blk + 192)))));
+            const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64);
+            const __m512i hb = _mm512_loadu_si512(blk + 128);
+            /* 0xF8: a | (b & c): the low nibble, then the two high bits moved to bits 4-5 */
+            const __m512i v[4] = {
+                _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nib), _mm512_slli_epi16(hb, 4), m30, 0xF8),
+                _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30, 0xF8),
+                _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nib), hb, m30, 0xF8),
+                _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30, 0xF8)};
+            for (int h = 0; h < 2; ++h) {
+                const __m512 ws = _mm512_permutexvar_ps(sub[h], wsc);
                 for (int r = 0; r < MB; ++r) {
-                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init[r], q, x[r]));
-                    acc[i][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, as[r]), acc[i][r]);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r][h], v[2 * h], x[r][2 * h]),
+                                                            v[2 * h + 1], x[r][2 * h + 1]);
+                    acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, as[r][h]), acc[i][r]);
                 }
             }
         }
@@ -384,7 +362,7 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
     }
 KQ_TILES(kq_tile45, 0, kq4_dot_rows)
 KQ_TILES(kq_tile45, 1, kq5_dot_rows)
-KQ_TILES(kq_tile, TL_Q6_K, kq6_dot_rows)
+KQ_TILES(kq_tile6, 0, kq6_dot_rows)
 #undef KQ_TILES
 
 #else /* portable: dequantize a super-block, float dot with the dequantized activations */
@@ -415,7 +393,7 @@ static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, c
 static const tl_quant_type kq_types[3] = {
     {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, kq4_dequant_row, kq4_repack_row},
     {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, kq5_dequant_row, kq5_repack_row},
-    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, kq6_dequant_row, NULL},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, kq6_dequant_row, kq6_repack_row},
 };
 
 static const tl_quant_type *tl_kquant_type(int type) {
@@ -434,7 +412,7 @@ KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float
     return 0;
 }
 
-/* One row re-laid out in place for the dot kernel (the type's repack; nothing for Q6_K); -1 as above. */
+/* One row re-laid out in place for the dot kernel (the type's repack); -1 as above. */
 KERNEL_API int kquant_repack_row(int type, uint8_t *row, int64_t k) {
     const tl_quant_type *t = tl_kquant_type(type);
     if (t == NULL || k % KQ_K) return -1;
