@@ -81,11 +81,11 @@ def prepared(qtype: int, data: np.ndarray, cols: int) -> np.ndarray:
     return out
 
 
-def kernel_dequant(qtype: int, data: np.ndarray, cols: int) -> np.ndarray:
+def kernel_dequant(qtype: int, data: np.ndarray, cols: int, portable: bool = False) -> np.ndarray:
     out = np.empty((data.shape[0], cols), np.float32)
     for r in range(data.shape[0]):
         row = np.ascontiguousarray(data[r])
-        rc = LIB.kquant_dequant_row(qtype, ptr(row), ctypes.c_int64(cols), ptr(out[r]))
+        rc = LIB.kquant_dequant_row(qtype, ptr(row), ctypes.c_int64(cols), ptr(out[r]), int(portable))
         assert rc == 0
     return out
 
@@ -102,13 +102,15 @@ def kernel_dot(qtype: int, data: np.ndarray, q: np.ndarray, d: np.ndarray, s: np
 
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
 @pytest.mark.parametrize("wide", [False, True])
-def test_dequant_row_bit_equal_to_gguf(qtype, wide):
+@pytest.mark.parametrize("portable", [False, True])
+def test_dequant_row_bit_equal_to_gguf(qtype, wide, portable):
+    """The table's dequant_row (AVX-512 where built) and the portable C one."""
     rows, cols = 7, 1024
     data = make_blocks(qtype, rows, cols, seed=qtype * 10 + wide, wide=wide)
     ref = reference_weights(qtype, data, cols)
     packed = prepared(qtype, data, cols)
     assert packed.shape == data.shape and not np.array_equal(packed, data)
-    got = kernel_dequant(qtype, packed, cols)
+    got = kernel_dequant(qtype, packed, cols, portable)
     assert np.isfinite(ref).all()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), \
         f"{np.count_nonzero(got != ref)} of {got.size} values differ"
@@ -157,5 +159,5 @@ def test_dot_rows_strided_rows_and_thread_counts(qtype):
 def test_entry_points_refuse_other_types_and_shapes():
     data = make_blocks(Q4_K, 1, 256, seed=0)
     out = np.empty(256, np.float32)
-    assert LIB.kquant_dequant_row(2, ptr(data), ctypes.c_int64(256), ptr(out)) == -1  # Q4_0: not this family
-    assert LIB.kquant_dequant_row(Q4_K, ptr(data), ctypes.c_int64(128), ptr(out)) == -1  # not whole blocks
+    assert LIB.kquant_dequant_row(2, ptr(data), ctypes.c_int64(256), ptr(out), 0) == -1  # Q4_0: not this family
+    assert LIB.kquant_dequant_row(Q4_K, ptr(data), ctypes.c_int64(128), ptr(out), 0) == -1  # not whole blocks

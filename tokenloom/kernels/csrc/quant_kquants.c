@@ -1,6 +1,7 @@
 /*
  * GGUF k-quant types (Q4_K, Q5_K, Q6_K: 256-element super-blocks) for csrc/quant_gemm.c: per-type dot
- * kernels against int8 activations (quant_common.h), exact dequantize; the file layout is kept (no re-layout).
+ * kernels against int8 activations (quant_common.h), exact dequantize, and a same-size re-layout of each
+ * super-block (`repack_row`, applied once by `prepare`) that dot_rows and dequant_row read.
  *
  * Built inside kernels.c, after quant_common.h. `tl_kquant_type(type)` is the family's table lookup: the
  * type's functions, or NULL when this family does not handle the type.
@@ -19,16 +20,17 @@
  * significant bits), so the dequantized value has at most one rounding (Q4_K/Q5_K's "- dmin*m"), the same
  * one numpy's float32 arithmetic makes, in any association or fused multiply-add: bit-equal to gguf-py.
  *
- * Dot kernel: per 64-element chunk the weight quants are decoded once into 64 unsigned bytes (natural order)
- * and multiplied with each activation row's signed bytes by vpdpbusd: 16 int32 lanes, lane l covering
- * elements 4l..4l+3, so lanes 0-7 lie in one 32-element activation block and lanes 8-15 in the next (and, for
- * Q6_K, each group of 4 lanes in one 16-element sub-block). Each lane is converted to float and accumulated
- * with its own scale (weight sub-block scale x activation block scale): per-lane float accumulators, one
- * horizontal sum per output. The min terms (Q4_K/Q5_K: dmin*m_j * d_a*s_a per sub-block) are 8-lane products
- * per super-block; Q6_K's -32 offset is folded into vpdpbusd's accumulator input as -32 * (sum of the
- * activation bytes per 4 lanes), computed once per activation chunk. Weight rows are processed RB at a time
- * and activation rows MB at a time (register blocking), so a decoded chunk serves every activation row and an
- * activation chunk every weight row.
+ * Dot kernel: vpdpbusd multiplies 64 unsigned weight quants by 64 signed activation bytes into 16 int32
+ * lanes of 4 products each. The re-layout orders each super-block's quants so that two such vectors share
+ * their sub-block lane for lane (Q4_K/Q5_K: 16-byte halves of 32-element sub-blocks; Q6_K: 8-byte halves of
+ * 16-element ones) and their int32 sums add before the float step; the activations, in natural order, are
+ * regrouped to match with one cross-lane shuffle per 64 bytes. Each int32 lane is then converted and
+ * accumulated with its own scale (weight sub-block scale x activation block scale): per-lane float
+ * accumulators, one horizontal sum per output. Q4_K/Q5_K's min terms (dmin*m_j * d_a*s_a per sub-block) are
+ * one 8-lane product per super-block; Q6_K's -32 offset enters vpdpbusd's accumulator as -32 * (the
+ * activation bytes' sum per lane). Weight rows are processed RB at a time and activation rows MB at a time
+ * (register blocking), so a decoded super-block serves every activation row and an activation super-block
+ * every weight row. The portable build (no AVX512-VNNI/VBMI) dequantizes a super-block and sums in float.
  */
 #ifndef TOKENLOOM_QUANT_KQUANTS_C
 #define TOKENLOOM_QUANT_KQUANTS_C
@@ -211,6 +213,87 @@ static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_de
 
 #if KQ_VNNI
 
+/* A re-laid-out Q6_K super-block: v = P_0, Q_0, P_1, Q_1 (unsigned 6-bit quants); returns d * sc_j (16 lanes). */
+static inline __attribute__((always_inline)) __m512 kq6_decode(const uint8_t *blk, __m512i v[4]) {
+    const __m512i nib = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64), hb = _mm512_loadu_si512(blk + 128);
+    /* 0xF8: a | (b & c): the low nibble, then the two high bits moved to bits 4-5 */
+    v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nib), _mm512_slli_epi16(hb, 4), m30, 0xF8);
+    v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30, 0xF8);
+    v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nib), hb, m30, 0xF8);
+    v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30, 0xF8);
+    return _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk + 208)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+}
+
+/* A re-laid-out Q4_K/Q5_K super-block: v = P, Q, R, S (unsigned 4/5-bit quants); returns d * sc_j in lanes
+ * 0-7 and dmin * m_j in lanes 8-15. */
+static inline __attribute__((always_inline)) __m512 kq45_decode(int five, const uint8_t *blk, __m512i v[4]) {
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    /* header word w (16 + 6j bit offsets) -> bytes j: sc_j (low qword) and m_j (high qword) */
+    const __m128i fields = _mm_set1_epi64x(0x3a342e28221c1610LL);
+    const __m512i dd_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const uint8_t *qs = blk + (five ? 48 : 16);
+    const __m128i hdr = _mm_loadu_si128((const __m128i *)blk);
+    const __m128i scm = _mm_and_si128(_mm_multishift_epi64_epi8(fields, hdr), _mm_set1_epi8(63));
+    /* d in lanes 0-7, dmin in 8-15 (f16 words 0 and 4) */
+    const __m512 dd = _mm512_permutexvar_ps(dd_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_shuffle_epi32(hdr, 0x08))));
+    const __m512i w0 = _mm512_loadu_si512(qs), w1 = _mm512_loadu_si512(qs + 64);
+    v[0] = _mm512_and_si512(w0, nib);
+    v[1] = _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
+    v[2] = _mm512_and_si512(w1, nib);
+    v[3] = _mm512_and_si512(_mm512_srli_epi16(w1, 4), nib);
+    if (five)
+        for (int t = 0; t < 4; ++t) {
+            uint64_t bits;
+            memcpy(&bits, blk + 16 + 8 * t, 8);
+            v[t] = _mm512_mask_add_epi8(v[t], _cvtu64_mask64(bits), v[t], _mm512_set1_epi8(16));
+        }
+    return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scm)));
+}
+
+/* Exact dequantize of re-laid-out rows (see the exactness note at the top): one fused multiply-add (Q4_K,
+ * Q5_K: d*sc * q - dmin*m, the product exact) or one exact product (Q6_K) per element. */
+static void kq45_dequant_row_avx(const uint8_t *row, int64_t k, float *out, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        __m512i v[4];
+        const __m512 wv = kq45_decode(five, row + blk * bytes, v);
+        float sc[16];
+        _mm512_storeu_ps(sc, wv);
+        for (int t = 0; t < 4; ++t)
+            for (int g = 0; g < 4; ++g) { /* lane g of P/Q/R/S: 16 consecutive elements of sub-block 4*(t/2) + g */
+                const int e = 128 * (t / 2) + 32 * g + 16 * (t % 2), j = e / 32;
+                const __m128i lane = g == 0 ? _mm512_castsi512_si128(v[t]) : g == 1 ? _mm512_extracti32x4_epi32(v[t], 1)
+                                   : g == 2 ? _mm512_extracti32x4_epi32(v[t], 2) : _mm512_extracti32x4_epi32(v[t], 3);
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane));
+                _mm512_storeu_ps(out + e, _mm512_fmsub_ps(_mm512_set1_ps(sc[j]), qf, _mm512_set1_ps(sc[8 + j])));
+            }
+    }
+}
+static void kq4_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 0); }
+static void kq5_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 1); }
+
+static void kq6_dequant_row_avx(const uint8_t *row, int64_t k, float *out) {
+    const __m512i n32 = _mm512_set1_epi32(32);
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        __m512i v[4];
+        float sc[16];
+        _mm512_storeu_ps(sc, kq6_decode(row + blk * KQ6_BYTES, v));
+        for (int h = 0; h < 2; ++h) {
+            /* per 128-bit lane: 8-byte runs of P and Q side by side are one 16-element sub-block */
+            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]), hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
+            for (int g = 0; g < 8; ++g) { /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
+                const __m512i src = g % 2 ? hi : lo;
+                const __m128i lane = g / 2 == 0 ? _mm512_castsi512_si128(src) : g / 2 == 1 ? _mm512_extracti32x4_epi32(src, 1)
+                                   : g / 2 == 2 ? _mm512_extracti32x4_epi32(src, 2) : _mm512_extracti32x4_epi32(src, 3);
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lane), n32));
+                _mm512_storeu_ps(out + 128 * h + 16 * g, _mm512_mul_ps(_mm512_set1_ps(sc[8 * h + g]), qf));
+            }
+        }
+    }
+}
+
 /* Q6_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per half
  * of a super-block and activation row, the natural chunks are regrouped by 8-byte runs into the P, Q order
  * (one vpermt2q each); the weights' -32 offset enters vpdpbusd's accumulator as -32 * (the activation bytes'
@@ -220,7 +303,7 @@ static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, i
                                                            int r0, float *out, int64_t out_stride) {
     (void)unused;
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
-    const __m512i nib = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), n32 = _mm512_set1_epi8(32);
+    const __m512i n32 = _mm512_set1_epi8(32);
     const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i sub[2] = {_mm512_srli_epi32(lane, 1), _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
@@ -246,17 +329,8 @@ static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, i
         }
         for (int i = 0; i < RB; ++i) {
             const uint8_t *blk = w + (j + i) * row_bytes + b * KQ6_BYTES;
-            const __m512 wsc = _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk + 208)),
-                                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                 _mm_loadu_si128((const __m128i *)(blk + 192)))));
-            const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64);
-            const __m512i hb = _mm512_loadu_si512(blk + 128);
-            /* 0xF8: a | (b & c): the low nibble, then the two high bits moved to bits 4-5 */
-            const __m512i v[4] = {
-                _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nib), _mm512_slli_epi16(hb, 4), m30, 0xF8),
-                _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30, 0xF8),
-                _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nib), hb, m30, 0xF8),
-                _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30, 0xF8)};
+            __m512i v[4];
+            const __m512 wsc = kq6_decode(blk, v);
             for (int h = 0; h < 2; ++h) {
                 const __m512 ws = _mm512_permutexvar_ps(sub[h], wsc);
                 for (int r = 0; r < MB; ++r) {
@@ -279,12 +353,8 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
                                                             int64_t row_bytes, int64_t j, const tl_act_q8 *a,
                                                             int r0, float *out, int64_t out_stride) {
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK, bytes = five ? KQ5_BYTES : KQ4_BYTES;
-    const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     const __m512i lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
-    /* header word w (16 + 6j bit offsets) -> bytes j: sc_j (low qword) and m_j (high qword) */
-    const __m128i fields = _mm_set1_epi64x(0x3a342e28221c1610LL);
-    const __m512i dd_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     __m512 acc[4][4];
     for (int i = 0; i < RB; ++i)
         for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -309,22 +379,9 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
             dsa[r] = _mm512_insertf32x8(_mm512_setzero_ps(), ds, 1);
         }
         for (int i = 0; i < RB; ++i) {
-            const uint8_t *blk = w + (j + i) * row_bytes + b * bytes, *qs = blk + (five ? 48 : 16);
-            const __m128i hdr = _mm_loadu_si128((const __m128i *)blk);
-            const __m128i scm = _mm_and_si128(_mm_multishift_epi64_epi8(fields, hdr), _mm_set1_epi8(63));
-            const __m512 dd = _mm512_permutexvar_ps(dd_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_shuffle_epi32(hdr, 0x08))));
-            /* dd: d in lanes 0-7, dmin in 8-15 (f16 words 0 and 4); wv lanes 0-7: d * sc_j, 8-15: dmin * m_j */
-            const __m512 wv = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scm)));
+            __m512i v[4];
+            const __m512 wv = kq45_decode(five, w + (j + i) * row_bytes + b * bytes, v);
             const __m512 wsA = _mm512_permutexvar_ps(lane4, wv), wsB = _mm512_permutexvar_ps(lane4b, wv);
-            const __m512i w0 = _mm512_loadu_si512(qs), w1 = _mm512_loadu_si512(qs + 64);
-            __m512i v[4] = {_mm512_and_si512(w0, nib), _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib),
-                            _mm512_and_si512(w1, nib), _mm512_and_si512(_mm512_srli_epi16(w1, 4), nib)};
-            if (five)
-                for (int t = 0; t < 4; ++t) {
-                    uint64_t bits;
-                    memcpy(&bits, blk + 16 + 8 * t, 8);
-                    v[t] = _mm512_mask_add_epi8(v[t], _cvtu64_mask64(bits), v[t], sixteen);
-                }
             for (int r = 0; r < MB; ++r) {
                 const __m512i iA = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x[r][0]),
                                                        v[1], x[r][1]);
@@ -390,10 +447,15 @@ static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, c
                          int64_t os) { kq_dot_rows_scalar(kq6_dequant_row, KQ6_BYTES, w, rb, n0, n1, a, o, os); }
 #endif
 
+#if KQ_VNNI
+#define KQ_DEQ(name) name##_avx
+#else
+#define KQ_DEQ(name) name
+#endif
 static const tl_quant_type kq_types[3] = {
-    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, kq4_dequant_row, kq4_repack_row},
-    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, kq5_dequant_row, kq5_repack_row},
-    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, kq6_dequant_row, kq6_repack_row},
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row},
 };
 
 static const tl_quant_type *tl_kquant_type(int type) {
@@ -404,11 +466,13 @@ static const tl_quant_type *tl_kquant_type(int type) {
 
 /* ---------------------------------------------------------------- test entry points (tests/unit) */
 
-/* One row (k columns) of `type` dequantized; -1 for a type not of this family or k not whole super-blocks. */
-KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float *out) {
+/* One re-laid-out row (k columns) of `type` dequantized, by the table's function or (portable != 0) by the
+ * portable C one that builds without AVX-512; -1 for a type not of this family or k not whole super-blocks. */
+KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float *out, int portable) {
+    static const tl_dequant_row_fn scalar[3] = {kq4_dequant_row, kq5_dequant_row, kq6_dequant_row};
     const tl_quant_type *t = tl_kquant_type(type);
     if (t == NULL || k % KQ_K) return -1;
-    t->dequant_row(row, k, out);
+    (portable ? scalar[t - kq_types] : t->dequant_row)(row, k, out);
     return 0;
 }
 
