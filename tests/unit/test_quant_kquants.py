@@ -161,3 +161,72 @@ def test_entry_points_refuse_other_types_and_shapes():
     out = np.empty(256, np.float32)
     assert LIB.kquant_dequant_row(2, ptr(data), ctypes.c_int64(256), ptr(out), 0) == -1  # Q4_0: not this family
     assert LIB.kquant_dequant_row(Q4_K, ptr(data), ctypes.c_int64(128), ptr(out), 0) == -1  # not whole blocks
+
+
+# ---- through the public operations (tokenloom.kernels.quant_gemm: prepare, dequantize, embedding, linear)
+
+def _public_native() -> bool:
+    from tokenloom.kernels import quant_gemm as qg
+
+    return hasattr(qg, "native_supported") and all(qg.native_supported(t) for t in (Q4_K, Q5_K, Q6_K))
+
+
+public = pytest.mark.skipif(not _public_native(), reason="the native quantized-matmul driver is not built")
+
+
+def _quant_matrix(qtype: int, n: int, k: int, seed: int):
+    from tokenloom.kernels import quant_gemm as qg
+
+    return qg.QuantMatrix.from_gguf(qtype, (n, k), make_blocks(qtype, n, k, seed), f"test.{qtype}")
+
+
+@public
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
+def test_public_dequantize_and_embedding_bit_equal(qtype):
+    import torch
+
+    from tokenloom.kernels import quant_gemm as qg
+
+    qm = _quant_matrix(qtype, 29, 768, seed=qtype)
+    ref = qg.dequantize(qm)  # unprepared: the gguf package
+    prepared = qg.prepare(qm)
+    assert prepared.packed and prepared.nbytes == qm.nbytes and not torch.equal(prepared.data, qm.data)
+    assert torch.equal(qg.dequantize(prepared), ref)
+    ids = torch.tensor([[3, 0], [28, 3]])
+    assert torch.equal(qg.embedding(ids, prepared, torch.float32), ref[ids])
+
+
+@public
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("m", [1, 3, 4, 64])
+@pytest.mark.parametrize("k", [768, 2048])
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float32"])
+def test_public_linear(qtype, m, k, x_dtype):
+    """bf16 x at few rows: the int8 path's bound sum_i |w_i| d(i) / 2; bf16 x at many rows: the weight rounded
+    once to bf16 (2^-9 relative); float32 x: exact weights, float32 sums."""
+    import ctypes as ct
+
+    import torch
+
+    from tokenloom.kernels import quant_gemm as qg
+
+    n = 37
+    qm = qg.prepare(_quant_matrix(qtype, n, k, seed=m + k))
+    w = qg.dequantize(qm).double()
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g).to(getattr(torch, x_dtype))
+    bias = torch.randn(n, generator=g)
+    got = qg.linear(x, qm, bias, out_dtype=torch.float32).double()
+    xd = x.double()
+    ref = xd @ w.T + bias.double()
+    mag = xd.abs() @ w.abs().T
+    small = m <= qg._native().quant_small_m(ct.c_int(-1))
+    if x.dtype == torch.float32:
+        tol = k * 2.0 ** -24 * mag
+    elif small:
+        d = xd.abs().view(m, k // 32, 32).amax(-1) / 127
+        tol = (d.repeat_interleave(32, dim=1) / 2) @ w.abs().T + 1e-5 * mag
+    else:
+        tol = 2.0 ** -9 * mag + k * 2.0 ** -24 * mag
+    assert got.shape == (m, n)
+    assert torch.all((got - ref).abs() <= tol + 1e-6), float(((got - ref).abs() / (tol + 1e-6)).max())
