@@ -73,28 +73,29 @@ def ptr(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-def prepared(qtype: int, data: np.ndarray, cols: int) -> np.ndarray:
+def prepared(qtype: int, data: np.ndarray, cols: int, lib: ctypes.CDLL | None = None) -> np.ndarray:
     """The rows re-laid out for the kernel (a copy)."""
     out = data.copy()
     for r in range(out.shape[0]):
-        assert LIB.kquant_repack_row(qtype, ptr(out[r]), ctypes.c_int64(cols)) == 0
+        assert (lib or LIB).kquant_repack_row(qtype, ptr(out[r]), ctypes.c_int64(cols)) == 0
     return out
 
 
-def kernel_dequant(qtype: int, data: np.ndarray, cols: int, portable: bool = False) -> np.ndarray:
+def kernel_dequant(qtype: int, data: np.ndarray, cols: int, portable: bool = False,
+                   lib: ctypes.CDLL | None = None) -> np.ndarray:
     out = np.empty((data.shape[0], cols), np.float32)
     for r in range(data.shape[0]):
         row = np.ascontiguousarray(data[r])
-        rc = LIB.kquant_dequant_row(qtype, ptr(row), ctypes.c_int64(cols), ptr(out[r]), int(portable))
+        rc = (lib or LIB).kquant_dequant_row(qtype, ptr(row), ctypes.c_int64(cols), ptr(out[r]), int(portable))
         assert rc == 0
     return out
 
 
 def kernel_dot(qtype: int, data: np.ndarray, q: np.ndarray, d: np.ndarray, s: np.ndarray, threads: int = 2,
-               row_bytes: int | None = None) -> np.ndarray:
+               row_bytes: int | None = None, lib: ctypes.CDLL | None = None) -> np.ndarray:
     n, (m, k) = data.shape[0], q.shape
     out = np.full((m, n), np.nan, np.float32)
-    rc = LIB.kquant_dot_rows(qtype, ptr(data), ctypes.c_int64(row_bytes or data.shape[1]), ctypes.c_int64(n),
+    rc = (lib or LIB).kquant_dot_rows(qtype, ptr(data), ctypes.c_int64(row_bytes or data.shape[1]), ctypes.c_int64(n),
                              ptr(q), ptr(d), ptr(s), m, ctypes.c_int64(k), ptr(out), threads)
     assert rc == 0
     return out
@@ -230,3 +231,38 @@ def test_public_linear(qtype, m, k, x_dtype):
         tol = 2.0 ** -9 * mag + k * 2.0 ** -24 * mag
     assert got.shape == (m, n)
     assert torch.all((got - ref).abs() <= tol + 1e-6), float(((got - ref).abs() / (tol + 1e-6)).max())
+
+
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    """csrc/quant_kquants.c built alone for baseline x86-64 (no AVX-512): the fallback every CPU gets."""
+    import os
+    import shutil
+    import subprocess
+
+    from tokenloom.kernels.cpu_build import CSRC
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    target = str(tmp_path_factory.mktemp("kq") / "kq_portable.so")
+    subprocess.run([cc, "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx512f",
+                    os.path.join(CSRC, "quant_kquants.c"), "-o", target], check=True)
+    return ctypes.CDLL(target)
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
+def test_portable_build(portable_lib, qtype):
+    n, k, m = 9, 512, 3
+    data = make_blocks(qtype, n, k, seed=77)
+    w = reference_weights(qtype, data, k)
+    x = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
+    q, d, s = quantize_activations(x)
+    packed = prepared(qtype, data, k, lib=portable_lib)
+    got = kernel_dot(qtype, packed, q, d, s, lib=portable_lib).astype(np.float64)
+    deq = kernel_dequant(qtype, packed, k, lib=portable_lib)
+    assert np.array_equal(packed, prepared(qtype, data, k))  # the same re-layout as the native build
+    assert np.array_equal(deq.view(np.uint32), w.view(np.uint32))
+    seen = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+    scale = np.abs(seen) @ np.abs(w.astype(np.float64)).T
+    assert np.all(np.abs(got - seen @ w.astype(np.float64).T) <= 1e-5 * scale)
