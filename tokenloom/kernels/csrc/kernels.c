@@ -14,4 +14,3 @@
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"
-#include "quant_kquants.c"
