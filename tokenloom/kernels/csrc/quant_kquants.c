@@ -43,8 +43,8 @@
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__F16C__)
 #define KQ_VNNI 1
 #else
 #define KQ_VNNI 0
@@ -180,7 +180,8 @@ static void kq6_repack_row(uint8_t *row, int64_t k) {
         uint8_t *p = row + blk * KQ6_BYTES, q[KQ_K], out[192] = {0};
         for (int e = 0; e < KQ_K; ++e) { /* the file layout (see the top of this file) */
             const int h = e / 128, s = (e / 64) % 2, l = e % 64;
-            q[e] = (uint8_t)(((p[64 * h + l] >> (4 * s)) & 0xf) | (((p[128 + 32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3) << 4));
+            const int hi = (p[128 + 32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3;
+            q[e] = (uint8_t)(((p[64 * h + l] >> (4 * s)) & 0xf) | (hi << 4));
         }
         for (int v = 0; v < 4; ++v)
             for (int b = 0; b < 64; ++b) {
@@ -220,15 +221,27 @@ static inline __attribute__((always_inline)) void kq_prefetch(const uint8_t *p, 
     for (int o = 0; o < bytes + 63; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
 
+/* 16-byte lane g (a compile-time constant after unrolling) of v. */
+static inline __attribute__((always_inline)) __m128i kq_lane(__m512i v, int g) {
+    switch (g) {
+    case 0: return _mm512_castsi512_si128(v);
+    case 1: return _mm512_extracti32x4_epi32(v, 1);
+    case 2: return _mm512_extracti32x4_epi32(v, 2);
+    default: return _mm512_extracti32x4_epi32(v, 3);
+    }
+}
+
 /* A re-laid-out Q6_K super-block: v = P_0, Q_0, P_1, Q_1 (unsigned 6-bit quants); returns d * sc_j (16 lanes). */
 static inline __attribute__((always_inline)) __m512 kq6_decode(const uint8_t *blk, __m512i v[4]) {
     const __m512i nib = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64), hb = _mm512_loadu_si512(blk + 128);
     /* 0xF8: a | (b & c): the low nibble, then the two high bits moved to bits 4-5 */
     v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nib), _mm512_slli_epi16(hb, 4), m30, 0xF8);
-    v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30, 0xF8);
+    v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30,
+                                     0xF8);
     v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nib), hb, m30, 0xF8);
-    v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30, 0xF8);
+    v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30,
+                                     0xF8);
     return _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk + 208)),
                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
 }
@@ -271,9 +284,7 @@ static void kq45_dequant_row_avx(const uint8_t *row, int64_t k, float *out, int 
         for (int t = 0; t < 4; ++t)
             for (int g = 0; g < 4; ++g) { /* lane g of P/Q/R/S: 16 consecutive elements of sub-block 4*(t/2) + g */
                 const int e = 128 * (t / 2) + 32 * g + 16 * (t % 2), j = e / 32;
-                const __m128i lane = g == 0 ? _mm512_castsi512_si128(v[t]) : g == 1 ? _mm512_extracti32x4_epi32(v[t], 1)
-                                   : g == 2 ? _mm512_extracti32x4_epi32(v[t], 2) : _mm512_extracti32x4_epi32(v[t], 3);
-                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane));
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(kq_lane(v[t], g)));
                 _mm512_storeu_ps(out + e, _mm512_fmsub_ps(_mm512_set1_ps(sc[j]), qf, _mm512_set1_ps(sc[8 + j])));
             }
     }
@@ -289,12 +300,11 @@ static void kq6_dequant_row_avx(const uint8_t *row, int64_t k, float *out) {
         _mm512_storeu_ps(sc, kq6_decode(row + blk * KQ6_BYTES, v));
         for (int h = 0; h < 2; ++h) {
             /* per 128-bit lane: 8-byte runs of P and Q side by side are one 16-element sub-block */
-            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]), hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
+            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
+            const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
             for (int g = 0; g < 8; ++g) { /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
                 const __m512i src = g % 2 ? hi : lo;
-                const __m128i lane = g / 2 == 0 ? _mm512_castsi512_si128(src) : g / 2 == 1 ? _mm512_extracti32x4_epi32(src, 1)
-                                   : g / 2 == 2 ? _mm512_extracti32x4_epi32(src, 2) : _mm512_extracti32x4_epi32(src, 3);
-                const __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lane), n32));
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(kq_lane(src, g / 2)), n32));
                 _mm512_storeu_ps(out + 128 * h + 16 * g, _mm512_mul_ps(_mm512_set1_ps(sc[8 * h + g]), qf));
             }
         }
@@ -311,10 +321,13 @@ static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, i
     (void)unused;
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
     const __m512i n32 = _mm512_set1_epi8(32);
-    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i sub[2] = {_mm512_srli_epi32(lane, 1), _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
-    const __m512i act[2] = {_mm512_srli_epi32(lane, 2), _mm512_add_epi32(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(4))};
+    const __m512i sub[2] = {_mm512_srli_epi32(lane, 1),
+                            _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
+    const __m512i act[2] = {_mm512_srli_epi32(lane, 2),
+                            _mm512_add_epi32(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(4))};
     __m512 acc[4][4];
     for (int i = 0; i < RB; ++i)
         for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
