@@ -20,6 +20,13 @@ a thread count with hysteresis, so a measure near a boundary does not flip the c
 count is set on the forward thread (`torch.set_num_threads`, which every C kernel reads per call). The other
 processes of this server (tokenizer, detokenizer, HTTP) count as others: they do take the cores.
 
+The wait policy: a rank's libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, when torch loads it, so the
+launcher puts them in the environment its rank processes start with (`rank_omp_env`), unless the user set
+either. libgomp's default spins 300k rounds (milliseconds) at a barrier before it sleeps: on a busy machine a
+waiting thread spends its time slice spinning for a thread that is not running. `GOMP_SPINCOUNT` of
+`SPIN_COUNT` keeps the short waits between the regions of one step spinning (they are microseconds apart) and
+puts a thread to sleep soon when the wait is long (between steps, or a peer preempted).
+
 Invariants: the count stays within [1, the configured count]; without /proc/stat (not Linux) the policy is
 off; a rank with one configured thread has nothing to adapt and gets no policy.
 """
@@ -43,6 +50,8 @@ INTERVAL_S = 0.5
 DROP_BELOW = 0.5
 RAISE_SHORT = 0.3
 PROC_STAT = "/proc/stat"
+SPIN_COUNT = 10000
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # /proc/stat's per-CPU columns after the name: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY_COLUMNS = (0, 2, 5, 6, 7)
 _NICE_COLUMN = 1
@@ -152,3 +161,11 @@ def adaptive_threads(policy: str, device_type: str, max_threads: int) -> Adaptiv
     except (AttributeError, OSError, ValueError):
         return None
     return AdaptiveThreads(max_threads, share)
+
+
+def rank_omp_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """Environment variables to add for the rank processes (libgomp's wait policy), given the launcher's
+    environment: none when the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins)."""
+    if any(name in environ for name in OMP_WAIT_VARS):
+        return {}
+    return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
