@@ -328,8 +328,8 @@ def main() -> int:
     parser.add_argument("--reference", choices=("transformers", "tokenloom"), default="transformers",
                         help="which float32 engine the others are measured against")
     parser.add_argument("--quick", action="store_true", help="8 chunks, 6 greedy prompts")
-    parser.add_argument("--chunks", type=int, default=24)
-    parser.add_argument("--chunk-len", type=int, default=256)
+    parser.add_argument("--chunks", "--windows", type=int, default=24)
+    parser.add_argument("--chunk-len", "--window-len", type=int, default=256)
     parser.add_argument("--greedy-prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
