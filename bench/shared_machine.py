@@ -1,7 +1,7 @@
 """A tokenloom server on a machine shared with a busy process: decode speed with a background CPU hog
 (`python -c "while True: pass"`, normal priority) on vs off, for several server settings side by side.
 
-    .venv/bin/python bench/shared_machine.py                      # the fix off vs on, 3 rounds
+    .venv/bin/python bench/shared_machine.py                      # before / after the fix / adaptive, 3 rounds
     .venv/bin/python bench/shared_machine.py --quick              # 1 round, 32 new tokens
     .venv/bin/python bench/shared_machine.py --mode spin:OMP_WAIT_POLICY=ACTIVE --mode one:--num-threads=1
 
@@ -17,8 +17,9 @@ hog on two cores (it takes a third of the CPU if shared evenly), and the fix's u
 the fix off.
 
 Modes: `NAME:SETTING,SETTING...`, each setting `ENV=VALUE` (in the server's environment, so its rank processes
-inherit it) or `--flag=value` / `--flag` (a server flag). Default: `fixed:--cpu-threads-policy=fixed` (the
-fix off) and `adaptive:--cpu-threads-policy=adaptive` (tokenloom/executor/cpu_threads.py). Other load on the machine
+inherit it) or `--flag=value` / `--flag` (a server flag). Default: `before:GOMP_SPINCOUNT=300000` (libgomp's
+own spin, the fix off: a user's GOMP_SPINCOUNT wins over the launcher's), `after:` (tokenloom's defaults) and
+`adaptive:--cpu-threads-policy=adaptive` (tokenloom/executor/cpu_threads.py). Other load on the machine
 moves absolute numbers: compare the ratios. The last stdout line is one JSON object.
 """
 
@@ -46,7 +47,9 @@ from bench.serve_vs_peers import free_port  # noqa: E402
 STARTUP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 900
 HOG = "while True: pass"
-DEFAULT_MODES = ("fixed:--cpu-threads-policy=fixed", "adaptive:--cpu-threads-policy=adaptive")
+# before: libgomp's own default spin (what rank processes had before issue 30; a user's GOMP_SPINCOUNT wins over
+# the launcher's); after: tokenloom's defaults (the launcher's short spin); adaptive: the opt-in thread policy
+DEFAULT_MODES = ("before:GOMP_SPINCOUNT=300000", "after:", "adaptive:--cpu-threads-policy=adaptive")
 
 
 def parse_mode(spec: str) -> tuple[str, dict[str, str], list[str]]:

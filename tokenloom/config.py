@@ -112,10 +112,10 @@ class ServerArgs:
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
     cpu_threads_policy: str = _flag(
-        "adaptive", "CPU: adaptive lowers each rank's forward threads (never above --num-threads' count) while "
-        "other processes keep its cores busy, and raises them again when they stop, so a busy neighbour slows "
-        "decode in proportion to the CPU it takes (with every core's thread, each parallel region would wait "
-        "for a preempted thread); fixed keeps the count (executor/cpu_threads.py).", CPU_THREADS_POLICIES)
+        "fixed", "CPU: fixed keeps each rank's forward threads at --num-threads' count; adaptive lowers them "
+        "while other processes keep the rank's cores busy and raises them again when they stop "
+        "(executor/cpu_threads.py; it frees cores for a neighbour, but with many busy processes fewer threads get "
+        "a smaller share of the CPU).", CPU_THREADS_POLICIES)
     watchdog_timeout: float = _flag(300.0, "Seconds one forward step may run before the rank's watchdog declares "
                                     "it hung: the rank reports the reason and exits, and the server reports "
                                     "unhealthy and exits non-zero (SGLang's flag and default).")

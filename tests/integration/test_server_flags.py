@@ -174,7 +174,7 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
 
 
 @pytest.mark.parametrize("user_env, expected", [
-    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}),
+    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}),
     ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),
 ])
 def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypatch, user_env, expected):

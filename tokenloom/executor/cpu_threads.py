@@ -1,31 +1,32 @@
-"""A rank's forward threads on a shared machine: use only the cores other processes leave free
-(`--cpu-threads-policy adaptive`, the default on the CPU; `fixed` keeps the configured count).
+"""A rank's forward on a shared machine: how long libgomp's threads spin before they sleep (set for every rank
+process), and optionally a thread count that follows the cores other processes leave free
+(`--cpu-threads-policy adaptive`; the default `fixed` keeps the configured count).
 
 Why: every parallel region of a forward (torch's and our C kernels', all on torch's libgomp) ends in a barrier
-that waits for its slowest thread. With as many threads as cores and a busy process beside the server, the
-kernel keeps preempting one of the threads; the others wait at every barrier for it to be scheduled again
-(spinning first: libgomp spins ~300k iterations before it sleeps, taking CPU from the very thread it waits
-for). A decode step runs hundreds of regions, so each step pays that stall hundreds of times: decode fell
-10-30x with one busy process on two cores (issue 30), where the CPU lost was a third. With one thread fewer
-than the busy cores, no region waits for a preempted thread and the forward slows in proportion to the CPU
-it lost.
-
-How: before a step, at most every `INTERVAL_S`, `CpuShare` measures how much of this process's cores (its
-affinity mask) other processes kept busy since the last measure: the cores' busy time from /proc/stat
-(user, system, irq, softirq, steal) minus this process's own CPU time (`time.process_time`), over the wall
-time. Processes at a positive nice value are not counted (their time is /proc/stat's separate nice column):
-the scheduler gives them a small share against ours (nice 19: ~1.5%), so they do not preempt our threads
-for long (unless this process is itself niced; then they count). `choose_threads` turns the free cores into
-a thread count with hysteresis, so a measure near a boundary does not flip the count every interval; the
-count is set on the forward thread (`torch.set_num_threads`, which every C kernel reads per call). The other
-processes of this server (tokenizer, detokenizer, HTTP) count as others: they do take the cores.
+that waits for its slowest thread, and a decode step runs hundreds of regions. libgomp's default wait spins
+300k rounds of `pause` before it sleeps: ~30 ms on this machine's cores (measured ~110 ns a pause). With a busy
+process beside the server, the kernel preempts one of the threads and the other spends its time slice
+spinning for it, at every barrier: decode fell 10-30x (issue 30).
 
 The wait policy: a rank's libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, when torch loads it, so the
-launcher puts them in the environment its rank processes start with (`rank_omp_env`), unless the user set
-either. libgomp's default spins 300k rounds (milliseconds) at a barrier before it sleeps: on a busy machine a
-waiting thread spends its time slice spinning for a thread that is not running. `GOMP_SPINCOUNT` of
-`SPIN_COUNT` keeps the short waits between the regions of one step spinning (they are microseconds apart) and
-puts a thread to sleep soon when the wait is long (between steps, or a peer preempted).
+launcher puts `GOMP_SPINCOUNT=SPIN_COUNT` in the environment its rank processes start with (`rank_omp_env`),
+unless the user set either variable. 1000 rounds (~0.1 ms) keep the waits between the regions of one step
+(microseconds apart) spinning, and put a thread to sleep soon when its peer is not running or the step has
+ended. bench/shared_machine.py measured, with the machine loaded by other work and one more busy process:
+libgomp's default 2 tok/s, 10k rounds 21-28, 1000 rounds 127-172, no spinning (PASSIVE) 56-198.
+
+The adaptive thread count (opt-in): before a step, at most every `INTERVAL_S`, `CpuShare` measures how much
+of this process's cores (its affinity mask) other processes kept busy since the last measure: the cores'
+busy time from /proc/stat (user, system, irq, softirq, steal) minus this process's own CPU time
+(`time.process_time`), over the wall time. Processes at a positive nice value are not counted (their time
+is /proc/stat's separate nice column): the scheduler gives them a small share against ours (nice 19: ~1.5%)
+(unless this process is itself niced; then they count). `choose_threads` turns the free cores into a thread
+count with hysteresis, so a measure near a boundary does not flip the count every interval; the count is set
+on the forward thread (`torch.set_num_threads`, which every C kernel reads per call; the default model's
+logits are bitwise the same at 1 and 2 threads). The other processes of this server (tokenizer, detokenizer,
+HTTP) count as others: they do take the cores. Not the default: with many busy processes (the shared
+machine above) one thread gets one share of the CPU where two get two, and decode was 2-3x slower than the
+fixed count with the short spin (47 vs 104-153 tok/s); it gives back a core to a single neighbour.
 
 Invariants: the count stays within [1, the configured count]; without /proc/stat (not Linux) the policy is
 off; a rank with one configured thread has nothing to adapt and gets no policy.
@@ -50,7 +51,7 @@ INTERVAL_S = 0.5
 DROP_BELOW = 0.5
 RAISE_SHORT = 0.3
 PROC_STAT = "/proc/stat"
-SPIN_COUNT = 10000
+SPIN_COUNT = 1000
 OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # /proc/stat's per-CPU columns after the name: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY_COLUMNS = (0, 2, 5, 6, 7)
