@@ -5,6 +5,9 @@ transformers bf16, in one run.
     .venv/bin/python bench/accuracy.py --quick                # a few minutes a file: 8 chunks, 6 continuations
     .venv/bin/python bench/accuracy.py --gguf A.Q8_0.gguf B.Q4_K_M.gguf --reference tokenloom
 
+On a machine other work keeps busy, start it with `GOMP_SPINCOUNT=1000` (the transformers engines run in this
+process; libgomp's default spin stalls them as it stalled the servers, tokenloom/executor/cpu_threads.py).
+
 Files (`--gguf`, any number): by default the packaged default file (SmolLM2-135M-Instruct, Q4_1 layers) and,
 when it exists, the Q8_0 file `bench/llama_server.py` makes from it (`<tokenloom cache>/gguf/...-q8_0.gguf`;
 `bench/serve_vs_peers.py --engines llama.cpp-q8_0` makes it once). Per file, four engines:
@@ -293,12 +296,18 @@ def measure_file(path: str, args: argparse.Namespace, log_dir: str) -> dict[str,
     prompts = [c[: args.prompt_len] for c in chunks[: args.greedy_prompts]]
     started = time.time()
     model = ["--model-path", path]
-    runs = {
-        "served": tokenloom_engine(model, chunks, prompts, args.new_tokens, log_dir),
-        "tokenloom fp32": tokenloom_engine([*model, *fp32_flags()], chunks, prompts, args.new_tokens, log_dir),
-        "transformers fp32": transformers_engine(path, torch.float32, chunks, prompts, args.new_tokens),
-        "transformers bf16": transformers_engine(path, torch.bfloat16, chunks, prompts, args.new_tokens),
+    engines = {
+        "served": lambda: tokenloom_engine(model, chunks, prompts, args.new_tokens, log_dir),
+        "tokenloom fp32": lambda: tokenloom_engine([*model, *fp32_flags()], chunks, prompts, args.new_tokens,
+                                                   log_dir),
+        "transformers fp32": lambda: transformers_engine(path, torch.float32, chunks, prompts, args.new_tokens),
+        "transformers bf16": lambda: transformers_engine(path, torch.bfloat16, chunks, prompts, args.new_tokens),
     }
+    runs = {}
+    for name, run in engines.items():
+        runs[name] = run()
+        print(f"{os.path.basename(path)}: {name} perplexity {perplexity(runs[name]['nlls']):.4f} "
+              f"({time.time() - started:.0f} s)", flush=True)
     ref = runs[f"{args.reference} fp32"]
     ref_ppl = perplexity(ref["nlls"])
     rows = {}
