@@ -14,9 +14,11 @@
  * gives the low nibbles (elements 0..15 of each block) and the high nibbles (16..31). The activation's two
  * 64-byte vectors (natural order) are regrouped with two 128-bit lane shuffles so that each 32-bit lane of
  * both products belongs to one block; vpdpbusd twice gives per-lane integer sums, converted to float and
- * accumulated with the lane's block scale d_w * d_x (no horizontal sum per block). The weight offset goes
- * through the activation block sums s: Q4_0 adds d_w * (-8 * d_x * s), Q4_1 adds m_w * d_x * s, Q8_0 adds
- * d_w * (-128 * d_x * s), 16 blocks per vector. One horizontal sum per output at the end.
+ * accumulated with the lane's block scale d_w * d_x (no horizontal sum per block). Scales are computed per
+ * span of 16 blocks, one vector per output, and each group takes its lanes' scales from it with one vpermps.
+ * The weight offset goes through the activation block sums s, on the same span vectors: Q4_0 adds
+ * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s). A tile is 16 weight rows x 1
+ * activation row or 8 x 2 (16 accumulators), ended by one batched horizontal sum (reduce16).
  *
  * Dequantize is exact: every product d * q (11-bit by <= 8-bit integer) is exact in float32, so the results
  * equal the gguf package's bit for bit (with or without FMA contraction).
@@ -35,8 +37,6 @@
 #endif
 
 #if HAVE_QUANT_LEGACY
-#define LEGACY_NR 4 /* weight rows per tile: each activation vector loaded serves four rows */
-
 static inline float h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -112,144 +112,199 @@ static void q8_0_dequant(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
+/* ---- dequantize straight to bf16 (the matmul tile of bf16 activations) ---- */
+
+/* bf16 of each weight, as rounding the float32 dequantize would give (round to nearest even). Q4: the
+ * block's 16 possible values d * q (+ m) go into a table (exact products, one rounding for + m, as in the
+ * float32 path), and one vpermw looks all 32 nibbles up. */
+static inline __attribute__((always_inline)) void q4_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out,
+                                                                  const int is_q4_1) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + (is_q4_1 ? 4 : 2) * nb;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q_off = is_q4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
+    const __m256i low = _mm256_set1_epi16(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        const __m512 vals = is_q4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q_off), _mm512_set1_ps(h2f(row + 2 * nb + 2 * b)))
+                                    : _mm512_mul_ps(d, q_off);
+        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
+        const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * b)));
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w16, low)),
+                                               _mm256_srli_epi16(w16, 4), 1);
+        _mm512_storeu_si512(out + 32 * b, _mm512_permutexvar_epi16(idx, table));
+    }
+}
+
+static void q4_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) { q4_dequant_bf16(row, k, out, 0); }
+static void q4_1_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) { q4_dequant_bf16(row, k, out, 1); }
+
+static void q8_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + 2 * nb;
+    const __m512i flip = _mm512_set1_epi32(128);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
+            v[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip)));
+        }
+        _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+    }
+}
+
 /* ---- dot kernels ---- */
 
-/* The block-offset term of NR x MR outputs, added to their accumulators: sum over blocks of
- * c_w[b] * coef * d_x[b] * s_x[b] with c_w the f16 array at byte `c_off` of each weight row. */
-static inline __attribute__((always_inline)) void offset_term(const uint8_t *w, int64_t row_bytes, int64_t c_off,
+/* A tile is NR weight rows x MR activation rows (NR * MR <= 16 outputs, one accumulator each), walked over K in
+ * spans of 16 blocks (512 elements). Per span and output, the 16 block scales d_w * d_x are computed once in
+ * one vector and parked on the stack; each group of blocks then picks its lanes' scales out of it with one
+ * vpermps (the stack copy is its memory operand). The offset term rides on the same vectors. At the end one
+ * batched horizontal sum (reduce16) turns the 16 accumulators into 16 outputs. */
+#define LEGACY_MAX_OUT 16
+
+/* Per-block scales of a span for every output, and the offset term. kind 0: Q4_0, 1: Q4_1, 2: Q8_0. */
+static inline __attribute__((always_inline)) void span_scales(const int kind, const uint8_t *w, int64_t row_bytes,
                                                               const int NR, const int MR, const tl_act_q8 *a,
-                                                              int64_t r0, int64_t nb, float coef,
-                                                              __m512 acc[LEGACY_NR][4]) {
-    const __m512 cf = _mm512_set1_ps(coef);
-    for (int64_t b = 0; b < nb; b += 16) {
-        const __mmask16 mask = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
-        __m512 t[4];
+                                                              int64_t r0, int64_t nb, int64_t b, __mmask16 mask,
+                                                              __m512 *acc, __m512 *p) {
+    __m512 dx[4], tx[4];
+    for (int j = 0; j < MR; ++j) {
+        const int64_t o = (r0 + j) * nb + b;
+        dx[j] = _mm512_maskz_loadu_ps(mask, a->d + o);
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a->s + o));
+        /* Q4_1: m_w * (d_x s); Q4_0 / Q8_0: (d_w d_x) * (-8 s or -128 s) */
+        tx[j] = kind == 1 ? _mm512_mul_ps(dx[j], s) : _mm512_mul_ps(s, _mm512_set1_ps(kind == 0 ? -8.0f : -128.0f));
+    }
+    for (int r = 0; r < NR; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
+        const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
         for (int j = 0; j < MR; ++j) {
-            const int64_t o = (r0 + j) * nb + b;
-            const __m512 s = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a->s + o));
-            t[j] = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, a->d + o), s), cf);
-        }
-        for (int r = 0; r < NR; ++r) {
-            const __m512 c = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w + r * row_bytes + c_off + 2 * b));
-            for (int j = 0; j < MR; ++j) acc[r][j] = _mm512_fmadd_ps(c, t[j], acc[r][j]);
+            const __m512 pj = _mm512_mul_ps(dw, dx[j]);
+            p[r * MR + j] = pj;
+            acc[r * MR + j] = _mm512_fmadd_ps(kind == 1 ? mw : pj, tx[j], acc[r * MR + j]);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void store_outputs(const int NR, const int MR,
-                                                                __m512 acc[LEGACY_NR][4], float *out,
-                                                                int64_t out_stride) {
-    for (int j = 0; j < MR; ++j)
-        for (int r = 0; r < NR; ++r) out[j * out_stride + r] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-/* Q4_0 / Q4_1: NR weight rows (from w) x MR activation rows (from r0), outputs at out[j * out_stride + r]. */
-static inline __attribute__((always_inline)) void q4_tile(const uint8_t *w, int64_t row_bytes, const int NR,
-                                                          const int MR, const tl_act_q8 *a, int64_t r0,
-                                                          float *out, int64_t out_stride, const int is_q4_1) {
-    const int64_t k = a->k, nb = k / TL_QK, qs_off = (is_q4_1 ? 4 : 2) * nb;
+/* One span (16 blocks, or the last `nblk` with masks when MASKED) of a Q4 tile. */
+static inline __attribute__((always_inline)) void q4_span(const int kind, const uint8_t *w, int64_t row_bytes,
+                                                          const int NR, const int MR, const tl_act_q8 *a, int64_t r0,
+                                                          int64_t b, const int MASKED, int nblk, __m512 *acc) {
+    const int64_t k = a->k, nb = k / TL_QK, qs_off = (kind == 1 ? 4 : 2) * nb;
+    const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
+    __m512 p[LEGACY_MAX_OUT];
+    span_scales(kind, w, row_bytes, NR, MR, a, r0, nb, b, mask, acc, p);
     const __m512i low = _mm512_set1_epi8(15);
-    /* lane -> block of a four-block group: lanes 4i..4i+3 belong to block i */
-    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[LEGACY_NR][4];
-    for (int r = 0; r < NR; ++r)
-        for (int j = 0; j < MR; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 4) {
-        const int nblk = nb - b >= 4 ? 4 : (int)(nb - b);
-        const __mmask8 m4 = (__mmask8)((1u << nblk) - 1u);
-        const __mmask64 mw = nblk == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * nblk)) - 1);
-        const __mmask64 ma = nblk >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << (32 * nblk)) - 1);
-        const __mmask64 mb = nblk == 4 ? ~(__mmask64)0 : nblk == 3 ? (((__mmask64)1 << 32) - 1) : 0;
+    const int groups = MASKED ? (nblk + 3) / 4 : 4;
+    for (int g = 0; g < groups; ++g) {
+        /* lanes 4i..4i+3 of a group belong to its block i: scale lane 4g + i of the span */
+        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                             _mm512_set1_epi32(4 * g));
+        const int left = MASKED ? nblk - 4 * g : 4; /* blocks in this group */
+        const __mmask64 mw = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
+        const __mmask64 ma = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << (32 * left)) - 1);
+        const __mmask64 mb = left >= 4 ? ~(__mmask64)0 : left == 3 ? (((__mmask64)1 << 32) - 1) : 0;
         __m512i xlo[4], xhi[4];
-        __m512 dx[4];
         for (int j = 0; j < MR; ++j) {
-            const int8_t *xq = a->q + (r0 + j) * k + 32 * b;
-            const __m512i A = _mm512_maskz_loadu_epi8(ma, xq), B = _mm512_maskz_loadu_epi8(mb, xq + 64);
+            const int8_t *xq = a->q + (r0 + j) * k + 32 * (b + 4 * g);
+            const __m512i A = MASKED ? _mm512_maskz_loadu_epi8(ma, xq) : _mm512_loadu_si512(xq);
+            const __m512i B = MASKED ? _mm512_maskz_loadu_epi8(mb, xq + 64) : _mm512_loadu_si512(xq + 64);
             xlo[j] = _mm512_shuffle_i64x2(A, B, 0x88); /* x[0..15], x[32..47], x[64..79], x[96..111] */
             xhi[j] = _mm512_shuffle_i64x2(A, B, 0xDD); /* the 16..31 halves of the same blocks */
-            dx[j] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(m4, a->d + (r0 + j) * nb + b)));
         }
         for (int r = 0; r < NR; ++r) {
-            const uint8_t *row = w + r * row_bytes;
-            const __m512i q = _mm512_maskz_loadu_epi8(mw, row + qs_off + 16 * b);
+            const uint8_t *src = w + r * row_bytes + qs_off + 16 * (b + 4 * g);
+            const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mw, src) : _mm512_loadu_si512(src);
             const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-            const __m128 d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m4, row + 2 * b));
-            const __m512 dw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d4));
             for (int j = 0; j < MR; ++j) {
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[j]);
                 dot = _mm512_dpbusd_epi32(dot, hi, xhi[j]);
-                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[j]), acc[r][j]);
+                acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[r * MR + j]),
+                                                  acc[r * MR + j]);
             }
         }
     }
-    if (is_q4_1)
-        offset_term(w, row_bytes, 2 * nb, NR, MR, a, r0, nb, 1.0f, acc);
-    else
-        offset_term(w, row_bytes, 0, NR, MR, a, r0, nb, -8.0f, acc);
-    store_outputs(NR, MR, acc, out, out_stride);
 }
 
-/* Q8_0 (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 block 0, 8..15 block 1. */
-static inline __attribute__((always_inline)) void q8_tile(const uint8_t *w, int64_t row_bytes, const int NR,
-                                                          const int MR, const tl_act_q8 *a, int64_t r0,
-                                                          float *out, int64_t out_stride) {
+/* One span of a Q8_0 tile (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
+static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int64_t row_bytes, const int NR,
+                                                          const int MR, const tl_act_q8 *a, int64_t r0, int64_t b,
+                                                          const int MASKED, int nblk, __m512 *acc) {
     const int64_t k = a->k, nb = k / TL_QK, qs_off = 2 * nb;
-    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[LEGACY_NR][4];
-    for (int r = 0; r < NR; ++r)
-        for (int j = 0; j < MR; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-        const int nblk = nb - b >= 2 ? 2 : 1;
-        const __mmask8 m2 = (__mmask8)((1u << nblk) - 1u);
-        const __mmask64 mq = nblk == 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+    const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
+    __m512 p[LEGACY_MAX_OUT];
+    span_scales(2, w, row_bytes, NR, MR, a, r0, nb, b, mask, acc, p);
+    const int pairs = MASKED ? (nblk + 1) / 2 : 8;
+    for (int v = 0; v < pairs; ++v) {
+        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                             _mm512_set1_epi32(2 * v));
+        const __mmask64 mq = !MASKED || nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
         __m512i x[4];
-        __m512 dx[4];
         for (int j = 0; j < MR; ++j) {
-            x[j] = _mm512_maskz_loadu_epi8(mq, a->q + (r0 + j) * k + 32 * b);
-            dx[j] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(m2, a->d + (r0 + j) * nb + b)));
+            const int8_t *xq = a->q + (r0 + j) * k + 32 * (b + 2 * v);
+            x[j] = MASKED ? _mm512_maskz_loadu_epi8(mq, xq) : _mm512_loadu_si512(xq);
         }
         for (int r = 0; r < NR; ++r) {
-            const uint8_t *row = w + r * row_bytes;
-            const __m512i u = _mm512_maskz_loadu_epi8(mq, row + qs_off + 32 * b);
-            const __m512 dw = _mm512_permutexvar_ps(
-                idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(m2, row + 2 * b))));
+            const uint8_t *src = w + r * row_bytes + qs_off + 32 * (b + 2 * v);
+            const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
             for (int j = 0; j < MR; ++j) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x[j]);
-                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[j]), acc[r][j]);
+                acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[r * MR + j]),
+                                                  acc[r * MR + j]);
             }
         }
     }
-    offset_term(w, row_bytes, 0, NR, MR, a, r0, nb, -128.0f, acc);
-    store_outputs(NR, MR, acc, out, out_stride);
 }
 
-/* 0: Q4_0, 1: Q4_1, 2: Q8_0 (a constant once inlined) */
+/* NR weight rows (from w) x MR activation rows (from r0): out[j * out_stride + r]. */
 static inline __attribute__((always_inline)) void legacy_tile(const int kind, const uint8_t *w, int64_t row_bytes,
                                                               const int NR, const int MR, const tl_act_q8 *a,
                                                               int64_t r0, float *out, int64_t out_stride) {
-    if (kind == 2)
-        q8_tile(w, row_bytes, NR, MR, a, r0, out, out_stride);
-    else
-        q4_tile(w, row_bytes, NR, MR, a, r0, out, out_stride, kind == 1);
+    const int64_t nb = a->k / TL_QK;
+    __m512 acc[LEGACY_MAX_OUT];
+    for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        if (kind == 2)
+            q8_span(w, row_bytes, NR, MR, a, r0, b, 0, 16, acc);
+        else
+            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 0, 16, acc);
+    }
+    if (b < nb) {
+        if (kind == 2)
+            q8_span(w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), acc);
+        else
+            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), acc);
+    }
+    __m512 slots[16];
+    for (int t = 0; t < 16; ++t) slots[REDUCE16_SLOT(t)] = t < NR * MR ? acc[t] : _mm512_setzero_ps();
+    float sums[16];
+    _mm512_storeu_ps(sums, reduce16(slots)); /* lane t: output t = (weight row t / MR, activation row t % MR) */
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < MR; ++j) out[j * out_stride + r] = sums[r * MR + j];
 }
 
-/* Every activation row against NR weight rows, in bands of up to 2 activation rows (the weight rows stay in
- * L1 between bands). */
-static inline __attribute__((always_inline)) void legacy_rows(const int kind, const uint8_t *w, int64_t row_bytes,
-                                                              const int NR, const tl_act_q8 *a, float *out,
-                                                              int64_t out_stride) {
-    int64_t r = 0;
-    for (; r + 2 <= a->m; r += 2) legacy_tile(kind, w, row_bytes, NR, 2, a, r, out + r * out_stride, out_stride);
-    if (r < a->m) legacy_tile(kind, w, row_bytes, NR, 1, a, r, out + r * out_stride, out_stride);
-}
-
+/* Every activation row against NR weight rows: one band when m == 1 (NR = 16), else bands of 2 (NR = 8). */
 static inline __attribute__((always_inline)) void legacy_dot(const int kind, const uint8_t *w, int64_t row_bytes,
                                                              int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
                                                              int64_t out_stride) {
     int64_t j = n0;
-    for (; j + LEGACY_NR <= n1; j += LEGACY_NR)
-        legacy_rows(kind, w + j * row_bytes, row_bytes, LEGACY_NR, a, out + (j - n0), out_stride);
-    for (; j < n1; ++j) legacy_rows(kind, w + j * row_bytes, row_bytes, 1, a, out + (j - n0), out_stride);
+    if (a->m == 1) {
+        for (; j + 16 <= n1; j += 16) legacy_tile(kind, w + j * row_bytes, row_bytes, 16, 1, a, 0, out + (j - n0), 0);
+    } else {
+        for (; j + 8 <= n1; j += 8) {
+            int64_t r = 0;
+            for (; r + 2 <= a->m; r += 2)
+                legacy_tile(kind, w + j * row_bytes, row_bytes, 8, 2, a, r, out + r * out_stride + (j - n0), out_stride);
+            if (r < a->m)
+                legacy_tile(kind, w + j * row_bytes, row_bytes, 8, 1, a, r, out + r * out_stride + (j - n0), out_stride);
+        }
+    }
+    for (; j < n1; ++j) /* the last few rows one by one */
+        for (int64_t r = 0; r < a->m; ++r)
+            legacy_tile(kind, w + j * row_bytes, row_bytes, 1, 1, a, r, out + r * out_stride + (j - n0), out_stride);
 }
 
 static void q4_0_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
@@ -271,6 +326,22 @@ static const tl_quant_type TL_LEGACY_TYPES[3] = {
     {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack},
 };
 #endif
+
+/* The family's bf16 dequantize of one re-laid-out row (the driver's bf16 matmul tile), or NULL. */
+typedef void (*tl_dequant_bf16_fn)(const uint8_t *row, int64_t k, uint16_t *out);
+
+static tl_dequant_bf16_fn tl_legacy_dequant_bf16(int type) {
+#if HAVE_QUANT_LEGACY && defined(__AVX512BF16__)
+    switch (type) {
+    case TL_Q4_0: return q4_0_dequant_bf16;
+    case TL_Q4_1: return q4_1_dequant_bf16;
+    case TL_Q8_0: return q8_0_dequant_bf16;
+    default: break;
+    }
+#endif
+    (void)type;
+    return NULL;
+}
 
 static const tl_quant_type *tl_legacy_type(int type) {
 #if HAVE_QUANT_LEGACY
