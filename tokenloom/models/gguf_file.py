@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantTypeError
+from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantSplitError, QuantTypeError, type_name
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -163,6 +163,22 @@ class GGUFFile:
             # The permutation moves whole rows, so undoing it on the quantized rows is exact.
             qm = qm.permute_rows(unpermute_qk(torch.arange(qm.rows), heads))
         return qm
+
+    def check_tp_split(self, tp_size: int) -> None:
+        """Refuse, before any rank loads, a --tp-size whose row-parallel split (o_proj, down_proj: input
+        features) of a kept-quantized tensor would cut a block; the rank's own load raises the same."""
+        for t in self.reader.tensors:
+            m = _BLOCK_RE.match(t.name)
+            qtype = int(t.tensor_type)
+            if not m or m.group(2) not in ("attn_output", "ffn_down") or qtype not in QUANT_TYPES:
+                continue
+            cols, block = int(t.shape[0]), QUANT_TYPES[qtype][1]
+            if cols % tp_size or (cols // tp_size) % block:
+                raise QuantSplitError(
+                    f"{self.path}: tensor {t.name} ({type_name(qtype)}): --tp-size {tp_size} splits its {cols} "
+                    f"input features into shards of {cols / tp_size:g}, which cuts its {block}-element "
+                    f"{type_name(qtype)} blocks; choose a tp-size that divides {cols // block} blocks, or run "
+                    "with --quantization none (weights dequantized to --dtype at load)")
 
     def _hf_name(self, name: str) -> str:
         if name in _GLOBAL_NAMES:
