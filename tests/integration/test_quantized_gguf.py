@@ -12,6 +12,7 @@ refused naming the tensor, the default SmolLM2 Q4_1 file serves quantized.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -185,6 +186,14 @@ def test_split_refused_at_server_start(files):
         Engine(model_path=path, tp_size=2, log_level="warning")
 
 
+def test_load_line_names_the_types_kept(files, caplog):
+    path, _ = files("mixed_tied")
+    with caplog.at_level(logging.INFO, logger="tokenloom.models.loader"):
+        _runner(path)
+    # 2 layers: q, k, gate, up Q4_1 (8); v and the tied embedding Q8_0 (3); down Q4_0 (2)
+    assert "(float32 activations; kept quantized: Q4_1 x 8, Q8_0 x 3, Q4_0 x 2)" in caplog.text
+
+
 def _file_tensor_bytes(path: str) -> int:
     return sum(int(t.n_bytes) for t in GGUFFile(path).reader.tensors)
 
@@ -229,7 +238,7 @@ def test_smollm2_default_file_serves_quantized(smollm2_file):
     from tokenloom import Engine
 
     with Engine(log_level="warning", max_total_tokens=512, max_running_requests=2) as engine:
-        info = engine.get_server_info()
+        info = engine.tokenizer_manager.scheduler_info  # the entry rank's report, in /get_server_info
         assert info["weight_quantization"] == "Q4_1 x 210, Q8_0 x 1"
         assert info["weight_bytes"] < 1.1 * _file_tensor_bytes(smollm2_file)
         out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 4})
