@@ -190,8 +190,8 @@ def test_load_line_names_the_types_kept(files, caplog):
     path, _ = files("mixed_tied")
     with caplog.at_level(logging.INFO, logger="tokenloom.models.loader"):
         _runner(path)
-    # 2 layers: q, k, gate, up Q4_1 (8); v and the tied embedding Q8_0 (3); down Q4_0 (2)
-    assert "(float32 activations; kept quantized: Q4_1 x 8, Q8_0 x 3, Q4_0 x 2)" in caplog.text
+    # 2 layers: q, k, o, gate, up Q4_1 (10); v and the tied embedding Q8_0 (3); down Q4_0 (2)
+    assert "(float32 activations; kept quantized: Q4_1 x 10, Q8_0 x 3, Q4_0 x 2)" in caplog.text
 
 
 def _file_tensor_bytes(path: str) -> int:
