@@ -136,6 +136,9 @@ def test_quantization_each_value(folder, tmp_path):
     assert [quant(gguf), quant(gguf, quantization="gguf"), quant(gguf, quantization="none")] == \
         ["gguf", "gguf", "none"]
     assert quant(gguf, load_format="dummy") == "none"  # random float weights
+    assert quant(gguf, device="cuda") == "none"  # the quantized kernels are the CPU's
+    with pytest.raises(ModelConfigError, match="--quantization gguf .*runs on the CPU only"):
+        quant(gguf, device="cuda", quantization="gguf")
     with pytest.raises(ConfigError, match="--quantization gguf .*--load-format dummy"):
         ServerArgs(model_path=gguf, quantization="gguf", load_format="dummy")
     kept = _runner(gguf, max_total_tokens=64).model.layers[0].self_attn.qkv_proj

@@ -12,6 +12,7 @@ rows of a `QuantMatrix`, which is exact) so RoPE sees the HF (rotate-half) layou
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,7 +159,10 @@ class GGUFFile:
                 f"{self.path}: tensor {t.name} ({name}) is {t.tensor_type.name}, a type tokenloom does not keep "
                 f"quantized (it keeps {', '.join(n for n, _, _ in QUANT_TYPES.values())}); run with "
                 "--quantization none to dequantize the file to --dtype at load")
-        qm = QuantMatrix.from_gguf(qtype, shape, t.data, f"{self.path}: tensor {t.name}")
+        with warnings.catch_warnings():
+            # The reader's bytes are a read-only memory map, which torch warns about; from_gguf copies them.
+            warnings.simplefilter("ignore", UserWarning)
+            qm = QuantMatrix.from_gguf(qtype, shape, t.data, f"{self.path}: tensor {t.name}")
         if heads is not None:
             # The permutation moves whole rows, so undoing it on the quantized rows is exact.
             qm = qm.permute_rows(unpermute_qk(torch.arange(qm.rows), heads))

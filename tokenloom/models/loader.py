@@ -61,7 +61,12 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
         if fmt not in ("auto", "gguf", "dummy"):
             raise ModelConfigError(f"{path}: a file needs --load-format gguf (or auto), not {fmt}")
         gguf = GGUFFile(path)
-        quantization = args.quantization or ("none" if fmt == "dummy" else "gguf")
+        # Quantized kernels exist for the CPU only: on CUDA a .gguf is dequantized unless gguf is asked for.
+        on_cpu = args.device == "cpu"
+        quantization = args.quantization or ("gguf" if fmt != "dummy" and on_cpu else "none")
+        if quantization == "gguf" and not on_cpu:
+            raise ModelConfigError(f"{path}: --quantization gguf (weights kept quantized) runs on the CPU only; "
+                                   f"use --quantization none with --device {args.device}")
         return ModelSource("gguf", path, _with_context(gguf.model_config(), args),
                            "dummy" if fmt == "dummy" else "gguf", gguf, quantization)
     cfg_path = os.path.join(path, "config.json")
