@@ -240,7 +240,8 @@ def test_smollm2_default_file_serves_quantized(smollm2_file):
     with Engine(log_level="warning", max_total_tokens=512, max_running_requests=2) as engine:
         info = engine.tokenizer_manager.scheduler_info  # the entry rank's report, in /get_server_info
         assert info["weight_quantization"] == "Q4_1 x 210, Q8_0 x 1"
-        assert info["weight_bytes"] < 1.1 * _file_tensor_bytes(smollm2_file)
+        file_bytes = _file_tensor_bytes(smollm2_file)  # 92.1 MiB; held: 96.0 MiB (with the rotary tables)
+        assert 0.95 * file_bytes < info["weight_bytes"] < 1.1 * file_bytes
         out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 4})
         assert len(out["output_ids"]) == 4 and out["text"].strip()
         assert os.path.basename(smollm2_file).endswith("Q4_1.gguf")
