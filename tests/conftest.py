@@ -56,7 +56,10 @@ def smollm2_runner_fp32():
     from tokenloom.config import ServerArgs
     from tokenloom.executor.model_runner import ModelRunner
 
-    return ModelRunner(ServerArgs(dtype="float32", max_total_tokens=8192, max_running_requests=16))
+    # Dequantized at load: the tests that use it compare the forward pass to transformers (which dequantizes
+    # the file too) to float32 tolerance; the quantized path has its own tests (test_quantized_gguf.py).
+    return ModelRunner(ServerArgs(dtype="float32", quantization="none", max_total_tokens=8192,
+                                  max_running_requests=16))
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,12 @@ OVERLAP_MODES = ("auto", "on", "off")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 CPU_THREADS_POLICIES = ("adaptive", "fixed")
+# --quantization: gguf keeps a .gguf file's quantized tensors quantized (its default); none dequantizes every
+# weight to --dtype at load. SGLang's other methods need their own checkpoint formats and kernels.
+QUANTIZATIONS = ("gguf", "none")
+_UNIMPLEMENTED_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "w8a8_int8",
+                                "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
+                                "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,10 @@ class ServerArgs:
     tokenizer_path: str | None = _flag(None, "Tokenizer folder (default: the model's).")
     load_format: str = _flag("auto", "Weight format.", LOAD_FORMATS)
     dtype: str = _flag("auto", "Compute dtype; auto = bfloat16 on the CPU (see docs/benchmarks.md).", DTYPES)
+    quantization: str | None = _flag(
+        None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, "
+        "Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
+        "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder).")
     context_length: int | None = _flag(None, "Override the model's context length.")
     served_model_name: str | None = _flag(None, "Model id reported by the API (default: the model path).")
     random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
@@ -192,6 +202,7 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ConfigError(f"--{_dash(f.name)} must be one of {', '.join(choices)}; got {value!r}")
+        self._validate_quantization()
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1; got {self.page_size}")
         if self.decode_slot_run < 1:
@@ -243,6 +254,18 @@ class ServerArgs:
             raise ConfigError("--api-key must not be empty")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda; got {self.device!r}")
+
+    def _validate_quantization(self) -> None:
+        q = self.quantization
+        if q is None or q in QUANTIZATIONS:
+            if q == "gguf" and self.load_format == "dummy":
+                raise ConfigError("--quantization gguf keeps a .gguf file's tensors quantized; --load-format "
+                                  "dummy makes random float weights (use --quantization none, or leave it unset)")
+            return
+        if q in _UNIMPLEMENTED_QUANTIZATIONS:
+            raise ConfigError(f"--quantization {q} is not implemented in tokenloom; implemented: "
+                              f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's own quantized types)")
+        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {q!r}")
 
     def _validate_topology(self) -> None:
         if self.pp_size < 1:

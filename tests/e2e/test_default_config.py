@@ -1,5 +1,7 @@
-"""The default configuration end to end on the real SmolLM2: no --dtype (bfloat16 on the CPU), the one-call
-native decode step for 1-4 requests, the `cpu` attention backend. The README's examples with their answers,
+"""The default configuration end to end on the real SmolLM2: no --dtype (bfloat16 activations on the CPU), the
+file's Q4_1/Q8_0 weights kept quantized (--quantization gguf, the default for a .gguf; the one-call native
+decode step takes bf16 weights only, so decode runs through the modular model until it takes quantized ones),
+the `cpu` attention backend. The README's examples with their answers,
 over HTTP (`tokenloom serve`) and in-process (`tokenloom.Engine`); greedy output over HTTP equals the
 Engine's; a batch of more requests than the native step takes (its decode steps run through the modular
 model) gives the same greedy outputs as the same prompts sent one at a time, up to a near-tie (bf16 decode
@@ -96,8 +98,10 @@ def test_server_runs_the_default_configuration(default_config):
     server, _ = default_config
     info = server.server_info()
     assert info["dtype"] == "auto" and info["attention_backend"] == "auto" and not info["disable_native_decode"]
-    if cpu_gemm._small_gemm() is not None:  # AVX512-BF16 and a C compiler: the scheduler must use the native step
-        assert re.search(r"native decode step used for decode batches of up to \d+ request", server.logs())
+    assert info["quantization"] is None and info["weight_quantization"] == "Q4_1 x 210, Q8_0 x 1"
+    if cpu_gemm._small_gemm() is not None:  # AVX512-BF16 and a C compiler: the native step, or why not
+        assert re.search(r"native decode step used for decode batches of up to \d+ request", server.logs()) \
+            or "native decode step not used: the weights are kept quantized" in server.logs()
 
 
 def test_readme_generate_example(default_config):

@@ -1,5 +1,8 @@
 """The default configuration's numerics (no dtype: bfloat16 on the CPU, the one-call native decode step, the
-`cpu` attention backend) against transformers float32 on the real SmolLM2, teacher-forced.
+`cpu` attention backend) against transformers float32 on the real SmolLM2, teacher-forced. The weights are
+dequantized at load (`--quantization none`): this is about the float path's bf16 roundings, which the file's
+weights kept quantized (the default for a .gguf) would mix with their own; those have their test in
+test_quantized_gguf.py.
 
 bf16 logits never equal fp32 ones, so the metric is a distance fit for bf16: over the same few hundred
 positions of a fixed local text (Python's own `pydoc_data.topics`), the mean KL(fp32 || ours) per position
@@ -36,8 +39,8 @@ MAX_KL, MIN_TOP1 = 1e-3, 0.975  # absolute: ~3x our measured KL, and 2.5x our me
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    """The default configuration: no dtype, backend or decode flags (only a small KV pool)."""
-    return ModelRunner(ServerArgs(max_total_tokens=2048, max_running_requests=SEQS))
+    """The default configuration: no dtype, backend or decode flags (only a small KV pool), weights dequantized."""
+    return ModelRunner(ServerArgs(quantization="none", max_total_tokens=2048, max_running_requests=SEQS))
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,9 @@ def test_matches_modular_path_on_smollm2():
     """On the real model the two bf16 paths are not bit-identical (their attention and matmul roundings part
     at some layer and 30 layers amplify it), so both are held against the float32 model: the native step
     must be no further from it than the modular bf16 path is, and the two must agree in distribution."""
-    runner = ModelRunner(ServerArgs(dtype="bfloat16", max_total_tokens=1024, max_running_requests=2))
+    # Dequantized at load: the native step reads bf16 weights (a quantized model decodes through the modular path).
+    runner = ModelRunner(ServerArgs(dtype="bfloat16", quantization="none", max_total_tokens=1024,
+                                    max_running_requests=2))
     tokens = _tokens(40, 2, runner.vocab_size)
     _compare_paths(runner, tokens, prompt=30, exact=False)
     native, _ = _decode_run(runner, tokens, 30)
@@ -87,7 +89,7 @@ def test_matches_modular_path_on_smollm2():
         modular, _ = _decode_run(runner, tokens, 30)
     finally:
         runner.native_decode = saved
-    reference, _ = _decode_run(ModelRunner(ServerArgs(dtype="float32", max_total_tokens=1024,
+    reference, _ = _decode_run(ModelRunner(ServerArgs(dtype="float32", quantization="none", max_total_tokens=1024,
                                                       max_running_requests=2)), tokens, 30)
     native_err = max((a - r).abs().max().item() for a, r in zip(native, reference, strict=True))
     modular_err = max((b - r).abs().max().item() for b, r in zip(modular, reference, strict=True))

@@ -1,8 +1,8 @@
 """Server flags do what they say, for the flags whose effect no other test checks: --mem-fraction-static
 (SGLang's meaning, with the machine's memory injected), --max-total-tokens over it, --random-seed,
---dtype, --load-format, --tokenizer-path, --decode-slot-run, --num-threads, --cpu-threads-policy (and the
-libgomp wait settings the launcher gives its rank processes), --stream-interval, --enable-metrics / --api-key
-and --log-level. Tiny random model, in-process (the rank environment: through a real Engine)."""
+--dtype, --load-format, --quantization, --tokenizer-path, --decode-slot-run, --num-threads, --cpu-threads-policy
+(and the libgomp wait settings the launcher gives its rank processes), --stream-interval, --enable-metrics /
+--api-key and --log-level. Tiny random model, in-process (the rank environment: through a real Engine)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,49 @@ def test_load_format_each_value(folder, tmp_path, monkeypatch):
     assert [fmt(str(gguf), f) for f in ("auto", "gguf", "dummy")] == ["gguf", "gguf", "dummy"]
     with pytest.raises(ModelConfigError, match="needs --load-format gguf"):
         fmt(str(gguf), "safetensors")
+
+
+def test_quantization_each_value(folder, tmp_path):
+    import transformers
+
+    from tests.gguf_factory import write_gguf
+    from tests.model_factory import TINY
+    from tokenloom.config import ConfigError
+    from tokenloom.entrypoints.launch_server import parse_args
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "tie_word_embeddings": True}))
+    gguf = str(tmp_path / "tiny.gguf")
+    write_gguf(gguf, hf, lambda name: "Q8_0")
+
+    def quant(path: str, **kw) -> str:
+        return resolve_model_source(ServerArgs(model_path=path, **kw)).quantization
+
+    # A .gguf file: its quantized tensors kept (default, gguf) or dequantized to --dtype (none).
+    assert [quant(gguf), quant(gguf, quantization="gguf"), quant(gguf, quantization="none")] == \
+        ["gguf", "gguf", "none"]
+    assert quant(gguf, load_format="dummy") == "none"  # random float weights
+    assert quant(gguf, device="cuda") == "none"  # the quantized kernels are the CPU's
+    with pytest.raises(ModelConfigError, match="--quantization gguf .*runs on the CPU only"):
+        quant(gguf, device="cuda", quantization="gguf")
+    with pytest.raises(ConfigError, match="--quantization gguf .*--load-format dummy"):
+        ServerArgs(model_path=gguf, quantization="gguf", load_format="dummy")
+    kept = _runner(gguf, max_total_tokens=64).model.layers[0].self_attn.qkv_proj
+    dense = _runner(gguf, quantization="none", max_total_tokens=64).model.layers[0].self_attn.qkv_proj
+    assert kept.weight is None and kept.quant is not None
+    assert dense.quant is None and dense.weight.dtype == torch.float32
+    # A Hugging Face folder holds float weights: none (default) works, gguf is a start-up error.
+    assert [quant(folder), quant(folder, quantization="none")] == ["none", "none"]
+    with pytest.raises(ModelConfigError, match="--quantization gguf needs a .gguf file"):
+        quant(folder, quantization="gguf")
+    # SGLang's other methods are refused by name; anything else lists the choices.
+    for method in ("awq", "gptq", "w8a8_int8", "torchao", "fp8"):
+        with pytest.raises(ConfigError, match=f"--quantization {method} is not implemented"):
+            ServerArgs(quantization=method)
+    with pytest.raises(ConfigError, match="--quantization must be one of gguf, none; got 'q4'"):
+        ServerArgs(quantization="q4")
+    assert parse_args(["--quantization", "none"]).quantization == "none"
+    assert parse_args([]).quantization is None
 
 
 def test_tokenizer_path_is_used_and_must_be_a_folder(folder, tmp_path):

@@ -34,6 +34,14 @@ def test_startup_summary_lines():
     assert len(lines) == 4
 
 
+def test_startup_summary_names_the_quantized_types_kept():
+    info = {**READY, "weight_quantization": "Q4_1 x 210, Q8_0 x 1", "weight_bytes": 96 * 2**20}
+    lines = startup_summary(ServerArgs(), "/m.gguf", "LlamaForCausalLM", info)
+    assert lines[0] == ("Model: /m.gguf (LlamaForCausalLM), bfloat16, 134.5M parameters (kept quantized: Q4_1 x "
+                        "210, Q8_0 x 1), weights loaded in 2.3 s")
+    assert lines[1].startswith("Memory: weights 0.09 GiB,")
+
+
 def test_startup_summary_says_whose_numbers_at_tp_and_missing_fields():
     lines = startup_summary(ServerArgs(tp_size=2, pp_size=2), "/m", "Qwen2ForCausalLM", {"status": "ready"})
     assert lines[0] == "Model: /m (Qwen2ForCausalLM), ?, ? parameters (rank 0's share), weights loaded in ? s"

@@ -6,8 +6,9 @@ KV pool, may take; the rest is left for activations and everything else:
 
     KV bytes = f * memory_at_start - weight bytes      (an error when the weights alone exceed f * memory)
 
-Weight bytes are what the model holds: parameters, buffers, and the load-time packed copies of the linear
-weights (`layers.cpu_gemm`), which on the CPU can take twice the parameters again.
+Weight bytes are what the model holds: parameters, buffers, the load-time packed copies of the linear
+weights (`layers.cpu_gemm`), which on the CPU can take twice the parameters again, and quantized weights
+(`QuantMatrix` bytes, held in dataclasses and lists of them in the layers' attributes).
 
 With the flag unset on the CPU, whose RAM is shared with the OS and other processes, the KV pool takes
 `CPU_KV_SHARE_OF_FREE` of the memory the weights left (`device.default_mem_fraction_static` is None there;
@@ -59,15 +60,20 @@ def model_nbytes(model: torch.nn.Module) -> int:
             seen.add(key)
             total += size
 
+    def walk(value: object, depth: int) -> None:
+        """Tensors in `value`: itself, or inside dataclasses and lists/tuples of them (a few levels deep)."""
+        if isinstance(value, torch.Tensor):
+            add(value)
+        elif depth and dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), depth - 1)
+        elif depth and isinstance(value, list | tuple):
+            for item in value:
+                walk(item, depth - 1)
+
     for t in (*model.parameters(), *model.buffers()):
         add(t)
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor):
-                add(value)
-            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                for f in dataclasses.fields(value):
-                    inner = getattr(value, f.name)
-                    if isinstance(inner, torch.Tensor):
-                        add(inner)
+            walk(value, 4)
     return total

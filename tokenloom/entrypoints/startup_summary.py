@@ -1,6 +1,7 @@
 """The start-up summary a server logs at INFO once its runtime is ready (before it binds and warms up):
 
-    Model: /models/smollm2 (LlamaForCausalLM), bfloat16, 134.5M parameters, weights loaded in 2.1 s
+    Model: /models/smollm2 (LlamaForCausalLM), bfloat16, 134.5M parameters (kept quantized: Q4_1 x 210,
+        Q8_0 x 1), weights loaded in 2.1 s
     Memory: weights 0.25 GiB, KV pool 1.50 GiB (2000000 tokens), 64 request slots
     Device: cpu (AVX512-BF16: yes, AMX: no), 2 threads per rank, TP 1 x PP 1 on 1 node
     Server args: model_path=None, ..., api_key='<redacted>', ...
@@ -29,7 +30,8 @@ def startup_summary(args: ServerArgs, model_path: str, architecture: str, info: 
     features = info.get("cpu_features") or {}
     return [
         f"Model: {model_path} ({architecture}), {info.get('model_dtype', '?')}, "
-        f"{format_count(params) if params is not None else '?'} parameters{share}, weights loaded in "
+        f"{format_count(params) if params is not None else '?'} parameters{share}"
+        f"{_quantized(info.get('weight_quantization'))}, weights loaded in "
         f"{_number(info.get('weight_load_s'), '.1f')} s",
         f"Memory{share}: weights {_gigabytes(info.get('weight_bytes'))}, KV pool "
         f"{_gigabytes(info.get('kv_pool_bytes'))} ({info.get('max_total_num_tokens', '?')} tokens), "
@@ -45,6 +47,10 @@ def startup_summary(args: ServerArgs, model_path: str, architecture: str, info: 
 def log_startup_summary(args: ServerArgs, model_path: str, architecture: str, info: dict[str, Any]) -> None:
     for line in startup_summary(args, model_path, architecture, info):
         logger.info("%s", line)
+
+
+def _quantized(types: Any) -> str:
+    return f" (kept quantized: {types})" if types else ""
 
 
 def _cores(cores: Any, world: int) -> str:

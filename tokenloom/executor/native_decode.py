@@ -10,7 +10,8 @@ are the AMX kernel (csrc/amx_gemm.c), which the modular path also picks up to `c
 the two are bit-identical there; past that the modular path uses oneDNN. Without AMX the native step takes
 1-4 requests and streams the weights through csrc/small_gemm.c, bit-identical to the modular path at one row
 and equal up to float32 summation order at 2-4 (tests/integration/test_native_decode.py compares them).
-`--disable-native-decode` turns it off.
+`--disable-native-decode` turns it off. A model with quantized weights (--quantization gguf) does not use it
+yet: decode_native.c streams bf16 weights only, so such a model decodes through the modular path.
 
 Tensor parallelism: each rank runs the step over its own shard (its heads, KV heads and MLP features; the
 layer widths passed are the shard's), and the C loop all-reduces the outputs of o_proj and down_proj through
@@ -33,6 +34,7 @@ from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
 from tokenloom.kernels.cpu_build import load_library
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
+from tokenloom.layers.quant_linear import quantized_weights
 from tokenloom.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,9 @@ class NativeDecode:
                     "--disable-custom-all-reduce)")
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not a Llama-family model"
+        if quantized_weights(model)[1]:
+            return ("the weights are kept quantized (--quantization gguf) and the native step reads bf16 "
+                    "weights only; --quantization none dequantizes them at load")
         if not isinstance(attn_backend, CpuPagedBackend):
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:

@@ -4,6 +4,12 @@ Column-parallel layers split output features (no communication); row-parallel la
 and all-reduce their output. Each layer knows how to take its shard from a full checkpoint tensor
 (`load_full`), so the loader never needs to know the sharding scheme. Merged layers (QKV, gate/up) keep one
 weight so the forward runs one matmul instead of several.
+
+Quantized weights (a GGUF's tensors under --quantization gguf) arrive as `QuantMatrix`: a layer takes its
+shard the same way (output rows; for row-parallel layers input columns on block boundaries, a split that cuts
+a block is refused naming the tensor), keeps the parts until `prepare_for_inference`, then holds them as a
+`QuantWeight` (layers/quant_linear.py) and drops its float parameter (`weight` becomes None), so no float
+copy of a quantized weight is ever kept. Layers loaded with float weights run exactly as before.
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ import torch
 from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext, divide
+from tokenloom.kernels.quant_gemm import QuantMatrix
 from tokenloom.layers import cpu_gemm
+from tokenloom.layers.quant_linear import QuantWeight, Weight, narrow_rows
 
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor does not fit the parameter built from the config."""
 
 
-def _check_full_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+def _check_full_shape(name: str, tensor: Weight, expected: tuple[int, ...]) -> None:
     """Check a whole checkpoint tensor before taking a shard of it (a shard could fit by accident)."""
     if tuple(tensor.shape) != tuple(expected):
         raise WeightShapeError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(expected)}")
@@ -32,14 +40,38 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 class _PackedLinear(nn.Module):
-    """Shared forward plumbing: `prepare_for_inference` packs the loaded weight for the CPU kernel."""
+    """Shared forward plumbing: `prepare_for_inference` packs the loaded weight for the CPU kernel, or turns
+    the quantized parts loaded into a `QuantWeight`."""
 
     packed: cpu_gemm.PackedWeight | None = None
+    quant: QuantWeight | None = None
+    _quant_parts: dict[int, QuantMatrix] | None = None  # part index -> local shard, while loading
+
+    def part_rows(self) -> list[tuple[int, int]]:
+        """(first local row, rows) of each part of the weight, in order."""
+        return [(0, self.weight.shape[0])]
+
+    def _keep_quant(self, part: int, shard: QuantMatrix) -> None:
+        if self._quant_parts is None:
+            self._quant_parts = {}
+        self._quant_parts[part] = shard
 
     def prepare_for_inference(self) -> None:
+        if self._quant_parts:
+            # Parts loaded as floats (a file's F16 tensor beside quantized ones) sit in `weight`: keep their rows.
+            parts = [self._quant_parts.get(i) for i in range(len(self.part_rows()))]
+            parts = [p if p is not None else self.weight.detach().narrow(0, start, n).clone()
+                     for p, (start, n) in zip(parts, self.part_rows(), strict=True)]
+            self.quant = QuantWeight.from_parts(parts)
+            self.quant.prepare()
+            self._quant_parts = None
+            self.weight = None  # no float copy of a quantized weight
+            return
         self.packed = cpu_gemm.pack_weight(self.weight)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, bias, x.dtype)
         return cpu_gemm.linear(x, self.weight, self.packed, bias)
 
 
@@ -57,10 +89,13 @@ class ColumnParallelLinear(_PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load_full(self, name: str, tensor: Weight, is_bias: bool = False) -> None:
         full = (self.out_local * self.ctx.tp_size, *self.weight.shape[1:])
         _check_full_shape(name, tensor, full[:1] if is_bias else full)
-        shard = tensor.narrow(0, self.ctx.tp_rank * self.out_local, self.out_local)
+        shard = narrow_rows(tensor, self.ctx.tp_rank * self.out_local, self.out_local)
+        if isinstance(shard, QuantMatrix):
+            self._keep_quant(0, shard)
+            return
         _copy_checked(self.bias if is_bias else self.weight, shard, name)
 
 
@@ -87,12 +122,20 @@ class MergedColumnParallelLinear(_PackedLinear):
     def full_part_rows(self, part: int) -> int:
         return self.local_sizes[part] * self.ctx.tp_size
 
-    def load_part(self, name: str, part: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def part_rows(self) -> list[tuple[int, int]]:
+        return list(zip(self.offsets, self.local_sizes, strict=True))
+
+    def load_part(self, name: str, part: int, tensor: Weight, is_bias: bool = False) -> None:
         size = self.local_sizes[part]
         full = (self.full_part_rows(part), *self.weight.shape[1:])
         _check_full_shape(name, tensor, full[:1] if is_bias else full)
-        shard = tensor.narrow(0, self.ctx.tp_rank * size, size)
-        dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], size)
+        self._store_part(name, part, narrow_rows(tensor, self.ctx.tp_rank * size, size), is_bias)
+
+    def _store_part(self, name: str, part: int, shard: Weight, is_bias: bool) -> None:
+        if isinstance(shard, QuantMatrix):
+            self._keep_quant(part, shard)
+            return
+        dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], self.local_sizes[part])
         _copy_checked(dst, shard, name)
 
 
@@ -115,7 +158,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         tp = ctx.tp_size
         super().__init__(hidden_size, [q_size * tp, kv_size * tp, kv_size * tp], bias, ctx, dtype)
 
-    def load_part(self, name: str, part: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load_part(self, name: str, part: int, tensor: Weight, is_bias: bool = False) -> None:
         if part == 0 or self.kv_replicas == 1:
             super().load_part(name, part, tensor, is_bias)
             return
@@ -123,8 +166,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         full = (size * self.ctx.tp_size // self.kv_replicas, *self.weight.shape[1:])
         _check_full_shape(name, tensor, full[:1] if is_bias else full)
         kv_head = self.ctx.tp_rank // self.kv_replicas
-        dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], size)
-        _copy_checked(dst, tensor.narrow(0, kv_head * size, size), name)
+        self._store_part(name, part, narrow_rows(tensor, kv_head * size, size), is_bias)
 
 
 class RowParallelLinear(_PackedLinear):
@@ -142,9 +184,14 @@ class RowParallelLinear(_PackedLinear):
         y = self.ctx.all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y
 
-    def load_full(self, name: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load_full(self, name: str, tensor: Weight, is_bias: bool = False) -> None:
         if is_bias:
             _copy_checked(self.bias, tensor, name)
             return
         _check_full_shape(name, tensor, (self.weight.shape[0], self.in_local * self.ctx.tp_size))
-        _copy_checked(self.weight, tensor.narrow(1, self.ctx.tp_rank * self.in_local, self.in_local), name)
+        start = self.ctx.tp_rank * self.in_local
+        if isinstance(tensor, QuantMatrix):
+            # A shard must hold whole blocks of every row (QuantSplitError names the tensor and the type).
+            self._keep_quant(0, tensor.narrow_cols(start, self.in_local, f"{name} at --tp-size {self.ctx.tp_size}"))
+            return
+        _copy_checked(self.weight, tensor.narrow(1, start, self.in_local), name)

@@ -1,19 +1,25 @@
-"""Reading a llama.cpp GGUF file: model config from its metadata, HF-named float tensors from its data.
+"""Reading a llama.cpp GGUF file: model config from its metadata, HF-named tensors from its data.
 
-Quantized tensors (Q4_0/Q4_1/Q8_0/k-quants, whatever the `gguf` package can dequantize) become float32;
-llama.cpp names are mapped to Hugging Face names; the Q/K row permutation llama.cpp's converter applies to
-Llama-architecture checkpoints is undone so RoPE sees the HF (rotate-half) layout.
+`tensors(cfg, keep_quantized)`: with `keep_quantized` (--quantization gguf) every quantized 2-D tensor comes
+out as a `QuantMatrix` holding the file's block bytes (one copy, the file's size), and a quantized type
+tokenloom has no kernel for is a `QuantTypeError` naming the tensor and the type; float tensors (norms, F32/
+F16/BF16 weights) come out as float32. Without it, every tensor is dequantized to float32 (whatever the
+`gguf` package can dequantize). llama.cpp names are mapped to Hugging Face names; the Q/K row permutation
+llama.cpp's converter applies to Llama-architecture checkpoints is undone (on float rows, or on whole block
+rows of a `QuantMatrix`, which is exact) so RoPE sees the HF (rotate-half) layout.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantSplitError, QuantTypeError, type_name
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -115,27 +121,68 @@ class GGUFFile:
     def chat_template(self) -> str | None:
         return self.field("tokenizer.chat_template")
 
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+    def tensors(self, cfg: ModelConfig, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | QuantMatrix]]:
+        """Yield (HF name, tensor) for every tensor, un-permuted: a `QuantMatrix` for a quantized 2-D tensor
+        when `keep_quantized`, else float32 (see the module docstring)."""
         import gguf
 
         for t in self.reader.tensors:
             name = self._hf_name(t.name)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            heads = None
+            if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                           gguf.GGMLQuantizationType.BF16)
+            if keep_quantized and len(shape) == 2 and t.tensor_type not in float_types:
+                yield name, self._quant_matrix(t, name, shape, heads)
+                continue
             try:
                 data = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
                 raise GGUFError(f"{self.path}: tensor {t.name} has unsupported type "
                                 f"{t.tensor_type.name}: {e}") from None
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             try:
                 array = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
             except ValueError as e:
                 raise GGUFError(f"{self.path}: tensor {t.name} data does not fit shape {shape}: {e}") from None
             tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-            if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            if heads is not None:
                 tensor = unpermute_qk(tensor, heads)
             yield name, tensor
+
+    def _quant_matrix(self, t: Any, name: str, shape: tuple[int, int], heads: int | None) -> QuantMatrix:
+        qtype = int(t.tensor_type)
+        if qtype not in QUANT_TYPES:
+            raise QuantTypeError(
+                f"{self.path}: tensor {t.name} ({name}) is {t.tensor_type.name}, a type tokenloom does not keep "
+                f"quantized (it keeps {', '.join(n for n, _, _ in QUANT_TYPES.values())}); run with "
+                "--quantization none to dequantize the file to --dtype at load")
+        with warnings.catch_warnings():
+            # The reader's bytes are a read-only memory map, which torch warns about; from_gguf copies them.
+            warnings.simplefilter("ignore", UserWarning)
+            qm = QuantMatrix.from_gguf(qtype, shape, t.data, f"{self.path}: tensor {t.name}")
+        if heads is not None:
+            # The permutation moves whole rows, so undoing it on the quantized rows is exact.
+            qm = qm.permute_rows(unpermute_qk(torch.arange(qm.rows), heads))
+        return qm
+
+    def check_tp_split(self, tp_size: int) -> None:
+        """Refuse, before any rank loads, a --tp-size whose row-parallel split (o_proj, down_proj: input
+        features) of a kept-quantized tensor would cut a block; the rank's own load raises the same."""
+        for t in self.reader.tensors:
+            m = _BLOCK_RE.match(t.name)
+            qtype = int(t.tensor_type)
+            if not m or m.group(2) not in ("attn_output", "ffn_down") or qtype not in QUANT_TYPES:
+                continue
+            cols, block = int(t.shape[0]), QUANT_TYPES[qtype][1]
+            if cols % tp_size or (cols // tp_size) % block:
+                raise QuantSplitError(
+                    f"{self.path}: tensor {t.name} ({type_name(qtype)}): --tp-size {tp_size} splits its {cols} "
+                    f"input features into shards of {cols / tp_size:g}, which cuts its {block}-element "
+                    f"{type_name(qtype)} blocks; choose a tp-size that divides {cols // block} blocks, or run "
+                    "with --quantization none (weights dequantized to --dtype at load)")
 
     def _hf_name(self, name: str) -> str:
         if name in _GLOBAL_NAMES:

@@ -1,7 +1,9 @@
 """`LoadProgress`: INFO lines while a stage's weights stream into the model, a few per load, never one per
 tensor: "Loading weights: 40% (12/30 layers, 3.1 s)" at each tenth of the tensors this stage needs (at most
 one line a second), then "Loaded weights: 30/30 layers, 134.5M parameters (bfloat16), 0.50 GiB in memory, in
-11.7 s" (the memory counts the packed copies the CPU kernels keep beside the weights, as the KV budget does).
+11.7 s" (the memory counts the packed copies the CPU kernels keep beside the weights, as the KV budget does);
+with quantized weights kept (--quantization gguf) the line names them: "134.5M parameters (bfloat16
+activations; kept quantized: Q4_1 x 210, Q8_0 x 1)", the count of file tensors of each type.
 
 Progress counts the tensors the model requires (`required_weight_names`), so a TP shard or a pipeline stage
 that skips other stages' tensors still reaches 100%; a layer is done when all its required tensors are.
@@ -15,6 +17,8 @@ import time
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from tokenloom.layers.quant_linear import format_types, quantized_weights
 
 logger = logging.getLogger("tokenloom.models.loader")
 
@@ -69,10 +73,14 @@ class LoadProgress:
     def finished(self, model: torch.nn.Module, dtype: torch.dtype, nbytes: int, what: str = "") -> float:
         """Log the final line (`what`: how the weights were made, for dummy weights); returns the seconds."""
         seconds = time.perf_counter() - self.start
-        params = sum(p.numel() for p in model.parameters())
+        quant_params, types = quantized_weights(model)
+        params = sum(p.numel() for p in model.parameters()) + quant_params
+        kind = str(dtype).removeprefix("torch.")
+        if types:
+            kind += f" activations; kept quantized: {format_types(types)}"
         logger.info("Loaded weights%s: %d/%d layers, %s parameters (%s), %.2f GiB in memory, in %.1f s",
                     f" ({what})" if what else "", self.layers_done if not what else self.num_layers,
-                    self.num_layers, format_count(params), str(dtype).removeprefix("torch."), nbytes / 2**30, seconds)
+                    self.num_layers, format_count(params), kind, nbytes / 2**30, seconds)
         return seconds
 
 

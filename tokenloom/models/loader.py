@@ -1,7 +1,8 @@
 """Finding a model and building it with its weights: HF folder (safetensors), GGUF file, or dummy.
 
-`resolve_model_source(args)` decides what the model path means (default model included) and reads the
-config; `load_model(source, ...)` builds the Llama-family module for a layer range and TP shard and fills
+`resolve_model_source(args)` decides what the model path means (default model included), reads the
+config and whether a GGUF's quantized tensors stay quantized (`--quantization`: gguf, the default for a .gguf
+file, or none); `load_model(source, ...)` builds the Llama-family module for a layer range and TP shard and fills
 it, logging its progress and a final line (layers, parameters, bytes, time; models/load_progress.py). Every
 failure is raised at load time with the file and the problem in the message.
 """
@@ -40,6 +41,7 @@ class ModelSource:
     config: ModelConfig
     load_format: str  # safetensors | gguf | dummy
     gguf: GGUFFile | None = field(default=None, compare=False, repr=False)  # parsed once, reused
+    quantization: str = "none"  # gguf: the file's quantized tensors stay quantized; none: float --dtype
 
     @property
     def tokenizer_dir(self) -> str:
@@ -59,8 +61,14 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
         if fmt not in ("auto", "gguf", "dummy"):
             raise ModelConfigError(f"{path}: a file needs --load-format gguf (or auto), not {fmt}")
         gguf = GGUFFile(path)
+        # Quantized kernels exist for the CPU only: on CUDA a .gguf is dequantized unless gguf is asked for.
+        on_cpu = args.device == "cpu"
+        quantization = args.quantization or ("gguf" if fmt != "dummy" and on_cpu else "none")
+        if quantization == "gguf" and not on_cpu:
+            raise ModelConfigError(f"{path}: --quantization gguf (weights kept quantized) runs on the CPU only; "
+                                   f"use --quantization none with --device {args.device}")
         return ModelSource("gguf", path, _with_context(gguf.model_config(), args),
-                           "dummy" if fmt == "dummy" else "gguf", gguf)
+                           "dummy" if fmt == "dummy" else "gguf", gguf, quantization)
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
@@ -70,6 +78,9 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     config = ModelConfig.from_hf_dict(raw, source=cfg_path)
     if fmt == "gguf":
         raise ModelConfigError(f"{path}: --load-format gguf needs a .gguf file")
+    if args.quantization == "gguf":
+        raise ModelConfigError(f"{path}: --quantization gguf needs a .gguf file; a Hugging Face folder holds float "
+                               "weights (leave --quantization unset, or none)")
     return ModelSource("hf", path, _with_context(config, args), "dummy" if fmt == "dummy" else "safetensors")
 
 
@@ -100,7 +111,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
     if source.load_format == "dummy":
         _fill_dummy(model, seed)
     elif source.load_format == "gguf":
-        model.load_weights(progress.track((source.gguf or GGUFFile(source.path)).tensors(source.config)))
+        gguf = source.gguf or GGUFFile(source.path)
+        model.load_weights(progress.track(gguf.tensors(source.config, keep_quantized=source.quantization == "gguf")))
     else:
         model.load_weights(progress.track(_safetensors_tensors(source.path)))
     model = model.to(device).eval()
