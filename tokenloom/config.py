@@ -35,13 +35,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLAP_MODES = ("auto", "on", "off")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
-CPU_THREADS_POLICIES = ("adaptive", "fixed")
 # --quantization: gguf keeps a .gguf file's quantized tensors quantized (its default); none dequantizes every
 # weight to --dtype at load. SGLang's other methods need their own checkpoint formats and kernels.
 QUANTIZATIONS = ("gguf", "none")
 _UNIMPLEMENTED_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "w8a8_int8",
                                 "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
                                 "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
+CPU_THREADS_POLICIES = ("adaptive", "fixed")
 
 logger = logging.getLogger(__name__)
 

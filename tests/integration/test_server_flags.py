@@ -1,8 +1,9 @@
 """Server flags do what they say, for the flags whose effect no other test checks: --mem-fraction-static
 (SGLang's meaning, with the machine's memory injected), --max-total-tokens over it, --random-seed,
---dtype, --load-format, --quantization, --tokenizer-path, --decode-slot-run, --num-threads, --cpu-threads-policy
-(and the libgomp wait settings the launcher gives its rank processes), --stream-interval, --enable-metrics /
---api-key and --log-level. Tiny random model, in-process (the rank environment: through a real Engine)."""
+--dtype, --load-format, --quantization, --tokenizer-path, --decode-slot-run, --num-threads,
+--cpu-threads-policy (and the libgomp wait settings the launcher gives its rank processes), --stream-interval,
+--enable-metrics / --api-key and --log-level. Tiny random model, in-process (the rank environment: through a
+real Engine)."""
 
 from __future__ import annotations
 
