@@ -154,9 +154,12 @@ class Engine:
 
 
 def tokenloom_engine(name: str, model_path: str, extra_flags: list[str], file: str | None = None) -> Engine:
+    """tokenloom with a KV pool of llama-server's size for the workload (`{ctx}` tokens): the same capacity
+    for both, and a pool sized from the free memory of a machine other jobs share can end in the OOM killer."""
     return Engine(name, [PY, "-m", "tokenloom.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
-                         "--port", "{port}", "--max-running-requests", "256", "--log-level", "warning",
-                         *extra_flags], "/health", "tokenloom", model_path, lambda out_len: [], file=file)
+                         "--port", "{port}", "--max-running-requests", "256", "--max-total-tokens", "{ctx}",
+                         "--log-level", "warning", *extra_flags], "/health", "tokenloom", model_path,
+                  lambda out_len: [], file=file)
 
 
 def llama_engine(name: str, exe: str, gguf: str) -> Engine:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -348,6 +349,8 @@ def main() -> int:
     p.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=FLAGS",
                    help="also run tokenloom-bf16 with these extra server flags, as an engine called NAME (repeatable)")
     args = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the servers and the busy process started here are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not 0 < args.scale <= 1 and not args.quick:
         p.error("--scale must be in (0, 1]")
     rounds = args.rounds or (1 if args.quick else 3)

@@ -111,5 +111,7 @@ def test_same_file_for_both_servers(tmp_path, monkeypatch):
     assert by_name["tokenloom-q8_0"].file == by_name["llama.cpp-q8_0"].file == str(q8)
     tl = by_name["tokenloom-q8_0"].cmd
     assert tl[tl.index("--model-path") + 1] == str(q8) and "--quantization" not in tl  # the file's types: default
+    assert tl[tl.index("--max-total-tokens") + 1] == "{ctx}"  # llama-server's KV capacity (-c {ctx})
+    assert by_name["llama.cpp-q8_0"].cmd[by_name["llama.cpp-q8_0"].cmd.index("-c") + 1] == "{ctx}"
     assert by_name["tokenloom-bf16"].file is None and by_name["tokenloom-bf16"].model == "/hf"
     assert notes == []
