@@ -2,7 +2,7 @@
 (`python -m tokenloom.bench_serving`), workload by workload with the engines alternating.
 
     .venv/bin/python bench/serve_vs_peers.py                  # the issue's workloads (peers make this long)
-    .venv/bin/python bench/serve_vs_peers.py --quick          # small counts, 32 output tokens, one round
+    .venv/bin/python bench/serve_vs_peers.py --quick          # small counts, 16 output tokens, one round
     .venv/bin/python bench/serve_vs_peers.py --scale 0.25     # the issue's workloads with a quarter of the prompts
 
 Issue 30 (GGUF weights kept quantized; tokenloom against llama-server on the same file):
@@ -143,7 +143,7 @@ def make_workloads(quick: bool, scale: float, only: str) -> list[Workload]:
     def n(count: int) -> int:
         return max(1, round(count * scale))
 
-    out = 32 if quick else 128
+    out = 16 if quick else 128
     a_prompts, c_groups, d_prompts, e_prompts = (12, 3, 2, 8) if quick else (n(256), n(64), max(2, n(16)), n(64))
     f_prompts = 8 if quick else max(8, n(16))
     rand = ["--dataset-name", "random-ids", "--random-input-len", "256", "--random-output-len", str(out),
@@ -331,7 +331,7 @@ def itl_bound() -> tuple[float | None, dict[str, Any]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small counts, 32 output tokens, 1 round (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="small counts, 16 output tokens, 1 round (a smoke test)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the prompt counts / groups of (a)-(f)")
     p.add_argument("--engines", default="tokenloom-bf16,transformers,llama.cpp",
                    help="comma-separated subset of " + ", ".join(ENGINES) + "; groups: " + ", ".join(
