@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -125,14 +126,8 @@ class Engine:
             info = http_json(self.url + "/get_server_info") or {}
             value = info.get("weight_bytes")
             return int(value) if isinstance(value, (int, float)) else None
-        if self.name.startswith("llama.cpp"):
-            from bench.gguf_bound import llama_server_weight_bytes
-
-            try:
-                with open(self.log_path) as f:
-                    return llama_server_weight_bytes(f.read())
-            except OSError:
-                return None
+        if self.name.startswith("llama.cpp") and self.file:
+            return llama_weight_bytes(self.cmd[0], self.file)
         return None
 
     def alive(self) -> bool:
@@ -151,6 +146,35 @@ class Engine:
             return
         stop_process_group(self.proc, 60)
         self.proc = None
+
+
+_LLAMA_WEIGHT_BYTES: dict[tuple[str, str], int | None] = {}
+
+
+def llama_weight_bytes(exe: str, gguf: str) -> int | None:
+    """The model buffer bytes llama-server reports for `gguf`, from one short start of its own (once per file):
+    it logs them only at verbosity 4 (`-lv 4`), which the measured servers do not run with, so their per-token
+    logging stays as it is."""
+    from bench.gguf_bound import llama_server_weight_bytes
+
+    key = (exe, gguf)
+    if key not in _LLAMA_WEIGHT_BYTES:
+        port = free_port()
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen([exe, "-m", gguf, "-np", "1", "-c", "512", "-t", "2", "--host", "127.0.0.1",
+                                     "--port", str(port), "-lv", "4"], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                deadline = time.perf_counter() + STARTUP_TIMEOUT_S
+                while proc.poll() is None and time.perf_counter() < deadline:
+                    if http_status(f"http://127.0.0.1:{port}/health") == 200:
+                        break
+                    time.sleep(0.5)
+            finally:
+                stop_process_group(proc, 30)
+            log.seek(0)
+            _LLAMA_WEIGHT_BYTES[key] = llama_server_weight_bytes(log.read())
+    return _LLAMA_WEIGHT_BYTES[key]
 
 
 def tokenloom_engine(name: str, model_path: str, extra_flags: list[str], file: str | None = None) -> Engine:

@@ -250,7 +250,8 @@ def advantage(tl: float | None, peer: float | None, higher_better: bool) -> floa
 
 def print_table(workloads: list[Workload], names: list[str], results: dict[str, dict[str, dict]]) -> dict:
     # The earlier runs' comparison: tokenloom-bf16 against the other servers (the same-file pairs: issue30_report)
-    peers = [n for n in names if n != BASE and not n.startswith("tokenloom-") and LOAD_TAG not in n]
+    peers = [n for n in names if n != BASE and not n.startswith("tokenloom-") and LOAD_TAG not in n] \
+        if BASE in names else []
     header = ["workload", "metric", *names, *[f"{BASE} vs {p}" for p in peers]]
     rows: list[list[str]] = []
     ratios: dict[str, dict[str, dict[str, float | None]]] = {}
