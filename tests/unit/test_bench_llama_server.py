@@ -104,7 +104,12 @@ def test_command_per_workload(tmp_path):
 
 
 def test_engine_names():
-    assert expand_engine_names("tokenloom,llama.cpp") == ["tokenloom", *LLAMA_ENGINES]
-    assert expand_engine_names("llama.cpp-q4_1, tokenloom,llama.cpp-q4_1") == ["llama.cpp-q4_1", "tokenloom"]
+    # `tokenloom` is the earlier runs' engine, now called tokenloom-bf16
+    assert expand_engine_names("tokenloom,llama.cpp") == ["tokenloom-bf16", *LLAMA_ENGINES]
+    assert expand_engine_names("llama.cpp-q4_1, tokenloom,llama.cpp-q4_1") == ["llama.cpp-q4_1", "tokenloom-bf16"]
+    assert expand_engine_names("pairs") == ["tokenloom-q4_1", "llama.cpp-q4_1", "tokenloom-q8_0", "llama.cpp-q8_0",
+                                            "tokenloom-bf16"]
+    assert expand_engine_names("1b,tokenloom-1b-q8_0") == ["tokenloom-1b-q4_k_m", "llama.cpp-1b-q4_k_m",
+                                                           "tokenloom-1b-q8_0", "llama.cpp-1b-q8_0"]
     with pytest.raises(SystemExit, match="unknown engine 'llama.cpp-q2'"):
         expand_engine_names("llama.cpp-q2")
