@@ -95,3 +95,32 @@ def test_parts_that_disagree_are_refused():
         KVMemory(a.req_to_token_pool, a.token_allocator, b.kv_pool, a.tree_cache, 1024)
     with pytest.raises(ValueError, match="disagree"):
         KVMemory(a.req_to_token_pool, a.token_allocator, a.kv_pool, b.tree_cache, 1024)
+
+
+@pytest.mark.parametrize("value, dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_kv_cache_dtype_is_the_pools_dtype_and_holds_four_times_the_float32_tokens(value, dtype):
+    """One byte per element: the same budget holds 4x the float32 tokens (2x bf16's)."""
+    memory = build(kv_cache_dtype=value)
+    assert memory.kv_pool.dtype == dtype and memory.kv_pool.buffer.dtype == dtype
+    assert memory.kv_pool.buffer.element_size() == 1
+    assert memory.max_total_num_tokens == 60 * MIB // 4 // 256
+    assert build(kv_cache_dtype="auto").kv_pool.dtype == torch.float32
+
+
+def test_fp8_pool_writes_saturating_casts_and_reads_them_back():
+    """set_kv stores round-to-nearest-even casts with scale 1.0; out-of-range values saturate (never inf/NaN)."""
+    for value, dtype, limit in (("fp8_e4m3", torch.float8_e4m3fn, 448.0), ("fp8_e5m2", torch.float8_e5m2, 57344.0)):
+        pool = build(kv_cache_dtype=value, max_total_tokens=16).kv_pool
+        k = torch.randn(3, 4, 8) * 10
+        k[0, 0, :4] = torch.tensor([1e6, -1e6, float("inf"), 300.0])
+        v = torch.randn(3, 4, 8)
+        slots = torch.tensor([5, 2, 9])
+        pool.set_kv(1, slots, k, v)
+        k_buf, v_buf = pool.get_kv(1)
+        got_k = k_buf.index_select(1, slots).transpose(0, 1).float()
+        want_k = k.to(dtype).float()
+        want_k[0, 0, :3] = torch.tensor([limit, -limit, limit])
+        assert torch.isfinite(got_k).all()
+        assert torch.equal(got_k, want_k)
+        assert torch.equal(v_buf.index_select(1, slots).transpose(0, 1).float(), v.to(dtype).float())
+        assert (k_buf[:, 0].float() == 0).all()  # untouched slots stay zero
