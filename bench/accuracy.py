@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/accuracy.py            # 32 windows of 256 tokens, 16 greedy continuations of 64 tokens
     .venv/bin/python bench/accuracy.py --quick    # about a minute: 8 windows, 6 continuations
+    .venv/bin/python bench/accuracy.py --quick --kv-cache-dtype fp8_e4m3 fp8_e5m2   # + the default with an fp8 KV
 
 On the default model (SmolLM2-135M-Instruct, its GGUF weights), four engines:
 - tokenloom default (no --dtype: bf16, native decode step) and tokenloom --dtype float32, each a real server
@@ -21,6 +22,8 @@ Metrics, each against transformers float32 on the same tokens:
 - greedy agreement: the mean share of the continuation equal to float32's before the first difference
   (a continuation that diverges stays diverged, so later tokens are not comparable), and the share of
   continuations equal to float32's in full.
+`--kv-cache-dtype V ...` adds one engine per value: the default server with `--kv-cache-dtype V` (the fp8 KV
+cache is read by the prompt-logprob prefill too, so both metrics see it), measured the same way.
 Targets (issue 16): the default's perplexity within 0.5% of float32's and closer to it than transformers
 bf16's; its greedy agreement above transformers bf16's. The last line is one JSON object.
 """
@@ -203,6 +206,8 @@ def main() -> int:
     parser.add_argument("--shift", type=int, default=0,
                         help="tokens to move every window by: another sample of the same corpus (runs are "
                         "deterministic, so repeated runs should differ in --shift)")
+    parser.add_argument("--kv-cache-dtype", nargs="*", default=[], choices=["fp8_e4m3", "fp8_e5m2"],
+                        help="also measure the default server with each of these KV cache dtypes")
     args = parser.parse_args()
     if args.quick:
         args.windows, args.greedy_prompts = 8, 6
@@ -221,6 +226,9 @@ def main() -> int:
         runs["tokenloom default"] = tokenloom_engine([], windows, prompts, args.new_tokens, log_dir)
         runs["tokenloom fp32"] = tokenloom_engine(["--dtype", "float32"], windows, prompts, args.new_tokens,
                                                   log_dir)
+        for kv in args.kv_cache_dtype:
+            runs[f"tokenloom {kv}"] = tokenloom_engine(["--kv-cache-dtype", kv], windows, prompts, args.new_tokens,
+                                                       log_dir)
     ref = runs["transformers fp32"]
     ref_ppl = perplexity(ref["nlls"])
     rows = {}
@@ -243,7 +251,8 @@ def main() -> int:
         print(f"target {name}: {'met' if ok else 'NOT met'}")
     print(json.dumps({"bench": "accuracy", "quick": args.quick, "windows": args.windows, "shift": args.shift,
                       "window_len": args.window_len, "greedy_prompts": args.greedy_prompts,
-                      "new_tokens": args.new_tokens, "engines": rows, "targets": targets}))
+                      "new_tokens": args.new_tokens, "kv_cache_dtypes": args.kv_cache_dtype, "engines": rows,
+                      "targets": targets}))
     return 0
 
 

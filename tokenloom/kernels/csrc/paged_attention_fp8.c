@@ -14,8 +14,10 @@
  *   e4m3 (bias 7) placed as fp16 bits sign << 15 | (byte & 0x7F) << 7 is the value times 2^-8 (fp16 bias 15),
  *   subnormals included; the 2^8 is folded into the query scale (K) and into the weighted sum (V), both exact
  *   power-of-two multiplications, so the scores equal those from the exactly widened rows.
- * Scores, softmax and sums are float32 as in the other paths (the 16-float vector path at head_dim 64/128,
- * the scalar path elsewhere); there is no AMX or AVX512-BF16 fp8 path.
+ * Paths: bf16 queries at head_dim 64/128 widen the rows to bf16 in a per-thread scratch and run the
+ * AVX512-BF16 path (range_fp8_dpbf16; its probabilities rounded to bf16 as the bf16 pool's are); float32
+ * queries use the 16-float vector path (rows widened to float32 in registers); other head dims the scalar
+ * path. Scores, softmax and sums are float32 everywhere; there is no AMX fp8 path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -102,10 +104,85 @@ DEFINE_VECTOR_RANGE(range_vector_f32_e5m2, float, vload_f32, uint8_t, vload_e5m2
 DEFINE_VECTOR_RANGE(range_vector_bf16_e5m2, uint16_t, vload_bf16, uint8_t, vload_e5m2, 1.f)
 #endif
 
-#define DPBF16_CALL_f32_e4m3 0
+#if HAVE_DPBF16
+/* bf16 queries at head_dim 64/128: the work item's K and V rows are widened to bf16 (exact: every fp8 value
+ * is a bf16 value; e4m3 scaled by 2^-8) into a per-thread scratch, FP8_PIECE rows at a time, and the
+ * AVX512-BF16 path (range_dpbf16) attends them there, from L1/L2. The pieces' partial softmax states are
+ * merged as chunks are. Memory traffic: the fp8 bytes once; compute: the bf16 path's plus the widening. */
+#define FP8_PIECE 512
+
+static __thread uint16_t *fp8_rows = NULL; /* [2][FP8_PIECE][MAX_DIM] bf16: K rows, then V rows */
+static __thread int64_t *fp8_iota = NULL;  /* 0, 1, ..., FP8_PIECE - 1 */
+
+/* 32 fp8 bytes -> 32 bf16 (e4m3 scaled by 2^-8), through fp16 and float32. */
+static inline __m512i widen32_bf16(const uint8_t *p, int e4m3) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    const __m512i h = e4m3 ? _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
+                                              _mm512_set1_epi16((short)0xBF80))
+                           : _mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8);
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline void widen_rows(const uint8_t *base, const int64_t *idx, int64_t m, int dim, int e4m3, uint16_t *dst) {
+    for (int64_t t = 0; t < m; ++t) {
+        if (t + PREFETCH_AHEAD < m) prefetch_row(base + idx[t + PREFETCH_AHEAD] * dim, dim);
+        const uint8_t *row = base + idx[t] * dim;
+        for (int c = 0; c < dim; c += 32) _mm512_storeu_si512(dst + t * dim + c, widen32_bf16(row + c, e4m3));
+    }
+}
+
+/* Fold `b` into `a` (the flash-decoding merge of two partial states of the same query rows). */
+static void merge_partial(Partial *a, const Partial *b, int group, int dim) {
+    for (int g = 0; g < group; ++g) {
+        const float m = a->max[g] > b->max[g] ? a->max[g] : b->max[g];
+        const float wa = a->sum[g] > 0.f ? expf(a->max[g] - m) : 0.f, wb = b->sum[g] > 0.f ? expf(b->max[g] - m) : 0.f;
+        for (int d = 0; d < dim; ++d) a->acc[g * dim + d] = wa * a->acc[g * dim + d] + wb * b->acc[g * dim + d];
+        a->sum[g] = wa * a->sum[g] + wb * b->sum[g];
+        a->max[g] = m;
+    }
+}
+
+static int range_fp8_dpbf16(const uint16_t *q, const uint8_t *kh, const uint8_t *vh, const int64_t *idx, int64_t n,
+                            int group, int dim, float scale, float *scores, Partial *part, int e4m3) {
+    if (dim != 64 && dim != 128) return 0;
+    if (fp8_rows == NULL) {
+        fp8_rows = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * FP8_PIECE * MAX_DIM);
+        fp8_iota = (int64_t *)aligned_alloc(64, sizeof(int64_t) * FP8_PIECE);
+        if (fp8_rows == NULL || fp8_iota == NULL) {
+            free(fp8_rows);
+            free(fp8_iota);
+            fp8_rows = NULL;
+            fp8_iota = NULL;
+            return 0; /* the vector path needs no scratch */
+        }
+        for (int i = 0; i < FP8_PIECE; ++i) fp8_iota[i] = i;
+    }
+    const float mul = e4m3 ? 256.f : 1.f;
+    uint16_t *krows = fp8_rows, *vrows = fp8_rows + FP8_PIECE * MAX_DIM;
+    float piece_acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));
+    for (int64_t l0 = 0; l0 < n; l0 += FP8_PIECE) {
+        const int64_t m = n - l0 < FP8_PIECE ? n - l0 : FP8_PIECE;
+        widen_rows(kh, idx + l0, m, dim, e4m3, krows);
+        widen_rows(vh, idx + l0, m, dim, e4m3, vrows);
+        Partial piece;
+        piece.acc = l0 == 0 ? part->acc : piece_acc;
+        if (!range_dpbf16(q, krows, vrows, fp8_iota, m, group, dim, scale * mul, scores, l0 == 0 ? part : &piece))
+            return 0; /* cannot happen for dim 64/128 and group <= MAX_GROUP; the caller then takes another path */
+        if (l0 > 0) merge_partial(part, &piece, group, dim);
+    }
+    if (e4m3)
+        for (int i = 0; i < group * dim; ++i) part->acc[i] *= mul;
+    return 1;
+}
+#define DPBF16_CALL_bf16_e4m3 range_fp8_dpbf16(q, kh, vh, idx, n, group, dim, scale, scores, part, 1)
+#define DPBF16_CALL_bf16_e5m2 range_fp8_dpbf16(q, kh, vh, idx, n, group, dim, scale, scores, part, 0)
+#else
 #define DPBF16_CALL_bf16_e4m3 0
-#define DPBF16_CALL_f32_e5m2 0
 #define DPBF16_CALL_bf16_e5m2 0
+#endif
+#define DPBF16_CALL_f32_e4m3 0
+#define DPBF16_CALL_f32_e5m2 0
 DEFINE_RANGE(attend_range_f32_e4m3, float, uint8_t, f32_e4m3)
 DEFINE_RANGE(attend_range_bf16_e4m3, uint16_t, uint8_t, bf16_e4m3)
 DEFINE_RANGE(attend_range_f32_e5m2, float, uint8_t, f32_e5m2)
