@@ -50,19 +50,21 @@ def test_tiny_model_fp8_against_auto(tiny_model_dir, kv):
     assert 0 < result.max_logprob_diff <= max_diff, result  # > 0: the fp8 pool was really used
 
 
-# measured (SmolLM2 bf16, 4 prompts of 40-700 tokens, 25 steps each): see SMOLLM2_BOUNDS' comment
-SMOLLM2_BOUNDS = {"fp8_e4m3": (0.85, 0.5), "fp8_e5m2": (0.75, 1.0)}
+# measured (SmolLM2 bf16, random-token prompts of 40-700 tokens, 4 x 25 steps): e4m3 94/100 equal, greedy
+# token's |dlogprob| max 0.35 / mean 0.066; e5m2 90/100, 0.67 / 0.14. The test runs 2 prompts x 13 steps.
+# (agreement, max, mean)
+SMOLLM2_BOUNDS = {"fp8_e4m3": (0.8, 0.8, 0.15), "fp8_e5m2": (0.7, 1.4, 0.3)}
 
 
 @pytest.mark.parametrize("kv", FP8)
 def test_smollm2_fp8_against_auto(kv):
-    base = dict(dtype="bfloat16", max_total_tokens=8192, max_running_requests=8)
+    base = dict(dtype="bfloat16", max_total_tokens=2048, max_running_requests=4)
     reference = ModelRunner(ServerArgs(**base))
     fp8 = ModelRunner(ServerArgs(**base, kv_cache_dtype=kv))
-    result = teacher_forced(reference, fp8, _prompts(reference.vocab_size, (40, 300, 700, 120)), 24)
-    min_agreement, max_diff = SMOLLM2_BOUNDS[kv]
+    result = teacher_forced(reference, fp8, _prompts(reference.vocab_size, (40, 300)), 12)
+    min_agreement, max_diff, mean_diff = SMOLLM2_BOUNDS[kv]
     assert result.agreement >= min_agreement, result
-    assert 0 < result.max_logprob_diff <= max_diff, result
+    assert 0 < result.max_logprob_diff <= max_diff and result.mean_logprob_diff <= mean_diff, result
 
 
 def _generate(h: Harness, prompts: list[list[int]], new: int, tag: str) -> dict[str, Any]:

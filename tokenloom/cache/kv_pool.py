@@ -80,6 +80,20 @@ class KVPool:
         self._k_write[i].index_copy_(1, slots, k)
         self._v_write[i].index_copy_(1, slots, v)
 
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V at `slots`: [layers, 2, kv_heads, len(slots), head_dim] (a copy)."""
+        return self.buffer.index_select(3, slots)
+
+    def write_slots(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Store `read_slots`' result (of this pool's shape and dtype) at `slots`."""
+        if data.dtype != self.dtype:
+            raise ValueError(f"KV data of dtype {data.dtype} cannot be written into a {self.dtype} pool")
+        data = data.to(self.buffer.device)
+        if self.fp8:
+            self.buffer.view(torch.uint8).index_copy_(3, slots, data.view(torch.uint8))
+        else:
+            self.buffer.index_copy_(3, slots, data)
+
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = layer_id - self.start_layer
         return self.k_buffers[i], self.v_buffers[i]
