@@ -12,16 +12,25 @@ Supported types: Q4_0, Q4_1, Q8_0 (32-element blocks) and Q4_K, Q5_K, Q6_K (256-
 types of llama.cpp's Q4_0 / Q4_1 / Q8_0 / Q4_K_M / Q5_K_M files. Any other type is a `QuantTypeError` that
 names the tensor and the type.
 
-This module holds the reference implementation (dequantize with the `gguf` package, then a float32 matmul);
-the native kernels in csrc/ replace it where they are built.
+The operations run the native kernels (csrc/quant_gemm.c and its per-type families) where the library builds
+and has the type; elsewhere the reference implementation (dequantize with the `gguf` package, then a float32
+matmul). Native numerics: a few rows of bf16 x (decode) are quantized to int8 per 32-element block and
+multiplied by the quantized weight in integers (error per output <= sum_i |w_i| * d_x(i) / 2, d_x = the
+block's max|x| / 127); more rows, and every float32 x, multiply the exactly dequantized weight (rounded once
+to bf16 for bf16 x, as a bf16 copy of the GGUF would be; exact for float32 x) with float32 sums.
+`native_args(qm)` gives the C side (type, data pointer, rows, cols) of a prepared matrix for native callers.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tokenloom.kernels.cpu_build import load_library
 
 # GGUF type id -> (name, elements per block, bytes per block): gguf.constants.GGML_QUANT_SIZES.
 QUANT_TYPES: dict[int, tuple[str, int, int]] = {
@@ -139,29 +148,125 @@ class QuantMatrix:
         return QuantMatrix(self.qtype, self.rows, self.cols, self.data.index_select(0, order).contiguous())
 
 
+
+# csrc/quant_gemm.c's return codes
+_ERRORS = {-1: "type not built", -2: "shape not whole blocks or rows too long", -3: "row index out of range",
+           -4: "out of memory"}
+
+
+@functools.cache
+def _native() -> ctypes.CDLL | None:
+    """The kernel library when it has the quantized-matmul driver, else None."""
+    lib = load_library("kernels")
+    if lib is None or not hasattr(lib, "quant_linear"):
+        return None
+    return lib
+
+
+@functools.cache
+def native_supported(qtype: int) -> bool:
+    """Whether the native kernels handle `qtype` on this machine (else the reference runs)."""
+    lib = _native()
+    return lib is not None and bool(lib.quant_type_supported(ctypes.c_int(qtype)))
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what}: native quantized kernel failed ({_ERRORS.get(rc, rc)})")
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def native_args(qm: QuantMatrix) -> tuple[int, int, int, int]:
+    """(GGUF type id, data address, rows, cols) of a prepared matrix: what csrc/quant_gemm.c's entry points
+    take as (type, w, n, k). The matrix must stay alive while the address is used."""
+    if not qm.packed:
+        raise ValueError(f"{qm.name} [{qm.rows}, {qm.cols}]: native callers need a prepared QuantMatrix")
+    return qm.qtype, qm.data.data_ptr(), qm.rows, qm.cols
+
+
 def dequantize(qm: QuantMatrix) -> torch.Tensor:
-    """float32 [rows, cols]: the `gguf` package's dequantize of the file-layout bytes (the reference)."""
+    """float32 [rows, cols]: the `gguf` package's dequantize of the file-layout bytes (the reference), or for a
+    prepared matrix the native kernel's (bit-identical)."""
+    if qm.packed:
+        out = torch.empty(qm.rows, qm.cols, dtype=torch.float32)
+        _check(_native().quant_dequant_rows(ctypes.c_int(qm.qtype), _ptr(qm.data), ctypes.c_int64(qm.rows),
+                                            ctypes.c_int64(qm.cols), ctypes.c_void_p(None),
+                                            ctypes.c_int64(qm.rows), _ptr(out), ctypes.c_int(0),
+                                            ctypes.c_int(torch.get_num_threads())), f"dequantize {qm.name}")
+        return out
+    return _reference_dequantize(qm.data, qm.qtype, qm.rows, qm.cols)
+
+
+def _reference_dequantize(data: torch.Tensor, qtype: int, rows: int, cols: int) -> torch.Tensor:
     import gguf
 
-    if qm.packed:
-        raise RuntimeError("dequantize of a prepared QuantMatrix goes through the kernel")
-    values = gguf.quants.dequantize(qm.data.numpy(), gguf.GGMLQuantizationType(qm.qtype))
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(qm.rows, qm.cols)
+    values = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(rows, cols)
 
 
 def prepare(qm: QuantMatrix) -> QuantMatrix:
-    """The matrix as the kernel wants it (may re-lay out bytes; same size). Reference: unchanged."""
-    return qm
+    """The matrix as the kernel wants it: a re-laid-out copy (same size, `packed`) where the native kernels
+    handle the type, else `qm` unchanged (the reference reads the file layout)."""
+    if qm.packed or not native_supported(qm.qtype):
+        return qm
+    data = qm.data.clone()
+    _check(_native().quant_repack(ctypes.c_int(qm.qtype), _ptr(data), ctypes.c_int64(qm.rows),
+                                  ctypes.c_int64(qm.cols)), f"prepare {qm.name} [{qm.rows}, {qm.cols}]")
+    return QuantMatrix(qm.qtype, qm.rows, qm.cols, data, packed=True)
+
+
+_NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def linear(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., cols] @ W.T (+ bias) -> [..., rows] in `out_dtype` (default x's dtype). float32 sums."""
-    out = torch.nn.functional.linear(x.float(), dequantize(qm), None if bias is None else bias.float())
-    return out.to(out_dtype or x.dtype)
+    """x [..., cols] @ W.T (+ bias) -> [..., rows] in `out_dtype` (default x's dtype). float32 sums (see the
+    module docstring for the native kernels' numerics). An unprepared matrix is prepared per call (a copy):
+    prepare it once at load."""
+    if x.shape[-1] != qm.cols:
+        raise ValueError(f"linear: input features {x.shape[-1]} != {qm.name} weight [{qm.rows}, {qm.cols}]")
+    if bias is not None and tuple(bias.shape) != (qm.rows,):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} != ({qm.rows},) of {qm.name} weight")
+    out_dtype = out_dtype or x.dtype
+    if not native_supported(qm.qtype) or x.device.type != "cpu" or x.dtype not in _NATIVE_DTYPES:
+        if qm.packed:
+            raise RuntimeError(f"linear: a prepared {qm.name} matrix needs the native kernel for {x.dtype} "
+                               f"on {x.device}")
+        out = torch.nn.functional.linear(x.float(), dequantize(qm), None if bias is None else bias.float())
+        return out.to(out_dtype)
+    qm = prepare(qm)
+    x2 = x.reshape(-1, qm.cols)
+    if x2.stride(-1) != 1 or x2.stride(0) % 2:
+        x2 = x2.contiguous()
+    if bias is not None and (bias.dtype not in _NATIVE_DTYPES or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    direct = out_dtype in _NATIVE_DTYPES
+    out = torch.empty(x2.shape[0], qm.rows, dtype=out_dtype if direct else torch.float32)
+    i64 = ctypes.c_int64
+    _check(_native().quant_linear(ctypes.c_int(qm.qtype), _ptr(qm.data), i64(qm.rows), i64(qm.cols), _ptr(x2),
+                                  i64(x2.stride(0)), ctypes.c_int(x2.dtype == torch.float32), i64(x2.shape[0]),
+                                  _ptr(bias), ctypes.c_int(bias is not None and bias.dtype == torch.float32),
+                                  _ptr(out), i64(out.stride(0)), ctypes.c_int(out.dtype == torch.float32),
+                                  ctypes.c_int(torch.get_num_threads())), f"linear {qm.name} [{qm.rows}, {qm.cols}]")
+    out = out.view(*x.shape[:-1], qm.rows)
+    return out if direct else out.to(out_dtype)
 
 
 def embedding(ids: torch.Tensor, qm: QuantMatrix, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of W, dequantized, in `dtype`: [*ids.shape, cols]."""
-    rows = qm.narrow_rows(0, qm.rows) if not qm.packed else qm
-    return torch.nn.functional.embedding(ids, dequantize(rows)).to(dtype)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qm.rows):
+        raise IndexError(f"embedding: ids must be in [0, {qm.rows}), got {int(flat.min())}..{int(flat.max())}")
+    if not qm.packed:  # the reference on the looked-up rows only
+        rows = _reference_dequantize(qm.data.index_select(0, flat), qm.qtype, flat.numel(), qm.cols)
+        return rows.to(dtype).view(*ids.shape, qm.cols)
+    direct = dtype in _NATIVE_DTYPES
+    out = torch.empty(flat.numel(), qm.cols, dtype=dtype if direct else torch.float32)
+    _check(_native().quant_dequant_rows(ctypes.c_int(qm.qtype), _ptr(qm.data), ctypes.c_int64(qm.rows),
+                                        ctypes.c_int64(qm.cols), _ptr(flat), ctypes.c_int64(flat.numel()), _ptr(out),
+                                        ctypes.c_int(0 if out.dtype == torch.float32 else 1),
+                                        ctypes.c_int(torch.get_num_threads())), f"embedding {qm.name}")
+    return (out if direct else out.to(dtype)).view(*ids.shape, qm.cols)

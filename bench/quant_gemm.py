@@ -1,0 +1,141 @@
+"""GGUF-quantized linear layers (csrc/quant_gemm.c through `quant_gemm.linear`) against the bf16 path tokenloom
+uses for dequantized GGUFs today (`cpu_gemm.linear` on a weight packed once: the AMX kernel or the streaming
+kernel for a few rows, oneDNN's packed matmul otherwise).
+
+Per weight shape (SmolLM2-135M's 576x576, 192x576, 1536x576, 3072x576 (gate+up), 576x1536, the vocab 49152x576,
+and a 1B model's 2048x2048, 8192x2048, 2048x8192) and rows M, both paths run on the same random weight
+(random GGUF blocks; the bf16 copy is their exact dequantize rounded to bf16), alternating, `--rounds` rounds
+of enough calls for ~`--round-ms`; the median round gives the time per call. Printed per case: both times,
+bf16 / quant (above 1: the quantized kernel is faster), and the GB/s of weight bytes each moves (the
+quantized matrix's bytes vs the bf16 weight's). `--copies N` cycles through N copies of every weight so that
+a call reads it from memory rather than cache (the m=1 bandwidth case).
+`--small-m N` overrides the kernel's int8-path row limit (0: always the dequantized tile) to measure the
+crossover. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
+work, at --threads 1, it leaves out the time other processes held the core. Timings are noisy on a shared
+machine: read the ratios. The last line of stdout is one JSON object.
+
+Usage:
+    python bench/quant_gemm.py                      # Q4_1 and Q8_0, all shapes, M = 1..256
+    python bench/quant_gemm.py --types Q4_0 --rows 1,64 --shapes 576x576,49152x576
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import CpuMonitor, _cpu_name
+from tokenloom.kernels import quant_gemm as qg
+from tokenloom.layers import cpu_gemm
+
+SHAPES = ["576x576", "192x576", "1536x576", "3072x576", "576x1536", "49152x576", "2048x2048", "8192x2048",
+          "2048x8192"]
+
+
+def random_matrix(qtype: int, n: int, k: int, seed: int) -> qg.QuantMatrix:
+    """Random GGUF blocks: random quant bytes, f16 scales (and Q4_1 mins) of a plausible size."""
+    _, block, size = qg.QUANT_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scales = 2 if qtype == qg.TYPE_IDS["Q4_1"] else 1 if block == 32 else 0
+    for f in range(scales):  # d (and m) fields: f16 in +-[1e-3, 1e-2]
+        val = (rng.uniform(1e-3, 1e-2, size=(n, k // block)) * rng.choice([-1, 1], size=(n, k // block)))
+        blocks[:, :, 2 * f:2 * f + 2] = val.astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    return qg.QuantMatrix(qtype, n, k, torch.from_numpy(blocks.reshape(n, -1)))
+
+
+def time_pair(fns: dict[str, Callable[[], object]], rounds: int, round_ms: float,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds per call of each function, rounds alternating between them."""
+    for fn in fns.values():
+        fn()
+    calls = {}
+    for name, fn in fns.items():  # calls per round: ~round_ms of work
+        t0 = clock()
+        fn()
+        calls[name] = max(1, int(round_ms / 1e3 / max(clock() - t0, 1e-6)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = clock()
+            for _ in range(calls[name]):
+                fn()
+            samples[name].append((clock() - t0) / calls[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", default="Q4_1,Q8_0")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of NxK")
+    p.add_argument("--rows", default="1,2,4,8,16,64,256")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--round-ms", type=float, default=40.0)
+    p.add_argument("--copies", type=int, default=1, help="weight copies cycled through (memory-resident reads)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this process's CPU time (meaningful at --threads 1 on a loaded machine)")
+    p.add_argument("--small-m", type=int, default=None, help="override the int8 path's row limit")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lib = qg._native()
+    if lib is None:
+        sys.exit("the native quantized kernels are not built on this machine")
+    if args.small_m is not None:
+        lib.quant_small_m(ctypes.c_int(args.small_m))
+    small_m = lib.quant_small_m(ctypes.c_int(-1))
+    rows = [int(r) for r in args.rows.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; "
+          f"int8 path for M <= {small_m}; {args.copies} weight copies; median of {args.rounds} alternating rounds, "
+          f"{args.clock} clock")
+    print("| type | N x K | M | quant ms | bf16 ms | bf16 / quant | quant GB/s | bf16 GB/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    monitor = CpuMonitor()
+    results = []
+    for tname in args.types.split(","):
+        qtype = qg.TYPE_IDS[tname]
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            qms = [qg.prepare(random_matrix(qtype, n, k, seed)) for seed in range(args.copies)]
+            ws = [qg.dequantize(q).to(torch.bfloat16) for q in qms]
+            packs = [cpu_gemm.pack_weight(w) for w in ws]
+            for m in rows:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                got = qg.linear(x, qms[0], out_dtype=torch.float32)
+                ref = x.float() @ ws[0].float().T
+                if float((got - ref).norm() / ref.norm()) > 0.03:
+                    raise AssertionError(f"{tname} {shape} M={m}: quantized result off by "
+                                         f"{float((got - ref).norm() / ref.norm()):.3g} (relative)")
+                best = time_pair({
+                    "quant": lambda x=x, qms=qms: [qg.linear(x, q) for q in qms],
+                    "bf16": lambda x=x, ws=ws, packs=packs: [cpu_gemm.linear(x, w, pk)
+                                                             for w, pk in zip(ws, packs, strict=True)],
+                }, args.rounds, args.round_ms, time.process_time if args.clock == "cpu" else time.perf_counter)
+                tq, tb = best["quant"] / args.copies, best["bf16"] / args.copies
+                row = {"type": tname, "n": n, "k": k, "m": m, "quant_ms": tq * 1e3, "bf16_ms": tb * 1e3,
+                       "speedup": tb / tq, "quant_gbps": qms[0].nbytes / tq / 1e9,
+                       "bf16_gbps": ws[0].numel() * 2 / tb / 1e9}
+                results.append(row)
+                print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
+                      f"{row['speedup']:.2f}x | {row['quant_gbps']:.1f} | {row['bf16_gbps']:.1f} |", flush=True)
+    other = monitor.other_fraction()
+    print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
+    print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                               for r in results], "threads": args.threads, "small_m": small_m,
+                      "copies": args.copies, "clock": args.clock, "other_cpu_fraction": round(other, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The native quantized-matmul kernels (csrc/quant_gemm.c, csrc/quant_legacy.c behind
+tokenloom/kernels/quant_gemm.py) against the `gguf` package's dequantize and a float32 matmul.
+
+Bounds, per output o = sum_i w_i x_i with W the gguf-dequantized weight:
+* int8 path (bf16 x, m <= the small-path limit): x is rounded to d * q per 32-block with d = max|x_block| / 127,
+  so |err| <= sum_i |w_i| * d(i) / 2 (+ float32 rounding);
+* dequantized-tile path, bf16 x: the weight is rounded once to bf16, |err| <= 2^-9 * sum_i |w_i x_i|;
+* float32 x: exact weights, float32 sums: |err| <= k * 2^-24 * sum_i |w_i x_i|;
+and a bf16 output adds its own rounding, 2^-8 |o|.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenloom.kernels import quant_gemm as qg
+
+LEGACY = ["Q4_0", "Q4_1", "Q8_0"]
+
+pytestmark = pytest.mark.skipif(not all(qg.native_supported(qg.TYPE_IDS[t]) for t in LEGACY),
+                                reason="no AVX512-VNNI or no C compiler: the native quantized kernels are not built")
+
+
+def _matrix(name: str, n: int, k: int, seed: int) -> qg.QuantMatrix:
+    """Valid random blocks: gguf's own quantizer on random float32 data (with a per-row offset, so Q4_1's mins
+    are not all zero)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
+    qtype = qg.TYPE_IDS[name]
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    return qg.QuantMatrix.from_gguf(qtype, (n, k), raw, f"test.{name}")
+
+
+def _int8_bound(x: torch.Tensor, w_ref: torch.Tensor) -> torch.Tensor:
+    """[m, n]: sum_i |w_i| * d(i) / 2 with d the activation's per-32-block int8 scale."""
+    m, k = x.shape
+    d = x.float().abs().view(m, k // 32, 32).amax(-1) / 127  # [m, blocks]
+    per_col = d.repeat_interleave(32, dim=1)  # [m, k]
+    return (per_col / 2) @ w_ref.abs().T
+
+
+def _expected_error(x: torch.Tensor, w_ref: torch.Tensor, small: bool, ref: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    k = x.shape[1]
+    mag = x.float().abs() @ w_ref.abs().T
+    if x.dtype == torch.float32:
+        tol = k * 2.0 ** -24 * mag
+    elif small:
+        tol = _int8_bound(x, w_ref) + 1e-5 * mag
+    else:
+        tol = 2.0 ** -9 * mag + k * 2.0 ** -24 * mag
+    if out_dtype == torch.bfloat16:
+        tol = tol + 2.0 ** -8 * ref.abs()
+    return tol + 1e-6
+
+
+def _small_limit() -> int:
+    return qg._native().quant_small_m(ctypes.c_int(-1))
+
+
+@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("k", [32 * 3, 576])
+def test_dequantize_bit_exact(name, k):
+    qm = _matrix(name, 77, k, 1)
+    ref = qg.dequantize(qm)  # the gguf package, file layout
+    prepared = qg.prepare(qm)
+    assert prepared.packed and prepared.nbytes == qm.nbytes and not torch.equal(prepared.data, qm.data)
+    assert torch.equal(qg.dequantize(prepared), ref)
+    ids = torch.tensor([[5, 0], [76, 5]])
+    assert torch.equal(qg.embedding(ids, prepared, torch.float32), ref[ids])
+    assert torch.equal(qg.embedding(ids, prepared, torch.bfloat16), ref[ids].bfloat16())
+    assert torch.equal(qg.embedding(ids, qm, torch.float32), ref[ids])  # unprepared: the reference rows
+
+
+@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("m", [1, 3, 4, 64, 130])
+@pytest.mark.parametrize("k", [32 * 3, 576])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_linear_within_bound(name, m, k, x_dtype):
+    n = 77
+    qm = _matrix(name, n, k, m * 7 + k)
+    w_ref = qg.dequantize(qm)
+    prepared = qg.prepare(qm)
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    bias = torch.randn(n, generator=g).to(x_dtype)
+    small = m <= _small_limit() and x_dtype == torch.bfloat16
+    for b in (None, bias):
+        ref = x.float() @ w_ref.T + (0 if b is None else b.float())
+        for out_dtype in (torch.float32, x_dtype):
+            got = qg.linear(x, prepared, b, out_dtype)
+            assert got.dtype == out_dtype and got.shape == (m, n)
+            err = (got.float() - ref).abs()
+            tol = _expected_error(x, w_ref, small, ref, out_dtype)
+            assert bool((err <= tol).all()), f"max excess {float((err - tol).max())}"
+    # the same matrix unprepared (prepared per call) gives the same numbers
+    assert torch.equal(qg.linear(x, qm, bias), qg.linear(x, prepared, bias))
+
+
+def test_int8_error_is_not_vacuous():
+    """The int8 bound is met with room, but the int8 path does differ from the exact product (it is the path
+    taken), while the tile path at the same rows (small limit 0) stays within bf16 weight rounding."""
+    qm = qg.prepare(_matrix("Q4_1", 256, 576, 3))
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = x.float() @ qg.dequantize(qm).T
+    lib = qg._native()
+    old = lib.quant_small_m(ctypes.c_int(-1))
+    try:
+        int8 = qg.linear(x, qm, out_dtype=torch.float32)
+        lib.quant_small_m(ctypes.c_int(0))
+        tile = qg.linear(x, qm, out_dtype=torch.float32)
+    finally:
+        lib.quant_small_m(ctypes.c_int(old))
+    assert old >= 1 and not torch.equal(int8, tile)
+    rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
+    assert rel(int8) < 0.02 and rel(tile) < 0.005
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_batched_shapes_and_strides(name):
+    qm = qg.prepare(_matrix(name, 33, 64, 5))
+    x = torch.randn(2, 3, 128).bfloat16()[..., 64:]  # rows with stride 128
+    got = qg.linear(x, qm)
+    assert got.shape == (2, 3, 33)
+    assert torch.equal(got, qg.linear(x.contiguous(), qm))
+
+
+def test_bad_shapes_have_clear_errors():
+    with pytest.raises(qg.QuantTypeError, match="whole 32-element blocks"):
+        qg.QuantMatrix(qg.TYPE_IDS["Q4_0"], 4, 40, torch.zeros(4, 22, dtype=torch.uint8))
+    qm = qg.prepare(_matrix("Q8_0", 8, 64, 6))
+    with pytest.raises(ValueError, match="input features 96"):
+        qg.linear(torch.randn(1, 96).bfloat16(), qm)
+    with pytest.raises(ValueError, match="bias"):
+        qg.linear(torch.randn(1, 64).bfloat16(), qm, torch.randn(7))
+    with pytest.raises(IndexError, match=r"\[0, 8\)"):
+        qg.embedding(torch.tensor([8]), qm, torch.float32)
+    # the C entry points check too: k not whole blocks, unknown type
+    lib = qg._native()
+    out = torch.empty(1, 8)
+    x = torch.randn(1, 64)
+    args = (ctypes.c_void_p(qm.data.data_ptr()), ctypes.c_int64(8), ctypes.c_int64(40),
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(64), ctypes.c_int(1), ctypes.c_int64(1),
+            ctypes.c_void_p(None), ctypes.c_int(0), ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(8),
+            ctypes.c_int(1), ctypes.c_int(1))
+    assert lib.quant_linear(ctypes.c_int(8), *args) == -2
+    assert lib.quant_linear(ctypes.c_int(1), *args) == -1  # F16 is no quantized type
+
+
+def test_native_args():
+    qm = _matrix("Q4_0", 16, 64, 7)
+    with pytest.raises(ValueError, match="prepared"):
+        qg.native_args(qm)
+    p = qg.prepare(qm)
+    assert qg.native_args(p) == (qg.TYPE_IDS["Q4_0"], p.data.data_ptr(), 16, 64)

@@ -1,0 +1,358 @@
+/*
+ * The GGUF-quantized matmul driver: out[m, n] = x[m, k] . W^T (+ bias) with W kept quantized (one row of GGUF
+ * blocks per output feature, re-laid-out by the type's repack), plus row dequantize (embedding lookup, full
+ * dequantize). The per-type work is in the family files (quant_legacy.c, quant_kquants.c; quant_common.h).
+ *
+ * Two paths, chosen by the number of rows m:
+ *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
+ *    per 32-element block (tl_act_q8); weight rows are split over OpenMP threads in chunks of CHUNK_ROWS and
+ *    each chunk goes through the type's vpdpbusd dot kernel. The int8 rounding of x is the only error beyond
+ *    float32 summation: |err| <= sum_i |w_i| * d_x(i) / 2 with d_x = max|x_block| / 127.
+ *  - many rows (prefill, batched decode) and every float32 x: per thread, a tile of up to 64 weight rows is
+ *    dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature vectors, and
+ *    multiplied with register-blocked float32 accumulators: for bf16 x, bf16 weights (the dequantized value
+ *    rounded once, as loading the GGUF to bf16 would) through pair_gemm.c's AVX512-BF16 bands; for float32 x,
+ *    float32 weights (exact) and float32 FMAs.
+ * Outputs are float32 sums plus bias, stored unrounded (float32 out) or rounded once to bf16.
+ *
+ * Every entry point returns 0, or a negative QUANT_E* code (nothing meaningful is written then).
+ */
+#include "quant_common.h"
+#include "bf16_common.h"
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* built inside kernels.c, after pair_gemm.c (group_rows) and the family files (quant_legacy.c, quant_kquants.c) */
+
+enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, QUANT_E_MEMORY = -4 };
+
+#define QUANT_MAX_ROW_BYTES 65536 /* the families' in-place re-layout copies a row on the stack */
+#define CHUNK_ROWS 16             /* weight rows per work item of the small-m path */
+#define SMALL_M_LIMIT 16          /* the small path's per-chunk output buffer holds this many rows */
+#define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
+
+static int quant_small_m_max = 4; /* rows up to which the int8 stream beats the dequantized tile (bench) */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && HAVE_PAIR_GEMM
+#define HAVE_QUANT_GEMM 1
+#else
+#define HAVE_QUANT_GEMM 0
+#endif
+
+static const tl_quant_type *tl_quant_lookup(int type) {
+#if HAVE_QUANT_GEMM
+    const tl_quant_type *t = tl_legacy_type(type);
+    return t != NULL ? t : tl_kquant_type(type);
+#else
+    (void)type;
+    return NULL;
+#endif
+}
+
+KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != NULL; }
+
+/* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). */
+KERNEL_API int quant_small_m(int value) {
+    if (value >= 0) quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
+    return quant_small_m_max;
+}
+
+static int check_shape(const tl_quant_type *t, int64_t n, int64_t k) {
+    if (t == NULL) return QUANT_E_TYPE;
+    if (n < 0 || k <= 0 || k % t->block != 0 || k % TL_QK != 0) return QUANT_E_SHAPE;
+    if (k / t->block * t->block_size > QUANT_MAX_ROW_BYTES) return QUANT_E_SHAPE;
+    return QUANT_OK;
+}
+
+/* Re-lays out data [n rows of k columns] in place for the type's kernels (same size). */
+KERNEL_API int quant_repack(int type, uint8_t *data, int64_t n, int64_t k) {
+    const tl_quant_type *t = tl_quant_lookup(type);
+    const int rc = check_shape(t, n, k);
+    if (rc != QUANT_OK) return rc;
+    if (t->repack_row == NULL) return QUANT_OK;
+    const int64_t row_bytes = k / t->block * t->block_size;
+    for (int64_t r = 0; r < n; ++r) t->repack_row(data + r * row_bytes, k);
+    return QUANT_OK;
+}
+
+#if HAVE_QUANT_GEMM
+static inline void store_row(const float *src, int64_t count, void *dst, int is_f32) {
+    if (is_f32) {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+        return;
+    }
+    uint16_t *o = dst;
+    int64_t i = 0;
+    for (; i + 32 <= count; i += 32) /* vcvtne2ps2bf16 rounds to nearest even, as f32_to_bf16 */
+        _mm512_storeu_si512(o + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
+                                                                _mm512_loadu_ps(src + i)));
+    for (; i < count; ++i) o[i] = f32_to_bf16(src[i]);
+}
+#endif
+
+/* Rows ids[0..count) (or all n rows when ids is NULL: count is then n) of W dequantized into out [count, k],
+ * float32 (out_dtype 0) or bf16 rounded once (1). */
+KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *ids,
+                                  int64_t count, void *out, int out_dtype, int threads) {
+#if HAVE_QUANT_GEMM
+    const tl_quant_type *t = tl_quant_lookup(type);
+    const int rc = check_shape(t, n, k);
+    if (rc != QUANT_OK) return rc;
+    if (ids == NULL) count = n;
+    for (int64_t i = 0; ids != NULL && i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
+    const int64_t row_bytes = k / t->block * t->block_size;
+    const size_t elem = out_dtype == 0 ? 4 : 2;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)") {
+        float *buf = out_dtype == 0 ? NULL : aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
+        if (out_dtype != 0 && buf == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < count; ++i) {
+            const uint8_t *row = w + (ids == NULL ? i : ids[i]) * row_bytes;
+            char *dst = (char *)out + (size_t)i * (size_t)k * elem;
+            if (out_dtype == 0) {
+                t->dequant_row(row, k, (float *)dst);
+            } else if (buf != NULL) {
+                t->dequant_row(row, k, buf);
+                store_row(buf, k, dst, 0);
+            }
+        }
+        free(buf);
+    }
+    return failed ? QUANT_E_MEMORY : QUANT_OK;
+#else
+    (void)type; (void)w; (void)n; (void)k; (void)ids; (void)count; (void)out; (void)out_dtype; (void)threads;
+    return QUANT_E_TYPE;
+#endif
+}
+
+#if HAVE_QUANT_GEMM
+/* x [m, k] (bf16 or float32) -> int8 blocks: d = max|x| / 127, q = round(x / d), s = sum q. */
+static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int8_t *q, float *d,
+                         int32_t *s) {
+    const int64_t nb = k / TL_QK;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            __m512 v[2];
+            for (int h = 0; h < 2; ++h) {
+                const int64_t o = r * x_stride + 32 * b + 16 * h;
+                v[h] = x_is_f32 ? _mm512_loadu_ps((const float *)x + o)
+                                : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + o))),
+                                      16));
+            }
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512i sum = _mm512_setzero_si512();
+            for (int h = 0; h < 2; ++h) {
+                /* round to nearest (even), the MXCSR default */
+                const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+                sum = _mm512_add_epi32(sum, qi);
+                _mm_storeu_si128((__m128i *)(q + r * k + 32 * b + 16 * h), _mm512_cvtsepi32_epi8(qi));
+            }
+            d[r * nb + b] = scale;
+            s[r * nb + b] = _mm512_reduce_add_epi32(sum);
+        }
+}
+
+/* buf [rows, ld] float32 sums of features f0 .. f0 + count -> out (+ bias), one row per activation row. */
+static void epilogue(const float *buf, int64_t ld, int64_t rows, int64_t f0, int64_t count, const void *bias,
+                     int bias_is_f32, void *out, int64_t out_stride, int out_is_f32) {
+    float tmp[64];
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c0 = 0; c0 < count; c0 += 64) {
+            const int64_t c1 = count - c0 < 64 ? count : c0 + 64;
+            for (int64_t c = c0; c < c1; ++c) {
+                float v = buf[r * ld + c];
+                if (bias != NULL)
+                    v += bias_is_f32 ? ((const float *)bias)[f0 + c] : bf16_to_f32(((const uint16_t *)bias)[f0 + c]);
+                tmp[c - c0] = v;
+            }
+            void *dst = out_is_f32 ? (void *)((float *)out + r * out_stride + f0 + c0)
+                                   : (void *)((uint16_t *)out + r * out_stride + f0 + c0);
+            store_row(tmp, c1 - c0, dst, out_is_f32);
+        }
+    }
+}
+
+static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                      int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
+                      int out_is_f32, int threads) {
+    const int64_t nb = k / TL_QK, row_bytes = k / t->block * t->block_size;
+    int8_t *q = malloc((size_t)(m * k));
+    float *d = malloc(sizeof(float) * (size_t)(m * nb));
+    int32_t *s = malloc(sizeof(int32_t) * (size_t)(m * nb));
+    if (q == NULL || d == NULL || s == NULL) {
+        free(q); free(d); free(s);
+        return QUANT_E_MEMORY;
+    }
+    quantize_act(x, x_stride, x_is_f32, m, k, q, d, s);
+    const tl_act_q8 act = {q, d, s, (int)m, k};
+    const int64_t chunks = (n + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t c = 0; c < chunks; ++c) {
+        float buf[SMALL_M_LIMIT * CHUNK_ROWS];
+        const int64_t n0 = c * CHUNK_ROWS, n1 = n - n0 < CHUNK_ROWS ? n : n0 + CHUNK_ROWS;
+        t->dot_rows(w, row_bytes, n0, n1, &act, buf, CHUNK_ROWS);
+        epilogue(buf, CHUNK_ROWS, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
+    }
+    free(q); free(d); free(s);
+    return QUANT_OK;
+}
+
+/* In-place transpose of a 16 x 16 matrix of 32-bit elements held in 16 vectors. */
+static inline void transpose16x16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) { /* u[4i + c], 128-bit lane L: rows 4i..4i+3 of column 4L + c */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) { /* 4 x 4 transpose of 128-bit lanes */
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+}
+
+/* rows [16 * blocks][k] (32-bit units per row: `units`, row stride `units`) -> per 16-row block j, vectors
+ * packed[(j * units + u) * 16 + c] = rows[16 j + c][u]: bf16 pairs (pair_gemm.c's layout) or float32. */
+static void transpose_tile(const uint32_t *rows, int64_t units, int blocks, uint32_t *packed) {
+    for (int j = 0; j < blocks; ++j)
+        for (int64_t u0 = 0; u0 < units; u0 += 16) {
+            __m512i v[16];
+            for (int c = 0; c < 16; ++c) v[c] = _mm512_loadu_si512(rows + (16 * j + c) * units + u0);
+            transpose16x16(v);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(packed + (j * units + u0 + i) * 16, v[i]);
+        }
+}
+
+/* float32 bands: rows r0 .. r0 + NR - 1 of x times NB 16-feature blocks of the float32 tile. */
+static inline __attribute__((always_inline)) void band_f32(const float *x, int64_t x_stride, int64_t r0, const int NR,
+                                                           const float *tile, int64_t k, const int NB, float *buf,
+                                                           int64_t ld) {
+    __m512 acc[6][TILE_BLOCKS];
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+        __m512 b[TILE_BLOCKS];
+        for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_ps(tile + (j * k + i) * 16);
+        for (int r = 0; r < NR; ++r) {
+            const __m512 a = _mm512_set1_ps(x[(r0 + r) * x_stride + i]);
+            for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < NB; ++j) _mm512_storeu_ps(buf + (r0 + r) * ld + 16 * j, acc[r][j]);
+}
+
+static inline __attribute__((always_inline)) void rows_f32(const float *x, int64_t x_stride, int64_t m,
+                                                           const float *tile, int64_t k, const int NB, float *buf,
+                                                           int64_t ld) {
+    int64_t r = 0;
+    for (; r + 6 <= m; r += 6) band_f32(x, x_stride, r, 6, tile, k, NB, buf, ld);
+    switch (m - r) {
+    case 5: band_f32(x, x_stride, r, 5, tile, k, NB, buf, ld); break;
+    case 4: band_f32(x, x_stride, r, 4, tile, k, NB, buf, ld); break;
+    case 3: band_f32(x, x_stride, r, 3, tile, k, NB, buf, ld); break;
+    case 2: band_f32(x, x_stride, r, 2, tile, k, NB, buf, ld); break;
+    case 1: band_f32(x, x_stride, r, 1, tile, k, NB, buf, ld); break;
+    default: break;
+    }
+}
+
+static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                     int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
+                     int out_is_f32, int threads) {
+    const int64_t row_bytes = k / t->block * t->block_size, tile_rows = 16 * TILE_BLOCKS;
+    const int64_t groups = (n + tile_rows - 1) / tile_rows;
+    /* per thread: one float32 row, the row-major tile, its transposed copy, the [m, 64] sums */
+    const int64_t elem = x_is_f32 ? 4 : 2;
+    const size_t tile_bytes = (size_t)(tile_rows * k * elem), row_f32 = (size_t)(k * 4);
+    const size_t per_thread = row_f32 + 2 * tile_bytes + (size_t)(m * tile_rows * 4);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)") {
+        char *scratch = aligned_alloc(64, (per_thread + 63) / 64 * 64);
+        if (scratch == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        float *rowf = (float *)scratch;
+        uint32_t *tile = (uint32_t *)(scratch + row_f32);
+        uint32_t *packed = (uint32_t *)(scratch + row_f32 + tile_bytes);
+        float *buf = (float *)(scratch + row_f32 + 2 * tile_bytes);
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < groups; ++g) {
+            if (scratch == NULL) continue;
+            const int64_t f0 = g * tile_rows, count = n - f0 < tile_rows ? n - f0 : tile_rows;
+            const int blocks = (int)((count + 15) / 16);
+            for (int64_t c = 0; c < 16 * blocks; ++c) { /* rows past n are zero: their outputs are dropped */
+                char *dst = (char *)tile + (size_t)(c * k * elem);
+                if (c >= count) {
+                    memset(dst, 0, (size_t)(k * elem));
+                } else if (x_is_f32) {
+                    t->dequant_row(w + (f0 + c) * row_bytes, k, (float *)dst);
+                } else {
+                    t->dequant_row(w + (f0 + c) * row_bytes, k, rowf);
+                    store_row(rowf, k, dst, 0);
+                }
+            }
+            const int64_t units = x_is_f32 ? k : k / 2;
+            transpose_tile(tile, units, blocks, packed);
+            if (x_is_f32) {
+                switch (blocks) {
+                case 4: rows_f32(x, x_stride, m, (const float *)packed, k, 4, buf, tile_rows); break;
+                case 3: rows_f32(x, x_stride, m, (const float *)packed, k, 3, buf, tile_rows); break;
+                case 2: rows_f32(x, x_stride, m, (const float *)packed, k, 2, buf, tile_rows); break;
+                default: rows_f32(x, x_stride, m, (const float *)packed, k, 1, buf, tile_rows); break;
+                }
+            } else {
+                const uint16_t *xb = x, *pk = (const uint16_t *)packed;
+                switch (blocks) { /* pair_gemm.c's register bands over the bf16 feature-pair tile */
+                case 4: group_rows(xb, x_stride, m, pk, k / 2, 4, buf, tile_rows, 0, count); break;
+                case 3: group_rows(xb, x_stride, m, pk, k / 2, 3, buf, tile_rows, 0, count); break;
+                case 2: group_rows(xb, x_stride, m, pk, k / 2, 2, buf, tile_rows, 0, count); break;
+                default: group_rows(xb, x_stride, m, pk, k / 2, 1, buf, tile_rows, 0, count); break;
+                }
+            }
+            epilogue(buf, tile_rows, m, f0, count, bias, bias_is_f32, out, out_stride, out_is_f32);
+        }
+        free(scratch);
+    }
+    return failed ? QUANT_E_MEMORY : QUANT_OK;
+}
+#endif
+
+/* out[m, n] (row stride out_stride; float32 or bf16) = x[m, k] (row stride x_stride; float32 or bf16) . W^T
+ * (+ bias[n], float32 or bf16, or NULL), W [n, k] of GGUF type `type` re-laid-out by quant_repack. */
+KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                            int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
+                            int out_is_f32, int threads) {
+#if HAVE_QUANT_GEMM
+    const tl_quant_type *t = tl_quant_lookup(type);
+    const int rc = check_shape(t, n, k);
+    if (rc != QUANT_OK) return rc;
+    if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
+    if (m == 0 || n == 0) return QUANT_OK;
+    if (!x_is_f32 && m <= quant_small_m_max)
+        return small_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
+                          threads);
+    return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
+#else
+    (void)type; (void)w; (void)n; (void)k; (void)x; (void)x_stride; (void)x_is_f32; (void)m; (void)bias;
+    (void)bias_is_f32; (void)out; (void)out_stride; (void)out_is_f32; (void)threads;
+    return QUANT_E_TYPE;
+#endif
+}

@@ -1,0 +1,293 @@
+/*
+ * GGUF legacy types Q4_0, Q4_1, Q8_0 (32-element blocks) for csrc/quant_gemm.c: same-size re-layout, exact
+ * dequantize, and AVX512-VNNI dot kernels against int8 activations (quant_common.h).
+ *
+ * File blocks: Q4_0 {f16 d; u8 qs[16]} (qs[j] low nibble = element j, high nibble = element j + 16;
+ * w = d * (q - 8)); Q4_1 {f16 d; f16 m; u8 qs[16]} (w = d * q + m); Q8_0 {f16 d; i8 qs[32]} (w = d * q).
+ *
+ * Re-laid-out row (nb = k / 32 blocks, same byte count), so that vector loads see only quants or only scales:
+ *     Q4_0: d[nb] (f16) | qs[nb][16]            (qs bytes as in the file)
+ *     Q4_1: d[nb] (f16) | m[nb] (f16) | qs[nb][16]
+ *     Q8_0: d[nb] (f16) | u[nb][32]             (u = q + 128: vpdpbusd wants unsigned weight bytes)
+ *
+ * Dot product: per weight row and activation row, over a group of four blocks, one 64-byte load of quants
+ * gives the low nibbles (elements 0..15 of each block) and the high nibbles (16..31). The activation's two
+ * 64-byte vectors (natural order) are regrouped with two 128-bit lane shuffles so that each 32-bit lane of
+ * both products belongs to one block; vpdpbusd twice gives per-lane integer sums, converted to float and
+ * accumulated with the lane's block scale d_w * d_x (no horizontal sum per block). The weight offset goes
+ * through the activation block sums s: Q4_0 adds d_w * (-8 * d_x * s), Q4_1 adds m_w * d_x * s, Q8_0 adds
+ * d_w * (-128 * d_x * s), 16 blocks per vector. One horizontal sum per output at the end.
+ *
+ * Dequantize is exact: every product d * q (11-bit by <= 8-bit integer) is exact in float32, so the results
+ * equal the gguf package's bit for bit (with or without FMA contraction).
+ */
+#include "quant_common.h"
+#include "bf16_common.h"
+#include <stddef.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_QUANT_LEGACY 1
+#else
+#define HAVE_QUANT_LEGACY 0
+#endif
+
+#if HAVE_QUANT_LEGACY
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* ---- re-layout (load time) ---- */
+
+/* Largest row the in-place re-layout handles (its copy lives on the stack; quant_repack checks): k = 61680 for
+ * Q8_0, far beyond any model's hidden or intermediate size. */
+#define LEGACY_MAX_ROW_BYTES 65536
+
+/* Moves the per-block scale fields (`fields` f16 values at each block's start) to the row's front, field by
+ * field, then the quants; `flip` adds 128 to every quant byte (Q8_0: int8 q ^ 0x80 == q + 128 as uint8). */
+static void legacy_repack(uint8_t *row, int64_t k, int block_size, int fields, int flip) {
+    const int64_t nb = k / TL_QK, qbytes = block_size - 2 * fields;
+    uint8_t tmp[LEGACY_MAX_ROW_BYTES];
+    if (nb * block_size > LEGACY_MAX_ROW_BYTES) return;
+    memcpy(tmp, row, (size_t)(nb * block_size));
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *src = tmp + b * block_size;
+        for (int f = 0; f < fields; ++f) memcpy(row + (f * nb + b) * 2, src + 2 * f, 2);
+        uint8_t *dst = row + 2 * fields * nb + b * qbytes;
+        for (int64_t i = 0; i < qbytes; ++i) dst[i] = (uint8_t)(src[2 * fields + i] ^ (flip ? 0x80 : 0));
+    }
+}
+
+static void q4_0_repack(uint8_t *row, int64_t k) { legacy_repack(row, k, 18, 1, 0); }
+static void q4_1_repack(uint8_t *row, int64_t k) { legacy_repack(row, k, 20, 2, 0); }
+static void q8_0_repack(uint8_t *row, int64_t k) { legacy_repack(row, k, 34, 1, 1); }
+
+/* ---- exact dequantize of a re-laid-out row ---- */
+
+/* 16 nibbles of one half of a Q4 block as float: low (shift 0) or high (shift 4) nibbles of 16 bytes. */
+static inline __m512 q4_half(const uint8_t *qs, int shift) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15)));
+}
+
+static void q4_0_dequant(const uint8_t *row, int64_t k, float *out) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + 2 * nb;
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        /* d * (q - 8): q - 8 is exact, the product exact in float32 */
+        _mm512_storeu_ps(out + 32 * b, _mm512_mul_ps(d, _mm512_sub_ps(q4_half(qs + 16 * b, 0), eight)));
+        _mm512_storeu_ps(out + 32 * b + 16, _mm512_mul_ps(d, _mm512_sub_ps(q4_half(qs + 16 * b, 4), eight)));
+    }
+}
+
+static void q4_1_dequant(const uint8_t *row, int64_t k, float *out) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + 4 * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b)), m = _mm512_set1_ps(h2f(row + 2 * nb + 2 * b));
+        /* d * q is exact, so a fused multiply-add rounds the same as gguf's (d * q) + m */
+        _mm512_storeu_ps(out + 32 * b, _mm512_add_ps(_mm512_mul_ps(d, q4_half(qs + 16 * b, 0)), m));
+        _mm512_storeu_ps(out + 32 * b + 16, _mm512_add_ps(_mm512_mul_ps(d, q4_half(qs + 16 * b, 4)), m));
+    }
+}
+
+static void q8_0_dequant(const uint8_t *row, int64_t k, float *out) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + 2 * nb;
+    const __m512i flip = _mm512_set1_epi32(128);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        for (int h = 0; h < 2; ++h) {
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
+            _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip))));
+        }
+    }
+}
+
+/* ---- dot kernels ---- */
+
+/* A tile is NR weight rows x MR activation rows (NR * MR <= 16 outputs, one accumulator each), walked over K in
+ * spans of 16 blocks (512 elements). Per span and output, the 16 block scales d_w * d_x are computed once in
+ * one vector and parked on the stack; each group of blocks then picks its lanes' scales out of it with one
+ * vpermps (the stack copy is its memory operand). The offset term rides on the same vectors. At the end one
+ * batched horizontal sum (reduce16) turns the 16 accumulators into 16 outputs. */
+#define LEGACY_MAX_OUT 16
+
+/* Per-block scales of a span for every output, and the offset term. kind 0: Q4_0, 1: Q4_1, 2: Q8_0. */
+static inline __attribute__((always_inline)) void span_scales(const int kind, const uint8_t *w, int64_t row_bytes,
+                                                              const int NR, const int MR, const tl_act_q8 *a,
+                                                              int64_t r0, int64_t nb, int64_t b, __mmask16 mask,
+                                                              __m512 *acc, __m512 *p) {
+    __m512 dx[4], tx[4];
+    for (int j = 0; j < MR; ++j) {
+        const int64_t o = (r0 + j) * nb + b;
+        dx[j] = _mm512_maskz_loadu_ps(mask, a->d + o);
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a->s + o));
+        /* Q4_1: m_w * (d_x s); Q4_0 / Q8_0: (d_w d_x) * (-8 s or -128 s) */
+        tx[j] = kind == 1 ? _mm512_mul_ps(dx[j], s) : _mm512_mul_ps(s, _mm512_set1_ps(kind == 0 ? -8.0f : -128.0f));
+    }
+    for (int r = 0; r < NR; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
+        const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
+        for (int j = 0; j < MR; ++j) {
+            const __m512 pj = _mm512_mul_ps(dw, dx[j]);
+            p[r * MR + j] = pj;
+            acc[r * MR + j] = _mm512_fmadd_ps(kind == 1 ? mw : pj, tx[j], acc[r * MR + j]);
+        }
+    }
+}
+
+/* One span (16 blocks, or the last `nblk` with masks when MASKED) of a Q4 tile. */
+static inline __attribute__((always_inline)) void q4_span(const int kind, const uint8_t *w, int64_t row_bytes,
+                                                          const int NR, const int MR, const tl_act_q8 *a, int64_t r0,
+                                                          int64_t b, const int MASKED, int nblk, __m512 *acc) {
+    const int64_t k = a->k, nb = k / TL_QK, qs_off = (kind == 1 ? 4 : 2) * nb;
+    const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
+    __m512 p[LEGACY_MAX_OUT];
+    span_scales(kind, w, row_bytes, NR, MR, a, r0, nb, b, mask, acc, p);
+    const __m512i low = _mm512_set1_epi8(15);
+    const int groups = MASKED ? (nblk + 3) / 4 : 4;
+    for (int g = 0; g < groups; ++g) {
+        /* lanes 4i..4i+3 of a group belong to its block i: scale lane 4g + i of the span */
+        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                             _mm512_set1_epi32(4 * g));
+        const int left = MASKED ? nblk - 4 * g : 4; /* blocks in this group */
+        const __mmask64 mw = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
+        const __mmask64 ma = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << (32 * left)) - 1);
+        const __mmask64 mb = left >= 4 ? ~(__mmask64)0 : left == 3 ? (((__mmask64)1 << 32) - 1) : 0;
+        __m512i xlo[4], xhi[4];
+        for (int j = 0; j < MR; ++j) {
+            const int8_t *xq = a->q + (r0 + j) * k + 32 * (b + 4 * g);
+            const __m512i A = MASKED ? _mm512_maskz_loadu_epi8(ma, xq) : _mm512_loadu_si512(xq);
+            const __m512i B = MASKED ? _mm512_maskz_loadu_epi8(mb, xq + 64) : _mm512_loadu_si512(xq + 64);
+            xlo[j] = _mm512_shuffle_i64x2(A, B, 0x88); /* x[0..15], x[32..47], x[64..79], x[96..111] */
+            xhi[j] = _mm512_shuffle_i64x2(A, B, 0xDD); /* the 16..31 halves of the same blocks */
+        }
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *src = w + r * row_bytes + qs_off + 16 * (b + 4 * g);
+            const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mw, src) : _mm512_loadu_si512(src);
+            const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            for (int j = 0; j < MR; ++j) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[j]);
+                dot = _mm512_dpbusd_epi32(dot, hi, xhi[j]);
+                acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[r * MR + j]),
+                                                  acc[r * MR + j]);
+            }
+        }
+    }
+}
+
+/* One span of a Q8_0 tile (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
+static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int64_t row_bytes, const int NR,
+                                                          const int MR, const tl_act_q8 *a, int64_t r0, int64_t b,
+                                                          const int MASKED, int nblk, __m512 *acc) {
+    const int64_t k = a->k, nb = k / TL_QK, qs_off = 2 * nb;
+    const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
+    __m512 p[LEGACY_MAX_OUT];
+    span_scales(2, w, row_bytes, NR, MR, a, r0, nb, b, mask, acc, p);
+    const int pairs = MASKED ? (nblk + 1) / 2 : 8;
+    for (int v = 0; v < pairs; ++v) {
+        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                             _mm512_set1_epi32(2 * v));
+        const __mmask64 mq = !MASKED || nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+        __m512i x[4];
+        for (int j = 0; j < MR; ++j) {
+            const int8_t *xq = a->q + (r0 + j) * k + 32 * (b + 2 * v);
+            x[j] = MASKED ? _mm512_maskz_loadu_epi8(mq, xq) : _mm512_loadu_si512(xq);
+        }
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *src = w + r * row_bytes + qs_off + 32 * (b + 2 * v);
+            const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
+            for (int j = 0; j < MR; ++j) {
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x[j]);
+                acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[r * MR + j]),
+                                                  acc[r * MR + j]);
+            }
+        }
+    }
+}
+
+/* NR weight rows (from w) x MR activation rows (from r0): out[j * out_stride + r]. */
+static inline __attribute__((always_inline)) void legacy_tile(const int kind, const uint8_t *w, int64_t row_bytes,
+                                                              const int NR, const int MR, const tl_act_q8 *a,
+                                                              int64_t r0, float *out, int64_t out_stride) {
+    const int64_t nb = a->k / TL_QK;
+    __m512 acc[LEGACY_MAX_OUT];
+    for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        if (kind == 2)
+            q8_span(w, row_bytes, NR, MR, a, r0, b, 0, 16, acc);
+        else
+            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 0, 16, acc);
+    }
+    if (b < nb) {
+        if (kind == 2)
+            q8_span(w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), acc);
+        else
+            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), acc);
+    }
+    __m512 slots[16];
+    for (int t = 0; t < 16; ++t) slots[REDUCE16_SLOT(t)] = t < NR * MR ? acc[t] : _mm512_setzero_ps();
+    float sums[16];
+    _mm512_storeu_ps(sums, reduce16(slots)); /* lane t: output t = (weight row t / MR, activation row t % MR) */
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < MR; ++j) out[j * out_stride + r] = sums[r * MR + j];
+}
+
+/* Every activation row against NR weight rows: one band when m == 1 (NR = 16), else bands of 2 (NR = 8). */
+static inline __attribute__((always_inline)) void legacy_dot(const int kind, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                                                             int64_t out_stride) {
+    int64_t j = n0;
+    if (a->m == 1) {
+        for (; j + 16 <= n1; j += 16) legacy_tile(kind, w + j * row_bytes, row_bytes, 16, 1, a, 0, out + (j - n0), 0);
+    } else {
+        for (; j + 8 <= n1; j += 8) {
+            int64_t r = 0;
+            for (; r + 2 <= a->m; r += 2)
+                legacy_tile(kind, w + j * row_bytes, row_bytes, 8, 2, a, r, out + r * out_stride + (j - n0), out_stride);
+            if (r < a->m)
+                legacy_tile(kind, w + j * row_bytes, row_bytes, 8, 1, a, r, out + r * out_stride + (j - n0), out_stride);
+        }
+    }
+    for (; j < n1; ++j) /* the last few rows one by one */
+        for (int64_t r = 0; r < a->m; ++r)
+            legacy_tile(kind, w + j * row_bytes, row_bytes, 1, 1, a, r, out + r * out_stride + (j - n0), out_stride);
+}
+
+static void q4_0_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                     int64_t out_stride) {
+    legacy_dot(0, w, row_bytes, n0, n1, a, out, out_stride);
+}
+static void q4_1_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                     int64_t out_stride) {
+    legacy_dot(1, w, row_bytes, n0, n1, a, out, out_stride);
+}
+static void q8_0_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                     int64_t out_stride) {
+    legacy_dot(2, w, row_bytes, n0, n1, a, out, out_stride);
+}
+
+static const tl_quant_type TL_LEGACY_TYPES[3] = {
+    {TL_Q4_0, 32, 18, q4_0_dot, q4_0_dequant, q4_0_repack},
+    {TL_Q4_1, 32, 20, q4_1_dot, q4_1_dequant, q4_1_repack},
+    {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack},
+};
+#endif
+
+static const tl_quant_type *tl_legacy_type(int type) {
+#if HAVE_QUANT_LEGACY
+    for (int i = 0; i < 3; ++i)
+        if (TL_LEGACY_TYPES[i].type == type) return &TL_LEGACY_TYPES[i];
+#endif
+    (void)type;
+    return NULL;
+}
