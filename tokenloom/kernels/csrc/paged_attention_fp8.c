@@ -14,8 +14,8 @@
  *   e4m3 (bias 7) placed as fp16 bits sign << 15 | (byte & 0x7F) << 7 is the value times 2^-8 (fp16 bias 15),
  *   subnormals included; the 2^8 is folded into the query scale (K) and into the weighted sum (V), both exact
  *   power-of-two multiplications, so the scores equal those from the exactly widened rows.
- * Paths: bf16 queries at head_dim 64/128 widen the rows to bf16 in a per-thread scratch and run the
- * AVX512-BF16 path (range_fp8_dpbf16; its probabilities rounded to bf16 as the bf16 pool's are); float32
+ * Paths: bf16 queries at head_dim 64/128 widen the rows to bf16 by table (AVX512-VBMI byte lookups) in a
+ * per-thread scratch and run the AVX512-BF16 path (range_fp8_dpbf16; its probabilities rounded to bf16 as the bf16 pool's are); float32
  * queries use the 16-float vector path (rows widened to float32 in registers); other head dims the scalar
  * path. Scores, softmax and sums are float32 everywhere; there is no AMX fp8 path.
  */
@@ -55,7 +55,7 @@ static inline uint8_t f32_to_e5m2(float x) { return f32_to_fp8(x, 2, 15, 0x7Bu, 
 /* fp8 -> float32 for the scalar path, exact (filled at library load). */
 static float E4M3_TABLE[256], E5M2_TABLE[256];
 
-__attribute__((constructor)) static void fill_fp8_tables(void) {
+__attribute__((constructor(101))) static void fill_fp8_tables(void) {
     for (int b = 0; b < 256; ++b) {
         const float s = (b & 0x80) ? -1.f : 1.f;
         const int e4 = (b >> 3) & 0xF, m3 = b & 7, e5 = (b >> 2) & 0x1F, m2 = b & 3;
@@ -104,9 +104,10 @@ DEFINE_VECTOR_RANGE(range_vector_f32_e5m2, float, vload_f32, uint8_t, vload_e5m2
 DEFINE_VECTOR_RANGE(range_vector_bf16_e5m2, uint16_t, vload_bf16, uint8_t, vload_e5m2, 1.f)
 #endif
 
-#if HAVE_DPBF16
+#if HAVE_DPBF16 && defined(__AVX512VBMI__)
+#define HAVE_FP8_DPBF16 1
 /* bf16 queries at head_dim 64/128: the work item's K and V rows are widened to bf16 (exact: every fp8 value
- * is a bf16 value; e4m3 scaled by 2^-8) into a per-thread scratch, FP8_PIECE rows at a time, and the
+ * is a bf16 value) by table lookups into a per-thread scratch, FP8_PIECE rows at a time, and the
  * AVX512-BF16 path (range_dpbf16) attends them there, from L1/L2. The pieces' partial softmax states are
  * merged as chunks are. Memory traffic: the fp8 bytes once; compute: the bf16 path's plus the widening. */
 #define FP8_PIECE 512
@@ -114,21 +115,46 @@ DEFINE_VECTOR_RANGE(range_vector_bf16_e5m2, uint16_t, vload_bf16, uint8_t, vload
 static __thread uint16_t *fp8_rows = NULL; /* [2][FP8_PIECE][MAX_DIM] bf16: K rows, then V rows */
 static __thread int64_t *fp8_iota = NULL;  /* 0, 1, ..., FP8_PIECE - 1 */
 
-/* 32 fp8 bytes -> 32 bf16 (e4m3 scaled by 2^-8), through fp16 and float32. */
-static inline __m512i widen32_bf16(const uint8_t *p, int e4m3) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    const __m512i h = e4m3 ? _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
-                                              _mm512_set1_epi16((short)0xBF80))
-                           : _mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8);
-    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+/* fp8 -> bf16 by table (every fp8 value is exactly a bf16 value): the low and high bytes of the bf16 of each
+ * 7-bit magnitude, [format: 0 e4m3, 1 e5m2][magnitude]; vpermi2b (AVX512-VBMI) looks 64 bytes up at once and
+ * ignores the index's top bit, the sign, which is then or-ed into the high byte. */
+static uint8_t BF16_LO[2][128] __attribute__((aligned(64))), BF16_HI[2][128] __attribute__((aligned(64)));
+
+__attribute__((constructor(102))) static void fill_bf16_tables(void) { /* after fill_fp8_tables */
+    for (int m = 0; m < 128; ++m)
+        for (int f = 0; f < 2; ++f) {
+            const float x = f ? E5M2_TABLE[m] : E4M3_TABLE[m];
+            uint32_t u;
+            memcpy(&u, &x, sizeof u);
+            BF16_LO[f][m] = (uint8_t)(u >> 16);
+            BF16_HI[f][m] = (uint8_t)(u >> 24);
+        }
 }
 
+/* Widen m rows (of the slots in idx) to bf16 rows in dst. The input bytes are first permuted so that the
+ * in-lane byte interleave (unpacklo/hi) leaves the 64 bf16 values in their natural order. */
 static inline void widen_rows(const uint8_t *base, const int64_t *idx, int64_t m, int dim, int e4m3, uint16_t *dst) {
+    const int f = e4m3 ? 0 : 1;
+    const __m512i lo0 = _mm512_load_si512(BF16_LO[f]), lo1 = _mm512_load_si512(BF16_LO[f] + 64);
+    const __m512i hi0 = _mm512_load_si512(BF16_HI[f]), hi1 = _mm512_load_si512(BF16_HI[f] + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    uint8_t order[64] __attribute__((aligned(64)));
+    for (int j = 0; j < 4; ++j)
+        for (int t = 0; t < 8; ++t) {
+            order[16 * j + t] = (uint8_t)(8 * j + t);
+            order[16 * j + 8 + t] = (uint8_t)(32 + 8 * j + t);
+        }
+    const __m512i perm = _mm512_load_si512(order);
     for (int64_t t = 0; t < m; ++t) {
         if (t + PREFETCH_AHEAD < m) prefetch_row(base + idx[t + PREFETCH_AHEAD] * dim, dim);
         const uint8_t *row = base + idx[t] * dim;
-        for (int c = 0; c < dim; c += 32) _mm512_storeu_si512(dst + t * dim + c, widen32_bf16(row + c, e4m3));
+        for (int c = 0; c < dim; c += 64) {
+            const __m512i x = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(row + c));
+            const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+            const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi0, x, hi1), _mm512_and_si512(x, sign));
+            _mm512_storeu_si512(dst + t * dim + c, _mm512_unpacklo_epi8(lo, hi));
+            _mm512_storeu_si512(dst + t * dim + c + 32, _mm512_unpackhi_epi8(lo, hi));
+        }
     }
 }
 
@@ -158,7 +184,6 @@ static int range_fp8_dpbf16(const uint16_t *q, const uint8_t *kh, const uint8_t 
         }
         for (int i = 0; i < FP8_PIECE; ++i) fp8_iota[i] = i;
     }
-    const float mul = e4m3 ? 256.f : 1.f;
     uint16_t *krows = fp8_rows, *vrows = fp8_rows + FP8_PIECE * MAX_DIM;
     float piece_acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));
     for (int64_t l0 = 0; l0 < n; l0 += FP8_PIECE) {
@@ -167,12 +192,10 @@ static int range_fp8_dpbf16(const uint16_t *q, const uint8_t *kh, const uint8_t 
         widen_rows(vh, idx + l0, m, dim, e4m3, vrows);
         Partial piece;
         piece.acc = l0 == 0 ? part->acc : piece_acc;
-        if (!range_dpbf16(q, krows, vrows, fp8_iota, m, group, dim, scale * mul, scores, l0 == 0 ? part : &piece))
+        if (!range_dpbf16(q, krows, vrows, fp8_iota, m, group, dim, scale, scores, l0 == 0 ? part : &piece))
             return 0; /* cannot happen for dim 64/128 and group <= MAX_GROUP; the caller then takes another path */
         if (l0 > 0) merge_partial(part, &piece, group, dim);
     }
-    if (e4m3)
-        for (int i = 0; i < group * dim; ++i) part->acc[i] *= mul;
     return 1;
 }
 #define DPBF16_CALL_bf16_e4m3 range_fp8_dpbf16(q, kh, vh, idx, n, group, dim, scale, scores, part, 1)
