@@ -11,7 +11,7 @@ context, in one run (ratios side by side; absolute times on a shared machine are
 
 Engines alternate step by step; medians of `--steps`. The last line is one JSON object.
 
-    .venv/bin/python bench/kv_dtype.py                      # 16 x 2048 and 1 x 8192
+    .venv/bin/python bench/kv_dtype.py                      # 16 x 2048 and 1 x 8000 (the model: 8192 context)
     .venv/bin/python bench/kv_dtype.py --shapes 4x4096 --steps 10 --skip-model
 """
 
@@ -101,7 +101,7 @@ def model_point(batch: int, context: int, steps: int, threads: int) -> dict[str,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="16x2048,1x8192", help="comma list of requests x context")
+    p.add_argument("--shapes", default="16x2048,1x8000", help="comma list of requests x context")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-model", action="store_true", help="attention only")
