@@ -37,6 +37,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 # SGLang's values: auto = the model's dtype; the fp8 ones store plain casts (scale 1.0), see cache/kv_pool.py.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+CPU_THREADS_POLICIES = ("adaptive", "fixed")
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,11 @@ class ServerArgs:
                                             "host use by default.")
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
+    cpu_threads_policy: str = _flag(
+        "fixed", "CPU: fixed keeps each rank's forward threads at --num-threads' count; adaptive lowers them "
+        "while other processes keep the rank's cores busy and raises them again when they stop "
+        "(executor/cpu_threads.py; it frees cores for a neighbour, but with many busy processes fewer threads get "
+        "a smaller share of the CPU).", CPU_THREADS_POLICIES)
     watchdog_timeout: float = _flag(300.0, "Seconds one forward step may run before the rank's watchdog declares "
                                     "it hung: the rank reports the reason and exits, and the server reports "
                                     "unhealthy and exits non-zero (SGLang's flag and default).")
