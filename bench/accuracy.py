@@ -4,6 +4,7 @@ transformers bf16, in one run.
     .venv/bin/python bench/accuracy.py                        # the default file (+ the Q8_0 file if made)
     .venv/bin/python bench/accuracy.py --quick                # a few minutes a file: 8 chunks, 6 continuations
     .venv/bin/python bench/accuracy.py --gguf A.Q8_0.gguf B.Q4_K_M.gguf --reference tokenloom
+    .venv/bin/python bench/accuracy.py --quick --kv-cache-dtype fp8_e4m3 fp8_e5m2   # + "served" with an fp8 KV
 
 On a machine other work keeps busy, start it with `GOMP_SPINCOUNT=1000` (the transformers engines run in this
 process; libgomp's default spin stalls them as it stalled the servers, tokenloom/executor/cpu_threads.py).
@@ -17,6 +18,8 @@ when it exists, the Q8_0 file `bench/llama_server.py` makes from it (`<tokenloom
   same file dequantized to float32;
 - "transformers fp32" / "transformers bf16": transformers' own GGUF loader (it dequantizes to float32) in this
   process, run in that dtype.
+`--kv-cache-dtype V ...` adds one engine per value, "served V": "served" with `--kv-cache-dtype V` (the fp8
+KV cache is read by the prompt-logprob prefill too, so both metrics see it).
 Each tokenloom engine is a real server (`python -m tokenloom.launch_server`) measured through HTTP: prompt
 logprobs from `/generate` (`input_ids`, `return_logprob`, `logprob_start_len` 0, `max_new_tokens` 0), greedy
 continuations from `/generate` (temperature 0, `ignore_eos`).
@@ -303,6 +306,9 @@ def measure_file(path: str, args: argparse.Namespace, log_dir: str) -> dict[str,
         "transformers fp32": lambda: transformers_engine(path, torch.float32, chunks, prompts, args.new_tokens),
         "transformers bf16": lambda: transformers_engine(path, torch.bfloat16, chunks, prompts, args.new_tokens),
     }
+    for kv in args.kv_cache_dtype:
+        engines[f"served {kv}"] = lambda kv=kv: tokenloom_engine([*model, "--kv-cache-dtype", kv], chunks, prompts,
+                                                                  args.new_tokens, log_dir)
     runs = {}
     for name, run in engines.items():
         runs[name] = run()
@@ -345,6 +351,8 @@ def main() -> int:
     parser.add_argument("--shift", type=int, default=0,
                         help="the first chunk's first token: another sample of the same corpus (runs are "
                         "deterministic, so repeated runs should differ in --shift)")
+    parser.add_argument("--kv-cache-dtype", nargs="*", default=[], choices=["fp8_e4m3", "fp8_e5m2"],
+                        help="also measure \"served\" with each of these KV cache dtypes")
     args = parser.parse_args()
     if args.quick:
         args.chunks, args.greedy_prompts = 8, 6
@@ -359,7 +367,7 @@ def main() -> int:
             results[os.path.basename(path)] = measure_file(path, args, log_dir)
     print(json.dumps({"bench": "accuracy", "quick": args.quick, "chunks": args.chunks, "shift": args.shift,
                       "greedy_prompts": args.greedy_prompts, "new_tokens": args.new_tokens,
-                      "reference": args.reference, "files": results}))
+                      "reference": args.reference, "kv_cache_dtypes": args.kv_cache_dtype, "files": results}))
     return 0
 
 

@@ -24,9 +24,10 @@ from tokenloom.models.default_model import default_model_file
 class TokenloomEngine:
     """ModelRunner driven with hand-built ForwardBatches; KV slots filled directly (no prefill)."""
 
-    def __init__(self, dtype: str, max_total_tokens: int, max_requests: int, threads: int) -> None:
+    def __init__(self, dtype: str, max_total_tokens: int, max_requests: int, threads: int,
+                 kv_cache_dtype: str = "auto") -> None:
         args = ServerArgs(dtype=dtype, max_total_tokens=max_total_tokens, max_running_requests=max_requests,
-                          num_threads=threads)
+                          num_threads=threads, kv_cache_dtype=kv_cache_dtype)
         self.runner = ModelRunner(args)
         torch.set_num_threads(threads)
         self.dtype = self.runner.dtype

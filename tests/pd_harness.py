@@ -89,9 +89,11 @@ class MergedInbox:
 
 
 class PDSide:
-    def __init__(self, role: str, harness: LoopHarness, bootstrap_port: int, kv_dtype: str = "float32",
+    def __init__(self, role: str, harness: LoopHarness, bootstrap_port: int, kv_dtype: str | None = None,
                  **agent_config: Any) -> None:
+        """`kv_dtype`: what the agent registers / expects (default: its pool's dtype, as rank_setup.py does)."""
         self.role, self.h = role, harness
+        kv_dtype = kv_dtype or str(harness.memory.kv_pool.dtype).removeprefix("torch.")
         addresses = IpcAddresses.fresh()
         self.events = Receiver(harness.scheduler_ctx, addresses.scheduler)
         harness.loop.inbox = MergedInbox(harness.inbox, self.events)
@@ -118,7 +120,7 @@ class PDSide:
 
 class PDPair:
     def __init__(self, make_harness: Any, prefill_args: dict[str, Any] | None = None,
-                 decode_args: dict[str, Any] | None = None, decode_kv_dtype: str = "float32",
+                 decode_args: dict[str, Any] | None = None, decode_kv_dtype: str | None = None,
                  **agent_config: Any) -> None:
         """`make_harness(**server_args) -> (LoopHarness, worker)`: builds one side (the test's fake)."""
         import zmq

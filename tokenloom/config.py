@@ -4,7 +4,7 @@ Every field is a flag with SGLang's spelling (`dtype` -> `--dtype`, `page_size` 
 argparse parser is generated from the dataclass so the two cannot drift apart. `ServerArgs.from_kwargs`
 is what `Engine(**kwargs)` uses: unknown keywords are an error, not silently ignored.
 
-Every flag either acts or is refused with the reason (`--kv-cache-dtype` other than auto). Whether the
+Every flag either acts or is refused with the reason. Whether the
 model's heads split over `--tp-size`, and its layers over `--pp-size`, is checked once the model's config is
 known (`check_parallel_fits`, called by the launcher before any rank starts).
 A few SGLang flags that launch scripts pass by habit and that change nothing here (`--trust-remote-code`,
@@ -41,6 +41,8 @@ QUANTIZATIONS = ("gguf", "none")
 _UNIMPLEMENTED_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "w8a8_int8",
                                 "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
                                 "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
+# SGLang's values: auto = the model's dtype; the fp8 ones store plain casts (scale 1.0), see cache/kv_pool.py.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 CPU_THREADS_POLICIES = ("adaptive", "fixed")
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,10 @@ class ServerArgs:
         None, "Share of the memory available at start (free GPU memory; available RAM on the CPU) that the "
         "weights plus the KV pool may take, as in SGLang (e.g. 0.85). Default: 0.85 on CUDA; on the CPU the KV "
         "pool takes a quarter of the memory left after the weights.")
-    kv_cache_dtype: str = _flag("auto", "KV cache dtype; only auto (the model's dtype) is implemented.")
+    kv_cache_dtype: str = _flag("auto", "KV cache dtype: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (1 byte "
+                                "per element, plain casts with scale 1.0, e4m3 saturating at +-448: about twice "
+                                "the tokens in the same memory and half the KV bytes read per decode step; "
+                                "lossy).", KV_CACHE_DTYPES)
     max_running_requests: int | None = _flag(None, "Request slots in the req-to-token pool.")
     # Execution
     device: str = _flag("cpu", "Device to run on: cpu or cuda.")
@@ -233,9 +238,6 @@ class ServerArgs:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
         self._validate_topology()
         self._validate_disaggregation()
-        if self.kv_cache_dtype != "auto":
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the KV cache in the model's "
-                              "dtype) is implemented; a quantized KV cache is not")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1; got {self.num_threads}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -26,7 +26,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["--api-key", " "], "--api-key must not be empty"),
     (["--pp-size", "2", "--pp-max-micro-batch-size", "0"], "--pp-max-micro-batch-size must be >= 1"),
     (["--tensor-parallel-size", "3", "--nnodes", "2"], "--tp-size x --pp-size (3) must be divisible by --nnodes"),
-    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: only auto"),
+    (["--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice: 'int4' (choose from"),
     (["--num-threads", "0"], "--num-threads must be >= 1"),
 ], ids=["unknown", "port_range", "port_type", "dtype", "queue", "api_key", "pp", "tp_nnodes", "kv_dtype",
         "threads"])

@@ -75,6 +75,18 @@ def test_bit_identical_to_modular_path_on_tiny_models(tiny_model_dir, variant):
     assert runner.token_allocator.available_size() == runner.max_total_num_tokens
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_fp8_kv_bit_identical_to_modular_path(tiny_model_dir, variant, kv_cache_dtype):
+    """With an fp8 KV pool the native step calls the same fp8 attention kernel as the modular `cpu` backend,
+    and its fused K/V write stores the bytes the pool's own cast stores: logits and KV bit-identical."""
+    folder, _ = tiny_model_dir(variant)
+    runner = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=2048,
+                                    max_running_requests=4, kv_cache_dtype=kv_cache_dtype))
+    assert runner.kv_pool.buffer.element_size() == 1 and runner.native_decode is not None
+    _compare_paths(runner, _tokens(60, 1, 256), prompt=21)
+
+
 def test_matches_modular_path_on_smollm2():
     """On the real model the two bf16 paths are not bit-identical (their attention and matmul roundings part
     at some layer and 30 layers amplify it), so both are held against the float32 model: the native step

@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     ({"dist_init_addr": "localhost"}, "--dist-init-addr"),
     ({"dist_init_addr": "::1:80"}, "--dist-init-addr"),
     ({"device": "tpu"}, "--device"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
+    ({"kv_cache_dtype": "int4"}, "--kv-cache-dtype must be one of auto, fp8_e4m3, fp8_e5m2"),
     ({"kv_cache_dtype": "bfloat16"}, "--kv-cache-dtype"),
     ({"num_threads": 0}, "--num-threads"),
     ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs"),
@@ -250,9 +250,14 @@ def test_model_split_over_tp_is_checked(tp, heads, kv_heads, inter, problem):
             check_parallel_fits(ServerArgs(tp_size=tp), config)
 
 
-def test_quantized_kv_cache_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="only auto .* is implemented"):
-        ServerArgs(kv_cache_dtype="fp8_e5m2")
+def test_kv_cache_dtype_values():
+    """SGLang's fp8 values are accepted (the pool's dtype: tests/unit/test_kv_memory.py); others are refused
+    with the accepted list, by ServerArgs and by the CLI parser."""
+    for value in ("fp8_e4m3", "fp8_e5m2"):
+        assert ServerArgs(kv_cache_dtype=value).kv_cache_dtype == value
+        assert ServerArgs.from_cli_namespace(parser().parse_args(["--kv-cache-dtype", value])).kv_cache_dtype == value
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, fp8_e4m3, fp8_e5m2; got 'fp8'"):
+        ServerArgs(kv_cache_dtype="fp8")
     assert ServerArgs.from_cli_namespace(parser().parse_args(["--kv-cache-dtype", "auto"])) == ServerArgs()
 
 

@@ -95,3 +95,56 @@ def test_parts_that_disagree_are_refused():
         KVMemory(a.req_to_token_pool, a.token_allocator, b.kv_pool, a.tree_cache, 1024)
     with pytest.raises(ValueError, match="disagree"):
         KVMemory(a.req_to_token_pool, a.token_allocator, a.kv_pool, b.tree_cache, 1024)
+
+
+@pytest.mark.parametrize("value, dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_kv_cache_dtype_is_the_pools_dtype_and_holds_four_times_the_float32_tokens(value, dtype):
+    """One byte per element: the same budget holds 4x the float32 tokens (2x bf16's)."""
+    memory = build(kv_cache_dtype=value)
+    assert memory.kv_pool.dtype == dtype and memory.kv_pool.buffer.dtype == dtype
+    assert memory.kv_pool.buffer.element_size() == 1
+    assert memory.max_total_num_tokens == 60 * MIB // 4 // 256
+    assert build(kv_cache_dtype="auto").kv_pool.dtype == torch.float32
+
+
+def test_fp8_pool_writes_saturating_casts_and_reads_them_back():
+    """set_kv stores round-to-nearest-even casts with scale 1.0; out-of-range values saturate (never inf/NaN)."""
+    for value, dtype, limit in (("fp8_e4m3", torch.float8_e4m3fn, 448.0), ("fp8_e5m2", torch.float8_e5m2, 57344.0)):
+        pool = build(kv_cache_dtype=value, max_total_tokens=16).kv_pool
+        k = torch.randn(3, 4, 8) * 10
+        k[0, 0, :4] = torch.tensor([1e6, -1e6, float("inf"), 300.0])
+        v = torch.randn(3, 4, 8)
+        slots = torch.tensor([5, 2, 9])
+        pool.set_kv(1, slots, k, v)
+        k_buf, v_buf = pool.get_kv(1)
+        got_k = k_buf.index_select(1, slots).transpose(0, 1).float()
+        want_k = k.to(dtype).float()
+        want_k[0, 0, :3] = torch.tensor([limit, -limit, limit])
+        assert torch.isfinite(got_k).all()
+        assert torch.equal(got_k, want_k)
+        assert torch.equal(v_buf.index_select(1, slots).transpose(0, 1).float(), v.to(dtype).float())
+        assert (k_buf[:, 0].float() == 0).all()  # untouched slots stay zero
+
+
+def test_fp8_pool_per_tp_rank_and_pipeline_stage():
+    """Each TP rank and PP stage builds its own fp8 pool: its heads / layers at one byte per element."""
+    tp2 = build(ParallelContext(tp_size=2, tp_rank=1), kv_cache_dtype="fp8_e4m3")
+    assert tp2.kv_pool.dtype == torch.float8_e4m3fn and tp2.kv_pool.k_buffers[0].shape[0] == 2
+    assert tp2.max_total_num_tokens == 60 * MIB // 4 // 128  # 4 layers * 2 * 2 heads * 8 dims * 1 byte
+    stage = build(layers=(2, 4), kv_cache_dtype="fp8_e5m2")
+    assert stage.kv_pool.dtype == torch.float8_e5m2 and len(stage.kv_pool.k_buffers) == 2
+    assert stage.kv_pool.layout(0).itemsize == 1 and stage.kv_pool.layout(0).dtype == "float8_e5m2"
+
+
+@pytest.mark.parametrize("value", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_read_and_write_slots_round_trip(value):
+    """What a PD decode server's retraction to host memory copies out and back (disaggregation/decode.py)."""
+    pool = build(kv_cache_dtype=value, max_total_tokens=32).kv_pool
+    for layer in range(4):
+        pool.set_kv(layer, torch.arange(1, 9), torch.randn(8, 4, 8), torch.randn(8, 4, 8))
+    saved = pool.read_slots(torch.tensor([2, 3, 7]))
+    assert saved.shape == (4, 2, 4, 3, 8) and saved.dtype == pool.dtype
+    pool.write_slots(torch.tensor([20, 21, 22]), saved)
+    assert torch.equal(pool.buffer[:, :, :, 20:23].float(), pool.buffer[:, :, :, [2, 3, 7]].float())
+    with pytest.raises(ValueError, match="cannot be written"):
+        pool.write_slots(torch.tensor([20]), saved[:, :, :, :1].float().to(torch.float16))

@@ -39,7 +39,7 @@ import torch
 
 from tokenloom.cache.allocator import DECODE_RUN, PagedAllocator, TokenAllocator
 from tokenloom.cache.chunk_cache import ChunkCache
-from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.kv_pool import KVPool, kv_storage_dtype
 from tokenloom.cache.memory_budget import CPU_KV_SHARE_OF_FREE, kv_pool_bytes
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.radix_cache import RadixCache
@@ -132,7 +132,9 @@ class KVMemory:
         flags; `memory_at_start` (bytes available before the weights loaded) and `weight_bytes` are needed
         unless `--max-total-tokens` is set. `agree` maps this rank's [KV tokens, request slots] to the ones
         every rank uses (the MIN over the world, so all ranks schedule within the smallest pool); the pool
-        is built at the agreed size."""
+        is built at the agreed size. `dtype` is the model's; the pool stores `--kv-cache-dtype` (fp8: one
+        byte per element, so the same budget holds twice the tokens of bf16)."""
+        dtype = kv_storage_dtype(args.kv_cache_dtype, dtype)
         layers = end_layer - start_layer
         per_token = model_config.kv_bytes_per_token(dtype, parallel.tp_size, layers)
         tokens = kv_capacity_tokens(args, per_token, device, memory_at_start, weight_bytes)
@@ -145,8 +147,8 @@ class KVMemory:
                            head_dim=model_config.head_dim, dtype=dtype, device=device, start_layer=start_layer,
                            end_layer=end_layer, disable_radix_cache=args.disable_radix_cache,
                            decode_slot_run=args.decode_slot_run)
-        logger.info("KV pool: %d tokens (%.1f MiB), %d request slots, page size %d", tokens,
-                    memory.kv_pool.nbytes() / 2**20, requests, args.page_size)
+        logger.info("KV pool: %d tokens (%.1f MiB, %s), %d request slots, page size %d", tokens,
+                    memory.kv_pool.nbytes() / 2**20, str(dtype).removeprefix("torch."), requests, args.page_size)
         return memory
 
     # --- checks ------------------------------------------------------------------------------------

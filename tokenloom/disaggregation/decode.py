@@ -316,7 +316,7 @@ class DecodeDisaggregation(DisaggSide):
         if not self.owns(req):
             return False
         state = DecodeRoom(req, offloaded_len=req.kv_len)
-        state.offloaded_kv = self.kv_pool.buffer.index_select(3, self.scheduler.request_slots(req)).cpu()
+        state.offloaded_kv = self.kv_pool.read_slots(self.scheduler.request_slots(req)).cpu()
         self.scheduler.free_kv(req)
         self.offloaded += 1
         self.retracted.append(state)
@@ -329,7 +329,7 @@ class DecodeDisaggregation(DisaggSide):
                 return
             self.retracted.pop(0)
             slots = self.scheduler.reserve_kv(state.req, state.offloaded_len)
-            self.kv_pool.buffer.index_copy_(3, slots, state.offloaded_kv.to(self.kv_pool.buffer.device))
+            self.kv_pool.write_slots(slots, state.offloaded_kv)
             state.offloaded_kv = None
             self.scheduler.start_running(state.req)
 

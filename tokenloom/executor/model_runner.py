@@ -23,7 +23,7 @@ import torch
 
 from tokenloom.cache.allocator import PagedAllocator, TokenAllocator
 from tokenloom.cache.kv_memory import KVMemory
-from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.kv_pool import KVPool, kv_storage_dtype
 from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.config import ServerArgs
@@ -95,7 +95,8 @@ class ModelRunner:
         """A KV memory built elsewhere must be shaped for this model's layers, shard, dtype and device."""
         pool, cfg = self.memory.kv_pool, self.model_config
         kv_heads = max(1, cfg.num_key_value_heads // self.parallel.tp_size)
-        want = ((self.model.start_layer, self.model.end_layer), kv_heads, cfg.head_dim, self.dtype, self.device.type)
+        want = ((self.model.start_layer, self.model.end_layer), kv_heads, cfg.head_dim,
+                kv_storage_dtype(self.args.kv_cache_dtype, self.dtype), self.device.type)
         have = ((pool.start_layer, pool.end_layer), pool.num_kv_heads, pool.head_dim, pool.dtype,
                 self.memory.device.type)
         if want != have:

@@ -4,7 +4,8 @@ counterpart of replaying a captured CUDA graph.
 At batch 1 a decode step makes ~300 small kernel calls; their Python and dispatch overhead cost about as
 much as streaming the weights. `NativeDecode.build` checks once, at load time, that the model and machine
 fit (CPU, bfloat16, one process holding every layer, a Llama-family model, the `cpu` attention backend, the
-native kernels built); `run(batch)` then replaces `model(batch, attn_backend)` for decode batches of at most
+native kernels built; the KV pool bf16 or fp8, whose attention calls the fp8 kernels of
+csrc/paged_attention_fp8.c); `run(batch)` then replaces `model(batch, attn_backend)` for decode batches of at most
 `max_batch` requests. It runs the same kernels in the same order as the modular path. With AMX its matmuls
 are the AMX kernel (csrc/amx_gemm.c), which the modular path also picks up to `cpu_gemm.AMX_M_MAX` rows, so
 the two are bit-identical there; past that the modular path uses oneDNN. Without AMX the native step takes
@@ -45,6 +46,8 @@ from tokenloom.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
+# The KV pool's element format as decode_forward_bf16 takes it (csrc/decode_native.c step_attention).
+KV_FORMATS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 DECODE_COMM_FAILED = -3  # decode_forward_bf16's return when a TP all-reduce timed out (csrc/decode_native.c)
 
 # Requests per step up to which the native step is used. Without AMX its matmuls are the streaming kernel:
@@ -124,6 +127,7 @@ class NativeDecode:
         self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self._kv_rows = kv_pool.k_buffers[0].shape[1]
         self._vocab_rows = model.lm_head.local_vocab
+        self._kv_format = KV_FORMATS[kv_pool.dtype]
         self._lm_head_amx = _amx_copy(model.lm_head) if self.uses_amx else None
         head_packed = model.lm_head.packed  # the LM head's float32-output copy: AMX, else feature pairs
         self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None or self.quantized \
@@ -140,6 +144,8 @@ class NativeDecode:
         At tp_size > 1 every rank of the group reaches the same answer (the checks read only shapes, the
         machine and whether the group has a shared-memory communicator, all alike on every rank)."""
         reason = cls._unsupported(model, attn_backend, dtype, device, parallel)
+        if reason is None and kv_pool.dtype not in KV_FORMATS:
+            reason = f"a {kv_pool.dtype} KV pool (it takes bfloat16, fp8_e4m3 and fp8_e5m2)"
         lib = None if reason else load_library("kernels")
         if reason is None and lib is None:
             reason = "the native kernels are not built on this machine"
@@ -217,7 +223,8 @@ class NativeDecode:
             ctypes.c_int(m), ptr(embedded.data_ptr()), ptr(positions.data_ptr()), ptr(kv_indptr.data_ptr()),
             ptr(kv_indices.data_ptr()), ptr(out_loc.data_ptr()), ptr(logits.data_ptr()),
             ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()),
-            *paged_attention.plan_arguments(md.shared), ptr(None if self._comm is None else self._comm.handle))
+            *paged_attention.plan_arguments(md.shared), ptr(None if self._comm is None else self._comm.handle),
+            ctypes.c_int(self._kv_format))
         if rc == DECODE_COMM_FAILED:
             self._comm.raise_timeout("tensor-parallel all-reduce in the native decode step")
         if rc != 0:

@@ -4,6 +4,10 @@ gathering a padded copy first. The same call can first store the step's new K/V 
 
 `available(dtype, group, head_dim)` says whether the native kernel can run; `decode(...)` runs it.
 
+fp8 pools (torch.float8_e4m3fn / float8_e5m2, `--kv-cache-dtype`): the kernels of csrc/paged_attention_fp8.c
+take float32 or bf16 queries (the model's dtype; others are computed in float32) and return that dtype; the
+new K/V rows are cast to fp8 by the kernel as `KVPool.set_kv` casts them (round to nearest even, saturating).
+
 `plan_shared_prefixes` finds, once per step, groups of requests whose index lists begin with the same slots
 (a radix-cache prefix they share); `decode(..., shared=plan)` then reads each such prefix once for all the
 group's queries and merges it with each request's own suffix (the flash-decoding merge): "cascade" decode.
@@ -19,7 +23,14 @@ import torch
 
 from tokenloom.kernels.cpu_build import load_library
 
-_FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+# (activation dtype, pool dtype) -> kernel
+_FUNCS = {(torch.float32, torch.float32): "paged_decode_attention_f32",
+          (torch.bfloat16, torch.bfloat16): "paged_decode_attention_bf16",
+          (torch.float32, torch.float8_e4m3fn): "paged_decode_attention_f32_e4m3",
+          (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_attention_bf16_e4m3",
+          (torch.float32, torch.float8_e5m2): "paged_decode_attention_f32_e5m2",
+          (torch.bfloat16, torch.float8_e5m2): "paged_decode_attention_bf16_e5m2"}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -28,7 +39,7 @@ def _lib() -> ctypes.CDLL | None:
 
 def available(dtype: torch.dtype, group: int, head_dim: int) -> bool:
     lib = _lib()
-    if lib is None or dtype not in _FUNCS:
+    if lib is None or not any(kv == dtype for _, kv in _FUNCS):
         return False
     max_group, max_dim = ctypes.c_int(), ctypes.c_int()
     lib.kernel_limits(ctypes.byref(max_group), ctypes.byref(max_dim))
@@ -97,18 +108,34 @@ def _rows_of_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x
 
 
+def activation_dtype(q_dtype: torch.dtype, pool_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernel takes queries / new K/V in and returns: the pool's, or for an fp8 pool the
+    query's when it is float32 or bf16 (else float32)."""
+    if pool_dtype not in FP8_DTYPES:
+        return pool_dtype
+    return q_dtype if q_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def fp8_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32) cast to fp8 `dtype` by the kernels' own conversion (the bytes their K/V write stores)."""
+    src = x.detach().to(torch.float32).contiguous()
+    out = torch.empty(src.shape, dtype=torch.uint8)
+    _lib().fp8_encode_f32(_ptr(src), _ptr(out), ctypes.c_int64(src.numel()), ctypes.c_int(dtype == torch.float8_e5m2))
+    return out.view(dtype)
+
+
 def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indptr: torch.Tensor,
            kv_indices: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
            v_new: torch.Tensor | None = None, out_loc: torch.Tensor | None = None,
            shared: SharedPrefixPlan | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; k_pool/v_pool [Hkv, rows, D] (q is cast to their dtype) -> [B, Hq * D] in that dtype.
+    """q [B, Hq, D]; k_pool/v_pool [Hkv, rows, D] (q is cast to `activation_dtype`) -> [B, Hq * D] in that dtype.
 
     With `k_new`/`v_new` [B, Hkv, D] and `out_loc` [B], those rows are first written into the pools at
     row `out_loc[b]` (which the indices of request b are expected to include). q, k_new and v_new may be
     views into a packed qkv tensor: only each token's heads need to be contiguous. `shared`: this step's
     `plan_shared_prefixes` result for the same indices (None: each request reads all its own KV)."""
     lib = _lib()
-    dtype = k_pool.dtype
+    dtype = activation_dtype(q.dtype, k_pool.dtype)
     q = _rows_of_heads(q, dtype)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, rows = k_pool.shape[0], k_pool.shape[1]
@@ -124,7 +151,7 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indpt
             raise ValueError(f"k_new/v_new must both be {(batch, num_kv_heads, head_dim)}")
         k_stride, v_stride = k_new.stride(0), v_new.stride(0)
         out_loc = out_loc.to(torch.int64).contiguous()
-    fn = getattr(lib, _FUNCS[dtype])
+    fn = getattr(lib, _FUNCS[dtype, k_pool.dtype])
     rc = fn(_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_pool), _ptr(v_pool), _ptr(indptr), _ptr(indices),
             _ptr(out), ctypes.c_int(batch), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads),
             ctypes.c_int(head_dim), ctypes.c_int64(rows), ctypes.c_float(scale),

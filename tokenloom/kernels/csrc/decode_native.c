@@ -1,5 +1,6 @@
 /*
- * A whole Llama-family decode step for a few requests in one native call (bf16, one process, CPU): the CPU
+ * A whole Llama-family decode step for a few requests in one native call (bf16 activations, a bf16 or fp8 KV
+ * pool, CPU): the CPU
  * counterpart of replaying a captured CUDA graph. At batch 1 the Python and dispatch overhead of ~300 small
  * calls per step costs about as much as streaming the weights, so the layer loop runs here instead.
  *
@@ -70,6 +71,27 @@ static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_
     return -1;
 }
 
+/* The step's attention with the fused K/V write, for the pool's element format (decode_forward_bf16's
+ * kv_format: 0 bf16, 1 fp8 e4m3, 2 fp8 e5m2; csrc/paged_attention_fp8.c). */
+static int step_attention(int kv_format, const uint16_t *q, int64_t q_stride, void *k, void *v,
+                          const int64_t *indptr, const int64_t *indices, uint16_t *out, int m, int heads,
+                          int kv_heads, int head_dim, int64_t rows, float scale, int threads, const uint16_t *k_new,
+                          const uint16_t *v_new, int64_t kv_stride, const int64_t *out_loc, const int64_t *share_len,
+                          const int *group_ptr, const int *members, int groups) {
+    if (kv_format == 1)
+        return paged_decode_attention_bf16_e4m3(q, q_stride, k, v, indptr, indices, out, m, heads, kv_heads, head_dim,
+                                                rows, scale, threads, k_new, kv_stride, v_new, kv_stride, out_loc,
+                                                share_len, group_ptr, members, groups);
+    if (kv_format == 2)
+        return paged_decode_attention_bf16_e5m2(q, q_stride, k, v, indptr, indices, out, m, heads, kv_heads, head_dim,
+                                                rows, scale, threads, k_new, kv_stride, v_new, kv_stride, out_loc,
+                                                share_len, group_ptr, members, groups);
+    if (kv_format != 0) return -1;
+    return paged_decode_attention_bf16(q, q_stride, k, v, indptr, indices, out, m, heads, kv_heads, head_dim, rows,
+                                       scale, threads, k_new, kv_stride, v_new, kv_stride, out_loc, share_len,
+                                       group_ptr, members, groups);
+}
+
 /* Returned when a tensor-parallel all-reduce failed (a peer did not arrive in time: shm_comm_missing_rank). */
 #define DECODE_COMM_FAILED (-3)
 
@@ -80,7 +102,8 @@ static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_
  * shard (the caller gathers them). Every rank must call with the same m, so the all-reduces pair up.
  * The residual stream is float32 (as in the modular path). `trace`, when not NULL, receives every layer's
  * output (bf16 [m, hidden]) then residual stream (float32 [m, hidden]), per layer (for tests). share_len ..
- * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, -1
+ * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. kv_format: the KV pool's
+ * elements (see step_attention). Returns 0, -1
  * when a shape is unsupported or memory runs out, or DECODE_COMM_FAILED (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
                                    const uint16_t *lm_head_amx, const uint16_t *lm_head_pair,
@@ -91,7 +114,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
                                    const int64_t *out_loc, float *logits, uint16_t *trace, int threads,
                                    const int64_t *share_len, const int *group_ptr, const int *members,
-                                   int groups, tl_shm_comm *tp_comm) {
+                                   int groups, tl_shm_comm *tp_comm, int kv_format) {
     const int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * head_dim, attn_width = (int64_t)heads * head_dim;
     const float scale = 1.f / sqrtf((float)head_dim);
     /* scratch buffers start on 64-byte boundaries like torch's tensors: vectorized float reductions peel
@@ -122,10 +145,10 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
         rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), Q(l, F_QKV_Q), P(l, F_QKV_BIAS), qkv, m, qkv_width,
                           hidden, threads);
         rope_bf16(qkv, qkv_width, positions, cos_table, sin_table, m, heads + kv_heads, head_dim, threads);
-        rc |= paged_decode_attention_bf16(qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
-                                          attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads,
-                                          qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
-                                          qkv_width, out_loc, share_len, group_ptr, members, groups);
+        rc |= step_attention(kv_format, qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
+                             attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads, qkv + attn_width,
+                             qkv + attn_width + kv_heads * head_dim, qkv_width, out_loc, share_len, group_ptr,
+                             members, groups);
         rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), Q(l, F_O_Q), NULL, x, m, hidden, attn_width, threads);
         if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
             comm_failed = 1;

@@ -5,6 +5,7 @@
 #define _DEFAULT_SOURCE /* syscall() for the AMX permission request (paged_attention.c) */
 #include "cpu_ops.c"
 #include "paged_attention.c"
+#include "paged_attention_fp8.c"
 #include "small_gemm.c"
 #include "pair_gemm.c"
 #include "amx_gemm.c"

@@ -75,14 +75,14 @@ static void softmax_rows(float *scores, int64_t n, int group, Partial *part) {
 }
 
 /* Portable path: any head_dim <= MAX_DIM, any group <= MAX_GROUP. */
-#define DEFINE_SCALAR_RANGE(NAME, T, LOAD)                                                                     \
-static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64_t n, int group, int dim,      \
+#define DEFINE_SCALAR_RANGE(NAME, T, QLOAD, TKV, LOAD)                                                         \
+static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, int64_t n, int group, int dim,  \
                  float scale, float *scores, Partial *part) {                                                  \
     float qf[MAX_GROUP][MAX_DIM], row[MAX_DIM];                                                                \
     for (int g = 0; g < group; ++g)                                                                            \
-        for (int d = 0; d < dim; ++d) qf[g][d] = LOAD(q + (int64_t)g * dim, d) * scale;                       \
+        for (int d = 0; d < dim; ++d) qf[g][d] = QLOAD(q + (int64_t)g * dim, d) * scale;                      \
     for (int64_t l = 0; l < n; ++l) {                                                                          \
-        const T *kp = kh + idx[l] * dim;                                                                       \
+        const TKV *kp = kh + idx[l] * dim;                                                                     \
         for (int d = 0; d < dim; ++d) row[d] = LOAD(kp, d);                                                    \
         for (int g = 0; g < group; ++g) {                                                                      \
             float s = 0.f;                                                                                     \
@@ -93,7 +93,7 @@ static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64
     softmax_rows(scores, n, group, part);                                                                      \
     memset(part->acc, 0, sizeof(float) * (size_t)group * dim);                                                 \
     for (int64_t l = 0; l < n; ++l) {                                                                          \
-        const T *vp = vh + idx[l] * dim;                                                                       \
+        const TKV *vp = vh + idx[l] * dim;                                                                     \
         for (int d = 0; d < dim; ++d) row[d] = LOAD(vp, d);                                                    \
         for (int g = 0; g < group; ++g) {                                                                      \
             const float p = scores[(int64_t)g * n + l];                                                        \
@@ -103,8 +103,8 @@ static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64
     }                                                                                                          \
 }
 
-DEFINE_SCALAR_RANGE(range_scalar_f32, float, load_f32)
-DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16)
+DEFINE_SCALAR_RANGE(range_scalar_f32, float, load_f32, float, load_f32)
+DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
 
 #if HAVE_AVX512
 /* Bring a K/V row of `bytes` into L1 ahead of use (paged slots need not be contiguous, so the hardware
@@ -125,18 +125,18 @@ static inline __m512 vload_bf16(const uint16_t *p) {
 /* Vector path for head_dim = 16 * NV (NV a compile-time constant after inlining: 4 or 8). The query rows
  * (scaled) and the V accumulators stay in registers; each K/V row is widened once and used by the whole
  * group. The next rows are prefetched since paged slots need not be contiguous. */
-#define DEFINE_VECTOR_RANGE(NAME, T, VLOAD)                                                                    \
-static inline __attribute__((always_inline)) void NAME(const T *q, const T *kh, const T *vh,                  \
+#define DEFINE_VECTOR_RANGE(NAME, T, QLOAD, TKV, VLOAD, KV_MUL)                                                 \
+static inline __attribute__((always_inline)) void NAME(const T *q, const TKV *kh, const TKV *vh,              \
                                                        const int64_t *idx, int64_t n, int group, const int nv,  \
                                                        float scale, float *scores, Partial *part) {             \
     const int dim = nv * 16;                                                                                   \
     __m512 qv[MAX_GROUP][8];                                                                                   \
-    const __m512 sv = _mm512_set1_ps(scale);                                                                   \
+    const __m512 sv = _mm512_set1_ps(scale * (KV_MUL));                                                        \
     for (int g = 0; g < group; ++g)                                                                            \
-        for (int c = 0; c < nv; ++c) qv[g][c] = _mm512_mul_ps(VLOAD(q + (int64_t)g * dim + 16 * c), sv);     \
+        for (int c = 0; c < nv; ++c) qv[g][c] = _mm512_mul_ps(QLOAD(q + (int64_t)g * dim + 16 * c), sv);     \
     for (int64_t l = 0; l < n; ++l) {                                                                          \
-        if (l + PREFETCH_AHEAD < n) prefetch_row(kh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(T));    \
-        const T *kp = kh + idx[l] * dim;                                                                       \
+        if (l + PREFETCH_AHEAD < n) prefetch_row(kh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(TKV));  \
+        const TKV *kp = kh + idx[l] * dim;                                                                     \
         __m512 kv[8];                                                                                          \
         for (int c = 0; c < nv; ++c) kv[c] = VLOAD(kp + 16 * c);                                               \
         for (int g = 0; g < group; ++g) {                                                                      \
@@ -150,8 +150,8 @@ static inline __attribute__((always_inline)) void NAME(const T *q, const T *kh, 
     for (int g = 0; g < group; ++g)                                                                            \
         for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_setzero_ps();                                          \
     for (int64_t l = 0; l < n; ++l) {                                                                          \
-        if (l + PREFETCH_AHEAD < n) prefetch_row(vh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(T));    \
-        const T *vp = vh + idx[l] * dim;                                                                       \
+        if (l + PREFETCH_AHEAD < n) prefetch_row(vh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(TKV));  \
+        const TKV *vp = vh + idx[l] * dim;                                                                     \
         __m512 vv[8];                                                                                          \
         for (int c = 0; c < nv; ++c) vv[c] = VLOAD(vp + 16 * c);                                               \
         for (int g = 0; g < group; ++g) {                                                                      \
@@ -159,12 +159,15 @@ static inline __attribute__((always_inline)) void NAME(const T *q, const T *kh, 
             for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);                     \
         }                                                                                                      \
     }                                                                                                          \
+    const __m512 mv = _mm512_set1_ps(KV_MUL);                                                                  \
     for (int g = 0; g < group; ++g)                                                                            \
-        for (int c = 0; c < nv; ++c) _mm512_storeu_ps(part->acc + (int64_t)g * dim + 16 * c, acc[g][c]);      \
+        for (int c = 0; c < nv; ++c)                                                                           \
+            _mm512_storeu_ps(part->acc + (int64_t)g * dim + 16 * c,                                            \
+                             (KV_MUL) == 1.f ? acc[g][c] : _mm512_mul_ps(acc[g][c], mv));                     \
 }
 
-DEFINE_VECTOR_RANGE(range_vector_f32, float, vload_f32)
-DEFINE_VECTOR_RANGE(range_vector_bf16, uint16_t, vload_bf16)
+DEFINE_VECTOR_RANGE(range_vector_f32, float, vload_f32, float, vload_f32, 1.f)
+DEFINE_VECTOR_RANGE(range_vector_bf16, uint16_t, vload_bf16, uint16_t, vload_bf16, 1.f)
 #endif
 
 #if HAVE_AVX512 && defined(__AVX512BF16__)
@@ -428,8 +431,8 @@ static int range_dpbf16(const uint16_t *q, const uint16_t *kh, const uint16_t *v
 #endif
 
 /* One (request, kv head, chunk) work item, dispatched to the fastest path for this head_dim. */
-#define DEFINE_RANGE(NAME, T, SUFFIX)                                                                          \
-static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64_t n, int group, int dim,      \
+#define DEFINE_RANGE(NAME, T, TKV, SUFFIX)                                                                     \
+static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, int64_t n, int group, int dim,  \
                  float scale, float *scores, Partial *part) {                                                  \
     if (n <= 0) {                                                                                              \
         for (int g = 0; g < group; ++g) { part->max[g] = -INFINITY; part->sum[g] = 0.f; }                      \
@@ -454,8 +457,8 @@ static void NAME(const T *q, const T *kh, const T *vh, const int64_t *idx, int64
 #define VECTOR_CALL(FN, NV) (void)0
 #endif
 
-DEFINE_RANGE(attend_range_f32, float, f32)
-DEFINE_RANGE(attend_range_bf16, uint16_t, bf16)
+DEFINE_RANGE(attend_range_f32, float, float, f32)
+DEFINE_RANGE(attend_range_bf16, uint16_t, uint16_t, bf16)
 
 /* Combine the chunks' partial states of one query head and write out = sum(acc) / sum(sum). */
 #define DEFINE_FINISH(NAME, T, STORE)                                                                          \
@@ -593,8 +596,8 @@ KERNEL_API int plan_shared_prefixes(const int64_t *indptr, const int64_t *indice
  * share_len/group_ptr/members/groups: a plan from plan_shared_prefixes for these indices, or NULL/0.
  * Work items: first (group, kv head) for each shared prefix, then (request, kv head, chunk of its suffix).
  * Returns 0, or -1 when a buffer cannot be allocated (the output is then not written). */
-#define DEFINE_KERNEL(NAME, T, RANGE, FINISH)                                                                  \
-KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *indptr, const int64_t *indices, \
+#define DEFINE_KERNEL(NAME, T, TKV, RANGE, FINISH, STORE_KV)                                                  \
+KERNEL_API int NAME(const T *q, int64_t q_stride, TKV *k, TKV *v, const int64_t *indptr, const int64_t *indices, \
                     T *out,                                                                                    \
          int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, int threads,      \
          const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride, const int64_t *out_loc,   \
@@ -605,10 +608,8 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
         for (int b = 0; b < batch; ++b)                                                                        \
             for (int h = 0; h < num_kv_heads; ++h) {                                                           \
                 const int64_t dst = ((int64_t)h * rows + out_loc[b]) * head_dim;                               \
-                memcpy(k + dst, k_new + (int64_t)b * k_new_stride + (int64_t)h * head_dim,                     \
-                       sizeof(T) * (size_t)head_dim);                                                          \
-                memcpy(v + dst, v_new + (int64_t)b * v_new_stride + (int64_t)h * head_dim,                     \
-                       sizeof(T) * (size_t)head_dim);                                                          \
+                STORE_KV(k + dst, k_new + (int64_t)b * k_new_stride + (int64_t)h * head_dim, head_dim);        \
+                STORE_KV(v + dst, v_new + (int64_t)b * v_new_stride + (int64_t)h * head_dim, head_dim);        \
             }                                                                                                  \
     }                                                                                                          \
     const int chunks = choose_chunks(indptr, share_len, batch, num_kv_heads, threads);                         \
@@ -620,7 +621,7 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
     if (state == NULL) return -1;                                                                              \
     float *shared_state = state + own_items * per_state;                                                       \
     int failed = 0;                                                                                            \
-    const int use_amx = amx_usable((int)sizeof(T), head_dim);                                                 \
+    const int use_amx = amx_usable((int)sizeof(TKV), head_dim);                                                 \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
         int64_t cap = 0;                                                                                       \
@@ -694,8 +695,11 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *ind
     return failed ? -1 : 0;                                                                                    \
 }
 
-DEFINE_KERNEL(paged_decode_attention_f32, float, attend_range_f32, finish_f32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, attend_range_bf16, finish_bf16)
+/* the new K/V row stored as it is (the pool has the activations' dtype) */
+#define COPY_KV_ROW(dst, src, n) memcpy((dst), (src), sizeof(*(dst)) * (size_t)(n))
+
+DEFINE_KERNEL(paged_decode_attention_f32, float, float, attend_range_f32, finish_f32, COPY_KV_ROW)
+DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, uint16_t, attend_range_bf16, finish_bf16, COPY_KV_ROW)
 
 KERNEL_API int kernel_limits(int *max_group, int *max_dim) {
     *max_group = MAX_GROUP;

@@ -28,7 +28,7 @@ def resolve_attention_backend(name: str, kv_pool: KVPool, num_heads: int) -> str
         if name == "cpu" and (k is None or not CpuPagedBackend.supported(
                 k.dtype, k.device, num_heads // k.shape[0], k.shape[2])):
             raise ValueError("--attention-backend cpu is not available here (needs a C compiler, the CPU "
-                             "device, float32/bfloat16 KV and a GQA group <= 16, head_dim <= 256)")
+                             "device, float32/bfloat16/fp8 KV and a GQA group <= 16, head_dim <= 256)")
         return name
     if k is not None and CpuPagedBackend.supported(k.dtype, k.device, num_heads // k.shape[0], k.shape[2]):
         return "cpu"
