@@ -108,21 +108,26 @@ def test_linear_within_bound(name, m, k, x_dtype):
 
 def test_int8_error_is_not_vacuous():
     """The int8 bound is met with room, but the int8 path does differ from the exact product (it is the path
-    taken), while the tile path at the same rows (small limit 0) stays within bf16 weight rounding."""
+    taken), while the tile path at the same rows (small limit 0) stays within bf16 weight rounding; the second
+    int8 term (the first one's rounding remainder, on by default) cuts the one-term error by two orders."""
     qm = qg.prepare(_matrix("Q4_1", 256, 576, 3))
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = x.float() @ qg.dequantize(qm).T
     lib = qg._native()
-    old = lib.quant_small_m(ctypes.c_int(-1))
+    old, residual = lib.quant_small_m(ctypes.c_int(-1)), lib.quant_act_residual(ctypes.c_int(-1))
     try:
-        int8 = qg.linear(x, qm, out_dtype=torch.float32)
+        two_terms = qg.linear(x, qm, out_dtype=torch.float32)
+        lib.quant_act_residual(ctypes.c_int(0))
+        one_term = qg.linear(x, qm, out_dtype=torch.float32)
         lib.quant_small_m(ctypes.c_int(0))
         tile = qg.linear(x, qm, out_dtype=torch.float32)
     finally:
         lib.quant_small_m(ctypes.c_int(old))
-    assert old >= 1 and not torch.equal(int8, tile)
+        lib.quant_act_residual(ctypes.c_int(residual))
+    assert old >= 1 and residual == 1 and not torch.equal(one_term, tile) and not torch.equal(two_terms, one_term)
     rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
-    assert rel(int8) < 0.02 and rel(tile) < 0.005
+    assert rel(one_term) < 0.02 and rel(tile) < 0.005
+    assert 0 < rel(two_terms) < rel(one_term) / 30, (rel(two_terms), rel(one_term))
 
 
 @pytest.mark.parametrize("name", LEGACY)

@@ -5,9 +5,11 @@
  *
  * Two paths, chosen by the number of rows m:
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
- *    per 32-element block (tl_act_q8); weight rows are split over OpenMP threads in chunks of CHUNK_ROWS and
- *    each chunk goes through the type's vpdpbusd dot kernel. The int8 rounding of x is the only error beyond
- *    float32 summation: |err| <= sum_i |w_i| * d_x(i) / 2 with d_x = max|x_block| / 127.
+ *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
+ *    activation rows, so one pass over the weight serves both); weight rows are split over OpenMP threads in
+ *    chunks of CHUNK_ROWS and each chunk goes through the type's vpdpbusd dot kernel. The rounding of x is the
+ *    only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with d_x = max|x_block| / 127
+ *    (d_x / 2 with the second term off, quant_act_residual(0)).
  *  - many rows (prefill, batched decode) and every float32 x: per thread, a tile of up to 64 weight rows is
  *    dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature vectors, and
  *    multiplied with float32 accumulators: for bf16 x, bf16 weights (the dequantized value rounded once, as
@@ -38,6 +40,10 @@ enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, 
  * (49152x576, 8192x2048, 3072x576 Q4_1: int8 path 1.6x faster at 8 rows, 1.15x slower at 16). Without AMX
  * the tile path's AVX512-BF16 matmul costs more, so the int8 path keeps its whole range. */
 static int quant_small_m_max = -1;
+/* Decode rows carry a second int8 term, the first one's rounding remainder (quantize_act): on by default, since
+ * one int8 term moved SmolLM2's greedy answers further from float32 than bf16 activations do (bench/accuracy.py);
+ * quant_act_residual(0) turns it off for benchmarks. */
+static int quant_act_residual_on = 1;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && HAVE_PAIR_GEMM
 #define HAVE_QUANT_GEMM 1
@@ -57,15 +63,19 @@ static const tl_quant_type *tl_quant_lookup(int type) {
 
 KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != NULL; }
 
-/* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). */
+/* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). The
+ * defaults are the crossovers with the tile path measured with both int8 terms (SmolLM2 and 1B shapes, Q4_1
+ * and Q8_0): 4-8 rows where the tile path runs on AMX, 10-12 on AVX512-BF16. */
+#define SMALL_M_AMX 6
+#define SMALL_M_NO_AMX 12
 KERNEL_API int quant_small_m(int value) {
     if (value >= 0)
         quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
     else if (quant_small_m_max < 0) /* a benign race: every caller decides the same */
 #if HAVE_AMX
-        quant_small_m_max = amx_gemm_supported() ? 12 : SMALL_M_LIMIT;
+        quant_small_m_max = amx_gemm_supported() ? SMALL_M_AMX : SMALL_M_NO_AMX;
 #else
-        quant_small_m_max = SMALL_M_LIMIT;
+        quant_small_m_max = SMALL_M_NO_AMX;
 #endif
     return quant_small_m_max;
 }
@@ -75,6 +85,12 @@ static int check_shape(const tl_quant_type *t, int64_t n, int64_t k) {
     if (n < 0 || k <= 0 || k % t->block != 0 || k % TL_QK != 0) return QUANT_E_SHAPE;
     if (k / t->block * t->block_size > QUANT_MAX_ROW_BYTES) return QUANT_E_SHAPE;
     return QUANT_OK;
+}
+
+/* Whether decode rows carry the second int8 term: read (value < 0) or set it (0 off, 1 on). */
+KERNEL_API int quant_act_residual(int value) {
+    if (value >= 0) quant_act_residual_on = value != 0;
+    return quant_act_residual_on;
 }
 
 /* Re-lays out data [n rows of k columns] in place for the type's kernels (same size). */
@@ -147,9 +163,12 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
 }
 
 #if HAVE_QUANT_GEMM
-/* x [m, k] (bf16 or float32) -> int8 blocks: d = max|x| / 127, q = round(x / d), s = sum q. */
-static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int8_t *q, float *d,
-                         int32_t *s) {
+/* x [m, k] (bf16 or float32) -> int8 blocks: d = max|x| / 127, q = round(x / d), s = sum q. With `residual`
+ * the remainder x - d q (within +-d/2) is quantized the same way into rows m .. 2m - 1 of q, d, s, with scale
+ * d / 127 (its quants lie in [-64, 64]): the two terms together carry x to within d / 254, max|x| / 32258 of the
+ * block, where one int8 term is off by up to d / 2 (llama.cpp's Q8_0 activations). */
+static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int residual,
+                         int8_t *q, float *d, int32_t *s) {
     const int64_t nb = k / TL_QK;
     for (int64_t r = 0; r < m; ++r)
         for (int64_t b = 0; b < nb; ++b) {
@@ -163,15 +182,26 @@ static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t 
             }
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
             const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m512i sum = _mm512_setzero_si512();
+            const float scale2 = scale / 127.0f, inv2 = amax > 0.0f ? 127.0f * inv : 0.0f;
+            __m512i sum = _mm512_setzero_si512(), sum2 = _mm512_setzero_si512();
             for (int h = 0; h < 2; ++h) {
                 /* round to nearest (even), the MXCSR default */
                 const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
                 sum = _mm512_add_epi32(sum, qi);
                 _mm_storeu_si128((__m128i *)(q + r * k + 32 * b + 16 * h), _mm512_cvtsepi32_epi8(qi));
+                if (residual) {
+                    const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(scale), v[h]);
+                    const __m512i qr = _mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(inv2)));
+                    sum2 = _mm512_add_epi32(sum2, qr);
+                    _mm_storeu_si128((__m128i *)(q + (m + r) * k + 32 * b + 16 * h), _mm512_cvtsepi32_epi8(qr));
+                }
             }
             d[r * nb + b] = scale;
             s[r * nb + b] = _mm512_reduce_add_epi32(sum);
+            if (residual) {
+                d[(m + r) * nb + b] = scale2;
+                s[(m + r) * nb + b] = _mm512_reduce_add_epi32(sum2);
+            }
         }
 }
 
@@ -201,21 +231,30 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
                       int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                       int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK, row_bytes = k / t->block * t->block_size;
-    int8_t *q = malloc((size_t)(m * k));
-    float *d = malloc(sizeof(float) * (size_t)(m * nb));
-    int32_t *s = malloc(sizeof(int32_t) * (size_t)(m * nb));
+    const int residual = quant_act_residual_on, terms = residual ? 2 : 1;
+    int8_t *q = malloc((size_t)(terms * m * k));
+    float *d = malloc(sizeof(float) * (size_t)(terms * m * nb));
+    int32_t *s = malloc(sizeof(int32_t) * (size_t)(terms * m * nb));
     if (q == NULL || d == NULL || s == NULL) {
         free(q); free(d); free(s);
         return QUANT_E_MEMORY;
     }
-    quantize_act(x, x_stride, x_is_f32, m, k, q, d, s);
-    const tl_act_q8 act = {q, d, s, (int)m, k};
+    quantize_act(x, x_stride, x_is_f32, m, k, residual, q, d, s);
+    /* Both terms in one pass over the weight when they fit the kernel's rows, else one pass each. */
+    const int together = terms * m <= SMALL_M_LIMIT;
+    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k};
+    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k};
     const int64_t chunks = (n + CHUNK_ROWS - 1) / CHUNK_ROWS;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t c = 0; c < chunks; ++c) {
-        float buf[SMALL_M_LIMIT * CHUNK_ROWS];
+        float buf[2 * SMALL_M_LIMIT * CHUNK_ROWS];
         const int64_t n0 = c * CHUNK_ROWS, n1 = n - n0 < CHUNK_ROWS ? n : n0 + CHUNK_ROWS;
-        t->dot_rows(w, row_bytes, n0, n1, &act, buf, CHUNK_ROWS);
+        t->dot_rows(w, row_bytes, n0, n1, &all, buf, CHUNK_ROWS);
+        if (residual && !together) t->dot_rows(w, row_bytes, n0, n1, &rest, buf + m * CHUNK_ROWS, CHUNK_ROWS);
+        if (residual) /* row r's two terms: buf rows r and m + r */
+            for (int64_t i = 0; i < m * CHUNK_ROWS; i += 16)
+                _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_loadu_ps(buf + i),
+                                                        _mm512_loadu_ps(buf + m * CHUNK_ROWS + i)));
         epilogue(buf, CHUNK_ROWS, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
     }
     free(q); free(d); free(s);
