@@ -132,8 +132,8 @@ class NativeDecode:
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not a Llama-family model"
         if quantized_weights(model)[1]:
-            return ("the weights are kept quantized (--quantization gguf) and the native step reads bf16 "
-                    "weights only; --quantization none dequantizes them at load")
+            return ("the weights are kept quantized (--quantization gguf, gptq or awq, or --torchao-config) and "
+                    "the native step reads bf16 weights only; --quantization none dequantizes a GGUF at load")
         if not isinstance(attn_backend, CpuPagedBackend):
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:
