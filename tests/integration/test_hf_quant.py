@@ -66,9 +66,14 @@ def _reference(hf: torch.nn.Module) -> torch.Tensor:
 # torchao vs the float model: the weights' quantization error moves the logits. Measured on this random model
 # (max |logit diff| / max |logit|, float32 and bf16 activations alike): int8wo 0.016; int4wo-32 0.14, -64 0.18 to
 # 0.20, -128 0.22, -256 0.21 (random Gaussian weights are int4's worst case); top-1 agreement int8 1.0, int4 0.73
-# to 0.84. Bounds: about 1.6x those. The tight check is the next test (the same quantized weights in float32).
+# to 0.84; w8a8_int8 (bf16) 0.023, top-1 0.97. Bounds: about 1.6-2x those. The tight check is the next test
+# (the same quantized weights in float32).
 TORCHAO_TOL = {"int8wo": (0.03, 0.95), "int4wo-32": (0.25, 0.6), "int4wo-64": (0.32, 0.6),
-               "int4wo-128": (0.36, 0.6), "int4wo-256": (0.36, 0.6)}
+               "int4wo-128": (0.36, 0.6), "int4wo-256": (0.36, 0.6), "w8a8_int8": (0.05, 0.9)}
+
+
+def _flags(method: str) -> dict[str, str]:
+    return {"quantization": method} if method == "w8a8_int8" else {"torchao_config": method}
 
 
 @pytest.mark.parametrize("method", list(TORCHAO_TOL))
@@ -76,7 +81,7 @@ TORCHAO_TOL = {"int8wo": (0.03, 0.95), "int4wo-32": (0.25, 0.6), "int4wo-64": (0
 def test_torchao_logits_close_to_the_float_model(float_folder, method, dtype):
     folder, hf = float_folder
     ref = _reference(hf)
-    runner = _runner(folder, torchao_config=method, dtype=dtype)
+    runner = _runner(folder, **_flags(method), dtype=dtype)
     qkv = runner.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is None and isinstance(qkv.quant.segments[0].weight, IntQuantMatrix)
     assert qkv.quant.segments[0].weight.name == method
@@ -87,7 +92,7 @@ def test_torchao_logits_close_to_the_float_model(float_folder, method, dtype):
     assert (mine.argmax(-1) == ref.argmax(-1)).float().mean().item() >= top1
 
 
-@pytest.mark.parametrize("method", list(TORCHAO_TOL))
+@pytest.mark.parametrize("method", [m for m in TORCHAO_TOL if m != "w8a8_int8"])
 def test_torchao_logits_match_transformers_on_the_same_quantized_weights(float_folder, method):
     """float32 activations: the kernels multiply exactly the dequantized codes, so transformers with every
     linear weight replaced by quantize_for_method(w).dequantize() is the same model up to summation order."""
@@ -106,16 +111,16 @@ def test_torchao_logits_match_transformers_on_the_same_quantized_weights(float_f
     assert (mine - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("method", ["int8wo", "int4wo-128"])
+@pytest.mark.parametrize("method", ["int8wo", "int4wo-128", "w8a8_int8"])
 def test_torchao_greedy_generation_runs_through_the_engine_loop(float_folder, method):
     folder, hf = float_folder
-    runner = _runner(folder, torchao_config=method, dtype="bfloat16")
+    runner = _runner(folder, **_flags(method), dtype="bfloat16")
     assert runner.native_decode is None  # declined: the weights are kept quantized
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     ours = generate_in_process(runner, [PROMPT, PROMPT[:10]], [params, params])
     assert [len(o) for o in ours] == [8, 8]
     # The first token is the quantized model's own prefill argmax (the loop samples what the forward computes).
-    assert ours[0][0] == _logits(_runner(folder, torchao_config=method, dtype="bfloat16"))[-1].argmax().item()
+    assert ours[0][0] == _logits(_runner(folder, **_flags(method), dtype="bfloat16"))[-1].argmax().item()
 
 
 def test_torchao_weight_bytes_and_load_line(float_folder, caplog):
@@ -145,6 +150,10 @@ def test_torchao_flag_errors(float_folder, tmp_path):
         resolve_model_source(ServerArgs(model_path=gguf, torchao_config="int8wo"))
     with pytest.raises(ModelConfigError, match="--quantization awq applies to Hugging Face checkpoints"):
         resolve_model_source(ServerArgs(model_path=gguf, quantization="awq"))
+    with pytest.raises(ModelConfigError, match="--quantization w8a8_int8 applies to Hugging Face checkpoints"):
+        resolve_model_source(ServerArgs(model_path=gguf, quantization="w8a8_int8"))
+    with pytest.raises(ConfigError, match="--torchao-config int8wo .*cannot be combined with --quantization w8a8"):
+        ServerArgs(model_path=folder, torchao_config="int8wo", quantization="w8a8_int8")
     with pytest.raises(ModelConfigError, match="CPU only"):
         resolve_model_source(ServerArgs(model_path=folder, torchao_config="int8wo", device="cuda"))
 
@@ -223,6 +232,9 @@ def test_prequant_flag_mismatches(prequant, float_folder):
     with pytest.raises(ModelConfigError, match="--torchao-config int8wo quantizes float weights, but this "
                                                "checkpoint is already awq quantized"):
         resolve_model_source(ServerArgs(model_path=folder, torchao_config="int8wo"))
+    with pytest.raises(ModelConfigError, match="--quantization w8a8_int8 quantizes float weights, but this "
+                                               "checkpoint is already awq quantized"):
+        resolve_model_source(ServerArgs(model_path=folder, quantization="w8a8_int8"))
     with pytest.raises(ModelConfigError, match="cannot be loaded with --quantization none"):
         resolve_model_source(ServerArgs(model_path=folder, quantization="none"))
     assert resolve_model_source(ServerArgs(model_path=folder, quantization="awq")).prequant.group == 64

@@ -99,7 +99,7 @@ def test_config_error_is_value_error():
     {}, {"dtype": "float32"}, {"dtype": "bfloat16"}, {"page_size": 16, "max_total_tokens": 32},
     {"mem_fraction_static": 0.5}, {"device": "cuda"}, {"device": "cuda:1"}, {"load_format": "dummy"},
     {"quantization": "gguf"}, {"quantization": "none"}, {"quantization": "none", "load_format": "dummy"},
-    {"quantization": "gptq"}, {"quantization": "awq"}, {"torchao_config": "int8wo"},
+    {"quantization": "gptq"}, {"quantization": "awq"}, {"torchao_config": "int8wo"}, {"quantization": "w8a8_int8"},
     {"torchao_config": "int4wo-32"}, {"torchao_config": "int4wo-256", "quantization": "none"},
     {"max_running_requests": 1}, {"context_length": 2}, {"tp_size": 1},
     {"port": 1}, {"port": 65535}, {"host": "0.0.0.0"}, {"api_key": "k"}, {"enable_metrics": True},

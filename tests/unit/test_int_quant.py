@@ -110,3 +110,18 @@ def test_quant_configs_outside_the_implementation_are_refused(qc, match):
     good = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64,
                                                       "desc_act": False, "checkpoint_format": "gptq_v2"}}, "c")
     assert good == PrequantConfig("gptq", 64, False)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_w8a8_kernel_matches_float_matmul_of_the_quantized_activations_and_weights(m):
+    from tokenloom.layers.int_quant import quantize_rows_int8
+
+    w = _w(96, 256)
+    qm = quantize_for_method(w, "w8a8_int8")
+    x = (torch.randn(m, 256, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    xq, sx = quantize_rows_int8(x)
+    assert xq.dtype == torch.int8 and (xq.float() * sx - x.float()).abs().max() <= sx.max() / 2 * 1.001
+    ref = (xq.float() * sx) @ qm.kernel_weight(torch.bfloat16).t()  # int32 sums are exact; scales in float32
+    y = qm.prepare(torch.bfloat16).linear(x, None, torch.float32)
+    assert (y - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(qm.kernel_weight(torch.bfloat16), qm.dequantize())  # float32 weight scales, unrounded

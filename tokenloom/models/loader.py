@@ -8,8 +8,8 @@ failure is raised at load time with the file and the problem in the message.
 
 Hugging Face folders may hold a GPTQ/AWQ 4-bit checkpoint (config.json's quantization_config; models/prequant.py
 turns its packed tensors into `IntQuantMatrix` weights), or be quantized at load with `--torchao-config`
-(`ModelSource.torchao`: every linear layer quantizes its float shard in `prepare_for_inference`; the embedding
-and LM head stay in --dtype, as SGLang's torchao path leaves them).
+or `--quantization w8a8_int8` (`ModelSource.quantize_at_load`: every linear layer quantizes its float shard in
+`prepare_for_inference`; the embedding and LM head stay in --dtype, as SGLang leaves them).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ModelSource:
     load_format: str  # safetensors | gguf | dummy
     gguf: GGUFFile | None = field(default=None, compare=False, repr=False)  # parsed once, reused
     quantization: str = "none"  # gguf: the file's quantized tensors stay quantized; none: float --dtype
-    torchao: str | None = None  # --torchao-config: the linear layers quantized at load
+    quantize_at_load: str | None = None  # --torchao-config or w8a8_int8: the linear layers quantized at load
     prequant: PrequantConfig | None = None  # a GPTQ/AWQ checkpoint's quantization
 
     @property
@@ -68,7 +68,7 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     if os.path.isfile(path):
         if fmt not in ("auto", "gguf", "dummy"):
             raise ModelConfigError(f"{path}: a file needs --load-format gguf (or auto), not {fmt}")
-        if args.torchao_config or args.quantization in ("gptq", "awq"):
+        if args.torchao_config or args.quantization in ("gptq", "awq", "w8a8_int8"):
             flag = f"--torchao-config {args.torchao_config}" if args.torchao_config \
                 else f"--quantization {args.quantization}"
             raise ModelConfigError(f"{path}: {flag} applies to Hugging Face checkpoints; a .gguf file keeps its "
@@ -96,9 +96,10 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
                                "weights (leave --quantization unset, or none)")
     prequant = read_quant_config(raw, cfg_path) if fmt != "dummy" else None
     _check_hf_quantization(args, prequant, path)
+    at_load = args.torchao_config or ("w8a8_int8" if args.quantization == "w8a8_int8" else None)
     return ModelSource("hf", path, _with_context(config, args), "dummy" if fmt == "dummy" else "safetensors",
-                       quantization=prequant.method if prequant else "none", torchao=args.torchao_config,
-                       prequant=prequant)
+                       quantization=prequant.method if prequant else args.quantization or "none",
+                       quantize_at_load=at_load, prequant=prequant)
 
 
 def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, path: str) -> None:
@@ -110,12 +111,14 @@ def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, pa
     if prequant and args.quantization == "none":
         raise ModelConfigError(f"{path}: a {found} checkpoint cannot be loaded with --quantization none "
                                f"(dequantizing it at load is not implemented); leave --quantization unset")
-    if prequant and args.torchao_config:
-        raise ModelConfigError(f"{path}: --torchao-config {args.torchao_config} quantizes float weights, but this "
-                               f"checkpoint is already {found} quantized")
-    if (prequant or args.torchao_config) and args.device != "cpu":
-        raise ModelConfigError(f"{path}: {found or '--torchao-config'} weights run on the CPU only (torch's CPU "
-                               f"int4/int8 kernels); --device {args.device} needs a float checkpoint")
+    at_load = f"--torchao-config {args.torchao_config}" if args.torchao_config \
+        else "--quantization w8a8_int8" if args.quantization == "w8a8_int8" else None
+    if prequant and at_load:
+        raise ModelConfigError(f"{path}: {at_load} quantizes float weights, but this checkpoint is already "
+                               f"{found} quantized")
+    if (prequant or at_load) and args.device != "cpu":
+        raise ModelConfigError(f"{path}: {found or at_load} weights run on the CPU only (torch's CPU int4/int8 "
+                               f"kernels); --device {args.device} needs a float checkpoint")
 
 
 def _with_context(config: ModelConfig, args: ServerArgs) -> ModelConfig:
@@ -154,7 +157,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
     for name, module in model.named_modules():
         if hasattr(module, "quant_method"):  # the linear layers
             module.weight_name = f"{name}.weight"
-            module.quant_method = source.torchao
+            module.quant_method = source.quantize_at_load
     for module in model.modules():
         if hasattr(module, "prepare_for_inference"):
             module.prepare_for_inference()
