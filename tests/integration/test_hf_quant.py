@@ -21,6 +21,7 @@ from tests.hf_quant_factory import write_prequant
 from tests.model_factory import TINY
 from tests.rank_processes import run_ranks
 from tests.scheduler_harness import generate_in_process
+from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.config import ConfigError, ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.executor.model_runner import ModelRunner
@@ -135,6 +136,9 @@ def test_torchao_weight_bytes_and_load_line(float_folder, caplog):
     held = sum(m.quant.segments[0].weight.nbytes for m in
                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert held == linear_params // 2 + linear_params // 64 * 2 * 2  # nibbles + bf16 (scale, zero) per group
+    # The model's memory accounting (the KV budget's) sees the int4 bytes, and no float copy of the linears.
+    dense = _runner(folder, dtype="bfloat16").model
+    assert model_nbytes(dense) - model_nbytes(runner.model) >= 2 * (2 * linear_params) - 2 * held
 
 
 def test_torchao_flag_errors(float_folder, tmp_path):
