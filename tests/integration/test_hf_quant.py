@@ -113,10 +113,12 @@ def test_torchao_logits_match_transformers_on_the_same_quantized_weights(float_f
 
 
 @pytest.mark.parametrize("method", ["int8wo", "int4wo-128", "w8a8_int8"])
-def test_torchao_greedy_generation_runs_through_the_engine_loop(float_folder, method):
+def test_torchao_greedy_generation_runs_through_the_engine_loop(float_folder, method, caplog):
     folder, hf = float_folder
-    runner = _runner(folder, **_flags(method), dtype="bfloat16")
-    assert runner.native_decode is None  # declined: the weights are kept quantized
+    with caplog.at_level(logging.INFO, logger="tokenloom"):
+        runner = _runner(folder, **_flags(method), dtype="bfloat16")
+    assert runner.native_decode is None  # declined, with the reason logged: the weights are kept quantized
+    assert "native decode step not used: the weights are kept quantized" in caplog.text
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     ours = generate_in_process(runner, [PROMPT, PROMPT[:10]], [params, params])
     assert [len(o) for o in ours] == [8, 8]
