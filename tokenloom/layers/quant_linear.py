@@ -4,7 +4,9 @@ A GGUF file quantizes each tensor on its own, so the parts of a merged projectio
 (llama.cpp's Q4_K_M keeps attn_v in Q6_K beside Q4_K attn_q/attn_k). `QuantWeight` holds one segment per run
 of consecutive parts of one type (the parts joined with `cat_rows`) and runs one `quant_gemm.linear` per
 segment, writing each segment's output into its slice of the output features. A part the file stores as
-floats (F16/F32) inside an otherwise quantized layer is a float segment in the model dtype.
+floats (F16/F32) inside an otherwise quantized layer is a float segment in the model dtype. A Hugging Face
+checkpoint's integer weights (GPTQ/AWQ, --torchao-config, w8a8_int8: `IntQuantMatrix`, layers/int_quant.py)
+are segments of the same kind, run by their own `linear`.
 
 Invariants: segments cover the local rows [0, rows) in order without gaps; once `prepare`d, the matrices
 are the kernel's (read-only); the layer keeps no float copy of a quantized part (memory = the file's bytes).
