@@ -283,3 +283,18 @@ def test_tensor_parallel_two_ranks_match_tp1(prequant, float_folder, which):
         assert "error" not in got[rank], got[rank].get("error")
         logits = torch.from_numpy(got[rank]["logits"])
         assert (logits - reference).abs().max().item() < 1e-4 * max(1.0, reference.abs().max().item())
+
+
+def test_engine_serves_a_checkpoint_quantized_at_load(tiny_runtime_model):
+    """The flag reaches the rank process through the real engine: its greedy tokens are the in-process
+    quantized model's, and the server reports the kept types."""
+    from tokenloom import Engine
+
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    expected = generate_in_process(_runner(tiny_runtime_model, torchao_config="int4wo-32"), [PROMPT], [params])[0]
+    with Engine(tiny_runtime_model, dtype="float32", torchao_config="int4wo-32", max_total_tokens=1024,
+                log_level="warning") as eng:
+        out = eng.generate(input_ids=PROMPT, sampling_params=params)
+        report = eng.tokenizer_manager.scheduler_info  # the rank's ready message (the start-up summary's source)
+    assert out["output_ids"] == expected
+    assert report["weight_quantization"] == "int4wo-32 x 8"
