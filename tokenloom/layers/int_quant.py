@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from tokenloom.kernels.quant_gemm import QuantSplitError, QuantTypeError
 
 INT4_GROUPS = (32, 64, 128, 256)  # torchao int4wo's group sizes (and GPTQ/AWQ's usual ones)
-# Above this many rows the int8 kernel (a per-row loop) loses to converting the weight to the activation dtype
-# and one float matmul (measured 1x2048x2048: int8pack 0.46 ms vs bf16 1.4 ms; 64 rows: 12.7 ms vs 4.7 ms).
-INT8PACK_MAX_ROWS = 8
+# Above this many rows the int8 kernel (its time grows with the rows) loses to converting the weight to the
+# activation dtype and one float matmul (2048x2048, 1 thread, CPU time: 8 rows 0.80 vs 1.56 ms, 12 rows 1.20 vs
+# 1.33, 16 rows 1.59 vs 1.40, 32 rows 3.0 vs 1.5).
+INT8PACK_MAX_ROWS = 12
 
 
 @dataclass(eq=False)
