@@ -46,6 +46,7 @@ TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256
 _UNIMPLEMENTED_QUANTIZATIONS = ("awq_marlin", "gptq_marlin", "marlin", "fp8",
                                 "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
                                 "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
+CPU_THREADS_POLICIES = ("adaptive", "fixed")
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,11 @@ class ServerArgs:
                                             "host use by default.")
     num_threads: int | None = _flag(None, "torch intra-op threads of each rank's forward (default: all cores; "
                                     "with several ranks on this machine, cores / ranks each).")
+    cpu_threads_policy: str = _flag(
+        "fixed", "CPU: fixed keeps each rank's forward threads at --num-threads' count; adaptive lowers them "
+        "while other processes keep the rank's cores busy and raises them again when they stop "
+        "(executor/cpu_threads.py; it frees cores for a neighbour, but with many busy processes fewer threads get "
+        "a smaller share of the CPU).", CPU_THREADS_POLICIES)
     watchdog_timeout: float = _flag(300.0, "Seconds one forward step may run before the rank's watchdog declares "
                                     "it hung: the rank reports the reason and exits, and the server reports "
                                     "unhealthy and exits non-zero (SGLang's flag and default).")

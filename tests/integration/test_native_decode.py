@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from tests.forward_steps import ForwardSteps
 from tokenloom.config import ServerArgs
@@ -167,3 +168,62 @@ def test_native_step_without_amx():
                             timeout=600, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tmp_path_factory):
+    """variant -> a tiny GGUF whose linears are kept quantized: SmolLM2's mix (Q8_0 tied embedding, Q4_1 layers,
+    a QKV whose parts differ in type) and a Q4_K_M-like mix of K types."""
+    from tests.gguf_factory import write_gguf
+    from tests.model_factory import TINY
+
+    def mixed(name: str) -> str:
+        return "Q8_0" if "embed" in name or "v_proj" in name else "Q4_0" if "down_proj" in name else "Q4_1"
+
+    def kquant(name: str) -> str:
+        return "Q6_K" if "embed" in name or "v_proj" in name else "Q5_K" if "down_proj" in name else "Q4_K"
+
+    variants = {"mixed": (dict(vocab_size=256, tie_word_embeddings=True), mixed),
+                "kquant": (dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                tie_word_embeddings=True), kquant)}
+    paths = {}
+    for name, (overrides, types) in variants.items():
+        torch.manual_seed(3)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).eval()
+        paths[name] = str(tmp_path_factory.mktemp(name) / f"{name}.gguf")
+        write_gguf(paths[name], hf, types)
+    return paths
+
+
+@pytest.mark.parametrize("variant", ["mixed", "kquant"])
+def test_quantized_weights_bit_identical_to_modular_path(quantized_files, variant):
+    """Kept quantized, every matmul of the native step is the modular path's quant_linear with the same rows:
+    the logits and the KV written are bit-identical, one request and a batch of 16."""
+    runner = ModelRunner(ServerArgs(model_path=quantized_files[variant], dtype="bfloat16", max_total_tokens=2048,
+                                    max_running_requests=16))
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _compare_paths(runner, _tokens(40, 4, 256), prompt=17)
+    steps_native, steps_modular = [], []
+    for out, native in ((steps_native, True), (steps_modular, False)):
+        saved = runner.native_decode
+        runner.native_decode = saved if native else None
+        steps = ForwardSteps(runner)
+        seqs = [steps.start() for _ in range(16)]
+        try:
+            steps.extend(seqs, [_tokens(3 + i, 60 + i, 256) for i in range(16)])
+            out += [steps.extend(seqs, [[(7 * i + s) % 256] for i in range(16)]) for s in range(4)]
+        finally:
+            runner.native_decode = saved
+            for seq in seqs:
+                steps.release(seq)
+    for step, (a, b) in enumerate(zip(steps_native, steps_modular, strict=True)):
+        assert torch.equal(a, b), f"batch-16 step {step}"
+    assert runner.token_allocator.available_size() == runner.max_total_num_tokens
+
+
+def test_quantized_smollm2_matches_modular_path():
+    """The default configuration (the packaged Q4_1 file kept quantized, bf16 activations) through the native
+    step and through the modular path: equal in distribution (their attention roundings may part on 30 layers)."""
+    runner = ModelRunner(ServerArgs(max_total_tokens=1024, max_running_requests=2))
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _compare_paths(runner, _tokens(40, 2, runner.vocab_size), prompt=30, exact=False)

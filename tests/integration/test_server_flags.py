@@ -1,11 +1,14 @@
 """Server flags do what they say, for the flags whose effect no other test checks: --mem-fraction-static
 (SGLang's meaning, with the machine's memory injected), --max-total-tokens over it, --random-seed,
---dtype, --load-format, --quantization, --tokenizer-path, --decode-slot-run, --num-threads, --stream-interval,
---enable-metrics / --api-key and --log-level. Tiny random model, in-process."""
+--dtype, --load-format, --quantization, --tokenizer-path, --decode-slot-run, --num-threads,
+--cpu-threads-policy (and the libgomp wait settings the launcher gives its rank processes), --stream-interval,
+--enable-metrics / --api-key and --log-level. Tiny random model, in-process (the rank environment: through a
+real Engine)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -190,6 +193,47 @@ def test_num_threads_sets_torch_threads(folder, threads):
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
+def test_cpu_threads_policy_reaches_the_forward(folder, policy):
+    old = torch.get_num_threads()
+    try:
+        h = Harness(folder, cpu_threads_policy=policy, num_threads=2, max_total_tokens=256)
+        threads = h.loop.guard.threads
+        if policy == "fixed":
+            assert threads is None
+            return
+        assert threads.max_threads == 2 and threads.threads == 2
+
+        class Busy:  # other processes keep both cores busy
+            cores = {0, 1}
+
+            def others(self) -> float:
+                return 2.0
+
+        threads.share, threads._next = Busy(), 0.0
+        h.submit("r", [5, 6, 7], {"max_new_tokens": 3, "temperature": 0})
+        assert len(h.run()["r"].output_ids) == 3
+        assert threads.threads == 1 and torch.get_num_threads() == 1  # set on the thread that ran the step
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("user_env, expected", [
+    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),
+])
+def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypatch, user_env, expected):
+    from tokenloom import Engine
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in user_env.items():
+        monkeypatch.setenv(name, value)
+    with Engine(tiny_runtime_model, dtype="float32", max_total_tokens=512, log_level="warning") as eng:
+        assert eng.tokenizer_manager.scheduler_info["rank_omp_env"] == expected  # the rank environment
+    assert "GOMP_SPINCOUNT" not in os.environ or user_env.get("GOMP_SPINCOUNT")  # this process: unchanged
 
 
 class _ChunkRecorder(Harness):

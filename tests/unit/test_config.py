@@ -348,6 +348,7 @@ EFFECT_TESTS = {
     "watchdog_timeout": "tests/e2e/test_watchdog.py",
     "dist_init_addr": "tests/e2e/test_tensor_parallel_server.py",
     "num_threads": "tests/integration/test_server_flags.py",
+    "cpu_threads_policy": "tests/integration/test_server_flags.py",
     "disable_cuda_graph": "tests/unit/test_config.py",
     "cuda_graph_max_bs": "tests/unit/test_config.py",
     "enable_torch_compile": "tests/unit/test_config.py",

@@ -12,6 +12,9 @@ and a bf16 output adds its own rounding, 2^-8 |o|.
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -21,6 +24,7 @@ import torch
 from tokenloom.kernels import quant_gemm as qg
 
 LEGACY = ["Q4_0", "Q4_1", "Q8_0"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(not all(qg.native_supported(qg.TYPE_IDS[t]) for t in LEGACY),
                                 reason="no AVX512-VNNI or no C compiler: the native quantized kernels are not built")
@@ -152,9 +156,37 @@ def test_bad_shapes_have_clear_errors():
     assert lib.quant_linear(ctypes.c_int(1), *args) == -1  # F16 is no quantized type
 
 
+def test_other_dtypes_take_the_reference():
+    qm = _matrix("Q4_0", 16, 64, 8)
+    x = torch.randn(2, 64).half()
+    ref = (x.float() @ qg.dequantize(qm).T).half()
+    assert torch.equal(qg.linear(x, qg.prepare(qm)), ref) and torch.equal(qg.linear(x, qm), ref)
+
+
 def test_native_args():
     qm = _matrix("Q4_0", 16, 64, 7)
     with pytest.raises(ValueError, match="prepared"):
         qg.native_args(qm)
     p = qg.prepare(qm)
     assert qg.native_args(p) == (qg.TYPE_IDS["Q4_0"], p.data.data_ptr(), 16, 64)
+
+
+def test_tile_path_without_amx():
+    """Where AMX runs, the tile path uses it; TOKENLOOM_DISABLE_AMX=1 (read once per process) forces the
+    AVX512-BF16 bands, checked in a fresh process against the same bound."""
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, 'tests/unit')\n"
+        "from test_quant_gemm import _matrix, _expected_error, qg\n"
+        "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "    qm = _matrix(name, 77, 576, 11)\n"
+        "    w = qg.dequantize(qm)\n"
+        "    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)).bfloat16()\n"
+        "    ref = x.float() @ w.T\n"
+        "    got = qg.linear(x, qg.prepare(qm), out_dtype=torch.float32)\n"
+        "    assert bool(((got - ref).abs() <= _expected_error(x, w, False, ref, torch.float32)).all()), name\n"
+        "print('ok')\n")
+    env = {**os.environ, "TOKENLOOM_DISABLE_AMX": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

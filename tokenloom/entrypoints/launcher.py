@@ -9,7 +9,9 @@ local rank is bound to its own block of this process's allowed cores; the rank b
 every thread it starts runs there, and a rank that cannot bind fails its start-up like any other. Threads per
 rank: `--num-threads` if given; else a bound rank runs one per core of its set, and unbound ranks sharing this
 machine cores / local ranks each (`topology.threads_per_rank`), set in each rank before its model is built, so
-ranks never oversubscribe the cores; one unbound rank alone keeps torch's default.
+ranks never oversubscribe the cores; one unbound rank alone keeps torch's default. Every child starts with
+libgomp's wait policy in its environment (`cpu_threads.rank_omp_env`: GOMP_SPINCOUNT unless the user set it or
+OMP_WAIT_POLICY), read once when the child imports torch.
 
 Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
 -9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in
@@ -27,24 +29,42 @@ shutdown, so the other nodes exit quietly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokenloom.config import ServerArgs, check_parallel_fits
 from tokenloom.distributed import cpu_binding, topology
 from tokenloom.distributed.world_board import BoardUnreachable, WorldBoard
 from tokenloom.entrypoints.scheduler_process import rank_label, run_scheduler_process
+from tokenloom.executor.cpu_threads import rank_omp_env
 from tokenloom.frontend.detokenizer import run_detokenizer_process
 from tokenloom.ipc import IpcAddresses
 from tokenloom.models.loader import ModelSource
 
 STARTUP_TIMEOUT_S = 900
 STOP_WAIT_S = 10
+
+
+@contextlib.contextmanager
+def child_environment(extra: dict[str, str]) -> Iterator[None]:
+    """`extra` in os.environ while processes are spawned (a spawned child starts with this process's
+    environment, before it imports anything), then the environment as it was."""
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -117,7 +137,8 @@ class RuntimeLauncher:
             for key, label, target, args, extra in targets:
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=target, args=(*args, writer, *extra), name=f"tokenloom-{key}", daemon=True)
-                proc.start()
+                with child_environment(rank_omp_env(os.environ)):
+                    proc.start()
                 writer.close()
                 self.processes[key], self.labels[key], pipes[key] = proc, label, reader
             self._pipes = pipes

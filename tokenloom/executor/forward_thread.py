@@ -15,7 +15,8 @@ intra-op thread count is set once, in the thread. `busy_s` accumulates the time 
 idle-fraction reporting).
 
 `StepGuard` wraps every step these executors run, and the normal loop's inline steps, so it is the one place
-a forward runs through: it marks the step's start and end for the rank's `ForwardWatchdog`
+a forward runs through: it applies `--cpu-threads-policy adaptive` (executor/cpu_threads.py: the thread count
+for the next steps, on the thread that runs them), marks the step's start and end for the rank's `ForwardWatchdog`
 (scheduler/watchdog.py) and carries the test hook `TOKENLOOM_TEST_HANG_FORWARD_AFTER=N` (for tests only: the
 first N steps run, every later one blocks forever, as a hung kernel would; read once, costs one `is None`
 test per step when unset).
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from tokenloom.device import ForwardStream, configure_threads
+from tokenloom.executor.cpu_threads import AdaptiveThreads
 from tokenloom.executor.worker import ForwardOutput, ModelWorker, PreparedStep
 
 HANG_AFTER_ENV = "TOKENLOOM_TEST_HANG_FORWARD_AFTER"  # test hook: steps after the N-th never return
@@ -62,18 +64,22 @@ class StepGuard:
     hang test hook (`hang_after`: run that many steps, then hang). One guard per executor, used by one thread
     at a time."""
 
-    def __init__(self, watchdog: StepMarks | None = None, hang_after: int | None = None) -> None:
+    def __init__(self, watchdog: StepMarks | None = None, hang_after: int | None = None,
+                 threads: AdaptiveThreads | None = None) -> None:
         self.watchdog = watchdog
         self.hang_after = hang_after
+        self.threads = threads  # --cpu-threads-policy adaptive: sets the step's thread count on its thread
         self.steps = 0
         self.release_hang = threading.Event()  # the hook's hang ends only when a test sets this
 
     @classmethod
-    def from_env(cls, watchdog: StepMarks | None = None) -> StepGuard:
+    def from_env(cls, watchdog: StepMarks | None = None, threads: AdaptiveThreads | None = None) -> StepGuard:
         """A guard with the test hook as `TOKENLOOM_TEST_HANG_FORWARD_AFTER` sets it (off when unset)."""
-        return cls(watchdog, hang_after_from_env())
+        return cls(watchdog, hang_after_from_env(), threads)
 
     def run(self, run: Callable[[PreparedStep], Any], step: PreparedStep) -> Any:
+        if self.threads is not None:
+            self.threads.before_step()
         watchdog = self.watchdog
         if watchdog is not None:
             watchdog.step_started()

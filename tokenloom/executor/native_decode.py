@@ -10,8 +10,14 @@ are the AMX kernel (csrc/amx_gemm.c), which the modular path also picks up to `c
 the two are bit-identical there; past that the modular path uses oneDNN. Without AMX the native step takes
 1-4 requests and streams the weights through csrc/small_gemm.c, bit-identical to the modular path at one row
 and equal up to float32 summation order at 2-4 (tests/integration/test_native_decode.py compares them).
-`--disable-native-decode` turns it off. A model with quantized weights (--quantization gguf) does not use it
-yet: decode_native.c streams bf16 weights only, so such a model decodes through the modular path.
+`--disable-native-decode` turns it off.
+
+Quantized weights (--quantization gguf): when every linear layer and the LM head are kept quantized, each one
+is passed as a segment descriptor and its matmul is csrc/quant_gemm.c's quant_linear, the kernel the modular
+path's `quant_gemm.linear` calls, with the same row-count rule, so the two paths are bit-identical at every
+batch size. Then the step takes up to `QUANT_MAX_BATCH` requests. A model that mixes quantized and float
+linears (or a quantized layer holding a float part) decodes through the modular path, as does a model with a
+Hugging Face checkpoint's integer weights (layers/int_quant.py: torch's kernels, no native descriptor).
 
 Tensor parallelism: each rank runs the step over its own shard (its heads, KV heads and MLP features; the
 layer widths passed are the shard's), and the C loop all-reduces the outputs of o_proj and down_proj through
@@ -31,10 +37,12 @@ import torch
 
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.forward_batch import ForwardBatch
-from tokenloom.kernels import paged_attention
+from tokenloom.kernels import paged_attention, quant_gemm
 from tokenloom.kernels.cpu_build import load_library
+from tokenloom.kernels.quant_gemm import QuantMatrix
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
-from tokenloom.layers.quant_linear import quantized_weights
+from tokenloom.layers.int_quant import IntQuantMatrix
+from tokenloom.layers.quant_linear import QuantSegment, QuantWeight, quantized_weights
 from tokenloom.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -49,12 +57,41 @@ MAX_BATCH = 4
 # requests (bench/forward.py), 1.25-1.38x at 32-128 (blocks of steps each, same runner) and breaks even at
 # 256, where oneDNN's matmuls in the modular path are faster than the AMX kernel's.
 AMX_MAX_BATCH = 256
+# Quantized weights: both paths call the same quant_linear, so the native step only saves the modular path's
+# per-call overhead and is used up to the same batch as with AMX.
+QUANT_MAX_BATCH = 256
 
 
 def _amx_copy(layer: torch.nn.Module) -> torch.Tensor | None:
     """The AMX tile-ordered copy of a linear layer's weight, or None."""
     packed = getattr(layer, "packed", None)
     return None if packed is None else packed.amx
+
+
+def _quant_descriptor(weight: QuantWeight | None) -> torch.Tensor | None:
+    """decode_native.c's descriptor of a quantized linear layer: {segment count, then per segment its GGUF
+    type, rows and the address of its prepared bytes}; None when the layer is not wholly quantized or a type
+    has no native kernel here."""
+    if weight is None:
+        return None
+    values = [len(weight.segments)]
+    for seg in weight.segments:
+        if not isinstance(seg.weight, QuantMatrix) or not seg.weight.packed \
+                or not quant_gemm.native_supported(seg.weight.qtype):
+            return None
+        qtype, address, rows, _ = quant_gemm.native_args(seg.weight)
+        values += [qtype, rows, address]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _has_int_weights(model: torch.nn.Module) -> bool:
+    return any(isinstance(seg.weight, IntQuantMatrix) for module in model.modules()
+               if isinstance(getattr(module, "quant", None), QuantWeight) for seg in module.quant.segments)
+
+
+def _quant_head_descriptor(model: torch.nn.Module) -> torch.Tensor | None:
+    qm = model.lm_head.quant_matrix()
+    return None if qm is None else _quant_descriptor(QuantWeight([QuantSegment(0, qm)]))
 
 
 class NativeDecode:
@@ -73,29 +110,35 @@ class NativeDecode:
         # modular path then picks the same kernel at these row counts, and the two stay bit-identical).
         self.uses_amx = all(_amx_copy(lin) is not None for group in linears for lin in group) \
             and _amx_copy(model.lm_head) is not None
+        # Quantized: every linear and the LM head (all or none; `_unsupported` refused a mix).
+        quant = [[_quant_descriptor(lin.quant) for lin in group] for group in linears]
+        self._lm_head_q = _quant_head_descriptor(model)
+        self.quantized = self._lm_head_q is not None
+        self._quant_descriptors = [d for group in quant for d in group]  # kept alive: their addresses are passed
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_buf, v_buf = kv_pool.get_kv(model.start_layer + i)
             bias = attn.qkv_proj.bias
             amx_ptrs = [_amx_copy(lin).data_ptr() if self.uses_amx else 0 for lin in linears[i]]
-            rows.append([attn.qkv_proj.weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
-                         mlp.down_proj.weight.data_ptr(), layer.input_layernorm.weight.data_ptr(),
-                         layer.post_attention_layernorm.weight.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
-                         *amx_ptrs])
+            weights = [0 if lin.weight is None else lin.weight.data_ptr() for lin in linears[i]]
+            quant_ptrs = [0 if d is None else d.data_ptr() for d in quant[i]]
+            rows.append([weights[0], 0 if bias is None else bias.data_ptr(), weights[1], weights[2], weights[3],
+                         layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                         k_buf.data_ptr(), v_buf.data_ptr(), *amx_ptrs, *quant_ptrs])
             if len(rows[-1]) != fields:
                 raise RuntimeError(f"decode_native.c expects {fields} fields per layer")
         # The tensors whose addresses are passed stay referenced by the model and the pool for its lifetime.
         self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self._kv_rows = kv_pool.k_buffers[0].shape[1]
-        self._lm_head = model.lm_head.weight
+        self._vocab_rows = model.lm_head.local_vocab
         self._lm_head_amx = _amx_copy(model.lm_head) if self.uses_amx else None
         head_packed = model.lm_head.packed  # the LM head's float32-output copy: AMX, else feature pairs
-        self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None else head_packed.pair
+        self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None or self.quantized \
+            else head_packed.pair
         self._vocab = model.lm_head.vocab_size
         self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, mlp.down_proj.in_local)
         self._eps = cfg.rms_norm_eps
-        self.max_batch = AMX_MAX_BATCH if self.uses_amx else MAX_BATCH
+        self.max_batch = QUANT_MAX_BATCH if self.quantized else AMX_MAX_BATCH if self.uses_amx else MAX_BATCH
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_pool, attn_backend, dtype: torch.dtype, device: torch.device,
@@ -116,7 +159,7 @@ class NativeDecode:
             return None
         native = cls(lib, model, kv_pool, parallel)
         logger.info("native decode step used for decode batches of up to %d request(s)%s", native.max_batch,
-                    " (AMX matmuls)" if native.uses_amx else "")
+                    " (quantized matmuls)" if native.quantized else " (AMX matmuls)" if native.uses_amx else "")
         return native
 
     @staticmethod
@@ -131,14 +174,20 @@ class NativeDecode:
                     "--disable-custom-all-reduce)")
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not a Llama-family model"
-        if quantized_weights(model)[1]:
-            return ("the weights are kept quantized (--quantization gguf, gptq or awq, or --torchao-config) and "
-                    "the native step reads bf16 weights only; --quantization none dequantizes a GGUF at load")
+        if _has_int_weights(model):
+            return ("the weights are a Hugging Face checkpoint's integer weights (gptq, awq, w8a8_int8 or "
+                    "--torchao-config), for which the native step has no kernel")
         if not isinstance(attn_backend, CpuPagedBackend):
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:
             return "the rotary tables are not float32"
-        if model.lm_head.packed is None:
+        if quantized_weights(model)[1]:
+            linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            if any(_quant_descriptor(lin.quant) is None for lin in linears) or _quant_head_descriptor(model) is None:
+                return ("some weights are kept quantized and others not (or a type has no native kernel here); "
+                        "the native step takes all-quantized or all-bf16 models")
+        elif model.lm_head.packed is None:
             return "the LM head has no float32-output kernel here (AMX or AVX512-BF16)"
         cfg, attn = model.cfg, model.layers[0].self_attn
         widths = (cfg.hidden_size, attn.num_heads * cfg.head_dim, model.layers[0].mlp.down_proj.in_local)
@@ -164,16 +213,17 @@ class NativeDecode:
         md: CpuDecodeMetadata = batch.attn_metadata
         kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in (md.kv_indptr, md.kv_indices))
         out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
-        logits = torch.empty(m, self._lm_head.shape[0], dtype=torch.float32)
+        logits = torch.empty(m, self._vocab_rows, dtype=torch.float32)
         hidden, heads, kv_heads, head_dim, inter = self._dims
         ptr = ctypes.c_void_p
         rc = self._lib.decode_forward_bf16(
             ptr(self._layer_ptrs.data_ptr()), ctypes.c_int(len(model.layers)), ptr(model.norm.weight.data_ptr()),
             ptr(None if self._lm_head_amx is None else self._lm_head_amx.data_ptr()),
             ptr(None if self._lm_head_pair is None else self._lm_head_pair.data_ptr()),
-            ctypes.c_int64(self._lm_head.shape[0]), ptr(rotary.cos.data_ptr()),
-            ptr(rotary.sin.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(heads), ctypes.c_int(kv_heads),
-            ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps), ctypes.c_int64(self._kv_rows),
+            ptr(None if self._lm_head_q is None else self._lm_head_q.data_ptr()), ctypes.c_int64(self._vocab_rows),
+            ptr(rotary.cos.data_ptr()), ptr(rotary.sin.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(heads),
+            ctypes.c_int(kv_heads), ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps),
+            ctypes.c_int64(self._kv_rows),
             ctypes.c_int(m), ptr(embedded.data_ptr()), ptr(positions.data_ptr()), ptr(kv_indptr.data_ptr()),
             ptr(kv_indices.data_ptr()), ptr(out_loc.data_ptr()), ptr(logits.data_ptr()),
             ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()),

@@ -160,6 +160,11 @@ def _native() -> ctypes.CDLL | None:
     lib = load_library("kernels")
     if lib is None or not hasattr(lib, "quant_linear"):
         return None
+    # declared argument types: a call converts plain ints (a decode step makes hundreds of calls)
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.quant_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64, i32, i32]
+    lib.quant_dequant_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32, i32]
+    lib.quant_repack.argtypes = [i32, ptr, i64, i64]
     return lib
 
 
@@ -175,8 +180,8 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: native quantized kernel failed ({_ERRORS.get(rc, rc)})")
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if t is None else t.data_ptr())
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def native_args(qm: QuantMatrix) -> tuple[int, int, int, int]:
@@ -192,10 +197,8 @@ def dequantize(qm: QuantMatrix) -> torch.Tensor:
     prepared matrix the native kernel's (bit-identical)."""
     if qm.packed:
         out = torch.empty(qm.rows, qm.cols, dtype=torch.float32)
-        _check(_native().quant_dequant_rows(ctypes.c_int(qm.qtype), _ptr(qm.data), ctypes.c_int64(qm.rows),
-                                            ctypes.c_int64(qm.cols), ctypes.c_void_p(None),
-                                            ctypes.c_int64(qm.rows), _ptr(out), ctypes.c_int(0),
-                                            ctypes.c_int(torch.get_num_threads())), f"dequantize {qm.name}")
+        _check(_native().quant_dequant_rows(qm.qtype, _ptr(qm.data), qm.rows, qm.cols, None, qm.rows, _ptr(out), 0,
+                                            torch.get_num_threads()), f"dequantize {qm.name}")
         return out
     return _reference_dequantize(qm.data, qm.qtype, qm.rows, qm.cols)
 
@@ -213,8 +216,7 @@ def prepare(qm: QuantMatrix) -> QuantMatrix:
     if qm.packed or not native_supported(qm.qtype):
         return qm
     data = qm.data.clone()
-    _check(_native().quant_repack(ctypes.c_int(qm.qtype), _ptr(data), ctypes.c_int64(qm.rows),
-                                  ctypes.c_int64(qm.cols)), f"prepare {qm.name} [{qm.rows}, {qm.cols}]")
+    _check(_native().quant_repack(qm.qtype, _ptr(data), qm.rows, qm.cols), f"prepare {qm.name} [{qm.rows}, {qm.cols}]")
     return QuantMatrix(qm.qtype, qm.rows, qm.cols, data, packed=True)
 
 
@@ -232,10 +234,9 @@ def linear(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
         raise ValueError(f"linear: bias {tuple(bias.shape)} != ({qm.rows},) of {qm.name} weight")
     out_dtype = out_dtype or x.dtype
     if not native_supported(qm.qtype) or x.device.type != "cpu" or x.dtype not in _NATIVE_DTYPES:
-        if qm.packed:
-            raise RuntimeError(f"linear: a prepared {qm.name} matrix needs the native kernel for {x.dtype} "
-                               f"on {x.device}")
-        out = torch.nn.functional.linear(x.float(), dequantize(qm), None if bias is None else bias.float())
+        # the reference (a prepared matrix dequantizes through the kernel, bit-identically)
+        w = dequantize(qm).to(x.device)
+        out = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
         return out.to(out_dtype)
     qm = prepare(qm)
     x2 = x.reshape(-1, qm.cols)
@@ -245,13 +246,14 @@ def linear(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
         bias = bias.float().contiguous()
     direct = out_dtype in _NATIVE_DTYPES
     out = torch.empty(x2.shape[0], qm.rows, dtype=out_dtype if direct else torch.float32)
-    i64 = ctypes.c_int64
-    _check(_native().quant_linear(ctypes.c_int(qm.qtype), _ptr(qm.data), i64(qm.rows), i64(qm.cols), _ptr(x2),
-                                  i64(x2.stride(0)), ctypes.c_int(x2.dtype == torch.float32), i64(x2.shape[0]),
-                                  _ptr(bias), ctypes.c_int(bias is not None and bias.dtype == torch.float32),
-                                  _ptr(out), i64(out.stride(0)), ctypes.c_int(out.dtype == torch.float32),
-                                  ctypes.c_int(torch.get_num_threads())), f"linear {qm.name} [{qm.rows}, {qm.cols}]")
-    out = out.view(*x.shape[:-1], qm.rows)
+    rc = _native().quant_linear(qm.qtype, _ptr(qm.data), qm.rows, qm.cols, _ptr(x2), x2.stride(0),
+                                x2.dtype == torch.float32, x2.shape[0], _ptr(bias),
+                                bias is not None and bias.dtype == torch.float32, _ptr(out), out.stride(0),
+                                out.dtype == torch.float32, torch.get_num_threads())
+    if rc:
+        _check(rc, f"linear {qm.name} [{qm.rows}, {qm.cols}]")
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], qm.rows)
     return out if direct else out.to(out_dtype)
 
 
@@ -265,8 +267,7 @@ def embedding(ids: torch.Tensor, qm: QuantMatrix, dtype: torch.dtype) -> torch.T
         return rows.to(dtype).view(*ids.shape, qm.cols)
     direct = dtype in _NATIVE_DTYPES
     out = torch.empty(flat.numel(), qm.cols, dtype=dtype if direct else torch.float32)
-    _check(_native().quant_dequant_rows(ctypes.c_int(qm.qtype), _ptr(qm.data), ctypes.c_int64(qm.rows),
-                                        ctypes.c_int64(qm.cols), _ptr(flat), ctypes.c_int64(flat.numel()), _ptr(out),
-                                        ctypes.c_int(0 if out.dtype == torch.float32 else 1),
-                                        ctypes.c_int(torch.get_num_threads())), f"embedding {qm.name}")
+    _check(_native().quant_dequant_rows(qm.qtype, _ptr(qm.data), qm.rows, qm.cols, _ptr(flat), flat.numel(),
+                                        _ptr(out), 0 if out.dtype == torch.float32 else 1,
+                                        torch.get_num_threads()), f"embedding {qm.name}")
     return (out if direct else out.to(dtype)).view(*ids.shape, qm.cols)

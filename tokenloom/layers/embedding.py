@@ -108,11 +108,11 @@ class ParallelLMHead(nn.Module):
     weight_f32: torch.Tensor | None = None  # the float32 copy, where no native float32-output kernel runs
     quant: QuantMatrix | None = None  # untied and quantized: this head's own local rows
 
-    def _quant_matrix(self) -> QuantMatrix | None:
+    def quant_matrix(self) -> QuantMatrix | None:
         return self._tied_to[0].quant if self._tied_to else self.quant
 
     def prepare_for_inference(self) -> None:
-        if self._quant_matrix() is not None:
+        if self.quant_matrix() is not None:
             if not self._tied_to:
                 self.quant = quant_gemm.prepare(self.quant)
             self.weight = None  # tied: the embedding's float parameter, dropped there too
@@ -124,7 +124,7 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         logits = None
-        qm = self._quant_matrix()
+        qm = self.quant_matrix()
         if qm is not None:
             logits = quant_gemm.linear(flat, qm, None, torch.float32)
         elif self.weight_f32 is None:

@@ -19,8 +19,9 @@ run on the scheduling thread's control group, the forward's on the compute group
 
 Every loop's forwards run through one `StepGuard` (executor/forward_thread.py): the normal loop's inline, the
 others' in their executor; with a `watchdog` (the rank's `ForwardWatchdog`, `--watchdog-timeout`) the guard
-marks each step's start and end. Every processed step (`_finish_step`) also steps the scheduler's
-`TraceProfiler` (/start_profile, scheduler/profiler.py).
+marks each step's start and end, and under `--cpu-threads-policy adaptive` (opt-in) it sets the step's
+thread count to the cores other processes leave free (executor/cpu_threads.py). Every processed step
+(`_finish_step`) also steps the scheduler's `TraceProfiler` (/start_profile, scheduler/profiler.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import torch
+
 from tokenloom.config import ServerArgs
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
+from tokenloom.executor.cpu_threads import adaptive_threads
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread, StepGuard, StepMarks
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.lane import Lane
@@ -139,7 +143,9 @@ def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forwar
     pp_size > 1 every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py); only stage 0 has an inbox.
     `watchdog`: the rank's `ForwardWatchdog`, told of every step's start and end."""
     profiler = StepProfiler(profiling_requested(args.enable_step_profile))
-    guard = StepGuard.from_env(watchdog)
+    threads = adaptive_threads(args.cpu_threads_policy, args.device.split(":")[0],
+                               args.num_threads if args.num_threads is not None else torch.get_num_threads())
+    guard = StepGuard.from_env(watchdog, threads)
     if parallel.pp_size > 1:  # the pipeline overlaps by itself: --overlap-schedule does not apply
         executor = (ForwardOnCaller(scheduler.worker, guard) if forward_on_caller
                     else ForwardThread(scheduler.worker, args.num_threads, guard))

@@ -11,7 +11,9 @@
  *
  * Per layer l, `layer_ptrs[l * LAYER_FIELDS + f]` holds the address of field f (see enum below); a missing
  * QKV bias is 0, and so are the *_AMX fields when the weights have no AMX-packed copy (then every linear
- * streams the plain weight through linear_small).
+ * streams the plain weight through linear_small). A model whose weights are kept quantized (a GGUF's blocks)
+ * sets the *_Q fields to its linears' segment descriptors (see step_quant_linear) and passes `lm_head_q`:
+ * its matmuls are then csrc/quant_gemm.c's quant_linear, the very kernel the modular path calls.
  */
 #include "bf16_common.h"
 #include <math.h>
@@ -21,24 +23,48 @@
 
 enum {
     F_QKV, F_QKV_BIAS, F_O, F_GATE_UP, F_DOWN, F_LN_IN, F_LN_POST, F_K_POOL, F_V_POOL,
-    F_QKV_AMX, F_O_AMX, F_GATE_UP_AMX, F_DOWN_AMX, LAYER_FIELDS
+    F_QKV_AMX, F_O_AMX, F_GATE_UP_AMX, F_DOWN_AMX, F_QKV_Q, F_O_Q, F_GATE_UP_Q, F_DOWN_Q, LAYER_FIELDS
 };
 
 KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
 
 #define P(l, f) ((uint16_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
+#define Q(l, f) ((const int64_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
 
-/* One linear layer, out[m, n] = x[m, k] . W^T (+ bias): the AMX kernel when `amx` (W packed) is given. */
-static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx, const uint16_t *bias,
-                       uint16_t *out, int m, int64_t n, int64_t k, int threads) {
+/* A linear layer kept quantized (csrc/quant_gemm.c): `desc` = {segment count, then per segment its GGUF type,
+ * its rows and the address of its re-laid-out bytes}; the segments' rows stack in order (a merged projection
+ * may hold parts of different types). Output features [row, row + rows) of `out` come from one segment. */
+static int step_quant_linear(const int64_t *desc, const uint16_t *x, const uint16_t *bias, void *out,
+                             int out_is_f32, int m, int64_t n, int64_t k, int threads) {
+    int64_t row = 0;
+    for (int64_t s = 0; s < desc[0]; ++s) {
+        const int type = (int)desc[1 + 3 * s];
+        const int64_t rows = desc[2 + 3 * s];
+        const uint8_t *w = (const uint8_t *)(intptr_t)desc[3 + 3 * s];
+        void *at = out_is_f32 ? (void *)((float *)out + row) : (void *)((uint16_t *)out + row);
+        if (row + rows > n || quant_linear(type, w, rows, k, x, k, 0, m, bias == NULL ? NULL : bias + row, 0, at,
+                                           n, out_is_f32, threads) != 0)
+            return -1;
+        row += rows;
+    }
+    return row == n ? 0 : -1;
+}
+
+/* One linear layer, out[m, n] = x[m, k] . W^T (+ bias): quantized when `q` (its descriptor) is given, else
+ * the AMX kernel when `amx` (W packed) is given, else the bf16 streaming kernel. */
+static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx, const int64_t *q,
+                       const uint16_t *bias, uint16_t *out, int m, int64_t n, int64_t k, int threads) {
+    if (q != NULL) return step_quant_linear(q, x, bias, out, 0, m, n, k, threads);
     if (amx != NULL) return amx_linear_bf16(x, k, amx, bias, out, n, m, n, k, threads);
     return linear_small_bf16(x, k, w, bias, out, m, n, k, threads);
 }
 
-/* The LM head: the float32 sums stored unrounded (logits are never rounded to bf16), through the AMX kernel
- * (`amx` set) or the feature-pair kernel (`pair`, W packed by pair_pack_weight). */
-static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_t *pair, float *out, int m,
-                           int64_t n, int64_t k, int threads) {
+/* The LM head: the float32 sums stored unrounded (logits are never rounded to bf16), through the quantized
+ * kernel (`q` set), the AMX kernel (`amx` set) or the feature-pair kernel (`pair`, W packed by
+ * pair_pack_weight). */
+static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_t *pair, const int64_t *q,
+                           float *out, int m, int64_t n, int64_t k, int threads) {
+    if (q != NULL) return step_quant_linear(q, x, NULL, out, 1, m, n, k, threads);
     if (amx != NULL) return amx_linear_bf16_f32(x, k, amx, NULL, out, n, m, n, k, threads);
     if (pair != NULL) return pair_linear_bf16_f32(x, k, pair, out, n, m, n, k, threads);
     return -1;
@@ -57,7 +83,8 @@ static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_
  * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. Returns 0, -1
  * when a shape is unsupported or memory runs out, or DECODE_COMM_FAILED (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
-                                   const uint16_t *lm_head_amx, const uint16_t *lm_head_pair, int64_t vocab_rows,
+                                   const uint16_t *lm_head_amx, const uint16_t *lm_head_pair,
+                                   const int64_t *lm_head_q, int64_t vocab_rows,
                                    const float *cos_table, const float *sin_table, int hidden, int heads,
                                    int kv_heads, int head_dim, int inter, float eps, int64_t kv_rows, int m,
                                    const uint16_t *embedded,
@@ -92,21 +119,21 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
             rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_IN), normed, residual, m, hidden, eps,
                                 threads);
         }
-        rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), P(l, F_QKV_BIAS), qkv, m, qkv_width, hidden,
-                          threads);
+        rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), Q(l, F_QKV_Q), P(l, F_QKV_BIAS), qkv, m, qkv_width,
+                          hidden, threads);
         rope_bf16(qkv, qkv_width, positions, cos_table, sin_table, m, heads + kv_heads, head_dim, threads);
         rc |= paged_decode_attention_bf16(qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
                                           attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads,
                                           qkv + attn_width, qkv_width, qkv + attn_width + kv_heads * head_dim,
                                           qkv_width, out_loc, share_len, group_ptr, members, groups);
-        rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), NULL, x, m, hidden, attn_width, threads);
+        rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), Q(l, F_O_Q), NULL, x, m, hidden, attn_width, threads);
         if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
             comm_failed = 1;
         rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
-        rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), NULL, gate_up, m, 2 * (int64_t)inter,
-                          hidden, threads);
+        rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), Q(l, F_GATE_UP_Q), NULL, gate_up, m,
+                          2 * (int64_t)inter, hidden, threads);
         silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
-        rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), NULL, x, m, hidden, inter, threads);
+        rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), Q(l, F_DOWN_Q), NULL, x, m, hidden, inter, threads);
         if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
             comm_failed = 1;
         if (trace != NULL) { /* layer l's output and residual stream (float32), [layers][m][3][hidden] bf16 slots */
@@ -117,7 +144,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     }
     if (rc == 0 && !comm_failed) {
         rms_norm_bf16_res32(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
-        rc |= step_linear_f32(normed, lm_head_amx, lm_head_pair, logits, m, vocab_rows, hidden, threads);
+        rc |= step_linear_f32(normed, lm_head_amx, lm_head_pair, lm_head_q, logits, m, vocab_rows, hidden, threads);
     }
     free(scratch);
     if (comm_failed) return DECODE_COMM_FAILED;

@@ -10,9 +10,10 @@
  *    float32 summation: |err| <= sum_i |w_i| * d_x(i) / 2 with d_x = max|x_block| / 127.
  *  - many rows (prefill, batched decode) and every float32 x: per thread, a tile of up to 64 weight rows is
  *    dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature vectors, and
- *    multiplied with register-blocked float32 accumulators: for bf16 x, bf16 weights (the dequantized value
- *    rounded once, as loading the GGUF to bf16 would) through pair_gemm.c's AVX512-BF16 bands; for float32 x,
- *    float32 weights (exact) and float32 FMAs.
+ *    multiplied with float32 accumulators: for bf16 x, bf16 weights (the dequantized value rounded once, as
+ *    loading the GGUF to bf16 would; the legacy family writes them directly) through amx_gemm.c's tiles
+ *    where AMX runs, else pair_gemm.c's AVX512-BF16 register bands; for float32 x, float32 weights (exact)
+ *    and float32 FMAs.
  * Outputs are float32 sums plus bias, stored unrounded (float32 out) or rounded once to bf16.
  *
  * Every entry point returns 0, or a negative QUANT_E* code (nothing meaningful is written then).
@@ -32,7 +33,11 @@ enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, 
 #define SMALL_M_LIMIT 16          /* the small path's per-chunk output buffer holds this many rows */
 #define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
 
-static int quant_small_m_max = 4; /* rows up to which the int8 stream beats the dequantized tile (bench) */
+/* Rows up to which the int8 stream beats the dequantized tile (bench/quant_gemm.py --small-m; -1: not yet
+ * decided). With AMX the tile's matmul is nearly free and its dequantize sets the crossover: 12 rows
+ * (49152x576, 8192x2048, 3072x576 Q4_1: int8 path 1.6x faster at 8 rows, 1.15x slower at 16). Without AMX
+ * the tile path's AVX512-BF16 matmul costs more, so the int8 path keeps its whole range. */
+static int quant_small_m_max = -1;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && HAVE_PAIR_GEMM
 #define HAVE_QUANT_GEMM 1
@@ -54,7 +59,14 @@ KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != 
 
 /* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). */
 KERNEL_API int quant_small_m(int value) {
-    if (value >= 0) quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
+    if (value >= 0)
+        quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
+    else if (quant_small_m_max < 0) /* a benign race: every caller decides the same */
+#if HAVE_AMX
+        quant_small_m_max = amx_gemm_supported() ? 12 : SMALL_M_LIMIT;
+#else
+        quant_small_m_max = SMALL_M_LIMIT;
+#endif
     return quant_small_m_max;
 }
 
@@ -104,10 +116,12 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
         if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
     const int64_t row_bytes = k / t->block * t->block_size;
     const size_t elem = out_dtype == 0 ? 4 : 2;
+    const tl_dequant_bf16_fn to_bf16 = out_dtype == 0 ? NULL : tl_legacy_dequant_bf16(type);
+    const int via_f32 = out_dtype != 0 && to_bf16 == NULL; /* bf16 out: float32 first, then rounded */
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
-        float *buf = out_dtype == 0 ? NULL : aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
-        if (out_dtype != 0 && buf == NULL) {
+        float *buf = via_f32 ? aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64)) : NULL;
+        if (via_f32 && buf == NULL) {
             _Pragma("omp atomic write") failed = 1;
         }
         _Pragma("omp for schedule(static)")
@@ -116,6 +130,8 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
             char *dst = (char *)out + (size_t)i * (size_t)k * elem;
             if (out_dtype == 0) {
                 t->dequant_row(row, k, (float *)dst);
+            } else if (to_bf16 != NULL) {
+                to_bf16(row, k, (uint16_t *)dst);
             } else if (buf != NULL) {
                 t->dequant_row(row, k, buf);
                 store_row(buf, k, dst, 0);
@@ -162,19 +178,21 @@ static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t 
 /* buf [rows, ld] float32 sums of features f0 .. f0 + count -> out (+ bias), one row per activation row. */
 static void epilogue(const float *buf, int64_t ld, int64_t rows, int64_t f0, int64_t count, const void *bias,
                      int bias_is_f32, void *out, int64_t out_stride, int out_is_f32) {
-    float tmp[64];
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c0 = 0; c0 < count; c0 += 64) {
-            const int64_t c1 = count - c0 < 64 ? count : c0 + 64;
-            for (int64_t c = c0; c < c1; ++c) {
-                float v = buf[r * ld + c];
-                if (bias != NULL)
-                    v += bias_is_f32 ? ((const float *)bias)[f0 + c] : bf16_to_f32(((const uint16_t *)bias)[f0 + c]);
-                tmp[c - c0] = v;
-            }
-            void *dst = out_is_f32 ? (void *)((float *)out + r * out_stride + f0 + c0)
-                                   : (void *)((uint16_t *)out + r * out_stride + f0 + c0);
-            store_row(tmp, c1 - c0, dst, out_is_f32);
+    for (int64_t c = 0; c < count; c += 16) {
+        const __mmask16 mask = count - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - c)) - 1u);
+        __m512 b = _mm512_setzero_ps();
+        if (bias != NULL)
+            b = bias_is_f32 ? _mm512_maskz_loadu_ps(mask, (const float *)bias + f0 + c)
+                            : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + f0 + c)),
+                                  16));
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, buf + r * ld + c), b);
+            if (out_is_f32)
+                _mm512_mask_storeu_ps((float *)out + r * out_stride + f0 + c, mask, v);
+            else /* vcvtneps2bf16 rounds to nearest even, as f32_to_bf16 */
+                _mm256_mask_storeu_epi16((uint16_t *)out + r * out_stride + f0 + c, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(v));
         }
     }
 }
@@ -279,16 +297,29 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                      int out_is_f32, int threads) {
     const int64_t row_bytes = k / t->block * t->block_size, tile_rows = 16 * TILE_BLOCKS;
     const int64_t groups = (n + tile_rows - 1) / tile_rows;
+#if HAVE_AMX
+    /* With AMX, bf16 x goes through amx_gemm.c's tiles: its weight layout per 16 features is the same
+     * feature-pair order, and its x copy (tile order, padded) is made once here. */
+    const int use_amx = !x_is_f32 && amx_gemm_supported();
+    const uint16_t *xa = use_amx ? padded_input(x, x_stride, m, k, k) : NULL;
+    if (use_amx && xa == NULL) return QUANT_E_MEMORY;
+#else
+    const int use_amx = 0;
+#endif
     /* per thread: one float32 row, the row-major tile, its transposed copy, the [m, 64] sums */
     const int64_t elem = x_is_f32 ? 4 : 2;
     const size_t tile_bytes = (size_t)(tile_rows * k * elem), row_f32 = (size_t)(k * 4);
     const size_t per_thread = row_f32 + 2 * tile_bytes + (size_t)(m * tile_rows * 4);
+    const tl_dequant_bf16_fn to_bf16 = tl_legacy_dequant_bf16(t->type); /* else float32, then rounded */
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
         char *scratch = aligned_alloc(64, (per_thread + 63) / 64 * 64);
         if (scratch == NULL) {
             _Pragma("omp atomic write") failed = 1;
         }
+#if HAVE_AMX
+        if (use_amx) amx_configure();
+#endif
         float *rowf = (float *)scratch;
         uint32_t *tile = (uint32_t *)(scratch + row_f32);
         uint32_t *packed = (uint32_t *)(scratch + row_f32 + tile_bytes);
@@ -297,13 +328,16 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
         for (int64_t g = 0; g < groups; ++g) {
             if (scratch == NULL) continue;
             const int64_t f0 = g * tile_rows, count = n - f0 < tile_rows ? n - f0 : tile_rows;
-            const int blocks = (int)((count + 15) / 16);
+            int blocks = (int)((count + 15) / 16);
+            if (use_amx) blocks = (blocks + 1) / 2 * 2; /* AMX takes feature blocks in pairs */
             for (int64_t c = 0; c < 16 * blocks; ++c) { /* rows past n are zero: their outputs are dropped */
                 char *dst = (char *)tile + (size_t)(c * k * elem);
                 if (c >= count) {
                     memset(dst, 0, (size_t)(k * elem));
                 } else if (x_is_f32) {
                     t->dequant_row(w + (f0 + c) * row_bytes, k, (float *)dst);
+                } else if (to_bf16 != NULL) {
+                    to_bf16(w + (f0 + c) * row_bytes, k, (uint16_t *)dst);
                 } else {
                     t->dequant_row(w + (f0 + c) * row_bytes, k, rowf);
                     store_row(rowf, k, dst, 0);
@@ -318,6 +352,20 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                 case 2: rows_f32(x, x_stride, m, (const float *)packed, k, 2, buf, tile_rows); break;
                 default: rows_f32(x, x_stride, m, (const float *)packed, k, 1, buf, tile_rows); break;
                 }
+            } else if (use_amx) {
+#if HAVE_AMX
+                /* straight into out (+ a bf16 bias) when it can; a float32 bias goes through buf */
+                const int direct = bias == NULL || !bias_is_f32;
+                for (int q = 0; q < blocks / 2; ++q) {
+                    const uint16_t *b0 = (const uint16_t *)packed + (int64_t)q * 2 * 16 * k;
+                    if (direct)
+                        pair_tiles(xa, m, k, b0, NULL, bias, n, f0 + 32 * q, out_is_f32 ? NULL : out,
+                                   out_is_f32 ? out : NULL, out_stride);
+                    else
+                        pair_tiles(xa, m, k, b0, NULL, NULL, count, 32 * q, NULL, buf, tile_rows);
+                }
+                if (direct) continue;
+#endif
             } else {
                 const uint16_t *xb = x, *pk = (const uint16_t *)packed;
                 switch (blocks) { /* pair_gemm.c's register bands over the bf16 feature-pair tile */
@@ -329,6 +377,9 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
             }
             epilogue(buf, tile_rows, m, f0, count, bias, bias_is_f32, out, out_stride, out_is_f32);
         }
+#if HAVE_AMX
+        if (use_amx) _tile_release();
+#endif
         free(scratch);
     }
     return failed ? QUANT_E_MEMORY : QUANT_OK;
@@ -346,7 +397,7 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     if (rc != QUANT_OK) return rc;
     if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
     if (m == 0 || n == 0) return QUANT_OK;
-    if (!x_is_f32 && m <= quant_small_m_max)
+    if (!x_is_f32 && m <= quant_small_m(-1))
         return small_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                           threads);
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);

@@ -1,14 +1,527 @@
 /*
  * GGUF k-quant types (Q4_K, Q5_K, Q6_K: 256-element super-blocks) for csrc/quant_gemm.c: per-type dot
- * kernels against int8 activations (quant_common.h), exact dequantize, optional same-size re-layout.
+ * kernels against int8 activations (quant_common.h), exact dequantize, and a same-size re-layout of each
+ * super-block (`repack_row`, applied once by `prepare`) that dot_rows and dequant_row read.
  *
  * Built inside kernels.c, after quant_common.h. `tl_kquant_type(type)` is the family's table lookup: the
  * type's functions, or NULL when this family does not handle the type.
+ *
+ * Layouts (ggml's block_q4_K / block_q5_K / block_q6_K, as gguf-py's quants.py dequantizes them):
+ *   Q4_K (144 B): f16 d, f16 dmin, u8 scales[12], u8 qs[128]. Eight sub-blocks of 32 with a 6-bit scale sc and
+ *        6-bit min m packed in scales[12]; w = d*sc*q - dmin*m. qs holds each 64-element chunk in 32 bytes:
+ *        low nibbles are its first 32 elements, high nibbles the next 32.
+ *   Q5_K (176 B): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]: Q4_K plus a fifth bit, element
+ *        32*j + l's in bit j of qh[l].
+ *   Q6_K (210 B): u8 ql[128], u8 qh[64], i8 scales[16], f16 d. Sixteen sub-blocks of 16, w = d*sc*(q - 32):
+ *        element 128*h + 64*s + l (l < 64) has its low nibble in ql[64*h + l] (nibble s) and its high two bits
+ *        in qh[32*h + l % 32] at bit 2*(2*s + l / 32).
+ *
+ * Exactness: d*sc is exact in float32 (an f16 times an integer below 2^8), and so is d*sc*q (at most 23
+ * significant bits), so the dequantized value has at most one rounding (Q4_K/Q5_K's "- dmin*m"), the same
+ * one numpy's float32 arithmetic makes, in any association or fused multiply-add: bit-equal to gguf-py.
+ *
+ * Dot kernel: vpdpbusd multiplies 64 unsigned weight quants by 64 signed activation bytes into 16 int32
+ * lanes of 4 products each. The re-layout orders each super-block's quants so that two such vectors share
+ * their sub-block lane for lane (Q4_K/Q5_K: 16-byte halves of 32-element sub-blocks; Q6_K: 8-byte halves of
+ * 16-element ones) and their int32 sums add before the float step; the activations, in natural order, are
+ * regrouped to match with one cross-lane shuffle per 64 bytes. Each int32 lane is then converted and
+ * accumulated with its own scale (weight sub-block scale x activation block scale): per-lane float
+ * accumulators, one horizontal sum per output. Q4_K/Q5_K's min terms (dmin*m_j * d_a*s_a per sub-block) are
+ * one 8-lane product per super-block; Q6_K's -32 offset enters vpdpbusd's accumulator as -32 * (the
+ * activation bytes' sum per lane). Weight rows are processed RB at a time and activation rows MB at a time
+ * (register blocking), so a decoded super-block serves every activation row and an activation super-block
+ * every weight row. The portable build (no AVX512-VNNI/VBMI) dequantizes a super-block and sums in float.
  */
+#ifndef TOKENLOOM_QUANT_KQUANTS_C
+#define TOKENLOOM_QUANT_KQUANTS_C
+
+#include "bf16_common.h"
 #include "quant_common.h"
+#include <omp.h>
 #include <stddef.h>
+#include <stdint.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__F16C__)
+#define KQ_VNNI 1
+#else
+#define KQ_VNNI 0
+#endif
+
+#define KQ_K 256 /* elements per super-block */
+#define KQ4_BYTES 144
+#define KQ5_BYTES 176
+#define KQ6_BYTES 210
+
+/* IEEE half -> float, exactly (every f16 is a float32). */
+static inline float kq_f16(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)h);
+#endif
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else {
+        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal: mant * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Q4_K/Q5_K's 12 scale bytes -> sc[8], m[8] (6 bits each). Bytes 0-3: sc 0-3 (low 6 bits) and the top two
+ * bits of sc 4-7; bytes 4-7: m 0-3 and the top bits of m 4-7; bytes 8-11: low nibbles of sc 4-7 and (high
+ * nibbles) of m 4-7. Done on 32-bit words, four sub-blocks per operation. */
+static inline void kq_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u0, u1, u2, t[4];
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    t[0] = u0 & 0x3f3f3f3fu;
+    t[1] = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+    t[2] = u1 & 0x3f3f3f3fu;
+    t[3] = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+    memcpy(sc, t, 8);
+    memcpy(m, t + 2, 8);
+}
+
+/* ---------------------------------------------------------------- Q4_K/Q5_K re-layout
+ *
+ * `prepare` re-lays each Q4_K/Q5_K super-block out (same size, same bits) so the dot kernel decodes it with a
+ * few vector operations:
+ *   bytes 0-7:  f16 d    | sc_j << (16 + 6j)   (one little-endian 64-bit word; j = 0..7)
+ *   bytes 8-15: f16 dmin | m_j  << (16 + 6j)
+ *   Q5_K only, 32 bytes: four 64-bit masks, the fifth bits of the quant vectors P, Q, R, S below
+ *   64 bytes: low nibbles = P, high nibbles = Q;  64 bytes: low nibbles = R, high nibbles = S
+ * where, for byte b < 64, P[b] is element 32 * (b / 16) + b % 16 (the first halves of sub-blocks 0-3), Q[b]
+ * the same plus 16 (their second halves), R and S the same for sub-blocks 4-7 (plus 128). So each 16-byte
+ * lane of P and Q lies in one sub-block (lane l: sub-block l, or 4 + l for R and S), and vpdpbusd's int32
+ * lanes of P and Q (and of R and S) can be summed before the per-sub-block float scaling. */
+
+/* Element of super-block position (vector v in P, Q, R, S; byte b). */
+static inline int kq_elem(int v, int b) { return 128 * (v / 2) + 32 * (b / 16) + 16 * (v % 2) + b % 16; }
+
+static void kq45_repack_row(uint8_t *row, int64_t k, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk) {
+        uint8_t *p = row + blk * bytes, q[KQ_K], sc[8], m[8], out[KQ5_BYTES];
+        const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+        kq_scale_min(p + 4, sc, m);
+        for (int e = 0; e < KQ_K; ++e) {
+            const int j = e / 32, l = e % 32;
+            q[e] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xf) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+        }
+        uint64_t w0 = (uint64_t)p[0] | ((uint64_t)p[1] << 8), w1 = (uint64_t)p[2] | ((uint64_t)p[3] << 8);
+        for (int j = 0; j < 8; ++j) {
+            w0 |= (uint64_t)sc[j] << (16 + 6 * j);
+            w1 |= (uint64_t)m[j] << (16 + 6 * j);
+        }
+        memcpy(out, &w0, 8);
+        memcpy(out + 8, &w1, 8);
+        uint8_t *nib = out + (five ? 48 : 16);
+        for (int v = 0; v < 4; ++v) {
+            uint64_t mask = 0;
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq_elem(v, b);
+                mask |= (uint64_t)(q[e] >> 4) << b;
+                if (v % 2 == 0) nib[64 * (v / 2) + b] = q[e] & 0xf;
+                else nib[64 * (v / 2) + b] |= (uint8_t)((q[e] & 0xf) << 4);
+            }
+            if (five) memcpy(out + 16 + 8 * v, &mask, 8);
+        }
+        memcpy(p, out, (size_t)bytes);
+    }
+}
+static void kq4_repack_row(uint8_t *row, int64_t k) { kq45_repack_row(row, k, 0); }
+static void kq5_repack_row(uint8_t *row, int64_t k) { kq45_repack_row(row, k, 1); }
+
+/* ---------------------------------------------------------------- dequantize (portable, exact) */
+
+/* Q4_K/Q5_K in the re-laid-out form above. */
+static void kq45_dequant_row(const uint8_t *row, int64_t k, float *out, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        const uint8_t *p = row + blk * bytes, *nib = p + (five ? 48 : 16);
+        uint64_t w0, w1;
+        memcpy(&w0, p, 8);
+        memcpy(&w1, p + 8, 8);
+        const float d = kq_f16(p), dmin = kq_f16(p + 8);
+        for (int v = 0; v < 4; ++v) {
+            uint64_t mask = 0;
+            if (five) memcpy(&mask, p + 16 + 8 * v, 8);
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq_elem(v, b), j = e / 32;
+                const int q = ((nib[64 * (v / 2) + b] >> (4 * (v % 2))) & 0xf) | (int)(((mask >> b) & 1) << 4);
+                const float ds = d * (float)((w0 >> (16 + 6 * j)) & 63), dm = dmin * (float)((w1 >> (16 + 6 * j)) & 63);
+                out[e] = ds * (float)q - dm;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- Q6_K re-layout
+ *
+ * Same idea for Q6_K (210 bytes; scales and d stay at bytes 192-209): its sub-blocks are 16 elements, so the
+ * quant vectors P_h, Q_h of each 128-element half h pair 8-element runs: byte b of P_h is element
+ * 128h + 16 * (b / 8) + b % 8, of Q_h the same plus 8; int32 lane l of either lies in sub-block 8h + l / 2.
+ *   bytes 0-63: low nibbles P_0, high nibbles Q_0 (low 4 bits of the 6-bit quants); bytes 64-127: P_1, Q_1
+ *   bytes 128-191: byte b holds the top two bits of P_0[b], Q_0[b], P_1[b], Q_1[b] at bits 0-1, 2-3, 4-5, 6-7 */
+
+static inline int kq6_elem(int v, int b) { return 128 * (v / 2) + 16 * (b / 8) + 8 * (v % 2) + b % 8; }
+
+static void kq6_repack_row(uint8_t *row, int64_t k) {
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk) {
+        uint8_t *p = row + blk * KQ6_BYTES, q[KQ_K], out[192] = {0};
+        for (int e = 0; e < KQ_K; ++e) { /* the file layout (see the top of this file) */
+            const int h = e / 128, s = (e / 64) % 2, l = e % 64;
+            const int hi = (p[128 + 32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3;
+            q[e] = (uint8_t)(((p[64 * h + l] >> (4 * s)) & 0xf) | (hi << 4));
+        }
+        for (int v = 0; v < 4; ++v)
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq6_elem(v, b);
+                out[64 * (v / 2) + b] |= (uint8_t)((q[e] & 0xf) << (4 * (v % 2)));
+                out[128 + b] |= (uint8_t)((q[e] >> 4) << (2 * v));
+            }
+        memcpy(p, out, sizeof out);
+    }
+}
+
+static void kq6_dequant_row(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        const uint8_t *p = row + blk * KQ6_BYTES;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const float d = kq_f16(p + 208);
+        for (int v = 0; v < 4; ++v)
+            for (int b = 0; b < 64; ++b) {
+                const int e = kq6_elem(v, b);
+                const int q = ((p[64 * (v / 2) + b] >> (4 * (v % 2))) & 0xf) | (((p[128 + b] >> (2 * v)) & 3) << 4);
+                out[e] = (d * (float)sc[e / 16]) * (float)(q - 32);
+            }
+    }
+}
+
+static void kq4_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row(row, k, out, 0); }
+static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row(row, k, out, 1); }
+
+/* ---------------------------------------------------------------- dot kernels */
+
+#if KQ_VNNI
+
+/* Software prefetch of the same super-block RB rows on: the next row group's, about one DRAM latency ahead at
+ * k >= 2048. The hardware prefetchers alone left a single-thread stream at ~70% of this rate (microbenchmark,
+ * a 75 MB weight read from memory). A prefetch never faults, so running past the matrix is harmless. */
+static inline __attribute__((always_inline)) void kq_prefetch(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes + 63; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+
+/* 16-byte lane g (a compile-time constant after unrolling) of v. */
+static inline __attribute__((always_inline)) __m128i kq_lane(__m512i v, int g) {
+    switch (g) {
+    case 0: return _mm512_castsi512_si128(v);
+    case 1: return _mm512_extracti32x4_epi32(v, 1);
+    case 2: return _mm512_extracti32x4_epi32(v, 2);
+    default: return _mm512_extracti32x4_epi32(v, 3);
+    }
+}
+
+/* A re-laid-out Q6_K super-block: v = P_0, Q_0, P_1, Q_1 (unsigned 6-bit quants); returns d * sc_j (16 lanes). */
+static inline __attribute__((always_inline)) __m512 kq6_decode(const uint8_t *blk, __m512i v[4]) {
+    const __m512i nib = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64), hb = _mm512_loadu_si512(blk + 128);
+    /* 0xF8: a | (b & c): the low nibble, then the two high bits moved to bits 4-5 */
+    v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nib), _mm512_slli_epi16(hb, 4), m30, 0xF8);
+    v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30,
+                                     0xF8);
+    v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nib), hb, m30, 0xF8);
+    v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30,
+                                     0xF8);
+    return _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk + 208)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+}
+
+/* A re-laid-out Q4_K/Q5_K super-block: v = P, Q, R, S (unsigned 4/5-bit quants); returns d * sc_j in lanes
+ * 0-7 and dmin * m_j in lanes 8-15. */
+static inline __attribute__((always_inline)) __m512 kq45_decode(int five, const uint8_t *blk, __m512i v[4]) {
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    /* header word w (16 + 6j bit offsets) -> bytes j: sc_j (low qword) and m_j (high qword) */
+    const __m128i fields = _mm_set1_epi64x(0x3a342e28221c1610LL);
+    const __m512i dd_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const uint8_t *qs = blk + (five ? 48 : 16);
+    const __m128i hdr = _mm_loadu_si128((const __m128i *)blk);
+    const __m128i scm = _mm_and_si128(_mm_multishift_epi64_epi8(fields, hdr), _mm_set1_epi8(63));
+    /* d in lanes 0-7, dmin in 8-15 (f16 words 0 and 4) */
+    const __m512 dd = _mm512_permutexvar_ps(dd_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_shuffle_epi32(hdr, 0x08))));
+    const __m512i w0 = _mm512_loadu_si512(qs), w1 = _mm512_loadu_si512(qs + 64);
+    v[0] = _mm512_and_si512(w0, nib);
+    v[1] = _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
+    v[2] = _mm512_and_si512(w1, nib);
+    v[3] = _mm512_and_si512(_mm512_srli_epi16(w1, 4), nib);
+    if (five)
+        for (int t = 0; t < 4; ++t) {
+            uint64_t bits;
+            memcpy(&bits, blk + 16 + 8 * t, 8);
+            v[t] = _mm512_mask_add_epi8(v[t], _cvtu64_mask64(bits), v[t], _mm512_set1_epi8(16));
+        }
+    return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scm)));
+}
+
+/* Exact dequantize of re-laid-out rows (see the exactness note at the top): one fused multiply-add (Q4_K,
+ * Q5_K: d*sc * q - dmin*m, the product exact) or one exact product (Q6_K) per element. */
+static void kq45_dequant_row_avx(const uint8_t *row, int64_t k, float *out, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        __m512i v[4];
+        const __m512 wv = kq45_decode(five, row + blk * bytes, v);
+        float sc[16];
+        _mm512_storeu_ps(sc, wv);
+        for (int t = 0; t < 4; ++t)
+            for (int g = 0; g < 4; ++g) { /* lane g of P/Q/R/S: 16 consecutive elements of sub-block 4*(t/2) + g */
+                const int e = 128 * (t / 2) + 32 * g + 16 * (t % 2), j = e / 32;
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(kq_lane(v[t], g)));
+                _mm512_storeu_ps(out + e, _mm512_fmsub_ps(_mm512_set1_ps(sc[j]), qf, _mm512_set1_ps(sc[8 + j])));
+            }
+    }
+}
+static void kq4_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 0); }
+static void kq5_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 1); }
+
+static void kq6_dequant_row_avx(const uint8_t *row, int64_t k, float *out) {
+    const __m512i n32 = _mm512_set1_epi32(32);
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
+        __m512i v[4];
+        float sc[16];
+        _mm512_storeu_ps(sc, kq6_decode(row + blk * KQ6_BYTES, v));
+        for (int h = 0; h < 2; ++h) {
+            /* per 128-bit lane: 8-byte runs of P and Q side by side are one 16-element sub-block */
+            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
+            const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
+            for (int g = 0; g < 8; ++g) { /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
+                const __m512i src = g % 2 ? hi : lo;
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(kq_lane(src, g / 2)), n32));
+                _mm512_storeu_ps(out + 128 * h + 16 * g, _mm512_mul_ps(_mm512_set1_ps(sc[8 * h + g]), qf));
+            }
+        }
+    }
+}
+
+/* Q6_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per half
+ * of a super-block and activation row, the natural chunks are regrouped by 8-byte runs into the P, Q order
+ * (one vpermt2q each); the weights' -32 offset enters vpdpbusd's accumulator as -32 * (the activation bytes'
+ * sum per int32 lane of P and Q), computed once per activation half. */
+static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, int MB, const uint8_t *w,
+                                                           int64_t row_bytes, int64_t j, const tl_act_q8 *a,
+                                                           int r0, float *out, int64_t out_stride) {
+    (void)unused;
+    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
+    const __m512i n32 = _mm512_set1_epi8(32);
+    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sub[2] = {_mm512_srli_epi32(lane, 1),
+                            _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
+    const __m512i act[2] = {_mm512_srli_epi32(lane, 2),
+                            _mm512_add_epi32(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(4))};
+    __m512 acc[4][4];
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i x[4][4], init[4][2];
+        __m512 as[4][2];
+        for (int r = 0; r < MB; ++r) {
+            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
+            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + (int64_t)(r0 + r) * nblk32 + 8 * b));
+            for (int h = 0; h < 2; ++h) {
+                const __m512i c0 = _mm512_loadu_si512(xq + 128 * h), c1 = _mm512_loadu_si512(xq + 128 * h + 64);
+                x[r][2 * h] = _mm512_permutex2var_epi64(c0, even, c1);
+                x[r][2 * h + 1] = _mm512_permutex2var_epi64(c0, odd, c1);
+                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), n32, x[r][2 * h]),
+                                                        n32, x[r][2 * h + 1]);
+                init[r][h] = _mm512_sub_epi32(_mm512_setzero_si512(), s32);
+                as[r][h] = _mm512_permutexvar_ps(act[h], da);
+            }
+        }
+        for (int i = 0; i < RB; ++i) {
+            const uint8_t *blk = w + (j + i) * row_bytes + b * KQ6_BYTES;
+            kq_prefetch(blk + RB * row_bytes, KQ6_BYTES);
+            __m512i v[4];
+            const __m512 wsc = kq6_decode(blk, v);
+            for (int h = 0; h < 2; ++h) {
+                const __m512 ws = _mm512_permutexvar_ps(sub[h], wsc);
+                for (int r = 0; r < MB; ++r) {
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r][h], v[2 * h], x[r][2 * h]),
+                                                            v[2 * h + 1], x[r][2 * h + 1]);
+                    acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, as[r][h]), acc[i][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + i] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+/* Q4_K/Q5_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per
+ * super-block and activation row, the natural 64-byte chunks c0..c3 are regrouped by 16-byte lanes into the
+ * P, Q, R, S order of the weights (one vshufi64x2 each); int32 sums of P and Q (R and S) share sub-blocks
+ * lane for lane, so each super-block needs two int->float conversions per output, not four. */
+static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, int MB, const uint8_t *w,
+                                                            int64_t row_bytes, int64_t j, const tl_act_q8 *a,
+                                                            int r0, float *out, int64_t out_stride) {
+    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK, bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    const __m512i lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
+    __m512 acc[4][4];
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i x[4][4];
+        __m512 asA[4], asB[4], dsa[4];
+        for (int r = 0; r < MB; ++r) {
+            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
+            const __m512i c0 = _mm512_loadu_si512(xq), c1 = _mm512_loadu_si512(xq + 64);
+            const __m512i c2 = _mm512_loadu_si512(xq + 128), c3 = _mm512_loadu_si512(xq + 192);
+            x[r][0] = _mm512_shuffle_i64x2(c0, c1, 0x88);
+            x[r][1] = _mm512_shuffle_i64x2(c0, c1, 0xdd);
+            x[r][2] = _mm512_shuffle_i64x2(c2, c3, 0x88);
+            x[r][3] = _mm512_shuffle_i64x2(c2, c3, 0xdd);
+            const int64_t o = (int64_t)(r0 + r) * nblk32 + 8 * b;
+            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + o));
+            asA[r] = _mm512_permutexvar_ps(lane4, da);
+            asB[r] = _mm512_permutexvar_ps(lane4b, da);
+            /* lanes 8-15: d_a * s_a per sub-block, for the min term (lanes 0-7 zero) */
+            const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(a->d + o),
+                                            _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->s + o))));
+            dsa[r] = _mm512_insertf32x8(_mm512_setzero_ps(), ds, 1);
+        }
+        for (int i = 0; i < RB; ++i) {
+            __m512i v[4];
+            const uint8_t *blk = w + (j + i) * row_bytes + b * bytes;
+            kq_prefetch(blk + RB * row_bytes, (int)bytes);
+            const __m512 wv = kq45_decode(five, blk, v);
+            const __m512 wsA = _mm512_permutexvar_ps(lane4, wv), wsB = _mm512_permutexvar_ps(lane4b, wv);
+            for (int r = 0; r < MB; ++r) {
+                const __m512i iA = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x[r][0]),
+                                                       v[1], x[r][1]);
+                const __m512i iB = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[2], x[r][2]),
+                                                       v[3], x[r][3]);
+                __m512 t = _mm512_fnmadd_ps(wv, dsa[r], acc[i][r]);
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iA), _mm512_mul_ps(wsA, asA[r]), t);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iB), _mm512_mul_ps(wsB, asB[r]), t);
+            }
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + i] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+#define KQ_TILES(TILE, T, NAME)                                                                                        \
+    static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out, \
+                     int64_t out_stride) {                                                                       \
+        int64_t j = n0;                                                                                          \
+        for (; j + 4 <= n1; j += 4) {                                                                            \
+            int r = 0;                                                                                           \
+            for (; r + 4 <= a->m; r += 4) TILE(T, 4, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            switch (a->m - r) {                                                                                  \
+            case 3: TILE(T, 4, 3, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 2: TILE(T, 4, 2, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 1: TILE(T, 4, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            default: break;                                                                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (; j < n1; ++j) {                                                                                    \
+            int r = 0;                                                                                           \
+            for (; r + 4 <= a->m; r += 4) TILE(T, 1, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            for (; r < a->m; ++r) TILE(T, 1, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride);           \
+        }                                                                                                        \
+    }
+KQ_TILES(kq_tile45, 0, kq4_dot_rows)
+KQ_TILES(kq_tile45, 1, kq5_dot_rows)
+KQ_TILES(kq_tile6, 0, kq6_dot_rows)
+#undef KQ_TILES
+
+#else /* portable: dequantize a super-block, float dot with the dequantized activations */
+
+static void kq_dot_rows_scalar(void (*deq)(const uint8_t *, int64_t, float *), int64_t bytes, const uint8_t *w,
+                               int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                               int64_t out_stride) {
+    float wv[KQ_K];
+    for (int64_t j = n0; j < n1; ++j)
+        for (int r = 0; r < a->m; ++r) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < a->k / KQ_K; ++b) {
+                deq(w + j * row_bytes + b * bytes, KQ_K, wv);
+                for (int e = 0; e < KQ_K; ++e)
+                    sum += wv[e] * a->d[r * (a->k / TL_QK) + (b * KQ_K + e) / TL_QK] * a->q[r * a->k + b * KQ_K + e];
+            }
+            out[(int64_t)r * out_stride + (j - n0)] = sum;
+        }
+}
+static void kq4_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
+                         int64_t os) { kq_dot_rows_scalar(kq4_dequant_row, KQ4_BYTES, w, rb, n0, n1, a, o, os); }
+static void kq5_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
+                         int64_t os) { kq_dot_rows_scalar(kq5_dequant_row, KQ5_BYTES, w, rb, n0, n1, a, o, os); }
+static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
+                         int64_t os) { kq_dot_rows_scalar(kq6_dequant_row, KQ6_BYTES, w, rb, n0, n1, a, o, os); }
+#endif
+
+#if KQ_VNNI
+#define KQ_DEQ(name) name##_avx
+#else
+#define KQ_DEQ(name) name
+#endif
+static const tl_quant_type kq_types[3] = {
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row},
+};
 
 static const tl_quant_type *tl_kquant_type(int type) {
-    (void)type;
-    return NULL; /* the family's kernels land here */
+    for (int i = 0; i < 3; ++i)
+        if (kq_types[i].type == type) return &kq_types[i];
+    return NULL;
 }
+
+/* ---------------------------------------------------------------- test entry points (tests/unit) */
+
+/* One re-laid-out row (k columns) of `type` dequantized, by the table's function or (portable != 0) by the
+ * portable C one that builds without AVX-512; -1 for a type not of this family or k not whole super-blocks. */
+KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float *out, int portable) {
+    static const tl_dequant_row_fn scalar[3] = {kq4_dequant_row, kq5_dequant_row, kq6_dequant_row};
+    const tl_quant_type *t = tl_kquant_type(type);
+    if (t == NULL || k % KQ_K) return -1;
+    (portable ? scalar[t - kq_types] : t->dequant_row)(row, k, out);
+    return 0;
+}
+
+/* One row re-laid out in place for the dot kernel (the type's repack); -1 as above. */
+KERNEL_API int kquant_repack_row(int type, uint8_t *row, int64_t k) {
+    const tl_quant_type *t = tl_kquant_type(type);
+    if (t == NULL || k % KQ_K) return -1;
+    if (t->repack_row) t->repack_row(row, k);
+    return 0;
+}
+
+/* out[m, n] = A . W^T for an [n, k] weight and activations already quantized per the contract, weight rows
+ * split over `threads` OpenMP threads in runs of 4; -1 for a bad type or shape. */
+KERNEL_API int kquant_dot_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const int8_t *q,
+                               const float *d, const int32_t *s, int m, int64_t k, float *out, int threads) {
+    const tl_quant_type *t = tl_kquant_type(type);
+    if (t == NULL || k % KQ_K || m < 1 || row_bytes < k / KQ_K * t->block_size || threads < 1) return -1;
+    const tl_act_q8 a = {q, d, s, m, k};
+    const int64_t units = (n + 3) / 4;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t n0 = units * id / nt * 4, n1 = units * (id + 1) / nt * 4 < n ? units * (id + 1) / nt * 4 : n;
+        if (n0 < n1) t->dot_rows(w, row_bytes, n0, n1, &a, out + n0, n);
+    }
+    return 0;
+}
+
+#endif /* TOKENLOOM_QUANT_KQUANTS_C */

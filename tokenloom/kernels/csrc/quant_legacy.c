@@ -14,9 +14,11 @@
  * gives the low nibbles (elements 0..15 of each block) and the high nibbles (16..31). The activation's two
  * 64-byte vectors (natural order) are regrouped with two 128-bit lane shuffles so that each 32-bit lane of
  * both products belongs to one block; vpdpbusd twice gives per-lane integer sums, converted to float and
- * accumulated with the lane's block scale d_w * d_x (no horizontal sum per block). The weight offset goes
- * through the activation block sums s: Q4_0 adds d_w * (-8 * d_x * s), Q4_1 adds m_w * d_x * s, Q8_0 adds
- * d_w * (-128 * d_x * s), 16 blocks per vector. One horizontal sum per output at the end.
+ * accumulated with the lane's block scale d_w * d_x (no horizontal sum per block). Scales are computed per
+ * span of 16 blocks, one vector per output, and each group takes its lanes' scales from it with one vpermps.
+ * The weight offset goes through the activation block sums s, on the same span vectors: Q4_0 adds
+ * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s). A tile is 16 weight rows x 1
+ * activation row or 8 x 2 (16 accumulators), ended by one batched horizontal sum (reduce16).
  *
  * Dequantize is exact: every product d * q (11-bit by <= 8-bit integer) is exact in float32, so the results
  * equal the gguf package's bit for bit (with or without FMA contraction).
@@ -107,6 +109,48 @@ static void q8_0_dequant(const uint8_t *row, int64_t k, float *out) {
             const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
             _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip))));
         }
+    }
+}
+
+/* ---- dequantize straight to bf16 (the matmul tile of bf16 activations) ---- */
+
+/* bf16 of each weight, as rounding the float32 dequantize would give (round to nearest even). Q4: the
+ * block's 16 possible values d * q (+ m) go into a table (exact products, one rounding for + m, as in the
+ * float32 path), and one vpermw looks all 32 nibbles up. */
+static inline __attribute__((always_inline)) void q4_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out,
+                                                                  const int is_q4_1) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + (is_q4_1 ? 4 : 2) * nb;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q_off = is_q4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
+    const __m256i low = _mm256_set1_epi16(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        const __m512 vals = is_q4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q_off), _mm512_set1_ps(h2f(row + 2 * nb + 2 * b)))
+                                    : _mm512_mul_ps(d, q_off);
+        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
+        const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * b)));
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w16, low)),
+                                               _mm256_srli_epi16(w16, 4), 1);
+        _mm512_storeu_si512(out + 32 * b, _mm512_permutexvar_epi16(idx, table));
+    }
+}
+
+static void q4_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) { q4_dequant_bf16(row, k, out, 0); }
+static void q4_1_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) { q4_dequant_bf16(row, k, out, 1); }
+
+static void q8_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + 2 * nb;
+    const __m512i flip = _mm512_set1_epi32(128);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
+            v[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip)));
+        }
+        _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
     }
 }
 
@@ -282,6 +326,22 @@ static const tl_quant_type TL_LEGACY_TYPES[3] = {
     {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack},
 };
 #endif
+
+/* The family's bf16 dequantize of one re-laid-out row (the driver's bf16 matmul tile), or NULL. */
+typedef void (*tl_dequant_bf16_fn)(const uint8_t *row, int64_t k, uint16_t *out);
+
+static tl_dequant_bf16_fn tl_legacy_dequant_bf16(int type) {
+#if HAVE_QUANT_LEGACY && defined(__AVX512BF16__)
+    switch (type) {
+    case TL_Q4_0: return q4_0_dequant_bf16;
+    case TL_Q4_1: return q4_1_dequant_bf16;
+    case TL_Q8_0: return q8_0_dequant_bf16;
+    default: break;
+    }
+#endif
+    (void)type;
+    return NULL;
+}
 
 static const tl_quant_type *tl_legacy_type(int type) {
 #if HAVE_QUANT_LEGACY

@@ -1,0 +1,233 @@
+"""A tokenloom server on a machine shared with a busy process: decode speed with a background CPU hog
+(`python -c "while True: pass"`, normal priority) on vs off, for several server settings side by side.
+
+    .venv/bin/python bench/shared_machine.py                      # before / after the fix / adaptive, 3 rounds
+    .venv/bin/python bench/shared_machine.py --quick              # 1 round, 32 new tokens
+    .venv/bin/python bench/shared_machine.py --mode spin:OMP_WAIT_POLICY=ACTIVE --mode one:--num-threads=1
+
+Every mode's server (`python -m tokenloom.launch_server`, the default model unless `--model-path`, a small KV
+pool) is started first and stays up, idle while another is measured; per round, the modes in a rotating order
+and, per mode, the background hog off then on (on then off in odd rounds), each measuring:
+- throughput: `--concurrency` (8) requests of `--input-len` random token ids at once, `--output-len` new tokens
+  each (`ignore_eos`): output tokens / wall time;
+- ITL: one streamed request of `--output-len` tokens: (last chunk - first chunk) / (tokens - 1).
+Reported per mode: medians over rounds, and the median over rounds of loaded / unloaded (the slowdown the hog
+causes, measured back to back in the same round). The target (issue 30): a slowdown of at most 2.5x with one
+hog on two cores (it takes a third of the CPU if shared evenly), and the fix's unloaded speed within noise of
+the fix off.
+
+Modes: `NAME:SETTING,SETTING...`, each setting `ENV=VALUE` (in the server's environment, so its rank processes
+inherit it) or `--flag=value` / `--flag` (a server flag). Default: `before:GOMP_SPINCOUNT=300000` (libgomp's
+own spin, the fix off: a user's GOMP_SPINCOUNT wins over the launcher's), `after:` (tokenloom's defaults) and
+`adaptive:--cpu-threads-policy=adaptive` (tokenloom/executor/cpu_threads.py). Other load on the machine
+moves absolute numbers: compare the ratios. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.common import stop_process_group  # noqa: E402
+from bench.serve_vs_peers import free_port  # noqa: E402
+
+STARTUP_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 900
+HOG = "while True: pass"
+# before: libgomp's own default spin (what rank processes had before issue 30; a user's GOMP_SPINCOUNT wins over
+# the launcher's); after: tokenloom's defaults (the launcher's short spin); adaptive: the opt-in thread policy
+DEFAULT_MODES = ("before:GOMP_SPINCOUNT=300000", "after:", "adaptive:--cpu-threads-policy=adaptive")
+
+
+def parse_mode(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """`NAME:A=1,--flag=2,--switch` -> (NAME, {"A": "1"}, ["--flag", "2", "--switch"])."""
+    name, _, settings = spec.partition(":")
+    if not name:
+        raise SystemExit(f"--mode {spec!r}: no name before ':'")
+    env: dict[str, str] = {}
+    flags: list[str] = []
+    for setting in filter(None, settings.split(",")):
+        key, eq, value = setting.partition("=")
+        if key.startswith("--"):
+            flags += [key, value] if eq else [key]
+        elif eq and key:
+            env[key] = value
+        else:
+            raise SystemExit(f"--mode {spec!r}: {setting!r} is neither ENV=VALUE nor --flag[=value]")
+    return name, env, flags
+
+
+class Server:
+    def __init__(self, name: str, env: dict[str, str], flags: list[str], ns: argparse.Namespace,
+                 log_dir: str) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = os.path.join(log_dir, f"server_{name}.log")
+        cmd = [sys.executable, "-m", "tokenloom.launch_server", "--port", self.url.rsplit(":", 1)[1],
+               "--max-total-tokens", "8192", "--max-running-requests", str(max(8, ns.concurrency)),
+               "--log-level", "warning", *(["--model-path", ns.model_path] if ns.model_path else []), *flags]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=REPO)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                with open(self.log_path, errors="replace") as f:
+                    tail = " | ".join(f.read().strip().splitlines()[-5:])
+                raise RuntimeError(f"server {self.name} did not start: {tail}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        stop_process_group(self.proc, 30)
+
+
+def _generate(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        return json.loads(resp.read())
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(length)]
+
+
+def throughput(url: str, ns: argparse.Namespace, rng: random.Random) -> float:
+    """Output tokens per second of `concurrency` requests sent at once."""
+    prompts = [_prompt(rng, ns.input_len) for _ in range(ns.concurrency)]
+    counts = [0] * len(prompts)
+
+    def one(i: int) -> None:
+        out = _generate(url, {"input_ids": prompts[i], "sampling_params": {
+            "max_new_tokens": ns.output_len, "temperature": 0, "ignore_eos": True}})
+        counts[i] = len(out["output_ids"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if min(counts) != ns.output_len:
+        raise RuntimeError(f"requests returned {counts} tokens; expected {ns.output_len} each")
+    return sum(counts) / wall
+
+
+def itl_ms(url: str, ns: argparse.Namespace, rng: random.Random) -> float:
+    """Mean inter-token latency of one streamed request, first chunk to last."""
+    body = {"input_ids": _prompt(rng, ns.input_len), "stream": True,
+            "sampling_params": {"max_new_tokens": ns.output_len, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    times: list[float] = []
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            times.append(time.perf_counter())
+            tokens = len(json.loads(line[5:])["output_ids"])
+    if tokens != ns.output_len or len(times) < 2:
+        raise RuntimeError(f"streamed {tokens} tokens in {len(times)} chunks; expected {ns.output_len}")
+    return 1000 * (times[-1] - times[0]) / (tokens - 1)
+
+
+def start_hog() -> subprocess.Popen:
+    hog = subprocess.Popen([sys.executable, "-c", HOG])
+    time.sleep(0.5)  # let it take its share before the measurement starts
+    return hog
+
+
+def measure(server: Server, hog_on: bool, ns: argparse.Namespace, rng: random.Random) -> dict[str, float]:
+    hog = start_hog() if hog_on else None
+    try:
+        return {"tok_s": throughput(server.url, ns, rng), "itl_ms": itl_ms(server.url, ns, rng)}
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Medians of each measure with the hog off and on, and the median of the per-round slowdowns."""
+    out: dict[str, Any] = {}
+    for key in ("tok_s", "itl_ms"):
+        off = [r["off"][key] for r in rounds]
+        on = [r["on"][key] for r in rounds]
+        slow = [(o / h) if key == "tok_s" else (h / o) for o, h in zip(off, on, strict=True)]
+        out[key] = {"off": statistics.median(off), "on": statistics.median(on), "slowdown": statistics.median(slow),
+                    "rounds_off": off, "rounds_on": on}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", action="append", default=None, help="NAME:SETTING,... (repeatable)")
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="1 round, 32 new tokens")
+    ns = ap.parse_args()
+    if ns.quick:
+        ns.rounds, ns.output_len = 1, 32
+    modes = [parse_mode(m) for m in (ns.mode or DEFAULT_MODES)]
+    log_dir = tempfile.mkdtemp(prefix="tokenloom-bench-shared-")
+    servers = [Server(name, env, flags, ns, log_dir) for name, env, flags in modes]
+    rng = random.Random(0)
+    results: dict[str, list[dict[str, dict[str, float]]]] = {s.name: [] for s in servers}
+    try:
+        for server in servers:
+            server.wait_healthy()
+            _generate(server.url, {"input_ids": _prompt(rng, ns.input_len),
+                                   "sampling_params": {"max_new_tokens": 4}})  # warm-up
+        for r in range(ns.rounds):
+            order = servers[r % len(servers):] + servers[: r % len(servers)]
+            for server in order:
+                hog_order = (False, True) if r % 2 == 0 else (True, False)
+                got = {("on" if on else "off"): measure(server, on, ns, rng) for on in hog_order}
+                results[server.name].append(got)
+                print(f"round {r + 1} {server.name:>8s}: hog off {got['off']['tok_s']:7.1f} tok/s "
+                      f"{got['off']['itl_ms']:6.1f} ms ITL | hog on {got['on']['tok_s']:7.1f} tok/s "
+                      f"{got['on']['itl_ms']:6.1f} ms ITL", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    report: dict[str, Any] = {"bench": "shared_machine", "cores": len(os.sched_getaffinity(0)),
+                              "rounds": ns.rounds, "concurrency": ns.concurrency, "output_len": ns.output_len,
+                              "modes": {}}
+    print(f"\n{'mode':>8s} {'tok/s off':>10s} {'tok/s on':>9s} {'slowdown':>9s} {'ITL off':>8s} {'ITL on':>7s} "
+          f"{'slowdown':>9s}")
+    for name, rounds in results.items():
+        s = summarize(rounds)
+        report["modes"][name] = s
+        print(f"{name:>8s} {s['tok_s']['off']:10.1f} {s['tok_s']['on']:9.1f} {s['tok_s']['slowdown']:8.2f}x "
+              f"{s['itl_ms']['off']:8.1f} {s['itl_ms']['on']:7.1f} {s['itl_ms']['slowdown']:8.2f}x")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

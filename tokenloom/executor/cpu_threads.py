@@ -1,0 +1,172 @@
+"""A rank's forward on a shared machine: how long libgomp's threads spin before they sleep (set for every rank
+process), and optionally a thread count that follows the cores other processes leave free
+(`--cpu-threads-policy adaptive`; the default `fixed` keeps the configured count).
+
+Why: every parallel region of a forward (torch's and our C kernels', all on torch's libgomp) ends in a barrier
+that waits for its slowest thread, and a decode step runs hundreds of regions. libgomp's default wait spins
+300k rounds of `pause` before it sleeps: ~30 ms on this machine's cores (measured ~110 ns a pause). With a busy
+process beside the server, the kernel preempts one of the threads and the other spends its time slice
+spinning for it, at every barrier: decode fell 10-30x (issue 30).
+
+The wait policy: a rank's libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, when torch loads it, so the
+launcher puts `GOMP_SPINCOUNT=SPIN_COUNT` in the environment its rank processes start with (`rank_omp_env`),
+unless the user set either variable. 1000 rounds (~0.1 ms) keep the waits between the regions of one step
+(microseconds apart) spinning, and put a thread to sleep soon when its peer is not running or the step has
+ended. bench/shared_machine.py measured, with the machine loaded by other work and one more busy process:
+libgomp's default 2 tok/s, 10k rounds 21-28, 1000 rounds 127-172, no spinning (PASSIVE) 56-198.
+
+The adaptive thread count (opt-in): before a step, at most every `INTERVAL_S`, `CpuShare` measures how much
+of this process's cores (its affinity mask) other processes kept busy since the last measure: the cores'
+busy time from /proc/stat (user, system, irq, softirq, steal) minus this process's own CPU time
+(`time.process_time`), over the wall time. Processes at a positive nice value are not counted (their time
+is /proc/stat's separate nice column): the scheduler gives them a small share against ours (nice 19: ~1.5%)
+(unless this process is itself niced; then they count). `choose_threads` turns the free cores into a thread
+count with hysteresis, so a measure near a boundary does not flip the count every interval; the count is set
+on the forward thread (`torch.set_num_threads`, which every C kernel reads per call; the default model's
+logits are bitwise the same at 1 and 2 threads). The other processes of this server (tokenizer, detokenizer,
+HTTP) count as others: they do take the cores. Not the default: with many busy processes (the shared
+machine above) one thread gets one share of the CPU where two get two, and decode was 2-3x slower than the
+fixed count with the short spin (47 vs 104-153 tok/s); it gives back a core to a single neighbour.
+
+Invariants: the count stays within [1, the configured count]; without /proc/stat (not Linux) the policy is
+off; a rank with one configured thread has nothing to adapt and gets no policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from tokenloom.config import CPU_THREADS_POLICIES
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 0.5
+# Drop a thread when the free cores fall below `threads - DROP_BELOW`; add one when they reach `threads + 1 -
+# RAISE_SHORT`. A busy process on one of two cores leaves ~0.7-1.0 free (below 2 - 0.5): one thread; once it
+# ends, ~1.8-2.0 free (at least 1 + 1 - 0.3): two again. The gap between the two keeps a measure near one
+# boundary from flipping the count.
+DROP_BELOW = 0.5
+RAISE_SHORT = 0.3
+PROC_STAT = "/proc/stat"
+SPIN_COUNT = 1000
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# /proc/stat's per-CPU columns after the name: user nice system idle iowait irq softirq steal guest guest_nice
+_BUSY_COLUMNS = (0, 2, 5, 6, 7)
+_NICE_COLUMN = 1
+
+
+def choose_threads(current: int, max_threads: int, free_cores: float) -> int:
+    """The thread count for the next interval, from the current one and the cores others left free."""
+    threads = current
+    while threads > 1 and free_cores < threads - DROP_BELOW:
+        threads -= 1
+    while threads < max_threads and free_cores >= threads + 1 - RAISE_SHORT:
+        threads += 1
+    return max(1, min(max_threads, threads))
+
+
+def busy_ticks(stat_text: str, cores: set[int], count_nice: bool) -> int:
+    """Clock ticks the given cores spent busy, summed, from the text of /proc/stat."""
+    total = 0
+    for line in stat_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cores:
+            continue
+        values = [int(v) for v in rest.split()]
+        total += sum(values[i] for i in _BUSY_COLUMNS if i < len(values))
+        if count_nice:
+            total += values[_NICE_COLUMN]
+    return total
+
+
+def _read_stat() -> str:
+    with open(PROC_STAT) as f:
+        return f.read()
+
+
+class CpuShare:
+    """Cores kept busy by other processes between two calls of `others()` (the first call: since creation)."""
+
+    def __init__(self, cores: set[int], read_stat: Callable[[], str] = _read_stat,
+                 own_cpu_s: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
+                 ticks_per_s: float | None = None, count_nice: bool | None = None) -> None:
+        self.cores = cores
+        self._read_stat, self._own_cpu_s, self._clock = read_stat, own_cpu_s, clock
+        self.ticks_per_s = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
+        # a niced process's own time lands in the nice column: count that column then (so our own time is in
+        # the busy time we subtract it from, and other niced processes compete with us on equal terms)
+        self.count_nice = count_nice if count_nice is not None else os.getpriority(os.PRIO_PROCESS, 0) > 0
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, float]:
+        return self._clock(), busy_ticks(self._read_stat(), self.cores, self.count_nice), self._own_cpu_s()
+
+    def others(self) -> float:
+        """Mean cores (of `cores`) other processes kept busy since the last call, in [0, len(cores)]."""
+        now = self._sample()
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        self._last = now
+        wall = t1 - t0
+        if wall <= 0:
+            return 0.0
+        others = ((busy1 - busy0) / self.ticks_per_s - (own1 - own0)) / wall
+        return min(float(len(self.cores)), max(0.0, others))
+
+
+class AdaptiveThreads:
+    """Called before every forward step on the thread that runs it (`StepGuard`): every `interval_s` it
+    measures the free cores and sets the intra-op thread count for the steps that follow."""
+
+    def __init__(self, max_threads: int, share: CpuShare, interval_s: float = INTERVAL_S,
+                 set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        import torch
+
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.share = share
+        self.interval_s = interval_s
+        self._set_threads = set_threads or torch.set_num_threads
+        self._clock = clock
+        self._next = clock() + interval_s
+        self.changes = 0
+
+    def before_step(self) -> None:
+        now = self._clock()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        others = self.share.others()
+        threads = choose_threads(self.threads, self.max_threads, len(self.share.cores) - others)
+        if threads != self.threads:
+            logger.info("other processes keep %.1f of this rank's %d cores busy: %d forward threads (was %d)",
+                        others, len(self.share.cores), threads, self.threads)
+            self._set_threads(threads)
+            self.threads = threads
+            self.changes += 1
+
+
+def adaptive_threads(policy: str, device_type: str, max_threads: int) -> AdaptiveThreads | None:
+    """The rank's policy object for `--cpu-threads-policy`, or None where there is nothing to adapt (fixed,
+    not the CPU, one thread, no /proc/stat or affinity mask to read)."""
+    if policy not in CPU_THREADS_POLICIES:
+        raise ValueError(f"--cpu-threads-policy must be one of {', '.join(CPU_THREADS_POLICIES)}; got {policy!r}")
+    if policy == "fixed" or device_type != "cpu" or max_threads < 2:
+        return None
+    try:
+        cores = set(os.sched_getaffinity(0))
+        share = CpuShare(cores)
+    except (AttributeError, OSError, ValueError):
+        return None
+    return AdaptiveThreads(max_threads, share)
+
+
+def rank_omp_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """Environment variables to add for the rank processes (libgomp's wait policy), given the launcher's
+    environment: none when the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins)."""
+    if any(name in environ for name in OMP_WAIT_VARS):
+        return {}
+    return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
