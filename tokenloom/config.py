@@ -37,8 +37,13 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 # --quantization: gguf keeps a .gguf file's quantized tensors quantized (its default); none dequantizes every
 # weight to --dtype at load. SGLang's other methods need their own checkpoint formats and kernels.
-QUANTIZATIONS = ("gguf", "none")
-_UNIMPLEMENTED_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "w8a8_int8",
+# gptq / awq: a Hugging Face checkpoint quantized to 4 bits by those tools (detected from its config.json's
+# quantization_config when the flag is unset; set, it must match). w8a8_int8: a float checkpoint's linear
+# weights quantized at load to int8 per output channel, activations to int8 per token.
+QUANTIZATIONS = ("gguf", "none", "gptq", "awq", "w8a8_int8")
+# --torchao-config (SGLang's flag): quantize a float checkpoint's linear weights at load; int4wo-<group>.
+TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
+_UNIMPLEMENTED_QUANTIZATIONS = ("awq_marlin", "gptq_marlin", "marlin", "fp8",
                                 "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
                                 "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
 # SGLang's values: auto = the model's dtype; the fp8 ones store plain casts (scale 1.0), see cache/kv_pool.py.
@@ -78,7 +83,14 @@ class ServerArgs:
     quantization: str | None = _flag(
         None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, "
         "Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
-        "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder).")
+        "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder); gptq "
+        "and awq load those 4-bit checkpoints (detected from config.json when unset); w8a8_int8 quantizes a "
+        "float checkpoint's linear weights to int8 per output channel at load and the activations to int8 per "
+        "token (int8 x int8 -> int32 matmuls).")
+    torchao_config: str | None = _flag(
+        None, "Quantize a Hugging Face (float) checkpoint's linear weights at load (SGLang's flag; torchao is not "
+        "needed): int8wo (int8 per output channel) or int4wo-<group> (int4 per group of 32, 64, 128 or 256 "
+        "input features, asymmetric); activations stay in --dtype.")
     context_length: int | None = _flag(None, "Override the model's context length.")
     served_model_name: str | None = _flag(None, "Model id reported by the API (default: the model path).")
     random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
@@ -208,6 +220,7 @@ class ServerArgs:
             if choices and value not in choices:
                 raise ConfigError(f"--{_dash(f.name)} must be one of {', '.join(choices)}; got {value!r}")
         self._validate_quantization()
+        self._validate_torchao()
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1; got {self.page_size}")
         if self.decode_slot_run < 1:
@@ -260,14 +273,24 @@ class ServerArgs:
     def _validate_quantization(self) -> None:
         q = self.quantization
         if q is None or q in QUANTIZATIONS:
-            if q == "gguf" and self.load_format == "dummy":
-                raise ConfigError("--quantization gguf keeps a .gguf file's tensors quantized; --load-format "
+            if q in ("gguf", "gptq", "awq") and self.load_format == "dummy":  # (w8a8_int8 quantizes random ones)
+                raise ConfigError(f"--quantization {q} keeps a checkpoint's quantized tensors; --load-format "
                                   "dummy makes random float weights (use --quantization none, or leave it unset)")
             return
         if q in _UNIMPLEMENTED_QUANTIZATIONS:
             raise ConfigError(f"--quantization {q} is not implemented in tokenloom; implemented: "
                               f"{', '.join(QUANTIZATIONS)} (gguf: a .gguf file's own quantized types)")
         raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {q!r}")
+
+    def _validate_torchao(self) -> None:
+        t = self.torchao_config
+        if t is None:
+            return
+        if t not in TORCHAO_CONFIGS:
+            raise ConfigError(f"--torchao-config must be one of {', '.join(TORCHAO_CONFIGS)}; got {t!r}")
+        if self.quantization not in (None, "none"):
+            raise ConfigError(f"--torchao-config {t} quantizes a float checkpoint at load; it cannot be combined "
+                              f"with --quantization {self.quantization}")
 
     def _validate_topology(self) -> None:
         if self.pp_size < 1:

@@ -153,10 +153,13 @@ def test_quantization_each_value(folder, tmp_path):
     with pytest.raises(ModelConfigError, match="--quantization gguf needs a .gguf file"):
         quant(folder, quantization="gguf")
     # SGLang's other methods are refused by name; anything else lists the choices.
-    for method in ("awq", "gptq", "w8a8_int8", "torchao", "fp8"):
+    for method in ("torchao", "fp8", "marlin"):
         with pytest.raises(ConfigError, match=f"--quantization {method} is not implemented"):
             ServerArgs(quantization=method)
-    with pytest.raises(ConfigError, match="--quantization must be one of gguf, none; got 'q4'"):
+    # gptq / awq name a checkpoint's own quantization (tests/integration/test_hf_quant.py): a float one is refused.
+    with pytest.raises(ModelConfigError, match="--quantization gptq, but the checkpoint is a float one"):
+        quant(folder, quantization="gptq")
+    with pytest.raises(ConfigError, match="--quantization must be one of gguf, none, gptq, awq, w8a8_int8; got 'q4'"):
         ServerArgs(quantization="q4")
     assert parse_args(["--quantization", "none"]).quantization == "none"
     assert parse_args([]).quantization is None

@@ -17,7 +17,8 @@ Quantized weights (--quantization gguf): when every linear layer and the LM head
 is passed as a segment descriptor and its matmul is csrc/quant_gemm.c's quant_linear, the kernel the modular
 path's `quant_gemm.linear` calls, with the same row-count rule, so the two paths are bit-identical at every
 batch size. Then the step takes up to `QUANT_MAX_BATCH` requests. A model that mixes quantized and float
-linears (or a quantized layer holding a float part) decodes through the modular path.
+linears (or a quantized layer holding a float part) decodes through the modular path, as does a model with a
+Hugging Face checkpoint's integer weights (layers/int_quant.py: torch's kernels, no native descriptor).
 
 Tensor parallelism: each rank runs the step over its own shard (its heads, KV heads and MLP features; the
 layer widths passed are the shard's), and the C loop all-reduces the outputs of o_proj and down_proj through
@@ -41,6 +42,7 @@ from tokenloom.kernels import paged_attention, quant_gemm
 from tokenloom.kernels.cpu_build import load_library
 from tokenloom.kernels.quant_gemm import QuantMatrix
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
+from tokenloom.layers.int_quant import IntQuantMatrix
 from tokenloom.layers.quant_linear import QuantSegment, QuantWeight, quantized_weights
 from tokenloom.models.llama import LlamaForCausalLM
 
@@ -83,6 +85,11 @@ def _quant_descriptor(weight: QuantWeight | None) -> torch.Tensor | None:
         qtype, address, rows, _ = quant_gemm.native_args(seg.weight)
         values += [qtype, rows, address]
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _has_int_weights(model: torch.nn.Module) -> bool:
+    return any(isinstance(seg.weight, IntQuantMatrix) for module in model.modules()
+               if isinstance(getattr(module, "quant", None), QuantWeight) for seg in module.quant.segments)
 
 
 def _quant_head_descriptor(model: torch.nn.Module) -> torch.Tensor | None:
@@ -173,6 +180,9 @@ class NativeDecode:
                     "--disable-custom-all-reduce)")
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not a Llama-family model"
+        if _has_int_weights(model):
+            return ("the weights are a Hugging Face checkpoint's integer weights (gptq, awq, w8a8_int8 or "
+                    "--torchao-config), for which the native step has no kernel")
         if not isinstance(attn_backend, CpuPagedBackend):
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:

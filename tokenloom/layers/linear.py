@@ -10,6 +10,11 @@ shard the same way (output rows; for row-parallel layers input columns on block 
 a block is refused naming the tensor), keeps the parts until `prepare_for_inference`, then holds them as a
 `QuantWeight` (layers/quant_linear.py) and drops its float parameter (`weight` becomes None), so no float
 copy of a quantized weight is ever kept. Layers loaded with float weights run exactly as before.
+
+Hugging Face checkpoints: GPTQ/AWQ weights arrive as `IntQuantMatrix` (layers/int_quant.py) and take the same
+path (a row-parallel shard must hold whole groups). Under `--torchao-config` (`quant_method` set by the loader)
+a layer loads its float shard as usual and quantizes it in `prepare_for_inference`, so each rank quantizes only
+its own rows and columns (a row-parallel shard that cuts a group is refused there, naming the tensor).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from torch import nn
 from tokenloom.distributed.parallel_state import ParallelContext, divide
 from tokenloom.kernels.quant_gemm import QuantMatrix
 from tokenloom.layers import cpu_gemm
-from tokenloom.layers.quant_linear import QuantWeight, Weight, narrow_rows
+from tokenloom.layers.int_quant import quantize_for_method
+from tokenloom.layers.quant_linear import QUANT_MATRICES, QuantWeight, Weight, narrow_rows
 
 
 class WeightShapeError(ValueError):
@@ -46,6 +52,8 @@ class _PackedLinear(nn.Module):
     packed: cpu_gemm.PackedWeight | None = None
     quant: QuantWeight | None = None
     _quant_parts: dict[int, QuantMatrix] | None = None  # part index -> local shard, while loading
+    quant_method: str | None = None  # --torchao-config: quantize the loaded float weight at prepare
+    weight_name: str = ""  # the checkpoint name of the weight (its first part), for errors
 
     def part_rows(self) -> list[tuple[int, int]]:
         """(first local row, rows) of each part of the weight, in order."""
@@ -57,13 +65,20 @@ class _PackedLinear(nn.Module):
         self._quant_parts[part] = shard
 
     def prepare_for_inference(self) -> None:
+        what = self.weight_name or type(self).__name__
+        if self.quant_method is not None and not self._quant_parts and self.weight is not None:
+            # Rows are quantized independently, so the whole local weight at once = each part on its own.
+            self.quant = QuantWeight.from_parts([quantize_for_method(self.weight.detach(), self.quant_method, what)])
+            self.quant.prepare(self.weight.dtype, what)
+            self.weight = None
+            return
         if self._quant_parts:
             # Parts loaded as floats (a file's F16 tensor beside quantized ones) sit in `weight`: keep their rows.
             parts = [self._quant_parts.get(i) for i in range(len(self.part_rows()))]
             parts = [p if p is not None else self.weight.detach().narrow(0, start, n).clone()
                      for p, (start, n) in zip(parts, self.part_rows(), strict=True)]
             self.quant = QuantWeight.from_parts(parts)
-            self.quant.prepare()
+            self.quant.prepare(self.weight.dtype, what)
             self._quant_parts = None
             self.weight = None  # no float copy of a quantized weight
             return
@@ -93,7 +108,7 @@ class ColumnParallelLinear(_PackedLinear):
         full = (self.out_local * self.ctx.tp_size, *self.weight.shape[1:])
         _check_full_shape(name, tensor, full[:1] if is_bias else full)
         shard = narrow_rows(tensor, self.ctx.tp_rank * self.out_local, self.out_local)
-        if isinstance(shard, QuantMatrix):
+        if isinstance(shard, QUANT_MATRICES):
             self._keep_quant(0, shard)
             return
         _copy_checked(self.bias if is_bias else self.weight, shard, name)
@@ -132,7 +147,7 @@ class MergedColumnParallelLinear(_PackedLinear):
         self._store_part(name, part, narrow_rows(tensor, self.ctx.tp_rank * size, size), is_bias)
 
     def _store_part(self, name: str, part: int, shard: Weight, is_bias: bool) -> None:
-        if isinstance(shard, QuantMatrix):
+        if isinstance(shard, QUANT_MATRICES):
             self._keep_quant(part, shard)
             return
         dst = (self.bias if is_bias else self.weight).narrow(0, self.offsets[part], self.local_sizes[part])
@@ -190,8 +205,8 @@ class RowParallelLinear(_PackedLinear):
             return
         _check_full_shape(name, tensor, (self.weight.shape[0], self.in_local * self.ctx.tp_size))
         start = self.ctx.tp_rank * self.in_local
-        if isinstance(tensor, QuantMatrix):
-            # A shard must hold whole blocks of every row (QuantSplitError names the tensor and the type).
+        if isinstance(tensor, QUANT_MATRICES):
+            # A shard must hold whole blocks (groups) of every row (QuantSplitError names the tensor and the type).
             self._keep_quant(0, tensor.narrow_cols(start, self.in_local, f"{name} at --tp-size {self.ctx.tp_size}"))
             return
         _copy_checked(self.weight, tensor.narrow(1, start, self.in_local), name)

@@ -4,7 +4,9 @@ A GGUF file quantizes each tensor on its own, so the parts of a merged projectio
 (llama.cpp's Q4_K_M keeps attn_v in Q6_K beside Q4_K attn_q/attn_k). `QuantWeight` holds one segment per run
 of consecutive parts of one type (the parts joined with `cat_rows`) and runs one `quant_gemm.linear` per
 segment, writing each segment's output into its slice of the output features. A part the file stores as
-floats (F16/F32) inside an otherwise quantized layer is a float segment in the model dtype.
+floats (F16/F32) inside an otherwise quantized layer is a float segment in the model dtype. A Hugging Face
+checkpoint's integer weights (GPTQ/AWQ, --torchao-config, w8a8_int8: `IntQuantMatrix`, layers/int_quant.py)
+are segments of the same kind, run by their own `linear`.
 
 Invariants: segments cover the local rows [0, rows) in order without gaps; once `prepare`d, the matrices
 are the kernel's (read-only); the layer keeps no float copy of a quantized part (memory = the file's bytes).
@@ -21,8 +23,10 @@ from torch import nn
 
 from tokenloom.kernels import quant_gemm
 from tokenloom.kernels.quant_gemm import QuantMatrix
+from tokenloom.layers.int_quant import IntQuantMatrix
 
-Weight = QuantMatrix | torch.Tensor
+Weight = QuantMatrix | IntQuantMatrix | torch.Tensor
+QUANT_MATRICES = (QuantMatrix, IntQuantMatrix)  # the quantized kinds a layer keeps (a GGUF's, an HF model's)
 
 
 @dataclass(eq=False)
@@ -52,20 +56,23 @@ class QuantWeight:
         start = row = 0
         for part in [*parts, None]:
             if run and (part is None or not _same_kind(run[0], part)):
-                joined = QuantMatrix.cat_rows(run) if isinstance(run[0], QuantMatrix) and len(run) > 1 \
-                    else run[0] if len(run) == 1 else torch.cat(run, 0)
+                joined = run[0] if len(run) == 1 else type(run[0]).cat_rows(run) \
+                    if isinstance(run[0], QUANT_MATRICES) else torch.cat(run, 0)
                 segments.append(QuantSegment(start, joined))
                 start, run = row, []
             if part is not None:
                 run.append(part)
                 row += part.shape[0]
-        types = [p.name if isinstance(p, QuantMatrix) else str(p.dtype).removeprefix("torch.") for p in parts]
+        types = [p.name if isinstance(p, QUANT_MATRICES) else str(p.dtype).removeprefix("torch.") for p in parts]
         return cls(segments, types)
 
-    def prepare(self) -> None:
+    def prepare(self, dtype: torch.dtype, what: str = "") -> None:
+        """Each quantized segment in its kernel's form (`dtype`: the activations', for integer weights)."""
         for seg in self.segments:
             if isinstance(seg.weight, QuantMatrix):
                 seg.weight = quant_gemm.prepare(seg.weight)
+            elif isinstance(seg.weight, IntQuantMatrix):
+                seg.weight = seg.weight.prepare(dtype, what)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """x [..., cols] -> [..., rows] in `out_dtype`, each segment's output in its slice."""
@@ -81,18 +88,22 @@ class QuantWeight:
 def _same_kind(a: Weight, b: Weight) -> bool:
     if isinstance(a, QuantMatrix) and isinstance(b, QuantMatrix):
         return a.qtype == b.qtype
-    return not isinstance(a, QuantMatrix) and not isinstance(b, QuantMatrix)
+    if isinstance(a, IntQuantMatrix) and isinstance(b, IntQuantMatrix):
+        return a.name == b.name and (a.zeros is None) == (b.zeros is None)
+    return not isinstance(a, QUANT_MATRICES) and not isinstance(b, QUANT_MATRICES)
 
 
 def _segment_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
                     ) -> torch.Tensor:
     if isinstance(w, QuantMatrix):
         return quant_gemm.linear(x, w, bias, out_dtype)
+    if isinstance(w, IntQuantMatrix):
+        return w.linear(x, bias, out_dtype)
     return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(out_dtype)
 
 
 def narrow_rows(t: Weight, start: int, length: int) -> Weight:
-    return t.narrow_rows(start, length) if isinstance(t, QuantMatrix) else t.narrow(0, start, length)
+    return t.narrow_rows(start, length) if isinstance(t, QUANT_MATRICES) else t.narrow(0, start, length)
 
 
 def quantized_weights(model: nn.Module) -> tuple[int, Counter[str]]:
@@ -102,8 +113,9 @@ def quantized_weights(model: nn.Module) -> tuple[int, Counter[str]]:
         for value in vars(module).values():
             if isinstance(value, QuantWeight):
                 params += sum(s.weight.shape[0] * s.weight.shape[1] for s in value.segments
-                              if isinstance(s.weight, QuantMatrix))
-                types.update(t for t in value.part_types if t in quant_gemm.TYPE_IDS)
+                              if isinstance(s.weight, QUANT_MATRICES))
+                kinds = {s.weight.name for s in value.segments if isinstance(s.weight, IntQuantMatrix)}
+                types.update(t for t in value.part_types if t in quant_gemm.TYPE_IDS or t in kinds)
             elif isinstance(value, QuantMatrix):
                 params += value.rows * value.cols
                 types[value.name] += 1

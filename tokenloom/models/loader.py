@@ -5,6 +5,11 @@ config and whether a GGUF's quantized tensors stay quantized (`--quantization`: 
 file, or none); `load_model(source, ...)` builds the Llama-family module for a layer range and TP shard and fills
 it, logging its progress and a final line (layers, parameters, bytes, time; models/load_progress.py). Every
 failure is raised at load time with the file and the problem in the message.
+
+Hugging Face folders may hold a GPTQ/AWQ 4-bit checkpoint (config.json's quantization_config; models/prequant.py
+turns its packed tensors into `IntQuantMatrix` weights), or be quantized at load with `--torchao-config`
+or `--quantization w8a8_int8` (`ModelSource.quantize_at_load`: every linear layer quantizes its float shard in
+`prepare_for_inference`; the embedding and LM head stay in --dtype, as SGLang leaves them).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tokenloom.models.default_model import resolve_model_path
 from tokenloom.models.gguf_file import GGUFFile
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.load_progress import LoadProgress
+from tokenloom.models.prequant import PrequantConfig, convert, read_quant_config
 from tokenloom.models.registry import model_class_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +48,8 @@ class ModelSource:
     load_format: str  # safetensors | gguf | dummy
     gguf: GGUFFile | None = field(default=None, compare=False, repr=False)  # parsed once, reused
     quantization: str = "none"  # gguf: the file's quantized tensors stay quantized; none: float --dtype
+    quantize_at_load: str | None = None  # --torchao-config or w8a8_int8: the linear layers quantized at load
+    prequant: PrequantConfig | None = None  # a GPTQ/AWQ checkpoint's quantization
 
     @property
     def tokenizer_dir(self) -> str:
@@ -60,6 +68,11 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     if os.path.isfile(path):
         if fmt not in ("auto", "gguf", "dummy"):
             raise ModelConfigError(f"{path}: a file needs --load-format gguf (or auto), not {fmt}")
+        if args.torchao_config or args.quantization in ("gptq", "awq", "w8a8_int8"):
+            flag = f"--torchao-config {args.torchao_config}" if args.torchao_config \
+                else f"--quantization {args.quantization}"
+            raise ModelConfigError(f"{path}: {flag} applies to Hugging Face checkpoints; a .gguf file keeps its "
+                                   "own quantized types (--quantization gguf) or is dequantized (none)")
         gguf = GGUFFile(path)
         # Quantized kernels exist for the CPU only: on CUDA a .gguf is dequantized unless gguf is asked for.
         on_cpu = args.device == "cpu"
@@ -81,7 +94,31 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     if args.quantization == "gguf":
         raise ModelConfigError(f"{path}: --quantization gguf needs a .gguf file; a Hugging Face folder holds float "
                                "weights (leave --quantization unset, or none)")
-    return ModelSource("hf", path, _with_context(config, args), "dummy" if fmt == "dummy" else "safetensors")
+    prequant = read_quant_config(raw, cfg_path) if fmt != "dummy" else None
+    _check_hf_quantization(args, prequant, path)
+    at_load = args.torchao_config or ("w8a8_int8" if args.quantization == "w8a8_int8" else None)
+    return ModelSource("hf", path, _with_context(config, args), "dummy" if fmt == "dummy" else "safetensors",
+                       quantization=prequant.method if prequant else args.quantization or "none",
+                       quantize_at_load=at_load, prequant=prequant)
+
+
+def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, path: str) -> None:
+    """The flags against what the checkpoint is (a float one, or GPTQ/AWQ)."""
+    found = prequant.method if prequant else None
+    if args.quantization in ("gptq", "awq") and args.quantization != found:
+        raise ModelConfigError(f"{path}: --quantization {args.quantization}, but the checkpoint is "
+                               f"{found + ' quantized' if found else 'a float one (no quantization_config)'}")
+    if prequant and args.quantization == "none":
+        raise ModelConfigError(f"{path}: a {found} checkpoint cannot be loaded with --quantization none "
+                               f"(dequantizing it at load is not implemented); leave --quantization unset")
+    at_load = f"--torchao-config {args.torchao_config}" if args.torchao_config \
+        else "--quantization w8a8_int8" if args.quantization == "w8a8_int8" else None
+    if prequant and at_load:
+        raise ModelConfigError(f"{path}: {at_load} quantizes float weights, but this checkpoint is already "
+                               f"{found} quantized")
+    if (prequant or at_load) and args.device != "cpu":
+        raise ModelConfigError(f"{path}: {found or at_load} weights run on the CPU only (torch's CPU int4/int8 "
+                               f"kernels); --device {args.device} needs a float checkpoint")
 
 
 def _with_context(config: ModelConfig, args: ServerArgs) -> ModelConfig:
@@ -114,8 +151,13 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
         gguf = source.gguf or GGUFFile(source.path)
         model.load_weights(progress.track(gguf.tensors(source.config, keep_quantized=source.quantization == "gguf")))
     else:
-        model.load_weights(progress.track(_safetensors_tensors(source.path)))
+        tensors = _safetensors_tensors(source.path)
+        model.load_weights(progress.track(convert(tensors, source.prequant) if source.prequant else tensors))
     model = model.to(device).eval()
+    for name, module in model.named_modules():
+        if hasattr(module, "quant_method"):  # the linear layers
+            module.weight_name = f"{name}.weight"
+            module.quant_method = source.quantize_at_load
     for module in model.modules():
         if hasattr(module, "prepare_for_inference"):
             module.prepare_for_inference()

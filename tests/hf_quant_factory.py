@@ -1,0 +1,115 @@
+"""Tiny GPTQ and AWQ checkpoints the tests write themselves from a known float model.
+
+Each linear weight is quantized here with the formats' own formula (4-bit codes per group of input features,
+w = (q - z) * s, s in fp16; symmetric: z = 8) and packed with numpy bit operations written independently of
+tokenloom's unpacking (tokenloom/models/prequant.py): GPTQ packs eight codes per int32 along the input dim
+(zero points minus one in checkpoint_format "gptq"), AWQ along the output dim in the order
+[0, 2, 4, 6, 1, 3, 5, 7]. `write_prequant` returns the known integer codes and a transformers model whose
+linear weights are exactly the dequantized ones: the float reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K], z [N, G] int64 codes, s [N, G] fp16) with w ~ (q - z) * s."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group, group)
+    if sym:
+        s = (wg.abs().amax(-1) / 7.5).clamp(min=1e-4).half()
+        z = torch.full((n, k // group), 8, dtype=torch.int64)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).clamp(min=1e-4).half()
+        # Zero points >= 1: GPTQ v1 stores z - 1 in 4 bits, so a 0 would wrap (AutoGPTQ's known quirk).
+        z = torch.round(-lo / s.float()).clamp(1, 15).to(torch.int64)
+    q = torch.round(wg / s.float().unsqueeze(-1) + z.unsqueeze(-1)).clamp(0, 15).to(torch.int64)
+    return q.view(n, k), z, s
+
+
+def dequant(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = q.shape
+    return ((q.view(n, -1, group) - z.unsqueeze(-1)).float() * s.float().unsqueeze(-1)).view(n, k)
+
+
+def _pack_rows_of_8(codes: np.ndarray) -> np.ndarray:
+    """uint [R * 8, C] -> int32 [R, C]: code 8r + i at bits 4i of word r."""
+    words = np.zeros((codes.shape[0] // 8, codes.shape[1]), dtype=np.uint32)
+    for i in range(8):
+        words |= codes[i::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def _pack_awq(codes: np.ndarray) -> np.ndarray:
+    """uint [R, C * 8] -> int32 [R, C]: nibble i of word j holds column 8j + [0, 2, 4, 6, 1, 3, 5, 7][i]."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    words = np.zeros((codes.shape[0], codes.shape[1] // 8), dtype=np.uint32)
+    for i in range(8):
+        words |= codes[:, order[i]::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def pack(method: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int, v1: bool = True
+         ) -> dict[str, torch.Tensor]:
+    """The module's checkpoint tensors (without the prefix)."""
+    qn, zn = q.numpy(), z.numpy()
+    if method == "gptq":
+        stored_z = (zn - 1) & 15 if v1 else zn
+        return {"qweight": torch.from_numpy(_pack_rows_of_8(qn.T.copy())),
+                "qzeros": torch.from_numpy(_pack_zeros_gptq(stored_z.T.copy())),
+                "scales": s.t().contiguous(),
+                "g_idx": torch.arange(q.shape[1], dtype=torch.int32) // group}
+    return {"qweight": torch.from_numpy(_pack_awq(qn.T.copy())), "qzeros": torch.from_numpy(_pack_awq(zn.T.copy())),
+            "scales": s.t().contiguous()}
+
+
+def _pack_zeros_gptq(zt: np.ndarray) -> np.ndarray:
+    """uint [G, N] -> int32 [G, N / 8]: zero of column 8j + i at bits 4i of word j."""
+    words = np.zeros((zt.shape[0], zt.shape[1] // 8), dtype=np.uint32)
+    for i in range(8):
+        words |= zt[:, i::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sym: bool = False,
+                   v1: bool = True, desc_act: bool = False) -> tuple[dict[str, tuple], torch.nn.Module]:
+    """Write `hf` as a `method` checkpoint in `folder`; return ({module: (q, z, s)}, the float reference)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    known: dict[str, tuple] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    state = hf.state_dict()
+    for name, t in state.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
+            q, z, s = quantize_groups(t, group, sym)
+            known[module] = (q, z, s)
+            for part, value in pack(method, q, z, s, group, v1).items():
+                tensors[f"{module}.{part}"] = value
+            with torch.no_grad():
+                t.copy_(dequant(q, z, s, group))
+        else:
+            tensors[name] = t.detach().clone().contiguous()
+    if hf.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    cfg = hf.config.to_dict()
+    if method == "gptq":
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+                                      "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    else:
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                      "version": "gemm"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    hf.load_state_dict(state)
+    return known, hf.eval()

@@ -1,0 +1,127 @@
+"""Integer weights of HF checkpoints (tokenloom/layers/int_quant.py, tokenloom/models/prequant.py).
+
+Kernels vs a float32 matmul of the same quantized weight (`kernel_weight`: the codes with the scales and zero
+points rounded as the kernel holds them); torchao-style quantization error bounds; GPTQ and AWQ unpacking
+against codes quantized and packed independently (tests/hf_quant_factory.py), exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_quant_factory import dequant, pack, quantize_groups
+from tokenloom.kernels.quant_gemm import QuantSplitError, QuantTypeError
+from tokenloom.layers.int_quant import (
+    INT8PACK_MAX_ROWS,
+    quantize_for_method,
+    quantize_int4_grouped,
+    quantize_int8_per_channel,
+)
+from tokenloom.model_config import ModelConfigError
+from tokenloom.models.prequant import PrequantConfig, convert, read_quant_config, unpack_awq, unpack_gptq
+
+
+def _w(n: int = 64, k: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256"])
+@pytest.mark.parametrize("m", [1, 3, INT8PACK_MAX_ROWS + 5])
+def test_kernel_matches_float_matmul_of_the_same_quantized_weight(method, dtype, m):
+    w = _w()
+    qm = quantize_for_method(w, method)
+    ref_w = qm.kernel_weight(dtype)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(64).to(dtype)
+    prepared = qm.prepare(dtype)
+    y = prepared.linear(x, bias, torch.float32)
+    ref = x.float() @ ref_w.t() + bias.float()
+    # float32: sums in another order (1e-5); bf16: the kernel's output rounded to bf16 (2^-8 relative)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert y.shape == (m, 64)
+    assert (y - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+    # the quantization itself: int8 error <= s/2 per weight, int4 <= s/2 (+ the bf16 rounding of s, z')
+    err = (qm.dequantize() - w).abs().max().item()
+    bound = (w.abs().max() / 127 / 2).item() if method == "int8wo" else ((w.max() - w.min()) / 15 / 2).item()
+    assert err <= bound * 1.001
+    assert (ref_w - w).abs().max().item() <= bound * 1.001 + (0 if dtype == torch.float32 else 0.02 * w.abs().max())
+
+
+def test_int8_and_int4_bytes():
+    w = _w(128, 512)
+    int8 = quantize_int8_per_channel(w).prepare(torch.bfloat16)
+    int4 = quantize_int4_grouped(w, 128).prepare(torch.bfloat16)
+    assert int8.nbytes == 128 * 512 + 128 * 2  # int8 codes + bf16 scales
+    assert int4.nbytes == 128 * 512 // 2 + 4 * 128 * 2 * 2  # nibbles + bf16 (scale, zero) per group
+    with pytest.raises(RuntimeError, match="cannot be sliced"):
+        int4.narrow_rows(0, 16)
+
+
+def test_bad_shapes_are_refused_naming_the_tensor():
+    with pytest.raises(QuantTypeError, match="layers.0.mlp.down_proj.weight: 96 input features .*int4wo-64"):
+        quantize_int4_grouped(_w(64, 96), 64, "layers.0.mlp.down_proj.weight")
+    with pytest.raises(QuantTypeError, match="o_proj.weight: 24 output rows; .*multiple of 16"):
+        quantize_int4_grouped(_w(24, 64), 32).prepare(torch.bfloat16, "o_proj.weight")
+    with pytest.raises(QuantSplitError, match=r"down_proj.weight at --tp-size 2: .* cuts a int4wo-128 group of 128"):
+        quantize_int4_grouped(_w(32, 384), 128).narrow_cols(192, 192, "down_proj.weight at --tp-size 2")
+    part = quantize_int4_grouped(_w(32, 256), 64).narrow_cols(64, 128)  # on group boundaries: fine
+    assert part.shape == (32, 128) and part.scales.shape == (32, 2)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("method,v1", [("gptq", True), ("gptq", False), ("awq", False)])
+def test_unpacking_gives_the_known_codes_exactly(method, v1, sym):
+    group = 32
+    q, z, s = quantize_groups(_w(48, 128), group, sym)
+    t = pack(method, q, z, s, group, v1)
+    cfg = PrequantConfig(method, group, v1)
+    qm = (unpack_gptq if method == "gptq" else unpack_awq)(t["qweight"], t["qzeros"], t["scales"], cfg, "x")
+    assert torch.equal(qm.q.long(), q) and torch.equal(qm.zeros.long(), z) and torch.equal(qm.scales, s.float().t().t())
+    assert torch.equal(qm.dequantize(), dequant(q, z, s, group))
+
+
+def test_convert_streams_weights_and_checks_g_idx():
+    q, z, s = quantize_groups(_w(32, 64), 32, False)
+    t = pack("gptq", q, z, s, 32)
+    cfg = PrequantConfig("gptq", 32, True)
+    named = [(f"model.layers.0.mlp.up_proj.{k}", v) for k, v in t.items()] + [("model.norm.weight", torch.ones(4))]
+    out = dict(convert(iter(named), cfg))
+    assert set(out) == {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
+    t["g_idx"] = t["g_idx"].flip(0)  # act-order
+    with pytest.raises(ModelConfigError, match=r"up_proj.g_idx: .*act-order"):
+        list(convert(iter([("model.layers.0.mlp.up_proj.g_idx", t["g_idx"])]), cfg))
+    with pytest.raises(ModelConfigError, match="up_proj: gptq checkpoint lacks qzeros, scales"):
+        list(convert(iter([("model.layers.0.mlp.up_proj.qweight", t["qweight"])]), cfg))
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act true .*act-order"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8; only 4-bit"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
+    ({"quant_method": "fp8"}, "'fp8' is not supported"),
+])
+def test_quant_configs_outside_the_implementation_are_refused(qc, match):
+    with pytest.raises(ModelConfigError, match=match):
+        read_quant_config({"quantization_config": qc}, "cfg.json")
+    assert read_quant_config({}, "cfg.json") is None
+    good = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64,
+                                                      "desc_act": False, "checkpoint_format": "gptq_v2"}}, "c")
+    assert good == PrequantConfig("gptq", 64, False)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_w8a8_kernel_matches_float_matmul_of_the_quantized_activations_and_weights(m):
+    from tokenloom.layers.int_quant import quantize_rows_int8
+
+    w = _w(96, 256)
+    qm = quantize_for_method(w, "w8a8_int8")
+    x = (torch.randn(m, 256, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    xq, sx = quantize_rows_int8(x)
+    assert xq.dtype == torch.int8 and (xq.float() * sx - x.float()).abs().max() <= sx.max() / 2 * 1.001
+    ref = (xq.float() * sx) @ qm.kernel_weight(torch.bfloat16).t()  # int32 sums are exact; scales in float32
+    y = qm.prepare(torch.bfloat16).linear(x, None, torch.float32)
+    assert (y - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(qm.kernel_weight(torch.bfloat16), qm.dequantize())  # float32 weight scales, unrounded

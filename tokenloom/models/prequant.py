@@ -1,0 +1,145 @@
+"""GPTQ and AWQ 4-bit Hugging Face checkpoints: their `quantization_config` read and checked, and each linear
+layer's packed tensors (qweight, qzeros, scales, g_idx) turned into one `IntQuantMatrix` at load.
+
+Packing conventions (the weight is w[n, k] = (q[n, k] - z[n, k // group]) * s[n, k // group]):
+- GPTQ (AutoGPTQ / GPTQModel): qweight int32 [K / 8, N], eight 4-bit codes along the INPUT dim, code k at bits
+  4 * (k % 8) of word k // 8; qzeros int32 [groups, N / 8], eight zero points along the output dim the same
+  way; scales fp16 [groups, N]; g_idx int32 [K] (the group of each input feature). checkpoint_format "gptq"
+  (v1, the default) stores each zero point minus one, "gptq_v2" stores it as is. Only desc_act false is
+  supported: act-order (desc_act true) permutes the input features into a g_idx that is not k // group, which
+  would need a gather of the activations per layer.
+- AWQ (AutoAWQ, version gemm): qweight int32 [K, N / 8] packs eight codes along the OUTPUT dim in the
+  interleaved order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i of word j holds column 8 j + order[i]); qzeros
+  int32 [groups, N / 8] likewise; scales fp16 [groups, N]; zero points as stored (zero_point true).
+
+Invariant: anything outside what is implemented (bits != 4, a group size the CPU int4 kernel does not take,
+desc_act, AWQ gemv, a quantized LM head) is refused at start with the reason, never loaded approximately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenloom.layers.int_quant import INT4_GROUPS, IntQuantMatrix
+from tokenloom.model_config import ModelConfigError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column order[i] of its 8
+_PARTS = ("qweight", "qzeros", "scales")
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class PrequantConfig:
+    method: str  # gptq | awq
+    group: int
+    zeros_minus_one: bool  # GPTQ v1 stores each zero point minus one
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-int4-g{self.group}"
+
+
+def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None:
+    """The checkpoint's quantization (config.json's `quantization_config`), or None for a float checkpoint.
+    Raises ModelConfigError, with the reason, for anything not implemented."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("gptq", "awq"):
+        raise ModelConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported; tokenloom "
+                               "loads gptq and awq 4-bit checkpoints (or float ones)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if bits != 4:
+        raise ModelConfigError(f"{source}: {method} with bits={bits}; only 4-bit checkpoints are implemented")
+    if group not in INT4_GROUPS:
+        raise ModelConfigError(f"{source}: {method} group_size {group}; the CPU int4 kernel takes groups of "
+                               f"{', '.join(map(str, INT4_GROUPS))}")
+    if method == "gptq":
+        if qc.get("desc_act"):
+            raise ModelConfigError(f"{source}: gptq with desc_act true (act-order) is not supported: its input "
+                                   "features are permuted per layer (g_idx), which the CPU int4 kernel cannot "
+                                   "follow; use a desc_act false checkpoint")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelConfigError(f"{source}: gptq checkpoint_format {fmt!r}; gptq and gptq_v2 are supported")
+        if qc.get("lm_head"):
+            raise ModelConfigError(f"{source}: a gptq-quantized lm_head is not supported")
+        return PrequantConfig("gptq", group, fmt == "gptq")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ModelConfigError(f"{source}: awq version {version!r}; only gemm packing is supported")
+    if qc.get("zero_point") is False:
+        raise ModelConfigError(f"{source}: awq with zero_point false is not supported")
+    return PrequantConfig("awq", group, False)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., n, 8]: nibble i of each word at index i."""
+    return ((words.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 15).to(torch.uint8)
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: PrequantConfig,
+                name: str) -> IntQuantMatrix:
+    k8, n = qweight.shape
+    k, groups = k8 * 8, scales.shape[0]
+    if tuple(qzeros.shape) != (groups, n // 8) or scales.shape[1] != n or groups * cfg.group != k:
+        raise ModelConfigError(f"{name}: gptq qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+                               f"scales {tuple(scales.shape)} do not fit group_size {cfg.group}")
+    q = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t().contiguous()  # [N, K]
+    z = _nibbles(qzeros).reshape(groups, n).t().float() + (1.0 if cfg.zeros_minus_one else 0.0)
+    return IntQuantMatrix(4, cfg.group, q, scales.t().float().contiguous(), z.contiguous(), cfg.name)
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: PrequantConfig,
+               name: str) -> IntQuantMatrix:
+    k, n8 = qweight.shape
+    n, groups = n8 * 8, scales.shape[0]
+    if tuple(qzeros.shape) != (groups, n8) or scales.shape[1] != n or groups * cfg.group != k:
+        raise ModelConfigError(f"{name}: awq qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+                               f"scales {tuple(scales.shape)} do not fit group_size {cfg.group}")
+
+    def columns(words: torch.Tensor) -> torch.Tensor:
+        nib = _nibbles(words)
+        out = torch.empty_like(nib)
+        out[..., list(AWQ_ORDER)] = nib  # nibble i -> column order[i]
+        return out.reshape(words.shape[0], n)
+
+    q = columns(qweight).t().contiguous()
+    z = columns(qzeros).t().float().contiguous()
+    return IntQuantMatrix(4, cfg.group, q, scales.t().float().contiguous(), z, cfg.name)
+
+
+def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
+            ) -> Iterator[tuple[str, torch.Tensor | IntQuantMatrix]]:
+    """Checkpoint tensors -> HF names the model loads: each `<module>.qweight/qzeros/scales` triple becomes one
+    `<module>.weight` IntQuantMatrix; a `g_idx` must be the trivial k // group; other tensors pass through."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        prefix, _, part = name.rpartition(".")
+        if part == "g_idx":
+            expected = torch.arange(tensor.numel(), dtype=torch.int64) // cfg.group
+            if not torch.equal(tensor.to(torch.int64), expected):
+                raise ModelConfigError(f"{name}: g_idx is not input feature // group_size ({cfg.group}): an "
+                                       "act-order (desc_act) layer, which is not supported")
+            continue
+        if part not in _PARTS:
+            yield name, tensor
+            continue
+        if prefix == "lm_head":
+            raise ModelConfigError(f"{name}: a quantized lm_head is not supported")
+        parts = pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if len(parts) == len(_PARTS):
+            del pending[prefix]
+            unpack = unpack_gptq if cfg.method == "gptq" else unpack_awq
+            yield f"{prefix}.weight", unpack(parts["qweight"], parts["qzeros"], parts["scales"], cfg, prefix)
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        missing = sorted(set(_PARTS) - set(parts))
+        raise ModelConfigError(f"{prefix}: {cfg.method} checkpoint lacks {', '.join(missing)}")
