@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.llama_server import _quantize, find_llama_server, find_quantize  # noqa: E402
+from bench.llama_server import _quantize, find_llama_server, find_quantize, make_file  # noqa: E402
 
 KINDS = ("q4_k_m", "q8_0")
 SEED = 0
@@ -95,15 +95,7 @@ def make_bf16_gguf(convert: str) -> str:
         return dst
     hf = make_hf()
     tmp = f"{dst}.tmp{os.getpid()}"
-    cmd = [sys.executable, convert, hf, "--outtype", "bf16", "--outfile", tmp]
-    print(f"Making {dst} (once): {' '.join(cmd)}", flush=True)
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0 or not os.path.exists(tmp):
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        tail = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
-        raise RuntimeError(f"convert_hf_to_gguf.py failed with {result.returncode}: {tail}")
-    os.replace(tmp, dst)
+    make_file([sys.executable, convert, hf, "--outtype", "bf16", "--outfile", tmp], tmp, dst, "convert_hf_to_gguf.py")
     return dst
 
 

@@ -99,13 +99,19 @@ def _quantize(quantize: str, src: str, dst: str, kind: str, requantize: bool) ->
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = f"{dst}.tmp{os.getpid()}"
     cmd = [quantize, *(["--allow-requantize"] if requantize else []), src, tmp, kind.upper(), str(THREADS)]
+    make_file(cmd, tmp, dst, QUANTIZE)
+
+
+def make_file(cmd: list[str], tmp: str, dst: str, what: str) -> None:
+    """Run `cmd`, which writes `tmp`, then rename it to `dst`: a cut-short or failed run never leaves a bad
+    cache file (the error names `what` and the output's last lines)."""
     print(f"Making {dst} (once): {' '.join(cmd)}", flush=True)
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0 or not os.path.exists(tmp):
         if os.path.exists(tmp):
             os.remove(tmp)
         tail = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
-        raise RuntimeError(f"{QUANTIZE} failed with {result.returncode}: {tail}")
+        raise RuntimeError(f"{what} failed with {result.returncode}: {tail}")
     os.replace(tmp, dst)
 
 
