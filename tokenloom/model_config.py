@@ -1,23 +1,30 @@
-"""Architecture description of a Llama-family model, independent of where it was read from.
+"""Architecture description of a decoder-only model, independent of where it was read from.
 
 `ModelConfig` is built from a Hugging Face `config.json` dict (either the classic `rope_theta`/`rope_scaling`
-keys or transformers 5's `rope_parameters`) or from GGUF metadata (see `gguf_file.py`), and is the one
-object the model, the KV pool and the scheduler read sizes from.
+keys or transformers 5's `rope_parameters`) or from GGUF metadata (`models/gguf_file.py` turns the metadata
+into the same kind of dict), and is the one object the model, the KV pool and the scheduler read sizes from.
+
+Families: the fields every decoder has are parsed here; what makes a family differ (q/k norms, sliding
+windows, soft-caps, experts, ...) is parsed by that family's function in `model_families.py`, which returns
+overrides of the family fields below. Every family field's default is plain Llama behaviour, so a config
+that leaves them alone is a Llama. A feature a family declares but tokenloom cannot run is refused at start by
+its parser, naming the feature (`ModelConfigError`), never ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from tokenloom.model_families import ModelConfigError, family_for
+
+__all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "ModelConfig", "ModelConfigError"]
 
 
-class ModelConfigError(ValueError):
-    """The model's configuration is unsupported or inconsistent; the message names the source."""
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -36,16 +43,50 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = None
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # --- family fields (defaults = Llama) -------------------------------------------------------------
+    # Attention
+    qk_norm: str | None = None  # None; "head": RMSNorm over head_dim per head (Qwen3, Gemma3); "full": over
+    #                             the whole q / k projection (OLMoE)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 instead of head_dim ** -0.5
+    sliding_window: int | None = None  # tokens a sliding layer sees (query at p sees keys (p - window, p])
+    layer_types: tuple[str, ...] = ()  # per layer FULL_ATTENTION / SLIDING_ATTENTION; () = all full
+    rope_local_theta: float | None = None  # RoPE base of sliding layers when it differs (Gemma 3)
+    no_rope_layers: tuple[int, ...] = ()  # layer ids that apply no RoPE (SmolLM3)
+    partial_rotary_factor: float = 1.0  # fraction of head_dim RoPE rotates (Phi-4-mini: 0.75)
+    # Norms, embedding, head
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + w): Gemma's 1 + w
+    sandwich_norms: bool = False  # Gemma 2/3: post-attention and pre/post-feed-forward norms
+    embedding_multiplier: float | None = None  # embeddings scaled by this (Gemma: sqrt(hidden_size))
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Mixture of experts (num_experts == 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated); 0 = none
+    moe_layers: tuple[int, ...] = ()  # layer ids with an MoE block; () with num_experts > 0 = every layer
 
     @property
     def context_length(self) -> int:
         return self.max_position_embeddings
+
+    def layer_window(self, layer_id: int) -> int:
+        """The sliding window of layer `layer_id`, 0 for a full-attention layer."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer_id] == SLIDING_ATTENTION else 0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts > 0 and (not self.moe_layers or layer_id in self.moe_layers)
 
     def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1, num_layers: int | None = None) -> int:
         """Bytes of K and V one token occupies in the pool on one TP rank."""
@@ -55,21 +96,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            arch = _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", "")) if not archs else None
-        if arch is None:
-            found = archs or [cfg.get("model_type")]
-            raise ModelConfigError(
-                f"{source}: unsupported architecture {found}; tokenloom supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ModelConfigError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+        family = family_for(cfg, source)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             rope = cfg.get("rope_parameters") or {}
+            if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope:
+                rope = rope.get(FULL_ATTENTION) or next(iter(rope.values()))  # per-layer-type parameters
             rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             scaling = cfg.get("rope_scaling") or (
                 {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
@@ -78,10 +111,10 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             config = cls(
-                architecture=arch,
+                architecture=family.architecture,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=int(cfg.get("intermediate_size") or 0),
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -91,18 +124,19 @@ class ModelConfig:
                 rope_scaling=dict(scaling) if scaling else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(arch == "Qwen2ForCausalLM" if cfg.get("attention_bias") is None
-                                    else cfg["attention_bias"]),
-                hidden_act="silu",
+                attention_bias=bool(cfg.get("attention_bias") or False),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 source=source,
-                extra={"sliding_window": cfg.get("sliding_window")} if cfg.get("use_sliding_window", True)
-                and cfg.get("sliding_window") else {},
             )
+            config = replace(config, **family.parse(cfg, source))
         except KeyError as e:
             raise ModelConfigError(f"{source}: missing required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"{source}: malformed config value ({e})") from None
         config.check()
         return config
 
@@ -113,3 +147,11 @@ class ModelConfig:
                 f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ModelConfigError(f"{self.source}: head_dim {self.head_dim} must be even for RoPE")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ModelConfigError(f"{self.source}: layer_types has {len(self.layer_types)} entries for "
+                                   f"{self.num_hidden_layers} layers")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"{self.source}: num_experts_per_tok {self.num_experts_per_tok} outside "
+                                   f"1..{self.num_experts}")
+        if not self.num_experts and self.intermediate_size <= 0:
+            raise ModelConfigError(f"{self.source}: missing required key 'intermediate_size'")

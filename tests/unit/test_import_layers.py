@@ -16,6 +16,7 @@ PACKAGE = os.path.join(ROOT, "tokenloom")
 
 # Bottom to top: a package (or top-level module) may import those on lower floors and its own package.
 FLOORS: list[set[str]] = [
+    {"model_families"},
     {"version", "device", "local_cache", "ipc", "forward_batch", "model_config", "finish_reason"},
     {"sampling"},
     {"protocol", "kernels"},

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import fields
 
 import torch
 
@@ -44,6 +45,7 @@ from tokenloom.kernels.quant_gemm import QuantMatrix
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
 from tokenloom.layers.int_quant import IntQuantMatrix
 from tokenloom.layers.quant_linear import QuantSegment, QuantWeight, quantized_weights
+from tokenloom.model_config import ModelConfig
 from tokenloom.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,20 @@ def _quant_descriptor(weight: QuantWeight | None) -> torch.Tensor | None:
         qtype, address, rows, _ = quant_gemm.native_args(seg.weight)
         values += [qtype, rows, address]
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _has_family_features(cfg: ModelConfig) -> bool:
+    """Whether the config sets any family field (window, caps, norms, experts, ...) away from its Llama
+    default: the one-call step computes plain Llama layers only."""
+    return cfg.hidden_act != "silu" or any(
+        getattr(cfg, f.name) != f.default for f in fields(ModelConfig) if f.name in _FAMILY_FIELDS)
+
+
+_FAMILY_FIELDS = {"qk_norm", "attn_logit_softcap", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                  "rope_local_theta", "no_rope_layers", "partial_rotary_factor", "norm_weight_offset",
+                  "sandwich_norms", "embedding_multiplier", "final_logit_softcap", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "shared_expert_intermediate_size", "moe_layers"}
 
 
 def _has_int_weights(model: torch.nn.Module) -> bool:
@@ -178,8 +194,8 @@ class NativeDecode:
         if parallel.tp_size > 1 and parallel.tp_comm is None:
             return ("at tp_size > 1 it needs the shared-memory all-reduce (TP ranks on one host, without "
                     "--disable-custom-all-reduce)")
-        if not isinstance(model, LlamaForCausalLM):
-            return f"{type(model).__name__} is not a Llama-family model"
+        if type(model) is not LlamaForCausalLM or _has_family_features(model.cfg):
+            return f"{type(model).__name__} ({model.cfg.architecture}) is not a plain Llama-architecture model"
         if _has_int_weights(model):
             return ("the weights are a Hugging Face checkpoint's integer weights (gptq, awq, w8a8_int8 or "
                     "--torchao-config), for which the native step has no kernel")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,8 @@ from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantSplitErr
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Per architecture, a function reading that architecture's own metadata keys into HF config keys.
+_GGUF_EXTRAS: dict[str, Callable[[GGUFFile], dict[str, Any]]] = {}
 # Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute).
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -75,6 +77,12 @@ class GGUFFile:
         return value
 
     def model_config(self) -> ModelConfig:
+        return ModelConfig.from_hf_dict(self.hf_config(), source=self.path)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The file's metadata as a Hugging Face config dict (`architectures`, `hidden_size`, ...), so GGUF
+        and HF checkpoints go through one family parser (model_families.py). The keys every architecture
+        has are read here; an architecture's own keys by its entry in `_GGUF_EXTRAS`."""
         a = self.arch
 
         def need(key: str) -> Any:
@@ -86,7 +94,6 @@ class GGUFFile:
         heads = int(need("attention.head_count"))
         hidden = int(need("embedding_length"))
         tokens = self.field("tokenizer.ggml.tokens")
-        vocab = int(self.field(f"{a}.vocab_size") or (len(tokens) if tokens else 0))
         names = {t.name for t in self.reader.tensors}
         scaling = None
         scaling_type = self.field(f"{a}.rope.scaling.type")
@@ -96,27 +103,28 @@ class GGUFFile:
             if orig:
                 scaling["original_max_position_embeddings"] = int(orig)
         eos = self.field("tokenizer.ggml.eos_token_id")
-        cfg = ModelConfig(
-            architecture=_GGUF_ARCH[a],
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=int(need("block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv") or heads),
-            head_dim=int(self.field(f"{a}.attention.key_length") or hidden // heads),
-            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
-            source=self.path,
-        )
-        cfg.check()
-        return cfg
+        config: dict[str, Any] = {
+            "architectures": [_GGUF_ARCH[a]],
+            "vocab_size": int(self.field(f"{a}.vocab_size") or (len(tokens) if tokens else 0)),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.field(f"{a}.feed_forward_length") or 0),
+            "num_hidden_layers": int(need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv") or heads),
+            "head_dim": int(self.field(f"{a}.attention.key_length") or hidden // heads),
+            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            "rope_scaling": scaling,
+            "max_position_embeddings": int(self.field(f"{a}.context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": int(eos) if eos is not None else None,
+        }
+        extras = _GGUF_EXTRAS.get(a)
+        if extras is not None:
+            config.update(extras(self))
+        return config
 
     def chat_template(self) -> str | None:
         return self.field("tokenizer.chat_template")

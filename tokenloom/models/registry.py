@@ -1,15 +1,21 @@
-"""Architecture name -> model class. Llama, Mistral and Qwen2 share one implementation; their
-differences (QKV bias, tied embeddings, sliding window) come from the config."""
+"""Architecture name -> model class. Each family's module registers its class here; Llama, Mistral and
+Qwen2 share one implementation, their differences (QKV bias, tied embeddings) coming from the config."""
 
 from __future__ import annotations
 
-from tokenloom.model_config import SUPPORTED_ARCHITECTURES, ModelConfigError
+from torch import nn
+
+from tokenloom.model_config import ModelConfigError
 from tokenloom.models.llama import LlamaForCausalLM
 
-_MODELS = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
 
 
-def model_class_for(architecture: str) -> type[LlamaForCausalLM]:
+def model_class_for(architecture: str) -> type[nn.Module]:
     try:
         return _MODELS[architecture]
     except KeyError:
