@@ -51,11 +51,48 @@ def _parse_qwen2(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return fields
 
 
+def _refuse_windows(cfg: dict[str, Any], source: str, family: str) -> None:
+    """Refuse a config whose layers use sliding-window attention: this family's model attends over the whole
+    context. (Real Qwen3 / SmolLM3 checkpoints ship use_sliding_window false.)"""
+    types = cfg.get("layer_types") or []
+    if (cfg.get("use_sliding_window") and cfg.get("sliding_window")) or "sliding_attention" in types:
+        raise ModelConfigError(
+            f"{source}: {family} sliding-window attention (use_sliding_window, sliding_window "
+            f"{cfg.get('sliding_window')}) is not supported: tokenloom's {family} attends over the whole context")
+
+
+def _parse_qwen3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3: Llama with a per-head RMSNorm on q and k before RoPE, head_dim from the config, no QKV bias
+    unless the config says so."""
+    _require_act(cfg, source, ("silu", "swish"))
+    _refuse_windows(cfg, source, "Qwen3")
+    return {"hidden_act": "silu", "qk_norm": "head", "attention_bias": bool(cfg.get("attention_bias") or False)}
+
+
+def _parse_smollm3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """SmolLM3: Llama whose every `no_rope_layer_interval`-th layer (or those `no_rope_layers` flags 0:
+    1 = RoPE, 0 = none) applies no RoPE."""
+    _require_act(cfg, source, ("silu", "swish"))
+    _refuse_windows(cfg, source, "SmolLM3")
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError(f"{source}: SmolLM3 mlp_bias is not supported")
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelConfigError(f"{source}: no_rope_layers must be {layers} flags of 0 or 1, got {flags!r}")
+    return {"hidden_act": "silu", "no_rope_layers": tuple(i for i, use in enumerate(flags) if not use)}
+
+
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (
         Family("LlamaForCausalLM", ("llama",), _parse_llama),
         Family("MistralForCausalLM", ("mistral",), _parse_llama),
         Family("Qwen2ForCausalLM", ("qwen2",), _parse_qwen2),
+        Family("Qwen3ForCausalLM", ("qwen3",), _parse_qwen3),
+        Family("SmolLM3ForCausalLM", ("smollm3",), _parse_smollm3),
     )
 }
 

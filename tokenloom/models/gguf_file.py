@@ -22,11 +22,16 @@ import torch
 from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantSplitError, QuantTypeError, type_name
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 # Per architecture, a function reading that architecture's own metadata keys into HF config keys.
-_GGUF_EXTRAS: dict[str, Callable[[GGUFFile], dict[str, Any]]] = {}
-# Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute).
-_PERMUTED_QK = {"llama", "mistral"}
+_GGUF_EXTRAS: dict[str, Callable[[GGUFFile], dict[str, Any]]] = {
+    # llama.cpp writes no NoPE metadata for smollm3 and runs every 4th layer without RoPE (its smollm3.cpp).
+    "smollm3": lambda f: {"no_rope_layer_interval": 4},
+}
+# Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute;
+# SmolLM3Model is a LlamaModel, Qwen2/Qwen3 are not).
+_PERMUTED_QK = {"llama", "mistral", "smollm3"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,6 +45,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3: per-head q/k RMSNorm weights
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

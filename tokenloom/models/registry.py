@@ -7,11 +7,15 @@ from torch import nn
 
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.qwen3 import Qwen3ForCausalLM
+from tokenloom.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
