@@ -26,21 +26,37 @@ BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_la
                             tie_word_embeddings=True)
 
 
+# Qwen3's own template logic for the generation prompt (its chat_template.jinja ends so): with
+# enable_thinking=False the assistant turn starts with an empty think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     config_class: str  # a transformers attribute, e.g. "Qwen3Config"
     model_class: str  # e.g. "Qwen3ForCausalLM"
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields over BASE
     rope_theta: float = 10000.0
+    chat_template: str | None = None  # saved with the tokenizer (else SmolLM2's)
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {
     "qwen2": FamilySpec("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False), rope_theta=1e6),
     # head_dim 32 != 64 / 4: the q/k norms and attention must take it from the config
     "qwen3": FamilySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, use_sliding_window=False),
-                        rope_theta=1e6),
+                        rope_theta=1e6, chat_template=QWEN3_STYLE_TEMPLATE),
     # 4 layers, the default interval 4: layer 3 has no RoPE (what llama.cpp's smollm3 assumes too)
     "smollm3": FamilySpec("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4), rope_theta=2e6),
+}
+# Named variants: (family, config overrides).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{name: (name, {}) for name in FAMILY_SPECS},
+    "smollm3_flags": ("smollm3", dict(no_rope_layers=[1, 0, 0, 1])),  # explicit flags: layers 1 and 2 NoPE
 }
 
 
@@ -71,10 +87,15 @@ def make_family_model(family: str, folder: str, seed: int = 0, chat_template: st
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = smollm2_tokenizer()
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
+    if chat_template or spec.chat_template:
+        tokenizer.chat_template = chat_template or spec.chat_template
     tokenizer.save_pretrained(folder)
     return model
+
+
+def make_variant(variant: str, folder: str, seed: int = 0) -> torch.nn.Module:
+    family, overrides = VARIANTS[variant]
+    return make_family_model(family, folder, seed, **overrides)
 
 
 def gguf_twin(folder: str, outtype: str = "f32", out_dir: str | None = None) -> str:
