@@ -8,7 +8,8 @@ converter.
   transformers' own bf16 model's on the same weights (measured ~0.006 against ~0.009), KL and top-1 alike;
 - GGUF f32: the same bound as HF float32 (Qwen3: not permuted, q/k norms as attn_q_norm/attn_k_norm; SmolLM3:
   Q/K un-permuted); GGUF q8_0 kept quantized (q/k/v, o, gate/up, down as quantized weights) within 0.03 of the
-  same file dequantized, the tolerance of test_quantized_gguf.py (int8 activation blocks). Qwen2 has no GGUF
+  same file dequantized, the tolerance of test_quantized_gguf.py (int8 activation blocks); the Qwen3 twin's
+  `tokenizer.chat_template` renders (thinking on and off) and tokenizes as the folder's. Qwen2 has no GGUF
   twin: with SmolLM2's tokenizer under model_type qwen2, transformers builds Qwen2's pre-tokenizer, whose hash
   llama.cpp's converter does not know.
 """
@@ -20,7 +21,7 @@ import copy
 import pytest
 import torch
 
-from tests.family_models import gguf_twin
+from tests.family_models import QWEN3_STYLE_TEMPLATE, gguf_twin
 from tests.forward_steps import ForwardSteps
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
@@ -129,6 +130,23 @@ def test_gguf_twins_load_and_match(family_model_dir, variant):
     assert GGUFFile(f32).arch == variant
     ours = _our_logits(_runner(f32), prompts)
     _assert_close(ours, _reference(hf, prompts, ours), TOL)
+
+    if variant == "qwen3":  # the converter copies the folder's template; the GGUF's tokenizer renders it alike
+        from transformers import AutoTokenizer
+
+        from tokenloom.models.loader import resolve_model_source
+        from tokenloom.tokenizer import load_tokenizer
+
+        assert GGUFFile(f32).chat_template() == QWEN3_STYLE_TEMPLATE
+        from_gguf = load_tokenizer(resolve_model_source(ServerArgs(model_path=f32)))
+        from_folder = AutoTokenizer.from_pretrained(folder)
+        chat = [{"role": "user", "content": "hi"}]
+        for thinking in (True, False):
+            kw = dict(tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+            text = from_gguf.apply_chat_template(chat, **kw)
+            assert text == from_folder.apply_chat_template(chat, **kw)
+            assert ("<think>" in text) is not thinking
+            assert from_gguf(text).input_ids == from_folder(text).input_ids
 
     q8 = gguf_twin(folder, "q8_0")
     kept = _runner(q8)  # a .gguf stays quantized by default
