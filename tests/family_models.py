@@ -57,6 +57,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     **{name: (name, {}) for name in FAMILY_SPECS},
     "smollm3_flags": ("smollm3", dict(no_rope_layers=[1, 0, 0, 1])),  # explicit flags: layers 1 and 2 NoPE
+    # windows of 16 tokens, shorter than the tests' prompts: Qwen3 layer 1 (from max_window_layers), SmolLM3
+    # its NoPE layer 3
+    "qwen3_swa": ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "smollm3_swa": ("smollm3", dict(use_sliding_window=True, sliding_window=16)),
 }
 
 

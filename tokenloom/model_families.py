@@ -64,29 +64,33 @@ def _parse_qwen2(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return fields
 
 
-def _refuse_windows(cfg: dict[str, Any], source: str, family: str) -> None:
-    """Refuse a config whose layers use sliding-window attention: this family's model attends over the whole
-    context. (Real Qwen3 / SmolLM3 checkpoints ship use_sliding_window false.)"""
-    types = cfg.get("layer_types") or []
-    if (cfg.get("use_sliding_window") and cfg.get("sliding_window")) or "sliding_attention" in types:
-        raise ModelConfigError(
-            f"{source}: {family} sliding-window attention (use_sliding_window, sliding_window "
-            f"{cfg.get('sliding_window')}) is not supported: tokenloom's {family} attends over the whole context")
+def _layer_windows(cfg: dict[str, Any], sliding_by_default: Callable[[int], bool]) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` of a config whose window is off unless `use_sliding_window` (Qwen3,
+    SmolLM3: transformers' default false): the config's own `layer_types`, else the family's default rule."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    if not window:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = tuple(cfg.get("layer_types") or (
+        "sliding_attention" if sliding_by_default(i) else "full_attention" for i in range(layers)))
+    return {"sliding_window": int(window), "layer_types": types}
 
 
 def _parse_qwen3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """Qwen3: Llama with a per-head RMSNorm on q and k before RoPE, head_dim from the config, no QKV bias
-    unless the config says so."""
+    unless the config says so. With `use_sliding_window`, the layers from `max_window_layers` on slide (as
+    transformers' Qwen3Config; real checkpoints ship it off)."""
     _require_act(cfg, source, ("silu", "swish"))
-    _refuse_windows(cfg, source, "Qwen3")
-    return {"hidden_act": "silu", "qk_norm": "head", "attention_bias": bool(cfg.get("attention_bias") or False)}
+    first = int(cfg.get("max_window_layers", 28))
+    return {"hidden_act": "silu", "qk_norm": "head", "attention_bias": bool(cfg.get("attention_bias") or False),
+            **_layer_windows(cfg, lambda i: i >= first)}
 
 
 def _parse_smollm3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """SmolLM3: Llama whose every `no_rope_layer_interval`-th layer (or those `no_rope_layers` flags 0:
-    1 = RoPE, 0 = none) applies no RoPE."""
+    1 = RoPE, 0 = none) applies no RoPE. With `use_sliding_window`, the NoPE layers slide (transformers'
+    SmolLM3Config)."""
     _require_act(cfg, source, ("silu", "swish"))
-    _refuse_windows(cfg, source, "SmolLM3")
     if cfg.get("mlp_bias"):
         raise ModelConfigError(f"{source}: SmolLM3 mlp_bias is not supported")
     layers = int(cfg["num_hidden_layers"])
@@ -96,7 +100,8 @@ def _parse_smollm3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         flags = [int((i + 1) % interval != 0) for i in range(layers)]
     if len(flags) != layers or any(f not in (0, 1) for f in flags):
         raise ModelConfigError(f"{source}: no_rope_layers must be {layers} flags of 0 or 1, got {flags!r}")
-    return {"hidden_act": "silu", "no_rope_layers": tuple(i for i, use in enumerate(flags) if not use)}
+    return {"hidden_act": "silu", "no_rope_layers": tuple(i for i, use in enumerate(flags) if not use),
+            **_layer_windows(cfg, lambda i: not flags[i])}
 
 
 FAMILIES: dict[str, Family] = {

@@ -26,10 +26,20 @@ def test_qwen3_head_norm_and_head_dim_from_config():
     assert not cfg.sliding_window and not cfg.no_rope_layers
 
 
-def test_qwen3_sliding_window_is_refused_naming_it():
-    with pytest.raises(ModelConfigError, match="Qwen3 sliding-window attention"):
-        ModelConfig.from_hf_dict(_hf("Qwen3Config", use_sliding_window=True, sliding_window=16,
-                                     max_window_layers=2))
+def test_qwen3_sliding_window_layers_from_max_window_layers():
+    cfg = ModelConfig.from_hf_dict(_hf("Qwen3Config", use_sliding_window=True, sliding_window=16,
+                                       max_window_layers=2))
+    assert [cfg.layer_window(i) for i in range(4)] == [0, 0, 16, 16]
+    off = _hf("Qwen3Config", use_sliding_window=False, sliding_window=16)
+    assert ModelConfig.from_hf_dict(off).sliding_window is None  # as transformers: off means no window
+    del off["layer_types"]  # a hand-written config: the rule, not the saved list
+    off.update(use_sliding_window=True, sliding_window=8, max_window_layers=3)
+    assert [ModelConfig.from_hf_dict(off).layer_window(i) for i in range(4)] == [0, 0, 0, 8]
+
+
+def test_smollm3_sliding_windows_on_its_nope_layers():
+    cfg = ModelConfig.from_hf_dict(_hf("SmolLM3Config", use_sliding_window=True, sliding_window=16))
+    assert [cfg.layer_window(i) for i in range(4)] == [0, 0, 0, 16]
 
 
 def test_smollm3_no_rope_layers_from_flags_and_interval():
@@ -43,7 +53,6 @@ def test_smollm3_no_rope_layers_from_flags_and_interval():
 @pytest.mark.parametrize(("kw", "message"), [
     (dict(no_rope_layers=[1, 0]), "no_rope_layers must be 4 flags"),
     (dict(mlp_bias=True), "SmolLM3 mlp_bias"),
-    (dict(use_sliding_window=True, sliding_window=16), "SmolLM3 sliding-window"),
 ])
 def test_smollm3_refusals(kw, message):
     cfg = _hf("SmolLM3Config")
