@@ -165,6 +165,7 @@ def _native() -> ctypes.CDLL | None:
     lib.quant_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64, i32, i32]
     lib.quant_dequant_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32, i32]
     lib.quant_repack.argtypes = [i32, ptr, i64, i64]
+    lib.quant_path.argtypes = [i32, i64, i64, i32]
     return lib
 
 

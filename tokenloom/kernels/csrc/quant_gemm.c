@@ -425,6 +425,34 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
 }
 #endif
 
+#include "quant_batch.c" /* the many-row int8 path: uses quantize_act, transpose_tile, epilogue above */
+
+/* Rows from which bf16 x takes quant_batch.c's int8 path instead of the bf16 tile (types with 32-column scales,
+ * k % 64 == 0): read (value < 0) or set it (0: never). */
+static int quant_batch_min_rows = BATCH_MIN_DEFAULT;
+KERNEL_API int quant_batch_m(int value) {
+    if (value >= 0) quant_batch_min_rows = value;
+    return quant_batch_min_rows;
+}
+
+/* The path quant_linear takes for these arguments: 1 the small int8 stream, 2 the many-row int8 path, 0 the
+ * dequantized tile; -1 for a type this build lacks (tests pick each path's error bound with it). */
+KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
+#if HAVE_QUANT_GEMM
+    const tl_quant_type *t = tl_quant_lookup(type);
+    if (t == NULL) return -1;
+    if (!x_is_f32 && m <= quant_small_m(-1)) return 1;
+#if HAVE_QUANT_BATCH
+    if (!x_is_f32 && quant_batch_min_rows > 0 && m >= quant_batch_min_rows && t->u8_row != NULL && k % 64 == 0)
+        return 2;
+#endif
+    return 0;
+#else
+    (void)type; (void)m; (void)k; (void)x_is_f32;
+    return -1;
+#endif
+}
+
 /* out[m, n] (row stride out_stride; float32 or bf16) = x[m, k] (row stride x_stride; float32 or bf16) . W^T
  * (+ bias[n], float32 or bf16, or NULL), W [n, k] of GGUF type `type` re-laid-out by quant_repack. */
 KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
@@ -436,9 +464,15 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     if (rc != QUANT_OK) return rc;
     if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
     if (m == 0 || n == 0) return QUANT_OK;
-    if (!x_is_f32 && m <= quant_small_m(-1))
+    switch (quant_path(type, m, k, x_is_f32)) {
+    case 1:
         return small_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                           threads);
+#if HAVE_QUANT_BATCH
+    case 2: return batch_path(t, w, n, k, x, x_stride, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
+#endif
+    default: break;
+    }
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #else
     (void)type; (void)w; (void)n; (void)k; (void)x; (void)x_stride; (void)x_is_f32; (void)m; (void)bias;
