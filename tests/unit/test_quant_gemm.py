@@ -152,9 +152,10 @@ def test_many_row_int8_path(name):
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(21)).bfloat16()
     ref = x.float() @ w_ref.T
     lib = qg._native()
-    assert lib.quant_path(qm.qtype, 64, k, 0) == 2 and lib.quant_path(qm.qtype, 13, k, 0) == 2
     batch, residual = lib.quant_batch_m(ctypes.c_int(-1)), lib.quant_act_residual(ctypes.c_int(-1))
     try:
+        lib.quant_batch_m(ctypes.c_int(1))  # the default without AMX (test_tile_path_without_amx checks it)
+        assert lib.quant_path(qm.qtype, 64, k, 0) == 2 and lib.quant_path(qm.qtype, 13, k, 0) == 2
         got = qg.linear(x, qm, out_dtype=torch.float32)
         lib.quant_act_residual(ctypes.c_int(0))
         one_term = qg.linear(x, qm, out_dtype=torch.float32)
@@ -221,12 +222,14 @@ def test_native_args():
 
 def test_tile_path_without_amx():
     """Where AMX runs, the tile path uses it; TOKENLOOM_DISABLE_AMX=1 (read once per process) forces the
-    AVX512-BF16 bands, checked in a fresh process against the same bound."""
+    AVX512-BF16 bands, checked in a fresh process against the same bound; without AMX the many-row int8 path
+    is the default (test_many_row_int8_path checks its numbers)."""
     code = (
         "import torch, sys\n"
         "sys.path.insert(0, 'tests/unit')\n"
         "from test_quant_gemm import _matrix, _expected_error, qg\n"
-        "qg._native().quant_batch_m(0)\n"
+        "assert qg._native().quant_batch_m(-1) == 1  # the int8 many-row path by default without AMX\n"
+        "qg._native().quant_batch_m(0)  # the bf16 tile here\n"
         "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
         "    qm = _matrix(name, 77, 576, 11)\n"
         "    w = qg.dequantize(qm)\n"

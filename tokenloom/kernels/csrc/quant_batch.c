@@ -28,7 +28,6 @@
 
 #define BAND_I8 6   /* activation rows per register band: 6 x 2 int32 sums + 6 x 2 float accumulators */
 #define BATCH_NJ 2  /* 16-feature blocks per band */
-#define BATCH_MIN_DEFAULT 1 /* rows past the small path take this path (bench/quant_gemm.py; accuracy below) */
 
 #if HAVE_QUANT_GEMM && defined(__AVX512VNNI__)
 #define HAVE_QUANT_BATCH 1
