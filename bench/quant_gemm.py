@@ -6,11 +6,12 @@ Per weight shape (SmolLM2-135M's 576x576, 192x576, 1536x576, 3072x576 (gate+up),
 and a 1B model's 2048x2048, 8192x2048, 2048x8192) and rows M, both paths run on the same random weight
 (random GGUF blocks; the bf16 copy is their exact dequantize rounded to bf16), alternating, `--rounds` rounds
 of enough calls for ~`--round-ms`; the median round gives the time per call. Printed per case: both times,
-bf16 / quant (above 1: the quantized kernel is faster), and the GB/s of weight bytes each moves (the
-quantized matrix's bytes vs the bf16 weight's). `--copies N` cycles through N copies of every weight so that
+bf16 / quant (above 1: the quantized kernel is faster), and the GFLOP/s of each (2 M N K per call; the
+JSON also has the GB/s of weight bytes each moves). `--tile` times the dequantized bf16 tile path too (the
+many-row int8 path off) in the same rounds. `--copies N` cycles through N copies of every weight so that
 a call reads it from memory rather than cache (the m=1 bandwidth case).
-`--small-m N` overrides the kernel's int8-path row limit (0: always the dequantized tile) to measure the
-crossover. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
+`--small-m N` overrides the kernel's small int8 stream's row limit (0: never) and `--batch-m N` the rows from
+which the many-row int8 path runs (0: never), to measure the crossovers. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
 work, at --threads 1, it leaves out the time other processes held the core. Timings are noisy on a shared
 machine: read the ratios. The last line of stdout is one JSON object.
 
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; "
-          f"int8 path for M <= {small_m}, many-row int8 path from M = {batch_m}; {args.copies} weight copies; median of {args.rounds} alternating rounds, "
+          f"int8 path for M <= {small_m}, many-row int8 path from M = {batch_m} (0: off); {args.copies} weight "
+          f"copies; median of {args.rounds} alternating rounds, "
           f"{args.clock} clock")
     print("| type | N x K | M | quant ms | bf16 ms | bf16 / quant | quant GFLOP/s | bf16 GFLOP/s | tile GFLOP/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                                for r in results], "threads": args.threads, "small_m": small_m,
-                      "batch_m": batch_m, "copies": args.copies, "clock": args.clock, "other_cpu_fraction": round(other, 3)}))
+                      "batch_m": batch_m, "copies": args.copies, "clock": args.clock,
+                      "other_cpu_fraction": round(other, 3)}))
 
 
 if __name__ == "__main__":
