@@ -7,11 +7,13 @@ from torch import nn
 
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.phi3 import Phi3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
