@@ -162,7 +162,7 @@ class RotaryEmbedding(nn.Module):
         elif kind == "linear":
             position_scale = 1.0 / float(scaling["factor"])
         elif kind == "llama3":
-            inv_freq = _llama3(1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), scaling)
+            inv_freq = _llama3(inv_freq, scaling)
         elif kind == "yarn":
             inv_freq, attention = _yarn(dim, theta, scaling)
         elif kind in ("longrope", "su"):
