@@ -16,7 +16,7 @@ ORIG = 64
 TINY_PHI3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
                  original_max_position_embeddings=ORIG, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
-                 eos_token_id=2)
+                 eos_token_id=2, initializer_range=0.15)  # wide enough that a random model's greedy path varies
 
 
 def longrope(partial: float = 1.0, head_dim: int = 16, rope_type: str = "longrope") -> dict[str, Any]:
@@ -62,3 +62,24 @@ def make_tiny_phi3(folder: str, variant: str, seed: int = 0, smollm2_tokenizer: 
 
         load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
     return model
+
+
+def hf_greedy_stepwise(hf: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from transformers' Phi3ForCausalLM forward: the prompt in one forward,
+    then one cached forward per token, each choosing LongRoPE's factors from its own sequence length (the
+    model's rule). transformers.generate adds one thing to it (Phi3ForCausalLM.prepare_inputs_for_generation):
+    when a sequence first grows past the original length it drops the cache and recomputes every token with the
+    long factors. tokenloom does not (nor do vLLM or SGLang): its earlier keys stay as computed. For a prompt
+    already past the original length, or a sequence that stays within it, the two are the same."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(torch.log_softmax(logits, -1)[token].item())
+            out = hf(torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
+    return tokens, logprobs
+

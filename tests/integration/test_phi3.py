@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.forward_steps import ForwardSteps
-from tests.phi3_factory import ORIG, VARIANTS, make_tiny_phi3
+from tests.phi3_factory import ORIG, hf_greedy_stepwise, make_tiny_phi3
 from tests.scheduler_harness import generate_in_process
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
@@ -64,26 +64,16 @@ def test_phi3_logits_match_transformers_short_and_long_in_one_batch(phi3_dir, va
         steps.release(s)
 
 
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """transformers.generate (prefill, then one cached step per token): LongRoPE's per-forward factor choice."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("prompt_len", [40, 150])
-def test_phi3_greedy_generation_matches_transformers_generate(phi3_dir, prompt_len):
+def test_phi3_greedy_generation_matches_transformers(phi3_dir, prompt_len):
     """40: the prompt uses the short factors and decoding crosses the original length of 64 (tokens from
-    position 64 on use the long ones, as in transformers.generate); 150: everything long. Chunked prefill of
+    position 64 on use the long ones, as transformers' forward does); 150: everything long. Chunked prefill of
     32 splits the 150-token prompt, which must not change the factor choice."""
     folder, hf = phi3_dir("phi4mini_longrope_partial")
     runner = _runner(folder, chunked_prefill_size=32)
     prompt = _prompts([prompt_len], seed=2)[0]
     ours = generate_in_process(runner, [prompt], [{"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}])[0]
-    ref, _ = _hf_greedy(hf, prompt, 40)
+    ref, _ = hf_greedy_stepwise(hf, prompt, 40)
     assert ours == ref
 
 
