@@ -1,9 +1,10 @@
 """A tiny Phi-4-mini-shaped model (fused qkv / gate_up, LongRoPE with original length 64, partial rotary 0.75,
 SmolLM2's vocabulary) served over HTTP in float32: greedy tokens and logprobs equal transformers' on the same
 weights (its forward with its cache, step by step; tests/phi3_factory.py `hf_greedy_stepwise` says where
-transformers.generate differs), with chunked prefill (32) splitting a prompt past the original length (long factors for every
-token), a prompt whose decoding crosses it (short, then long), and a radix hit on a cached long prefix; then the
-same answers at --tp-size 2 (each rank's shard of the fused q, k, v and gate, up) and --pp-size 2."""
+transformers.generate differs), with chunked prefill (32) splitting a prompt past the original length (long
+factors for every token), a prompt whose decoding crosses it (short, then long), and a radix hit on a cached
+long prefix; then the same answers at --tp-size 2 (each rank's shard of the fused q, k, v and gate, up) and
+--pp-size 2."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,7 +150,7 @@ def test_phi3_fused_tensor_of_the_wrong_size_is_named(phi3_dir, tmp_path):
     bad.mkdir()
     for name in os.listdir(folder):
         if not name.endswith(".safetensors"):
-            (bad / name).write_bytes(open(os.path.join(folder, name), "rb").read())
+            (bad / name).write_bytes(Path(folder, name).read_bytes())
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     key = "model.layers.1.self_attn.qkv_proj.weight"
     tensors[key] = tensors[key][:-16]

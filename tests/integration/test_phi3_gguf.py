@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_phi3_gguf_config_and_f32_logits_equal_transformers(phi3_gguf):
     folder, hf, files = phi3_gguf
     runner = _runner(files["f32"])
     cfg = runner.model.cfg
-    hf_cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(folder, "config.json"))), "hf")
+    hf_cfg = ModelConfig.from_hf_dict(json.loads(Path(folder, "config.json").read_text()), "hf")
     assert cfg.architecture == "Phi3ForCausalLM" and cfg.partial_rotary_factor == 0.75
     assert cfg.rope_scaling["original_max_position_embeddings"] == ORIG and cfg.rope_scaling["factor"] == 8.0
     for key in ("short_factor", "long_factor"):
