@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "phi4mini_longrope_partial": dict(rope_parameters=longrope(0.75), tie_word_embeddings=True),
     # Phi-3.5-mini-like: LongRoPE over the whole head, untied head
     "phi35_longrope": dict(rope_parameters=longrope(1.0), tie_word_embeddings=False),
-    # Phi-3-mini-4k-like: plain RoPE and a sliding window (the context is capped at it)
+    # Phi-3-mini-4k-like: plain RoPE and a sliding window shorter than the tests' longer prompts
     "phi3_window": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=96,
                         tie_word_embeddings=False),
 }

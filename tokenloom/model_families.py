@@ -67,7 +67,7 @@ def _parse_qwen2(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 def _parse_phi3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """Phi-3 / Phi-3.5 / Phi-4-mini: SwiGLU, no biases, LongRoPE (`su` and, as transformers' Phi3Config maps it,
     `yarn` are old names of `longrope`; the original length defaults to 4096 as in Phi3Config), a partial rotary
-    (top-level or in rope_parameters), and a sliding window applied by capping the context (see _parse_llama).
+    (top-level or in rope_parameters), and a sliding window on every layer (Phi-3-mini-4k: 2047).
     Refused: other RoPE types (transformers' Phi-3 runs only default and longrope), other activations, and the
     vision/audio parts of multimodal Phi configs."""
     _require_act(cfg, source, ("silu", "swish"))
@@ -91,8 +91,9 @@ def _parse_phi3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     elif kind != "default":
         raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} for Phi3ForCausalLM "
                                "(transformers' Phi-3 runs default and longrope/su)")
-    window = cfg.get("sliding_window")
-    fields["extra"] = {"sliding_window": int(window)} if window else {}
+    window = _window(cfg)
+    if window:
+        fields["sliding_window"] = window  # every layer, as transformers' Phi3 passes it to each attention
     return fields
 
 

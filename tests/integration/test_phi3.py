@@ -1,6 +1,6 @@
 """Phi3ForCausalLM against transformers' own Phi3ForCausalLM on the same tiny random weights (float32): logits of
 one batch mixing a prompt past the original RoPE length (LongRoPE's long factors) with shorter ones (short
-factors), greedy generation that crosses the original length while decoding, the sliding-window context cap,
+factors), greedy generation that crosses the original length while decoding, a sliding window shorter than the prompt,
 the bf16 default within transformers bf16's own distance, and the configs refused at start naming the feature.
 (HTTP, chunked prefill, radix hits, TP=2 and PP=2: tests/e2e/test_phi3_server.py.)"""
 
@@ -78,17 +78,26 @@ def test_phi3_greedy_generation_matches_transformers(phi3_dir, prompt_len):
     assert ours == ref
 
 
-def test_phi3_sliding_window_caps_the_context(phi3_dir):
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_phi3_sliding_window_past_the_window(phi3_dir, backend):
+    """A prompt of 150 tokens, then decode, through a window of 96: the window binds (keys older than 96
+    positions are masked in transformers too)."""
     folder, hf = phi3_dir("phi3_window")
-    runner = _runner(folder)
-    assert runner.model.cfg.max_position_embeddings == 96  # the window: full attention is exact inside it
+    runner = _runner(folder, attention_backend=backend)
+    assert runner.model.cfg.sliding_window == 96 and runner.model.cfg.layer_window(1) == 96
     steps = ForwardSteps(runner)
-    prompt = _prompts([90])[0]
+    prompt = _prompts([150])[0]
     seq = steps.start()
     mine = steps.extend([seq], [prompt], return_all_logits=True)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
+        unwindowed = make_tiny_phi3(folder + "_nowindow", "phi3_window", sliding_window=None)(
+            torch.tensor([prompt])).logits[0].float()
     assert (mine - ref).abs().max().item() < FP32_TOL
+    assert (unwindowed - ref).abs().max().item() > 100 * FP32_TOL  # the window changes the answer
+    steps.release(seq)
+    ours = generate_in_process(runner, [prompt], [{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}])[0]
+    assert ours == hf_greedy_stepwise(hf, prompt, 12)[0]
 
 
 def test_phi3_bf16_default_within_transformers_bf16_distance(phi3_dir):
@@ -122,7 +131,7 @@ def test_phi3_config_parsing_su_partial_and_window():
     cfg = ModelConfig.from_hf_dict(_config(sliding_window=2047), "c")
     assert cfg.architecture == "Phi3ForCausalLM" and cfg.rope_scaling["rope_type"] == "longrope"
     assert cfg.rope_scaling["original_max_position_embeddings"] == 64 and cfg.rope_scaling["factor"] == 8.0
-    assert cfg.extra["sliding_window"] == 2047 and not cfg.attention_bias
+    assert cfg.sliding_window == 2047 and cfg.layer_window(0) == 2047 and not cfg.attention_bias
     cfg = ModelConfig.from_hf_dict(_config(partial_rotary_factor=0.75, original_max_position_embeddings=None,
                                            rope_scaling=None, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 250000.0}), "c")

@@ -9,8 +9,8 @@ shard of q, k, v and of gate, up: slicing the fused tensor by rank directly woul
 head range and k/v rows of the wrong one. A GGUF's kept-quantized fused tensor (`QuantMatrix`) splits the
 same way (`narrow_rows`: quantized blocks run along a row, so whole rows are exact).
 
-Phi-3's `sliding_window` (e.g. 2047 on Phi-3-mini-4k) is applied as for Mistral: the served context is capped
-at the window, inside which full attention is exact (models/loader.py).
+Phi-3's `sliding_window` (e.g. 2047 on Phi-3-mini-4k) applies to every layer; the attention backends honour
+it (ModelConfig.sliding_window).
 """
 
 from __future__ import annotations
