@@ -11,9 +11,10 @@ JSON also has the GB/s of weight bytes each moves). `--tile` times the dequantiz
 many-row int8 path off) in the same rounds. `--copies N` cycles through N copies of every weight so that
 a call reads it from memory rather than cache (the m=1 bandwidth case).
 `--small-m N` overrides the kernel's small int8 stream's row limit (0: never) and `--batch-m N` the rows from
-which the many-row int8 path runs (0: never), to measure the crossovers. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
-work, at --threads 1, it leaves out the time other processes held the core. Timings are noisy on a shared
-machine: read the ratios. The last line of stdout is one JSON object.
+which the many-row int8 path runs (0: never), to measure the crossovers. `--clock cpu` times this
+process's CPU time instead of wall time: on a machine shared with other work, at --threads 1, it leaves
+out the time other processes held the core. Timings are noisy on a shared machine: read the ratios.
+The last line of stdout is one JSON object.
 
 Usage:
     python bench/quant_gemm.py                      # Q4_1 and Q8_0, all shapes, M = 1..256

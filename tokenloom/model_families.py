@@ -104,6 +104,39 @@ def _parse_smollm3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             **_layer_windows(cfg, lambda i: not flags[i])}
 
 
+def _parse_phi3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: SwiGLU, no biases, LongRoPE (`su` and, as transformers' Phi3Config maps it,
+    `yarn` are old names of `longrope`; the original length defaults to 4096 as in Phi3Config), a partial rotary
+    (top-level or in rope_parameters), and a sliding window on every layer (Phi-3-mini-4k: 2047).
+    Refused: other RoPE types (transformers' Phi-3 runs only default and longrope), other activations, and the
+    vision/audio parts of multimodal Phi configs."""
+    _require_act(cfg, source, ("silu", "swish"))
+    for key in ("embd_layer", "vision_config", "audio_processor", "img_processor"):
+        if cfg.get(key):
+            raise ModelConfigError(f"{source}: multimodal Phi config ({key}); tokenloom serves text-only models")
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    scaling = dict(cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"})
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    fields: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False}
+    partial = cfg.get("partial_rotary_factor", scaling.pop("partial_rotary_factor", 1.0))
+    fields["partial_rotary_factor"] = float(1.0 if partial is None else partial)
+    if kind in ("su", "yarn", "longrope"):
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        orig = int(cfg.get("original_max_position_embeddings") or 4096)
+        scaling.pop("type", None)
+        scaling.update(rope_type="longrope", original_max_position_embeddings=orig)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_pos / orig
+        fields["rope_scaling"] = scaling
+    elif kind != "default":
+        raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} for Phi3ForCausalLM "
+                               "(transformers' Phi-3 runs default and longrope/su)")
+    window = _window(cfg)
+    if window:
+        fields["sliding_window"] = window  # every layer, as transformers' Phi3 passes it to each attention
+    return fields
+
+
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (
         Family("LlamaForCausalLM", ("llama",), _parse_llama),
@@ -111,6 +144,7 @@ FAMILIES: dict[str, Family] = {
         Family("Qwen2ForCausalLM", ("qwen2",), _parse_qwen2),
         Family("Qwen3ForCausalLM", ("qwen3",), _parse_qwen3),
         Family("SmolLM3ForCausalLM", ("smollm3",), _parse_smollm3),
+        Family("Phi3ForCausalLM", ("phi3",), _parse_phi3),
     )
 }
 

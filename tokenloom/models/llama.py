@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) \
             if self.is_first or (self.is_last and cfg.tie_word_embeddings) else None
         self.layers = nn.ModuleList(self.make_layer(cfg, i, ctx, dtype) for i in range(start_layer, end_layer))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding.for_model(cfg)
         self.dtype = dtype
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(batch.input_ids), None
         else:
             hidden, residual = batch.pp_proxy["hidden_states"], batch.pp_proxy["residual"]
-        rotary = self.rotary.lookup(batch.positions, self.dtype)  # shared by every layer of this step
+        rotary = self.rotary.lookup_batch(batch, self.dtype)  # shared by every layer of this step
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, attn, rotary)
         if not self.is_last:
