@@ -7,11 +7,16 @@ from torch import nn
 
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.moe_decoder import MoEForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
 }
 
 
