@@ -4,7 +4,7 @@ on them.
 
 The configs make routing matter: 8 experts, top-2 (so with a few tokens some experts get none), the router
 weights scaled up so the top-k choice is not a near-tie, norm/bias weights made non-trivial, Qwen3-MoE with a
-dense layer (mlp_only_layers) and norm_topk_prob on, OLMoE with it off. Sizes are multiples of 64 so a
+dense layer (mlp_only_layers, the `_mixed` variant) and norm_topk_prob on, OLMoE with it off. Sizes are multiples of 64 so a
 Q8_0 expert splits into whole 32-element blocks at TP=2.
 """
 
@@ -20,18 +20,22 @@ _COMMON = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=3, num_attent
                rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts_per_tok=2)
 
 FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=True,
-                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=True),
+    # a dense layer among the sparse ones (llama.cpp's converter cannot write this one: HF tests only)
+    "qwen3_moe_mixed": dict(num_experts=8, moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=True,
+                            mlp_only_layers=[1]),
     "qwen2_moe": dict(num_experts=8, moe_intermediate_size=64, intermediate_size=128,
                       shared_expert_intermediate_size=128),
     "mixtral": dict(num_local_experts=8, intermediate_size=64),
-    "olmoe": dict(num_experts=8, intermediate_size=64, norm_topk_prob=False),
+    # llama.cpp's converter writes OLMoE's RMSNorm epsilon as 1e-5 whatever the config says
+    "olmoe": dict(num_experts=8, intermediate_size=64, norm_topk_prob=False, rms_norm_eps=1e-5),
 }
 
 
 def _classes(family: str) -> tuple[type, type]:
     import transformers as t
 
+    family = family.removesuffix("_mixed")
     return {"qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM),
             "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM),
             "mixtral": (t.MixtralConfig, t.MixtralForCausalLM),
