@@ -3,9 +3,9 @@ Mixtral, OLMoE), saved with SmolLM2's tokenizer beside the weights so the server
 on them.
 
 The configs make routing matter: 8 experts, top-2 (so with a few tokens some experts get none), the router
-weights scaled up so the top-k choice is not a near-tie, norm/bias weights made non-trivial, Qwen3-MoE with a
-dense layer (mlp_only_layers, the `_mixed` variant) and norm_topk_prob on, OLMoE with it off. Sizes are multiples of 64 so a
-Q8_0 expert splits into whole 32-element blocks at TP=2.
+weights scaled up so the top-k choice is not a near-tie, norm/bias weights made non-trivial, Qwen3-MoE with
+norm_topk_prob on (and, in the `_mixed` variant, a dense layer by mlp_only_layers), OLMoE with it off. Sizes
+are multiples of 64 so a Q8_0 expert splits into whole 32-element blocks at TP=2.
 """
 
 from __future__ import annotations

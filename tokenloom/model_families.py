@@ -114,10 +114,11 @@ def _parse_qwen2_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _parse_mixtral(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    """Mixtral: Mistral attention, every layer 8-expert top-2 with renormalised weights. A sliding window
-    is applied as Mistral's is (context capped at the window)."""
+    """Mixtral: Mistral attention (its sliding window, if any, on every layer), every layer 8-expert top-2
+    with renormalised weights."""
     fields = _moe_common(cfg, source, "num_local_experts")
-    fields.update(norm_topk_prob=True, extra=_parse_llama(cfg, source)["extra"])
+    window = _window(cfg)
+    fields.update(norm_topk_prob=True, **({"sliding_window": window} if window else {}))
     return fields
 
 

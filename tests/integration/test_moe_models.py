@@ -19,6 +19,9 @@ from tokenloom.layers.moe import FusedMoE
 from tokenloom.layers.quant_linear import QuantWeight
 
 GGUF_FAMILIES = [f for f in FAMILIES if not f.endswith("_mixed")]  # llama.cpp cannot write a mixed Qwen3-MoE
+# Q8_0 (experts kept quantized): the shared expert's, and Mixtral's Q/K rows llama.cpp permuted (each
+# conversion costs seconds; the expert path itself is the same for every family)
+QUANT_FAMILIES = ("qwen2_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,8 @@ def test_gguf_f32_and_q8_0_match(moe_model, gguf_files, family):
     mine, _ = _logits(gguf_files(family, "f32"), prompt)
     assert (mine - ref).abs().max().item() < 1e-4
     assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+    if family not in QUANT_FAMILIES:
+        return
     kept, runner = _logits(gguf_files(family, "q8_0"), prompt)
     moe = next(m for m in runner.model.modules() if isinstance(m, FusedMoE))
     assert moe.w13 is None and all(isinstance(q, QuantWeight) for q in moe.quant13)  # experts stay Q8_0

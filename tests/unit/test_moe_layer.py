@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.distributed.parallel_state import ParallelContext
+from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
 from tokenloom.kernels.quant_gemm import QuantMatrix, dequantize
 from tokenloom.layers.moe import FusedMoE
 
@@ -25,7 +25,7 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
             "down": torch.randn(E, H, INTER, generator=g) * 0.1}
 
 
-def _layer(w: dict[str, torch.Tensor], renormalize: bool, ctx: ParallelContext = ParallelContext(),
+def _layer(w: dict[str, torch.Tensor], renormalize: bool, ctx: ParallelContext = SINGLE_PROCESS,
            dtype: torch.dtype = torch.float32) -> FusedMoE:
     moe = FusedMoE(E, K, H, INTER, renormalize, ctx, dtype)
     moe.load_router("router", w["router"])
