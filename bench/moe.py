@@ -6,7 +6,7 @@ batch-1 decode comparison against llama-server on that file (issue 31's MoE spee
 
 Shape: Qwen3-30B-A3B's routing (128 experts, top-8, norm_topk_prob, q/k head norms) at a size that fits here:
 hidden 1024, 24 layers, 16 heads / 4 KV heads of 64, expert FFN 256, SmolLM2's vocabulary (49152, untied). That
-is ~2.5B parameters in total and ~0.34B read per token (8 of 128 experts, attention, the LM head): the bandwidth
+is ~2.6B parameters in total and ~0.27B read per token (8 of 128 experts, attention, the LM head): the bandwidth
 case where reading only the active experts is the whole game. Every size is a multiple of 256 so llama-quantize
 keeps Q4_K/Q6_K.
 
