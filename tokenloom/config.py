@@ -129,6 +129,13 @@ class ServerArgs:
     pp_size: int = _flag(1, "Pipeline-parallel stages: one process per stage (times --tp-size), each holding a "
                          "contiguous range of layers (SGLang's split; override with TOKENLOOM_PP_LAYER_PARTITION="
                          "\"a,b,...\").", aliases=("--pipeline-parallel-size",))
+    ep_size: int = _flag(1, "Expert-parallel ranks of a mixture-of-experts model, as in SGLang: 1 (default) gives "
+                         "every TP rank a slice of every expert; --ep-size equal to --tp-size gives each rank "
+                         "num_experts / ep_size whole experts (one all-reduce combines them either way). tokenloom "
+                         "runs expert parallelism only across the TP group, so other values are refused.",
+                         aliases=("--expert-parallel-size",))
+    enable_ep_moe: bool = _flag(False, "SGLang's older switch for expert parallelism: the same as --ep-size "
+                                "equal to --tp-size.")
     pp_async_batch_depth: int = _flag(0, "Micro-batches in flight beyond --pp-size (0, 1, 2, ...): more hides the "
                                       "return of sampled tokens to stage 0, at the cost of smaller micro-batches.")
     pp_max_micro_batch_size: int | None = _flag(None, "Most requests in one pipeline micro-batch; default "
@@ -222,6 +229,11 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def moe_ep_size(self) -> int:
+        """The expert-parallel size in effect: --tp-size under --enable-ep-moe, else --ep-size."""
+        return self.tp_size if self.enable_ep_moe else self.ep_size
+
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
@@ -259,6 +271,12 @@ class ServerArgs:
             raise ConfigError("--stream-interval and --decode-log-interval must be >= 1")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1; got {self.tp_size}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"--ep-size {self.ep_size} must be 1 or equal to --tp-size ({self.tp_size}): "
+                              "tokenloom splits experts only across the tensor-parallel ranks")
+        if self.enable_ep_moe and self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"--enable-ep-moe sets the expert-parallel size to --tp-size ({self.tp_size}); "
+                              f"it conflicts with --ep-size {self.ep_size}")
         self._validate_topology()
         self._validate_disaggregation()
         if self.num_threads is not None and self.num_threads < 1:
@@ -410,8 +428,19 @@ def check_parallel_fits(args: ServerArgs, config: Any) -> None:
     if kv_heads < tp and tp % kv_heads:
         problems.append(f"its {kv_heads} KV heads (fewer than the ranks: tp_size must be a multiple of them, "
                         "each rank keeping a replica of one)")
-    if config.intermediate_size % tp:
+    has_dense_mlp = not config.num_experts or 0 < len(config.moe_layers) < config.num_hidden_layers
+    if has_dense_mlp and config.intermediate_size % tp:
         problems.append(f"its MLP's {config.intermediate_size} intermediate features")
+    ep = args.moe_ep_size
+    if config.num_experts and ep > 1 and config.num_experts % ep:
+        raise ConfigError(f"--ep-size {ep} cannot split the model's {config.num_experts} experts into equal "
+                          "groups; choose an expert-parallel size that divides them (or 1: every rank a slice "
+                          "of every expert)")
+    if config.num_experts and ep == 1 and config.moe_intermediate_size % tp:
+        problems.append(f"its experts' {config.moe_intermediate_size} intermediate features (--ep-size {tp} "
+                        "gives each rank whole experts instead)")
+    if config.shared_expert_intermediate_size % tp:
+        problems.append(f"its shared expert's {config.shared_expert_intermediate_size} intermediate features")
     if problems:
         raise ConfigError(f"--tp-size {tp} cannot split the model: " + "; ".join(problems)
                           + f" are not divisible by {tp}")

@@ -137,6 +137,73 @@ def _parse_phi3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return fields
 
 
+def _moe_common(cfg: dict[str, Any], source: str, experts_key: str | None = None) -> dict[str, Any]:
+    """The router and expert fields every MoE family has; refuses what the MoE layer cannot run."""
+    _require_act(cfg, source, ("silu", "swish"))
+    experts = cfg.get(experts_key) if experts_key else (cfg.get("num_experts") or cfg.get("num_local_experts"))
+    if not experts:
+        raise ModelConfigError(f"{source}: a mixture-of-experts config without num_experts")
+    if cfg.get("use_sliding_window"):
+        raise ModelConfigError(f"{source}: use_sliding_window (sliding-window attention) is not supported for "
+                               "this mixture-of-experts family")
+    if cfg.get("router_jitter_noise") or cfg.get("clip_qkv"):
+        raise ModelConfigError(f"{source}: router_jitter_noise / clip_qkv are not supported")
+    return {"hidden_act": "silu", "num_experts": int(experts), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])}
+
+
+def _qwen_moe_layers(cfg: dict[str, Any], source: str) -> tuple[int, ...]:
+    """Qwen2/3-MoE: a layer is sparse unless in mlp_only_layers or off the decoder_sparse_step grid;
+    () when every layer is (the ModelConfig convention)."""
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        raise ModelConfigError(f"{source}: mixture-of-experts config with no sparse layer (decoder_sparse_step / "
+                               "mlp_only_layers); serve it as its dense family")
+    return () if len(sparse) == layers else sparse
+
+
+def _parse_qwen3_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3-MoE: q/k RMSNorm per head, softmax top-k router (norm_topk_prob), dense layers by
+    decoder_sparse_step / mlp_only_layers."""
+    if cfg.get("attention_bias"):
+        raise ModelConfigError(f"{source}: attention_bias (with an o_proj bias) is not supported for Qwen3-MoE")
+    fields = _moe_common(cfg, source)
+    fields.update(qk_norm="head", norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                  moe_layers=_qwen_moe_layers(cfg, source))
+    return fields
+
+
+def _parse_qwen2_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Qwen2-MoE: QKV bias, a shared expert gated by sigmoid(shared_expert_gate(x)) beside the routed ones."""
+    fields = _moe_common(cfg, source)
+    fields.update(attention_bias=bool(cfg.get("qkv_bias", True)),
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                  shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                  moe_layers=_qwen_moe_layers(cfg, source))
+    return fields
+
+
+def _parse_mixtral(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Mixtral: Mistral attention (its sliding window, if any, on every layer), every layer 8-expert top-2
+    with renormalised weights."""
+    fields = _moe_common(cfg, source, "num_local_experts")
+    window = _window(cfg)
+    fields.update(norm_topk_prob=True, **({"sliding_window": window} if window else {}))
+    return fields
+
+
+def _parse_olmoe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """OLMoE: q/k RMSNorm over the whole projection ("full"), top-k without renormalisation by default."""
+    if cfg.get("attention_bias"):
+        raise ModelConfigError(f"{source}: attention_bias (with an o_proj bias) is not supported for OLMoE")
+    fields = _moe_common(cfg, source)
+    fields.update(qk_norm="full", norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    return fields
+
+
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (
         Family("LlamaForCausalLM", ("llama",), _parse_llama),
@@ -145,6 +212,10 @@ FAMILIES: dict[str, Family] = {
         Family("Qwen3ForCausalLM", ("qwen3",), _parse_qwen3),
         Family("SmolLM3ForCausalLM", ("smollm3",), _parse_smollm3),
         Family("Phi3ForCausalLM", ("phi3",), _parse_phi3),
+        Family("Qwen3MoeForCausalLM", ("qwen3_moe",), _parse_qwen3_moe),
+        Family("Qwen2MoeForCausalLM", ("qwen2_moe",), _parse_qwen2_moe),
+        Family("MixtralForCausalLM", ("mixtral",), _parse_mixtral),
+        Family("OlmoeForCausalLM", ("olmoe",), _parse_olmoe),
     )
 }
 

@@ -42,8 +42,13 @@ class ParallelContext:
     # the TP group's shared-memory communicator (distributed/shm_comm.py) when all its ranks share this host
     # and the CPU runs the model; the compute collectives of CPU tensors go through it instead of tp_group
     tp_comm: Any = None
+    # expert parallelism (--ep-size): 1, or tp_size (each TP rank holds num_experts / ep_size whole experts,
+    # the contiguous group tp_rank; layers/moe.py). Set by the model runner from the server flags.
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size ({self.ep_size}) must be 1 or tp_size ({self.tp_size})")
         if self.tp_size < 1 or self.pp_size < 1:
             raise ValueError(f"tp_size ({self.tp_size}) and pp_size ({self.pp_size}) must be at least 1")
         if not 0 <= self.tp_rank < self.tp_size:

@@ -16,6 +16,7 @@ scheduler's job (or a test's).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,7 +57,9 @@ class LoadedModel:
         source = source or resolve_model_source(args)
         dtype = resolve_dtype(args.dtype, device)
         memory_at_start = available_memory_bytes(device)  # before the weights: --mem-fraction-static
-        model = load_model(source, dtype, device, parallel, start_layer, end_layer, seed=args.random_seed)
+        # the model's layers see the expert-parallel size (layers/moe.py); the rest of the rank does not need it
+        model_ctx = dataclasses.replace(parallel, ep_size=args.moe_ep_size) if args.moe_ep_size > 1 else parallel
+        model = load_model(source, dtype, device, model_ctx, start_layer, end_layer, seed=args.random_seed)
         return cls(source, device, dtype, model, memory_at_start)
 
     def kv_memory(self, args: ServerArgs, parallel: ParallelContext = SINGLE_PROCESS,

@@ -55,6 +55,9 @@ def _phi3_extras(f: GGUFFile) -> dict[str, Any]:
     return out
 
 
+_GGUF_ARCH["qwen3moe"] = "Qwen3MoeForCausalLM"
+_GGUF_ARCH["qwen2moe"] = "Qwen2MoeForCausalLM"
+_GGUF_ARCH["olmoe"] = "OlmoeForCausalLM"  # (Mixtral is written as "llama" with expert tensors: _moe_extras)
 # Per architecture, a function reading that architecture's own metadata keys into HF config keys.
 _GGUF_EXTRAS: dict[str, Callable[[GGUFFile], dict[str, Any]]] = {
     # llama.cpp writes no NoPE metadata for smollm3 and runs every 4th layer without RoPE (its smollm3.cpp).
@@ -89,6 +92,18 @@ _BLOCK_NAMES = {
 _ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # q|k|v rows; gate|up rows
 }
+_BLOCK_NAMES.update({  # mixture of experts (3-D *_exps tensors are split per expert by `tensors`)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+})
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -190,6 +205,9 @@ class GGUFFile:
                 heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                            gguf.GGMLQuantizationType.BF16)
+            if len(shape) == 3:  # a stack of experts [E, rows, cols]: one HF per-expert tensor each
+                yield from self._expert_tensors(t, name, shape, keep_quantized and t.tensor_type not in float_types)
+                continue
             if keep_quantized and len(shape) == 2 and t.tensor_type not in float_types:
                 yield name, self._quant_matrix(t, name, shape, heads)
                 continue
@@ -206,6 +224,40 @@ class GGUFFile:
             if heads is not None:
                 tensor = unpermute_qk(tensor, heads)
             yield name, tensor
+
+    def _expert_tensors(self, t: Any, name: str, shape: tuple[int, ...], quantized: bool
+                        ) -> Iterator[tuple[str, torch.Tensor | QuantMatrix]]:
+        """`model.layers.N.mlp.experts.KIND.weight` [E, rows, cols] -> `...experts.{e}.KIND.weight` [rows, cols]:
+        a QuantMatrix of the expert's own block rows when `quantized`, else float32."""
+        import gguf
+
+        base, kind = name.removesuffix(".weight").rsplit(".", 1)
+        experts, rows, cols = shape
+        if quantized:
+            raw = np.asarray(t.data).reshape(experts, -1)
+            for e in range(experts):
+                qm = self._quant_matrix_raw(t, raw[e], f"{base}.{e}.{kind}.weight", (rows, cols))
+                yield f"{base}.{e}.{kind}.weight", qm
+            return
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) cannot be read as {shape}: {e}"
+                            ) from None
+        for e in range(experts):
+            yield f"{base}.{e}.{kind}.weight", torch.from_numpy(array[e].copy())
+
+    def _quant_matrix_raw(self, t: Any, raw: Any, name: str, shape: tuple[int, int]) -> QuantMatrix:
+        qtype = int(t.tensor_type)
+        if qtype not in QUANT_TYPES:
+            raise QuantTypeError(
+                f"{self.path}: tensor {t.name} ({name}) is {t.tensor_type.name}, a type tokenloom does not keep "
+                f"quantized (it keeps {', '.join(n for n, _, _ in QUANT_TYPES.values())}); run with "
+                "--quantization none to dequantize the file to --dtype at load")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only memory map; from_gguf copies it
+            return QuantMatrix.from_gguf(qtype, shape, raw, f"{self.path}: tensor {t.name}")
 
     def _quant_matrix(self, t: Any, name: str, shape: tuple[int, int], heads: int | None) -> QuantMatrix:
         qtype = int(t.tensor_type)
@@ -254,3 +306,37 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
             .reshape(w.shape))
+
+
+def _moe_extras(f: GGUFFile) -> dict[str, Any]:
+    """Expert counts, the expert FFN width, and which layers are sparse (those with a router tensor). The
+    router renormalisation llama.cpp applies per architecture (src/models/*.cpp: qwen3moe and Mixtral's
+    llama renormalise the top-k weights, qwen2moe and olmoe do not) is what the file means."""
+    a = f.arch
+    experts = f.field(f"{a}.expert_count")
+    if not experts:
+        return {}
+    names = {t.name for t in f.reader.tensors}
+    layers = int(f.field(f"{a}.block_count") or 0)
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    expert_ff = f.field(f"{a}.expert_feed_forward_length") or f.field(f"{a}.feed_forward_length")
+    config: dict[str, Any] = {"num_experts": int(experts), "num_local_experts": int(experts),
+                              "num_experts_per_tok": int(f.field(f"{a}.expert_used_count") or 0),
+                              "moe_intermediate_size": int(expert_ff),
+                              "norm_topk_prob": a in ("qwen3moe", "llama"),
+                              "mlp_only_layers": [i for i in range(layers) if i not in sparse]}
+    if a == "llama":
+        config["architectures"] = ["MixtralForCausalLM"]
+    if a == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
+        config["shared_expert_intermediate_size"] = int(f.field(f"{a}.expert_shared_feed_forward_length") or 0)
+    return config
+
+
+def _both(first: Callable[[GGUFFile], dict[str, Any]], second: Callable[[GGUFFile], dict[str, Any]]
+          ) -> Callable[[GGUFFile], dict[str, Any]]:
+    return lambda f: {**first(f), **second(f)}
+
+
+for _arch in ("qwen3moe", "qwen2moe", "olmoe", "llama"):  # beside any other reader of the arch's keys
+    _GGUF_EXTRAS[_arch] = _both(_GGUF_EXTRAS[_arch], _moe_extras) if _arch in _GGUF_EXTRAS else _moe_extras

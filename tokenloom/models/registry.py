@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.moe_decoder import MoEForCausalLM
 from tokenloom.models.phi3 import Phi3ForCausalLM
 from tokenloom.models.qwen3 import Qwen3ForCausalLM
 from tokenloom.models.smollm3 import SmolLM3ForCausalLM
@@ -18,6 +19,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
 }
 
 

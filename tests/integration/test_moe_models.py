@@ -1,0 +1,112 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) in process against transformers' own
+classes on the same weights: float32 logits within 1e-4 with equal argmax (HF folders; llama.cpp-converted
+F32 GGUFs); the bf16 default within transformers bf16's own distance; Q8_0 GGUFs kept quantized equal the
+same file dequantized by the gguf package (--quantization none), and stay near transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.forward_steps import ForwardSteps
+from tests.llama_cpp_convert import convert
+from tests.moe_factory import FAMILIES, make_tiny_moe
+from tokenloom.config import ServerArgs
+from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.layers.moe import FusedMoE
+from tokenloom.layers.quant_linear import QuantWeight
+
+GGUF_FAMILIES = [f for f in FAMILIES if not f.endswith("_mixed")]  # llama.cpp cannot write a mixed Qwen3-MoE
+# Q8_0 (experts kept quantized): the shared expert's, and Mixtral's Q/K rows llama.cpp permuted (each
+# conversion costs seconds; the expert path itself is the same for every family)
+QUANT_FAMILIES = ("qwen2_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    cache: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def get(family: str) -> tuple[str, torch.nn.Module]:
+        if family not in cache:
+            folder = str(tmp_path_factory.mktemp(family))
+            cache[family] = (folder, make_tiny_moe(family, folder))
+        return cache[family]
+
+    return get
+
+
+def _prompt(n: int = 29) -> list[int]:
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _logits(path: str, prompt: list[int], **kw) -> tuple[torch.Tensor, ModelRunner]:
+    runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=1024, max_running_requests=4,
+                                    **{"dtype": "float32", **kw}))
+    steps = ForwardSteps(runner)
+    seq = steps.start()
+    first = steps.extend([seq], [prompt[:-3]], return_all_logits=True)
+    rest = [steps.extend([seq], [[t]]) for t in prompt[-3:]]  # decode steps on the cached prefix
+    steps.release(seq)
+    return torch.cat([first, *rest]), runner
+
+
+def _hf_logits(hf: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0].float()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_folder_float32_matches_transformers(moe_model, family):
+    folder, hf = moe_model(family)
+    prompt = _prompt()
+    mine, runner = _logits(folder, prompt)
+    ref = _hf_logits(hf, prompt)
+    assert (mine - ref).abs().max().item() < 1e-4
+    assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+    assert runner.native_decode is None  # MoE runs the per-layer step (the one-call step declines it)
+
+
+def test_bf16_default_within_transformers_bf16_distance(moe_model):
+    folder, hf = moe_model("qwen3_moe_mixed")
+    prompt = _prompt()
+    ref = _hf_logits(hf, prompt)
+    mine, _ = _logits(folder, prompt, dtype="bfloat16")
+    hf16 = hf.to(torch.bfloat16)
+    try:
+        theirs = _hf_logits(hf16, prompt)
+    finally:
+        hf.float()
+    assert (mine - ref).abs().max().item() <= 1.5 * (theirs - ref).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def gguf_files(moe_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_gguf")
+
+    def get(family: str, outtype: str) -> str:
+        path = os.path.join(out, f"{family}.{outtype}.gguf")
+        if not os.path.exists(path):
+            convert(moe_model(family)[0], path, outtype)
+        return path
+
+    return get
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_gguf_f32_and_q8_0_match(moe_model, gguf_files, family):
+    _, hf = moe_model(family)
+    prompt = _prompt()
+    ref = _hf_logits(hf, prompt)
+    mine, _ = _logits(gguf_files(family, "f32"), prompt)
+    assert (mine - ref).abs().max().item() < 1e-4
+    assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+    if family not in QUANT_FAMILIES:
+        return
+    kept, runner = _logits(gguf_files(family, "q8_0"), prompt)
+    moe = next(m for m in runner.model.modules() if isinstance(m, FusedMoE))
+    assert moe.w13 is None and all(isinstance(q, QuantWeight) for q in moe.quant13)  # experts stay Q8_0
+    dequantized, _ = _logits(gguf_files(family, "q8_0"), prompt, quantization="none")
+    assert (kept - dequantized).abs().max().item() < 1e-4
+    assert (kept - ref).abs().max().item() < 0.05
