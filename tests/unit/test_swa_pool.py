@@ -129,3 +129,19 @@ def test_recomputed_prefix_gives_the_tree_its_sliding_kv():
     memory.token_allocator.check()
     assert memory.token_allocator.swa_in_use() == 0
     assert memory.token_allocator.full_available_size() == memory.max_total_num_tokens
+
+
+def test_evict_frees_until_the_sliding_pool_has_room():
+    """Leaves whose sliding KV is mostly dropped free few sliding slots: eviction goes on until the smaller
+    pool has what was asked."""
+    memory = _memory(tokens=96, swa_tokens=24)
+    cache, alloc = memory.tree_cache, memory.token_allocator
+    for base in (400, 500, 600):  # three cached 8-token sequences, KEEP sliding slots kept each
+        tokens = list(range(base, base + 8))
+        row = _prefill(memory, tokens)
+        cache.cache_finished(row, tokens, 8, 0, cache.root_node)
+        memory.req_to_token_pool.free(row)
+    assert alloc.swa_in_use() == 3 * KEEP and alloc.available_size() == 24 - 3 * KEEP
+    cache.evict(2 * KEEP)
+    assert alloc.available_size() >= 24 - 3 * KEEP + 2 * KEEP
+    memory.check_idle_integrity()

@@ -169,6 +169,17 @@ class SWARadixCache(RadixCache):
             if x is self.root_node or self._is_end(x):
                 break
 
+    def evict(self, num_tokens: int) -> int:
+        """Evict until `available_size()` (the smaller of the two pools' free counts) grew by `num_tokens`:
+        a leaf whose sliding KV was dropped frees full slots but few sliding ones."""
+        target, freed = self.allocator.available_size() + num_tokens, 0
+        while self.allocator.available_size() < target:
+            got = super().evict(target - self.allocator.available_size())
+            if not got:
+                break
+            freed += got
+        return freed
+
     # ------------------------------------------------------------------------------------------ checking
     def check_integrity(self) -> None:
         """RadixCache's checks on the full slots, the swa map's own, and (idle) every swa slot in use
