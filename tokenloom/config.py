@@ -199,6 +199,11 @@ class ServerArgs:
                                  "prefilled waits until that prefix is cached.", SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag(1.0, "Higher admits fewer requests (less retraction).")
     disable_radix_cache: bool = _flag(False, "Disable prefix sharing (radix cache).")
+    disable_hybrid_swa_memory: bool = _flag(False, "Sliding-window models: keep every layer's KV for the whole "
+                                            "sequence (one pool) instead of only the window's in the sliding "
+                                            "layers (SGLang's flag).")
+    swa_full_tokens_ratio: float = _flag(0.8, "Sliding-window models: slots of the sliding layers' pool per "
+                                         "slot of the full layers' pool (SGLang's flag).")
     overlap_schedule: str = _flag("auto", "Overlap scheduling: on (plan batch k+1 and process batch k while k+1 "
                                   "runs), off, or auto (measure both, run the faster).", OVERLAP_MODES)
     disable_overlap_schedule: bool = _flag(False, "Same as --overlap-schedule off (SGLang's flag).")
@@ -255,6 +260,8 @@ class ServerArgs:
             raise ConfigError(f"--max-running-requests must be >= 1; got {self.max_running_requests}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"--context-length must be >= 2; got {self.context_length}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 1]; got {self.swa_full_tokens_ratio}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be positive or -1; got {self.chunked_prefill_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:

@@ -64,14 +64,24 @@ def test_window_model_serves_transformers_tokens_and_logprobs(window_server):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 49152, (45,), generator=gen).tolist()
-    other = prompt[:37] + torch.randint(3, 49152, (12,), generator=gen).tolist()
-    cached = []
-    for i, ids in enumerate((prompt, prompt, other)):  # prompt logprobs on the first (they skip the cache)
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+    def run(ids: list[int], prompt_logprobs: bool = False) -> dict:
         status, out = http("POST", server.url + "/generate", {
-            "input_ids": ids, "return_logprob": True, "logprob_start_len": 0 if i == 0 else -1,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}})
+            "input_ids": ids, "return_logprob": True, "logprob_start_len": 0 if prompt_logprobs else -1,
+            "sampling_params": params})  # prompt logprobs skip the cache
         assert status == 200, out
         _check_against_transformers(hf, ids, out["meta_info"], out["output_ids"])
-        cached.append(out["meta_info"]["cached_tokens"])
-    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached  # the radix cache served a prefix
+        return out
+
+    first = run(prompt, prompt_logprobs=True)
+    assert first["meta_info"]["cached_tokens"] == 0
+    # The same prompt: its end lies inside the cached sequence, whose sliding KV there was dropped (24 output
+    # tokens > the window), so it is recomputed, and right.
+    run(prompt)
+    # A follow-up turn (the whole first exchange, then more): the cached sequence's end keeps its window.
+    follow = prompt + first["output_ids"] + torch.randint(3, 49152, (20,), generator=gen).tolist()
+    assert run(follow)["meta_info"]["cached_tokens"] == len(prompt) + len(first["output_ids"])
+    # A prompt sharing only part of the cached one: a hit only where the window is present, right either way.
+    run(prompt[:37] + torch.randint(3, 49152, (12,), generator=gen).tolist())
     server.wait_idle_and_pool_full()

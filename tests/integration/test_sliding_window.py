@@ -11,6 +11,7 @@ import torch
 
 from tests.forward_steps import ForwardSteps
 from tests.model_factory import TINY
+from tokenloom.cache.swa_pool import SWAKVPool
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 
@@ -103,7 +104,8 @@ def test_window_forward_matches_transformers(window_models, kind, backend):
             _close(mine[i], _reference(hf, full[i])[-1])
     for s in seqs:
         steps.release(s)
-    assert runner.token_allocator.available_size() == runner.max_total_num_tokens
+    assert runner.token_allocator.full_available_size() == runner.max_total_num_tokens
+    assert isinstance(runner.kv_pool, SWAKVPool) and runner.token_allocator.swa_in_use() == 0
 
 
 def test_window_bf16_within_transformers_bf16_distance(window_models):

@@ -387,6 +387,8 @@ EFFECT_TESTS = {
     "disaggregation_decode_dp": "tests/unit/test_config.py",
     "disaggregation_decode_polling_interval": "tests/unit/test_pd_scheduling.py",
     "num_reserved_decode_tokens": "tests/unit/test_pd_scheduling.py",
+    "disable_hybrid_swa_memory": "tests/integration/test_sliding_window_pool.py",
+    "swa_full_tokens_ratio": "tests/integration/test_sliding_window_pool.py",
 }
 
 

@@ -47,6 +47,10 @@ class TokenAllocator:
     def available_size(self) -> int:
         return int(self._free.numel()) + self._num_reserved
 
+    def full_available_size(self) -> int:
+        """Free slots of the pool the prefix-cache accounting counts (the same here; see cache/swa_pool.py)."""
+        return self.available_size()
+
     def free_slot_ids(self) -> torch.Tensor:
         """Every slot not in use, reserved ones included (for checks and tests)."""
         return torch.cat((self._free, self._reserved.nonzero().flatten()))
@@ -148,6 +152,9 @@ class PagedAllocator:
 
     def available_size(self) -> int:
         return int(self._free_pages.numel()) * self.page_size
+
+    def full_available_size(self) -> int:
+        return self.available_size()
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Whole fresh pages for `n` tokens (used when a request starts on a page boundary)."""

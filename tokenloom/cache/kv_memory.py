@@ -28,6 +28,13 @@ contiguous run: it is 2 * kv_heads runs (K and V of each head), each page_size *
 head's run (max_total_num_tokens + page_size) * head_dim elements after the previous, which
 cache/kv_layout.py's `transfer_runs` computes and coalesces. A page-major layout (one run per page
 and layer) would need the kernels' indexing changed.
+
+Sliding-window models (some layer with `ModelConfig.layer_window` > 0; not with --disable-hybrid-swa-memory,
+--page-size > 1 or PD, which refuses them): the sliding layers' KV lives in a second, smaller pool
+(`--swa-full-tokens-ratio` of the full one) whose slots are freed once out of the window (cache/swa_pool.py,
+cache/swa_radix_cache.py); the budget counts a token as the full layers' bytes plus the ratio times the
+sliding layers'. The decision depends on the model, not on this rank's layers, so every pipeline stage
+schedules alike.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from tokenloom.cache.memory_budget import CPU_KV_SHARE_OF_FREE, kv_pool_bytes
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.radix_cache import RadixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
+from tokenloom.cache.swa_pool import SWAAllocator, SWAKVPool
+from tokenloom.cache.swa_radix_cache import SWAChunkCache, SWARadixCache
 from tokenloom.config import ServerArgs
 from tokenloom.device import default_mem_fraction_static
 from tokenloom.distributed.parallel_state import ParallelContext
@@ -84,6 +93,20 @@ def request_slots_for(args: ServerArgs, tokens: int, context_len: int) -> int:
     return args.max_running_requests or min(max(tokens * 512 // context_len, 256), 4096)
 
 
+def swa_memory_applies(args: ServerArgs, layer_windows: tuple[int, ...]) -> bool:
+    """Whether a model with these per-layer windows gets the sliding-window pool; refuses PD for it."""
+    if not any(layer_windows) or args.disable_hybrid_swa_memory:
+        return False
+    if args.disaggregation_mode != "null":
+        raise ValueError("prefill/decode disaggregation cannot transfer the sliding-window KV pool of this model "
+                         "yet; pass --disable-hybrid-swa-memory to serve it with one full pool")
+    if args.page_size != 1:
+        logger.info("Sliding-window model with --page-size %d: one full KV pool (the sliding-window pool needs "
+                    "page size 1)", args.page_size)
+        return False
+    return True
+
+
 class KVMemory:
     """The request table, allocator, KV pool and prefix cache of one rank (see the module docstring)."""
 
@@ -114,11 +137,25 @@ class KVMemory:
     @classmethod
     def build(cls, *, tokens: int, request_slots: int, context_len: int, page_size: int, num_kv_heads: int,
               head_dim: int, dtype: torch.dtype, device: torch.device, start_layer: int, end_layer: int,
-              disable_radix_cache: bool = False, decode_slot_run: int = DECODE_RUN) -> KVMemory:
-        """The parts for explicit capacities (`from_server_args` computes them; tests pass small ones)."""
+              disable_radix_cache: bool = False, decode_slot_run: int = DECODE_RUN,
+              layer_windows: tuple[int, ...] = (), swa_tokens: int | None = None) -> KVMemory:
+        """The parts for explicit capacities (`from_server_args` computes them; tests pass small ones).
+        `layer_windows[layer]` > 0 with `swa_tokens`: the sliding-window pool (page size 1), its sliding layers
+        in a pool of `swa_tokens` slots."""
         req_to_token = ReqToTokenPool(request_slots, context_len + REQ_TO_TOKEN_SLACK, device)
         allocator = (TokenAllocator(tokens, device, decode_slot_run) if page_size == 1
                      else PagedAllocator(tokens, page_size, device))
+        if swa_tokens is not None and any(layer_windows):
+            if page_size != 1:
+                raise ValueError("the sliding-window KV pool needs --page-size 1")
+            window = max(layer_windows)
+            allocator = SWAAllocator(allocator, swa_tokens)
+            kv_pool = SWAKVPool(tokens, swa_tokens, num_kv_heads, head_dim, dtype, device, start_layer, end_layer,
+                                [w > 0 for w in layer_windows])
+            kv_pool.full_to_swa = allocator.full_to_swa
+            cache = (SWAChunkCache if disable_radix_cache else SWARadixCache)(req_to_token, allocator, 1, window)
+            cache.sliding_window = window
+            return cls(req_to_token, allocator, kv_pool, cache, context_len)
         kv_pool = KVPool(tokens, page_size, num_kv_heads, head_dim, dtype, device, start_layer, end_layer)
         cache_cls = ChunkCache if disable_radix_cache else RadixCache
         return cls(req_to_token, allocator, kv_pool, cache_cls(req_to_token, allocator, page_size), context_len)
@@ -136,17 +173,27 @@ class KVMemory:
         byte per element, so the same budget holds twice the tokens of bf16)."""
         dtype = kv_storage_dtype(args.kv_cache_dtype, dtype)
         layers = end_layer - start_layer
+        windows = tuple(model_config.layer_window(i) for i in range(model_config.num_hidden_layers))
+        hybrid = swa_memory_applies(args, windows)
         per_token = model_config.kv_bytes_per_token(dtype, parallel.tp_size, layers)
+        if hybrid:  # a sliding layer's slot counts for the ratio of one
+            sliding = sum(1 for w in windows[start_layer:end_layer] if w)
+            per_sliding = model_config.kv_bytes_per_token(dtype, parallel.tp_size, sliding)
+            per_token = max(1, per_token - per_sliding + int(per_sliding * args.swa_full_tokens_ratio))
         tokens = kv_capacity_tokens(args, per_token, device, memory_at_start, weight_bytes)
         context_len = model_config.context_length
         requests = request_slots_for(args, tokens, context_len)
         if agree is not None:
             tokens, requests = agree([tokens, requests])
+        swa_tokens = max(2, int(tokens * args.swa_full_tokens_ratio)) if hybrid else None
         memory = cls.build(tokens=tokens, request_slots=requests, context_len=context_len, page_size=args.page_size,
                            num_kv_heads=max(1, model_config.num_key_value_heads // parallel.tp_size),
                            head_dim=model_config.head_dim, dtype=dtype, device=device, start_layer=start_layer,
                            end_layer=end_layer, disable_radix_cache=args.disable_radix_cache,
-                           decode_slot_run=args.decode_slot_run)
+                           decode_slot_run=args.decode_slot_run, layer_windows=windows, swa_tokens=swa_tokens)
+        if hybrid:
+            logger.info("Sliding-window KV pool: full layers %d slots, sliding layers %d slots (window %d)",
+                        tokens, swa_tokens, max(windows))
         logger.info("KV pool: %d tokens (%.1f MiB, %s), %d request slots, page size %d", tokens,
                     memory.kv_pool.nbytes() / 2**20, str(dtype).removeprefix("torch."), requests, args.page_size)
         return memory

@@ -12,6 +12,8 @@ A request's life with the cache:
    and the unaligned tail, releases its lock. The request row itself is freed by the caller.
    When it is retracted: `release_unfinished(...)` frees everything it owns beyond its locked prefix
    without inserting, and releases the lock.
+5. Sliding-window pools only (swa_radix_cache.py): after each decode step, `release_out_of_window(...)` drops
+   the sliding-layer KV of the positions that just left the request's window.
 
 Accounting invariant (checked by `check_integrity` when no request is running):
     allocator.available_size() + evictable_size() + protected_size() == pool size.
@@ -78,10 +80,13 @@ class PrefixCache(ABC):
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + evictable + protected == pool size (call when idle)."""
-        total = self.allocator.available_size() + self.evictable_size() + self.protected_size()
+        free = self.allocator.full_available_size()
+        total = free + self.evictable_size() + self.protected_size()
         if total != self.allocator.size:
             raise AssertionError(
-                f"KV leak: free {self.allocator.available_size()} + evictable {self.evictable_size()} + "
+                f"KV leak: free {free} + evictable {self.evictable_size()} + "
                 f"protected {self.protected_size()} = {total} != pool size {self.allocator.size}")
+
+    sliding_window: int = 0  # > 0: a sliding-window pool's cache, which has `release_out_of_window`
 
     allocator: Any  # set by implementations: the TokenAllocator / PagedAllocator they free into

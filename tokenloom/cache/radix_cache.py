@@ -105,6 +105,10 @@ class RadixCache(PrefixCache):
         """Longest cached page-aligned prefix of `tokens`: its slots and the node ending it (root if none).
 
         Splits a node when the match ends inside it and refreshes the access time of every node on the path."""
+        return self._match(tokens)
+
+    def _match(self, tokens: list[int]) -> MatchResult:
+        """`match_prefix` as the tree holds it (a subclass may restrict what it lends out, not this)."""
         key = list(tokens[: self._aligned(len(tokens))])
         now = self._tick()
         node = self.root_node
@@ -200,7 +204,7 @@ class RadixCache(PrefixCache):
         assert in_tree >= own_start, "the locked prefix is not in the tree (tokens changed?)"
         if in_tree > own_start:
             self.allocator.free(kv[own_start:in_tree])
-        match = self.match_prefix(tokens[:aligned])
+        match = self._match(tokens[:aligned])
         assert match.length == aligned, (match.length, aligned)
         r2t[row, own_start:aligned] = match.indices[own_start:aligned].to(r2t.dtype)
         self.inc_lock_ref(match.last_node)

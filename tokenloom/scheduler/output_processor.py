@@ -99,6 +99,8 @@ class OutputProcessor:
             self.append_token(req, i, out, check is None or i in check)
             if req.finished:
                 self.release(req)
+            elif self.tree_cache.sliding_window:  # its oldest in-window token just left the window
+                self.tree_cache.release_out_of_window(req.req_pool_idx, req.kv_len, req.prefix_len, 8)
         self.emit(batch.reqs)
 
     def append_token(self, req: Req, i: int, out: ForwardOutput, may_finish: bool = True) -> None:

@@ -189,7 +189,7 @@ class PipelineLoop(LoopBase):
         mine = {"rank": self.ctx.rank, "pp_rank": self.ctx.pp_rank, "tp_rank": self.ctx.tp_rank,
                 "layers": (sched.kv_memory.kv_pool.start_layer, sched.kv_memory.kv_pool.end_layer),
                 "max_total_num_tokens": sched.max_total_num_tokens,
-                "available_kv_tokens": sched.allocator.available_size(),
+                "available_kv_tokens": sched.allocator.full_available_size(),
                 "evictable_kv_tokens": sched.tree_cache.evictable_size(),
                 "free_request_slots": sched.req_to_token_pool.available_size(),
                 "num_running_reqs": len(sched.running), "num_waiting_reqs": len(sched.waiting_queue),

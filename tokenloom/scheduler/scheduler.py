@@ -538,7 +538,8 @@ class Scheduler:
 
     def internal_state(self, loop_info: dict[str, Any] | None = None) -> dict[str, Any]:
         """The scheduler's state (pools, queues, counters), with the driving loop's `loop_info` merged in."""
-        used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        free = self.allocator.full_available_size()  # == available_size() but for a sliding-window pool
+        used = self.max_total_num_tokens - free - self.tree_cache.evictable_size()
         agree = {}
         if self.ranks_agree is not None:  # every rank's pools, queues and sampled tokens equal rank 0's
             agree["tp_ranks_agree"] = self.ranks_agree(
@@ -550,7 +551,7 @@ class Scheduler:
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len,
             "max_running_requests": self.max_running_requests,
-            "available_kv_tokens": self.allocator.available_size(),
+            "available_kv_tokens": free,
             "evictable_kv_tokens": self.tree_cache.evictable_size(),
             "kv_tokens_in_use": used,
             "free_request_slots": self.req_to_token_pool.available_size(),

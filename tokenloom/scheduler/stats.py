@@ -91,4 +91,4 @@ class StepStats:
 
 def _used_tokens(tree_cache: Any, pool_size: int) -> int:
     """KV tokens held by requests: the pool less what is free and what only the prefix cache holds."""
-    return pool_size - tree_cache.allocator.available_size() - tree_cache.evictable_size()
+    return pool_size - tree_cache.allocator.full_available_size() - tree_cache.evictable_size()

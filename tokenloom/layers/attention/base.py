@@ -6,6 +6,9 @@ layer. Invariants every backend keeps:
   each new query to the request's KV positions [0, seq_len), causally (query at position p sees <= p);
 - a sliding-window layer (`layer_windows[layer_id]` = w > 0, from `ModelConfig.layer_window`) lets the query
   at position p see only positions (p - w, p] (transformers' `sliding_window_overlay`: kv > q - w);
+- over a sliding-window pool (cache/swa_pool.py: `kv_pool.full_to_swa` set), a sliding layer's K/V lives in
+  its own slot space: the backend maps the step's slots through `full_to_swa` once per step (positions out
+  of the window may map to the dummy slot 0: they are masked or not read);
 - outputs come back in the token order of `batch.input_ids`, shape [T, num_heads * head_dim];
 - no Python loop over requests on the per-step path.
 """
@@ -31,6 +34,11 @@ class AttentionBackend(ABC):
         self.kv_pool = kv_pool
         self.layer_windows = tuple(int(w) for w in layer_windows)
         self.windows = sorted({w for w in self.layer_windows if w > 0})  # the distinct windows
+        self.full_to_swa: torch.Tensor | None = getattr(kv_pool, "full_to_swa", None)  # sliding-window pool
+
+    def in_swa_pool(self, layer_id: int) -> bool:
+        """Whether the layer's K/V is addressed by swa slots (a sliding layer over a sliding-window pool)."""
+        return self.full_to_swa is not None and self.window_of(layer_id) > 0
 
     def window_of(self, layer_id: int) -> int:
         return self.layer_windows[layer_id] if layer_id < len(self.layer_windows) else 0

@@ -9,6 +9,9 @@ reads each shared prefix once for the whole group. `cascade=False` (`--disable-c
 Sliding-window layers: `init_forward_metadata` also builds, once per step and per distinct window w that
 binds (w < some request's length), index lists holding each request's last w positions only; a window layer's
 kernel call reads those (no cascade: windows of different lengths rarely start on the same slots).
+Over a sliding-window pool those lists are built for every window (they must be mapped to the sliding
+layers' slots even where the window does not bind) and mapped through `full_to_swa`, as are the new tokens'
+slots.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class CpuDecodeMetadata:
     shared: paged_attention.SharedPrefixPlan | None  # None: every request attends its own KV
     # window -> (kv_indptr, kv_indices) over each request's last `window` positions; windows that bind only
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    swa_out_loc: torch.Tensor | None = None  # the new tokens' slots in the sliding layers' pool
 
 
 class CpuPagedBackend(TorchNativeBackend):
@@ -51,10 +55,13 @@ class CpuPagedBackend(TorchNativeBackend):
         kv_indptr, kv_indices = build_kv_indices(table, rows, seq_lens)
         shared = paged_attention.plan_shared_prefixes(kv_indptr, kv_indices, self.group) if self.cascade else None
         windowed = {}
+        swa = self.full_to_swa
         for w in self.windows:
-            if w < batch.max_seq_len:  # the query at seq_len - 1 sees positions [seq_len - w, seq_len)
-                windowed[w] = build_kv_indices(table, rows, seq_lens.clamp(max=w), (seq_lens - w).clamp(min=0))
-        batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared, windowed)
+            if w < batch.max_seq_len or swa is not None:  # the query at seq_len - 1 sees [seq_len - w, seq_len)
+                indptr, indices = build_kv_indices(table, rows, seq_lens.clamp(max=w), (seq_lens - w).clamp(min=0))
+                windowed[w] = (indptr, indices if swa is None else swa[indices])
+        swa_out_loc = None if swa is None else swa[batch.out_cache_loc]
+        batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared, windowed, swa_out_loc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -65,8 +72,9 @@ class CpuPagedBackend(TorchNativeBackend):
         window = md.windowed.get(self.window_of(layer_id))
         kv_indptr, kv_indices, shared = (md.kv_indptr, md.kv_indices, md.shared) if window is None \
             else (*window, None)
+        out_loc = md.swa_out_loc if self.in_swa_pool(layer_id) else batch.out_cache_loc
         out = paged_attention.decode(q, k_buf, v_buf, kv_indptr, kv_indices, scaling, k_new=k, v_new=v,
-                                     out_loc=batch.out_cache_loc, shared=shared)  # stores k/v, then attends
+                                     out_loc=out_loc, shared=shared)  # stores k/v, then attends
         return out.to(q.dtype)
 
     @staticmethod

@@ -54,6 +54,10 @@ class TorchNativeMetadata:
     # extend run request by request: per request (first token, new tokens, cached prefix, its KV slots)
     per_request: list[tuple[int, int, int, torch.Tensor]] | None = None
     request_masks: dict = None  # (new, prefix, group, window) -> boolean mask, built on first use
+    # sliding-window pool: the step's new-token slots and KV slots mapped to the sliding layers' pool
+    swa_out_loc: torch.Tensor | None = None
+    swa_slots_flat: torch.Tensor | None = None
+    swa_per_request: list[torch.Tensor] | None = None
     # window -> that window's mask (the layout of `mask`); only windows that bind in this step
     window_masks: dict[int, torch.Tensor] | None = None
     grouped_window_masks: dict[int, torch.Tensor] | None = None
@@ -81,9 +85,9 @@ class TorchNativeBackend(AttentionBackend):
             q_max = batch.max_extend_len
             per_request = self._per_request_plan(batch, kv_indptr, kv_indices, q_max, max_len)
             if per_request is not None:
-                batch.attn_metadata = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len,
-                                                          q_max, None, None, per_request=per_request,
-                                                          request_masks={})
+                md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, q_max, None,
+                                         None, per_request=per_request, request_masks={})
+                batch.attn_metadata = self._map_swa(md, batch)
                 return
             offset_in_req = torch.arange(batch.input_ids.numel(), device=device) - batch.extend_start_loc[
                 batch.token_req_index]
@@ -101,7 +105,15 @@ class TorchNativeBackend(AttentionBackend):
             md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, q_max, mask,
                                      query_slot, window_masks=window_masks)
         md.grouped_window_masks = {}
-        batch.attn_metadata = md
+        batch.attn_metadata = self._map_swa(md, batch)
+
+    def _map_swa(self, md: TorchNativeMetadata, batch: ForwardBatch) -> TorchNativeMetadata:
+        if self.full_to_swa is not None:
+            md.swa_out_loc = self.full_to_swa[batch.out_cache_loc]
+            md.swa_slots_flat = self.full_to_swa[md.kv_slots_flat]
+            if md.per_request is not None:
+                md.swa_per_request = [self.full_to_swa[slots] for _, _, _, slots in md.per_request]
+        return md
 
     @staticmethod
     def _per_request_plan(batch: ForwardBatch, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_max: int,
@@ -122,16 +134,19 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch) -> torch.Tensor:
         md: TorchNativeMetadata = batch.attn_metadata
-        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        swa = self.in_swa_pool(layer_id)
+        self.kv_pool.set_kv(layer_id, md.swa_out_loc if swa else batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)  # [Hkv, rows, D]
         window = self.window_of(layer_id)
         if md.per_request is not None:
-            return self._extend_per_request(q, k_buf, v_buf, md, scaling, window)
+            slots = md.swa_per_request if swa else [r[3] for r in md.per_request]
+            return self._extend_per_request(q, k_buf, v_buf, md, scaling, window, slots)
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         group = q.shape[1] // num_kv_heads
         shape = (num_kv_heads, md.batch_size, md.max_len, head_dim)
-        k_g = k_buf.index_select(1, md.kv_slots_flat).view(shape).to(q.dtype)  # [Hkv, B, L, D], contiguous
-        v_g = v_buf.index_select(1, md.kv_slots_flat).view(shape).to(q.dtype)
+        flat = md.swa_slots_flat if swa else md.kv_slots_flat
+        k_g = k_buf.index_select(1, flat).view(shape).to(q.dtype)  # [Hkv, B, L, D], contiguous
+        v_g = v_buf.index_select(1, flat).view(shape).to(q.dtype)
         window = window if window in (md.window_masks or {}) else 0
         if batch.forward_mode.is_decode():
             return _decode(q, k_g, v_g, md.window_masks[window] if window else md.mask, scaling, group)
@@ -166,13 +181,14 @@ class TorchNativeBackend(AttentionBackend):
 
     @staticmethod
     def _extend_per_request(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: TorchNativeMetadata,
-                            scaling: float, window: int = 0) -> torch.Tensor:
-        """Each request's queries against exactly its own K/V: q [T, Hq, D] -> [T, Hq * D]."""
+                            scaling: float, window: int, request_slots: list[torch.Tensor]) -> torch.Tensor:
+        """Each request's queries against exactly its own K/V (`request_slots[b]`, in the layer's pool):
+        q [T, Hq, D] -> [T, Hq * D]."""
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
         out = q.new_empty(q.shape[0], num_heads * head_dim)
-        for start, new, prefix, slots in md.per_request:
+        for (start, new, prefix, _), slots in zip(md.per_request, request_slots, strict=True):
             # 4-D [1, H, L, D]: with 3-D inputs SDPA falls back from its flash kernel to the slow math path
             k_r = k_buf.index_select(1, slots).to(q.dtype).unsqueeze(0)  # [1, Hkv, L, D]
             v_r = v_buf.index_select(1, slots).to(q.dtype).unsqueeze(0)
