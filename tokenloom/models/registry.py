@@ -6,12 +6,15 @@ from __future__ import annotations
 from torch import nn
 
 from tokenloom.model_config import ModelConfigError
+from tokenloom.models.gemma import GemmaForCausalLM
 from tokenloom.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -5,7 +5,9 @@ layer. Invariants every backend keeps:
 - `forward` first stores the new tokens' K and V into the KV pool at `batch.out_cache_loc`, then attends
   each new query to the request's KV positions [0, seq_len), causally (query at position p sees <= p);
 - outputs come back in the token order of `batch.input_ids`, shape [T, num_heads * head_dim];
-- no Python loop over requests on the per-step path.
+- no Python loop over requests on the per-step path;
+- `logit_cap` > 0 soft-caps the scaled scores, s -> cap * tanh(s / cap), before the mask and softmax
+  (Gemma 2's attn_logit_softcapping); 0 leaves them alone.
 """
 
 from __future__ import annotations
@@ -30,5 +32,5 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens -> attention output [T, Hq * D]."""

@@ -5,6 +5,9 @@
 Cascade decode: once per step, `init_forward_metadata` finds decode requests whose KV index lists start with
 the same slots (a prefix they share through the radix cache) and plans groups; every layer's kernel call then
 reads each shared prefix once for the whole group. `cascade=False` (`--disable-cascade-attention`) turns it off.
+
+Soft-capped scores (`logit_cap`, Gemma 2) are not in the native kernel: such a decode runs the torch path on
+the same step's indices (its padded metadata built once per step, on the first capped layer).
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
-from tokenloom.layers.attention.torch_native import TorchNativeBackend
+from tokenloom.layers.attention.torch_native import (
+    TorchNativeBackend,
+    TorchNativeMetadata,
+    decode_metadata_from_indices,
+)
 from tokenloom.layers.kv_indices import build_kv_indices
 
 
@@ -26,6 +33,7 @@ class CpuDecodeMetadata:
     kv_indptr: torch.Tensor  # [B + 1] int64
     kv_indices: torch.Tensor  # [sum of lengths] int64
     shared: paged_attention.SharedPrefixPlan | None  # None: every request attends its own KV
+    torch_md: TorchNativeMetadata | None = None  # the torch decode's, for soft-capped layers (built on use)
 
 
 class CpuPagedBackend(TorchNativeBackend):
@@ -46,11 +54,16 @@ class CpuPagedBackend(TorchNativeBackend):
         batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
-            return super().forward(q, k, v, layer_id, scaling, batch)
-        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
+            return super().forward(q, k, v, layer_id, scaling, batch, logit_cap)
         md: CpuDecodeMetadata = batch.attn_metadata
+        if logit_cap:
+            if md.torch_md is None:
+                md.torch_md = decode_metadata_from_indices(md.kv_indptr, md.kv_indices, batch.seq_lens,
+                                                           batch.max_seq_len)
+            return self._attend(q, k, v, layer_id, scaling, batch, md.torch_md, logit_cap)
+        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         out = paged_attention.decode(q, k_buf, v_buf, md.kv_indptr, md.kv_indices, scaling, k_new=k, v_new=v,
                                      out_loc=batch.out_cache_loc, shared=md.shared)  # stores k/v, then attends
         return out.to(q.dtype)
