@@ -8,6 +8,7 @@ and global RoPE bases with linear scaling on the global layers.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -37,13 +38,19 @@ def hf_config(kind: str, **overrides: Any):
     return cls(**{**COMMON, "sliding_window": WINDOW, **KINDS[kind], **overrides})
 
 
-def make_tiny_gemma(kind: str, folder: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """Create, save (safetensors, with SmolLM2's tokenizer) and return a float32 tiny Gemma of `kind`."""
-    import transformers
-
+@functools.cache
+def _smollm2_tokenizer():
+    """SmolLM2's tokenizer, read once per process (reading it from the default GGUF takes seconds)."""
     from tokenloom.config import ServerArgs
     from tokenloom.models.loader import resolve_model_source
     from tokenloom.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_source(ServerArgs()))
+
+
+def make_tiny_gemma(kind: str, folder: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Create, save (safetensors, with SmolLM2's tokenizer) and return a float32 tiny Gemma of `kind`."""
+    import transformers
 
     config = hf_config(kind, **overrides)
     config._attn_implementation = "eager"  # the soft-cap is in eager attention (SDPA cannot cap)
@@ -56,5 +63,5 @@ def make_tiny_gemma(kind: str, folder: str, seed: int = 0, **overrides: Any) -> 
                 p.add_(torch.randn_like(p) * 0.2)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
+    _smollm2_tokenizer().save_pretrained(folder)
     return model
