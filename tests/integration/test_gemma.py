@@ -10,8 +10,7 @@
   model is (mean KL per position and top-1 agreement over 4 x 48 positions, teacher-forced, prefill and
   decode; a model with a wider window for that).
 
-Prompts stay within the sliding window here (this file tests the layers, not window attention); the HTTP
-test (tests/e2e/test_gemma_server.py) runs prompts past it."""
+Prompts run past the sliding window (transformers without the window is far off: it binds)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,9 @@ from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 
 TOL = 5e-5
-LENGTHS = [WINDOW - 3, 4, WINDOW - 6]  # a chunk of 2 and a decode step follow: all within the window
+# Prompt lengths past the window (a chunk of 2 and a decode step follow): similar lengths run the padded
+# batch path, mixed ones the per-request path.
+LENGTHS = {"similar": [WINDOW + 9, WINDOW + 5, WINDOW + 7], "mixed": [WINDOW + 9, 4, WINDOW + 3]}
 BF16_LENGTH = 48  # x 4 sequences, the last 8 positions of each by decode steps
 
 
@@ -36,20 +37,20 @@ def gemma(request, tmp_path_factory):
     return request.param, folder, make_tiny_gemma(request.param, folder)
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(lengths: list[int]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in LENGTHS]
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _run(folder: str, **flags) -> tuple[list[torch.Tensor], list[list[int]]]:
+def _run(folder: str, lengths: list[int], **flags) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Per sequence: logits [positions, vocab] of a prefill, then a 2-token chunk on the cached prefix, then
     a decode step; and the tokens fed."""
     runner = ModelRunner(ServerArgs(**{"model_path": folder, "max_total_tokens": 1024, "max_running_requests": 4,
                                        **flags}))
     steps = ForwardSteps(runner)
-    prompts = _prompts()
+    prompts = _prompts(lengths)
     seqs = [steps.start() for _ in prompts]
-    first = torch.split(steps.extend(seqs, prompts, return_all_logits=True), LENGTHS)
+    first = torch.split(steps.extend(seqs, prompts, return_all_logits=True), lengths)
     chunk = [[5 + i, 9 + i] for i in range(len(seqs))]
     second = torch.split(steps.extend(seqs, chunk, return_all_logits=True), 2)
     decode = steps.extend(seqs, [[11 + i] for i in range(len(seqs))])
@@ -66,15 +67,21 @@ def _reference(hf: torch.nn.Module, fed: list[list[int]]) -> list[torch.Tensor]:
         return [hf(torch.tensor([ids])).logits[0].float() for ids in fed]
 
 
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
-def test_float32_matches_transformers_and_caps_bind(gemma, backend):
+def test_float32_matches_transformers_and_caps_bind(gemma, backend, lengths):
     kind, folder, hf = gemma
-    ours, fed = _run(folder, dtype="float32", attention_backend=backend)
+    ours, fed = _run(folder, LENGTHS[lengths], dtype="float32", attention_backend=backend)
     refs = _reference(hf, fed)
     for mine, ref in zip(ours, refs, strict=True):
         assert (mine - ref).abs().max().item() < TOL
         assert torch.equal(mine.argmax(-1), ref.argmax(-1))
-    if kind == "gemma2":  # without its caps the same model is far off: the caps are exercised
+    # without its window the same model is far off (the window binds); so is Gemma 2 without either cap
+    unwindowed = copy.deepcopy(hf)
+    unwindowed.config.sliding_window = 10 ** 6
+    far = [(m - r).abs().max().item() for m, r in zip(ours, _reference(unwindowed, fed), strict=True)]
+    assert max(far) > 0.05, far
+    if kind == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             uncapped = copy.deepcopy(hf)
             setattr(uncapped.config, key, None)
