@@ -50,8 +50,9 @@ def test_gemma_server_matches_transformers(models, kind, parallel):
     folder, hf = models(kind)
     server = ServerProcess("--model-path", folder, "--dtype", "float32", "--chunked-prefill-size", "8",
                            "--max-total-tokens", "2048", "--max-running-requests", "8", "--num-threads", "1",
-                           "--dist-init-addr", f"127.0.0.1:{free_port()}", *PARALLEL[parallel]).wait_healthy()
+                           "--dist-init-addr", f"127.0.0.1:{free_port()}", *PARALLEL[parallel])
     try:
+        server.wait_healthy()  # inside the try: a server that fails to start is stopped too
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(3, 49152, (2 * WINDOW + 5,), generator=gen).tolist()
         second = torch.randint(3, 49152, (WINDOW + 3,), generator=gen).tolist()
