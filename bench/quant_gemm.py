@@ -6,13 +6,15 @@ Per weight shape (SmolLM2-135M's 576x576, 192x576, 1536x576, 3072x576 (gate+up),
 and a 1B model's 2048x2048, 8192x2048, 2048x8192) and rows M, both paths run on the same random weight
 (random GGUF blocks; the bf16 copy is their exact dequantize rounded to bf16), alternating, `--rounds` rounds
 of enough calls for ~`--round-ms`; the median round gives the time per call. Printed per case: both times,
-bf16 / quant (above 1: the quantized kernel is faster), and the GB/s of weight bytes each moves (the
-quantized matrix's bytes vs the bf16 weight's). `--copies N` cycles through N copies of every weight so that
+bf16 / quant (above 1: the quantized kernel is faster), and the GFLOP/s of each (2 M N K per call; the
+JSON also has the GB/s of weight bytes each moves). `--tile` times the dequantized bf16 tile path too (the
+many-row int8 path off) in the same rounds. `--copies N` cycles through N copies of every weight so that
 a call reads it from memory rather than cache (the m=1 bandwidth case).
-`--small-m N` overrides the kernel's int8-path row limit (0: always the dequantized tile) to measure the
-crossover. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
-work, at --threads 1, it leaves out the time other processes held the core. Timings are noisy on a shared
-machine: read the ratios. The last line of stdout is one JSON object.
+`--small-m N` overrides the kernel's small int8 stream's row limit (0: never) and `--batch-m N` the rows from
+which the many-row int8 path runs (0: never), to measure the crossovers. `--clock cpu` times this
+process's CPU time instead of wall time: on a machine shared with other work, at --threads 1, it leaves
+out the time other processes held the core. Timings are noisy on a shared machine: read the ratios.
+The last line of stdout is one JSON object.
 
 Usage:
     python bench/quant_gemm.py                      # Q4_1 and Q8_0, all shapes, M = 1..256
@@ -52,6 +54,11 @@ def random_matrix(qtype: int, n: int, k: int, seed: int) -> qg.QuantMatrix:
     for f in range(scales):  # d (and m) fields: f16 in +-[1e-3, 1e-2]
         val = (rng.uniform(1e-3, 1e-2, size=(n, k // block)) * rng.choice([-1, 1], size=(n, k // block)))
         blocks[:, :, 2 * f:2 * f + 2] = val.astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    # k-quants' f16 super-block scales (Q4_K/Q5_K: d, dmin at bytes 0-3; Q6_K: d at bytes 208-209): random
+    # bytes there would be NaN or huge now and then
+    for off in ((0, 2) if size in (144, 176) else (208,) if size == 210 else ()):
+        val = rng.uniform(1e-4, 1e-3, size=(n, k // block)).astype(np.float16)
+        blocks[:, :, off:off + 2] = val.view(np.uint8).reshape(n, k // block, 2)
     return qg.QuantMatrix(qtype, n, k, torch.from_numpy(blocks.reshape(n, -1)))
 
 
@@ -87,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: this process's CPU time (meaningful at --threads 1 on a loaded machine)")
     p.add_argument("--small-m", type=int, default=None, help="override the int8 path's row limit")
+    p.add_argument("--batch-m", type=int, default=None,
+                   help="override the rows from which the many-row int8 path runs (0: never)")
+    p.add_argument("--tile", action="store_true",
+                   help="also time the bf16 tile path (the many-row int8 path off) in the same rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     lib = qg._native()
@@ -95,13 +106,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.small_m is not None:
         lib.quant_small_m(ctypes.c_int(args.small_m))
     small_m = lib.quant_small_m(ctypes.c_int(-1))
+    if args.batch_m is not None:
+        lib.quant_batch_m(ctypes.c_int(args.batch_m))
+    batch_m = lib.quant_batch_m(ctypes.c_int(-1))
+
+    def tile_linear(x: torch.Tensor, q: qg.QuantMatrix) -> torch.Tensor:
+        lib.quant_batch_m(ctypes.c_int(0))
+        try:
+            return qg.linear(x, q)
+        finally:
+            lib.quant_batch_m(ctypes.c_int(batch_m))
+
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; "
-          f"int8 path for M <= {small_m}; {args.copies} weight copies; median of {args.rounds} alternating rounds, "
+          f"int8 path for M <= {small_m}, many-row int8 path from M = {batch_m} (0: off); {args.copies} weight "
+          f"copies; median of {args.rounds} alternating rounds, "
           f"{args.clock} clock")
-    print("| type | N x K | M | quant ms | bf16 ms | bf16 / quant | quant GB/s | bf16 GB/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| type | N x K | M | quant ms | bf16 ms | bf16 / quant | quant GFLOP/s | bf16 GFLOP/s | tile GFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     monitor = CpuMonitor()
     results = []
     for tname in args.types.split(","):
@@ -118,23 +141,33 @@ def main(argv: list[str] | None = None) -> None:
                 if float((got - ref).norm() / ref.norm()) > 0.03:
                     raise AssertionError(f"{tname} {shape} M={m}: quantized result off by "
                                          f"{float((got - ref).norm() / ref.norm()):.3g} (relative)")
-                best = time_pair({
+                fns = {
                     "quant": lambda x=x, qms=qms: [qg.linear(x, q) for q in qms],
                     "bf16": lambda x=x, ws=ws, packs=packs: [cpu_gemm.linear(x, w, pk)
                                                              for w, pk in zip(ws, packs, strict=True)],
-                }, args.rounds, args.round_ms, time.process_time if args.clock == "cpu" else time.perf_counter)
+                }
+                if args.tile:
+                    fns["tile"] = lambda x=x, qms=qms: [tile_linear(x, q) for q in qms]
+                best = time_pair(fns, args.rounds, args.round_ms,
+                                 time.process_time if args.clock == "cpu" else time.perf_counter)
                 tq, tb = best["quant"] / args.copies, best["bf16"] / args.copies
+                flop = 2.0 * m * n * k
                 row = {"type": tname, "n": n, "k": k, "m": m, "quant_ms": tq * 1e3, "bf16_ms": tb * 1e3,
                        "speedup": tb / tq, "quant_gbps": qms[0].nbytes / tq / 1e9,
-                       "bf16_gbps": ws[0].numel() * 2 / tb / 1e9}
+                       "bf16_gbps": ws[0].numel() * 2 / tb / 1e9, "quant_gflops": flop / tq / 1e9,
+                       "bf16_gflops": flop / tb / 1e9}
+                if args.tile:
+                    row["tile_gflops"] = flop / (best["tile"] / args.copies) / 1e9
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
-                      f"{row['speedup']:.2f}x | {row['quant_gbps']:.1f} | {row['bf16_gbps']:.1f} |", flush=True)
+                      f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
+                      f"{row.get('tile_gflops', float('nan')):.1f} |", flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                                for r in results], "threads": args.threads, "small_m": small_m,
-                      "copies": args.copies, "clock": args.clock, "other_cpu_fraction": round(other, 3)}))
+                      "batch_m": batch_m, "copies": args.copies, "clock": args.clock,
+                      "other_cpu_fraction": round(other, 3)}))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,23 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory):
+    """factory(variant of tests/family_models.VARIANTS) -> (folder, transformers float32 model), cached per
+    variant for the session (SmolLM2's tokenizer beside the weights)."""
+    from tests.family_models import make_variant
+
+    cache: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            folder = str(tmp_path_factory.mktemp(f"family_{variant}") / variant)
+            cache[variant] = (folder, make_variant(variant, folder))
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2_file() -> str:
     from tokenloom.models.default_model import default_model_file
 

@@ -53,6 +53,9 @@ class ForwardBatch:
     attn_metadata: Any = None
     # Pipeline stages after the first receive hidden states instead of ids.
     pp_proxy: dict[str, torch.Tensor] | None = field(default=None)
+    # [B] int64, each request's prompt length (its original input, without generated tokens); None where the
+    # builder does not know it. LongRoPE picks its factor set from it as transformers.generate does (rotary.py).
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -61,7 +64,7 @@ class ForwardBatch:
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
               prefix_lens: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
-              return_all_logits: bool = False) -> ForwardBatch:
+              return_all_logits: bool = False, prompt_lens: torch.Tensor | None = None) -> ForwardBatch:
         """Derive positions and per-token request rows from per-request lengths (no Python loop)."""
         device = input_ids.device
         prefix_lens = prefix_lens.to(torch.int64)
@@ -92,4 +95,5 @@ class ForwardBatch:
             max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
             max_extend_len=int(extend_lens.max()) if extend_lens.numel() else 0,
             return_all_logits=return_all_logits,
+            prompt_lens=None if prompt_lens is None else prompt_lens.to(device=device, dtype=torch.int64),
         )

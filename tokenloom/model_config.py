@@ -108,6 +108,7 @@ class ModelConfig:
                 {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
             if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
                 scaling = None
+            scaling = _complete_rope_scaling(scaling, cfg)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             config = cls(
@@ -155,3 +156,26 @@ class ModelConfig:
                                    f"1..{self.num_experts}")
         if not self.num_experts and self.intermediate_size <= 0:
             raise ModelConfigError(f"{self.source}: missing required key 'intermediate_size'")
+
+
+def _complete_rope_scaling(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Fill what transformers' standardize_rope_params derives from the rest of the config, while the config's
+    own max_position_embeddings is known (--context-length may change the served length later): the original
+    length of llama3/yarn/longrope (a top-level `original_max_position_embeddings` wins, as for Phi-3), YaRN's and
+    LongRoPE's missing `factor` (max_position_embeddings / original length), and dynamic NTK's reference length.
+    `partial_rotary_factor` is a family field, not a scaling parameter."""
+    if not scaling:
+        return scaling
+    scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    if kind in ("llama3", "yarn", "longrope", "su"):
+        if cfg.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
+        scaling.setdefault("original_max_position_embeddings", max_pos)
+    if kind in ("yarn", "longrope", "su") and scaling.get("factor") is None:
+        scaling["factor"] = max_pos / int(scaling["original_max_position_embeddings"])
+    if kind == "dynamic":
+        scaling["max_position_embeddings"] = max_pos
+    return scaling
+

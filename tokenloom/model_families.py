@@ -148,6 +148,79 @@ _REFUSED = {
 }
 
 
+def _layer_windows(cfg: dict[str, Any], sliding_by_default: Callable[[int], bool]) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` of a config whose window is off unless `use_sliding_window` (Qwen3,
+    SmolLM3: transformers' default false): the config's own `layer_types`, else the family's default rule."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    if not window:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = tuple(cfg.get("layer_types") or (
+        "sliding_attention" if sliding_by_default(i) else "full_attention" for i in range(layers)))
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _parse_qwen3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3: Llama with a per-head RMSNorm on q and k before RoPE, head_dim from the config, no QKV bias
+    unless the config says so. With `use_sliding_window`, the layers from `max_window_layers` on slide (as
+    transformers' Qwen3Config; real checkpoints ship it off)."""
+    _require_act(cfg, source, ("silu", "swish"))
+    first = int(cfg.get("max_window_layers", 28))
+    return {"hidden_act": "silu", "qk_norm": "head", "attention_bias": bool(cfg.get("attention_bias") or False),
+            **_layer_windows(cfg, lambda i: i >= first)}
+
+
+def _parse_smollm3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """SmolLM3: Llama whose every `no_rope_layer_interval`-th layer (or those `no_rope_layers` flags 0:
+    1 = RoPE, 0 = none) applies no RoPE. With `use_sliding_window`, the NoPE layers slide (transformers'
+    SmolLM3Config)."""
+    _require_act(cfg, source, ("silu", "swish"))
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError(f"{source}: SmolLM3 mlp_bias is not supported")
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelConfigError(f"{source}: no_rope_layers must be {layers} flags of 0 or 1, got {flags!r}")
+    return {"hidden_act": "silu", "no_rope_layers": tuple(i for i, use in enumerate(flags) if not use),
+            **_layer_windows(cfg, lambda i: not flags[i])}
+
+
+def _parse_phi3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: SwiGLU, no biases, LongRoPE (`su` and, as transformers' Phi3Config maps it,
+    `yarn` are old names of `longrope`; the original length defaults to 4096 as in Phi3Config), a partial rotary
+    (top-level or in rope_parameters), and a sliding window on every layer (Phi-3-mini-4k: 2047).
+    Refused: other RoPE types (transformers' Phi-3 runs only default and longrope), other activations, and the
+    vision/audio parts of multimodal Phi configs."""
+    _require_act(cfg, source, ("silu", "swish"))
+    for key in ("embd_layer", "vision_config", "audio_processor", "img_processor"):
+        if cfg.get(key):
+            raise ModelConfigError(f"{source}: multimodal Phi config ({key}); tokenloom serves text-only models")
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    scaling = dict(cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"})
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    fields: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False}
+    partial = cfg.get("partial_rotary_factor", scaling.pop("partial_rotary_factor", 1.0))
+    fields["partial_rotary_factor"] = float(1.0 if partial is None else partial)
+    if kind in ("su", "yarn", "longrope"):
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        orig = int(cfg.get("original_max_position_embeddings") or 4096)
+        scaling.pop("type", None)
+        scaling.update(rope_type="longrope", original_max_position_embeddings=orig)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_pos / orig
+        fields["rope_scaling"] = scaling
+    elif kind != "default":
+        raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} for Phi3ForCausalLM "
+                               "(transformers' Phi-3 runs default and longrope/su)")
+    window = _window(cfg)
+    if window:
+        fields["sliding_window"] = window  # every layer, as transformers' Phi3 passes it to each attention
+    return fields
+
+
 FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (
         Family("LlamaForCausalLM", ("llama",), _parse_llama),
@@ -155,6 +228,9 @@ FAMILIES: dict[str, Family] = {
         Family("Qwen2ForCausalLM", ("qwen2",), _parse_qwen2),
         Family("Gemma2ForCausalLM", ("gemma2",), _parse_gemma2),
         Family("Gemma3ForCausalLM", ("gemma3_text",), _parse_gemma3),
+        Family("Qwen3ForCausalLM", ("qwen3",), _parse_qwen3),
+        Family("SmolLM3ForCausalLM", ("smollm3",), _parse_smollm3),
+        Family("Phi3ForCausalLM", ("phi3",), _parse_phi3),
     )
 }
 

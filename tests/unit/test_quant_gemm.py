@@ -67,6 +67,14 @@ def _small_limit() -> int:
     return qg._native().quant_small_m(ctypes.c_int(-1))
 
 
+def _int8_path(qm: qg.QuantMatrix, m: int, x_dtype: torch.dtype) -> bool:
+    """Whether quant_linear takes one of the int8 paths (the small stream or the many-row tile) here."""
+    path = qg._native().quant_path(ctypes.c_int(qm.qtype), ctypes.c_int64(m), ctypes.c_int64(qm.cols),
+                                   ctypes.c_int(x_dtype == torch.float32))
+    assert path in (0, 1, 2)
+    return path in (1, 2)
+
+
 @pytest.mark.parametrize("name", LEGACY)
 @pytest.mark.parametrize("k", [32 * 3, 576])
 def test_dequantize_bit_exact(name, k):
@@ -93,7 +101,7 @@ def test_linear_within_bound(name, m, k, x_dtype):
     g = torch.Generator().manual_seed(m + k)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     bias = torch.randn(n, generator=g).to(x_dtype)
-    small = m <= _small_limit() and x_dtype == torch.bfloat16
+    small = _int8_path(qm, m, x_dtype)
     for b in (None, bias):
         ref = x.float() @ w_ref.T + (0 if b is None else b.float())
         for out_dtype in (torch.float32, x_dtype):
@@ -115,19 +123,55 @@ def test_int8_error_is_not_vacuous():
     ref = x.float() @ qg.dequantize(qm).T
     lib = qg._native()
     old, residual = lib.quant_small_m(ctypes.c_int(-1)), lib.quant_act_residual(ctypes.c_int(-1))
+    batch = lib.quant_batch_m(ctypes.c_int(-1))
     try:
         two_terms = qg.linear(x, qm, out_dtype=torch.float32)
         lib.quant_act_residual(ctypes.c_int(0))
         one_term = qg.linear(x, qm, out_dtype=torch.float32)
         lib.quant_small_m(ctypes.c_int(0))
+        lib.quant_batch_m(ctypes.c_int(0))
         tile = qg.linear(x, qm, out_dtype=torch.float32)
     finally:
         lib.quant_small_m(ctypes.c_int(old))
         lib.quant_act_residual(ctypes.c_int(residual))
+        lib.quant_batch_m(ctypes.c_int(batch))
     assert old >= 1 and residual == 1 and not torch.equal(one_term, tile) and not torch.equal(two_terms, one_term)
     rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
     assert rel(one_term) < 0.02 and rel(tile) < 0.005
     assert 0 < rel(two_terms) < rel(one_term) / 30, (rel(two_terms), rel(one_term))
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_many_row_int8_path(name):
+    """Past the small stream, bf16 x takes the many-row int8 path (csrc/quant_batch.c): a row's result does not
+    depend on the rows beside it (the same numbers alone, in 13 rows or in 64), it differs from the bf16 tile
+    (so it is the path taken), both int8 terms keep it within the int8 bound and far closer than one term."""
+    n, k = 77, 576
+    qm = qg.prepare(_matrix(name, n, k, 21))
+    w_ref = qg.dequantize(qm)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(21)).bfloat16()
+    ref = x.float() @ w_ref.T
+    lib = qg._native()
+    batch, residual = lib.quant_batch_m(ctypes.c_int(-1)), lib.quant_act_residual(ctypes.c_int(-1))
+    try:
+        lib.quant_batch_m(ctypes.c_int(1))  # the default without AMX (test_tile_path_without_amx checks it)
+        assert lib.quant_path(qm.qtype, 64, k, 0) == 2 and lib.quant_path(qm.qtype, 13, k, 0) == 2
+        got = qg.linear(x, qm, out_dtype=torch.float32)
+        lib.quant_act_residual(ctypes.c_int(0))
+        one_term = qg.linear(x, qm, out_dtype=torch.float32)
+        lib.quant_act_residual(ctypes.c_int(residual))
+        lib.quant_batch_m(ctypes.c_int(0))
+        tile = qg.linear(x, qm, out_dtype=torch.float32)
+    finally:
+        lib.quant_batch_m(ctypes.c_int(batch))
+        lib.quant_act_residual(ctypes.c_int(residual))
+    assert torch.equal(qg.linear(x[:13], qm, out_dtype=torch.float32), got[:13])
+    assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), got[20:33])
+    assert not torch.equal(got, tile)
+    assert bool(((got - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
+    assert bool(((one_term - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
+    rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
+    assert rel(tile) < 0.005 and 0 < rel(got) < rel(one_term) / 30, (rel(got), rel(one_term), rel(tile))
 
 
 @pytest.mark.parametrize("name", LEGACY)
@@ -178,11 +222,14 @@ def test_native_args():
 
 def test_tile_path_without_amx():
     """Where AMX runs, the tile path uses it; TOKENLOOM_DISABLE_AMX=1 (read once per process) forces the
-    AVX512-BF16 bands, checked in a fresh process against the same bound."""
+    AVX512-BF16 bands, checked in a fresh process against the same bound; without AMX the many-row int8 path
+    is the default (test_many_row_int8_path checks its numbers)."""
     code = (
         "import torch, sys\n"
         "sys.path.insert(0, 'tests/unit')\n"
         "from test_quant_gemm import _matrix, _expected_error, qg\n"
+        "assert qg._native().quant_batch_m(-1) == 1  # the int8 many-row path by default without AMX\n"
+        "qg._native().quant_batch_m(0)  # the bf16 tile here\n"
         "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
         "    qm = _matrix(name, 77, 576, 11)\n"
         "    w = qg.dequantize(qm)\n"

@@ -221,7 +221,10 @@ def test_public_linear(qtype, m, k, x_dtype):
     xd = x.double()
     ref = xd @ w.T + bias.double()
     mag = xd.abs() @ w.abs().T
-    small = m <= qg._native().quant_small_m(ct.c_int(-1))
+    path = qg._native().quant_path(ct.c_int(qtype), ct.c_int64(m), ct.c_int64(k), ct.c_int(x.dtype == torch.float32))
+    small = path in (1, 2)  # an int8 path: the small stream or the many-row tile (not Q6_K's 16-column scales)
+    batch = qg._native().quant_batch_m(ct.c_int(-1)) > 0  # the many-row int8 path (off where AMX runs)
+    assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch and qtype != Q6_K else 0)
     if x.dtype == torch.float32:
         tol = k * 2.0 ** -24 * mag
     elif small:

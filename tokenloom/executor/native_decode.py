@@ -203,6 +203,8 @@ class NativeDecode:
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:
             return "the rotary tables are not float32"
+        if model.rotary.long_after is not None:
+            return "LongRoPE picks a table per request, which the native step does not"
         if quantized_weights(model)[1]:
             linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]

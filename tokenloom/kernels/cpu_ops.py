@@ -77,15 +77,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> bool:
-    """Rotate x [T, H, D] in place (rotate-half layout; tables [max_pos, D] float32 as `RotaryEmbedding` keeps
-    them). Returns False, touching nothing, when x's heads are not laid out contiguously per token."""
+    """Rotate x [T, H, D] in place (rotate-half layout; tables [rows, R] float32 as `RotaryEmbedding` keeps
+    them, `positions` their row of each token). R < D rotates only the first R elements of each head (partial
+    rotary); the rest are left as they are. Returns False, touching nothing, when x's heads are not laid out
+    contiguously per token."""
     rows, heads, dim = x.shape
-    if x.stride(-1) != 1 or x.stride(-2) != dim or cos_table.dtype != torch.float32:
+    rot = int(cos_table.shape[-1])
+    if x.stride(-1) != 1 or x.stride(-2) != dim or cos_table.dtype != torch.float32 or rot > dim or rot % 2:
         return False
     pos = positions.to(torch.int64).contiguous()
-    _fn("rope", x.dtype)(_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(pos), _ptr(cos_table), _ptr(sin_table),
-                         ctypes.c_int64(rows), ctypes.c_int(heads), ctypes.c_int(dim),
-                         ctypes.c_int(torch.get_num_threads()))
+    _fn("rope_part", x.dtype)(_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(pos), _ptr(cos_table), _ptr(sin_table),
+                              ctypes.c_int64(rows), ctypes.c_int(heads), ctypes.c_int(dim), ctypes.c_int(rot),
+                              ctypes.c_int(torch.get_num_threads()))
     return True
 
 

@@ -14,10 +14,13 @@ names the tensor and the type.
 
 The operations run the native kernels (csrc/quant_gemm.c and its per-type families) where the library builds
 and has the type; elsewhere the reference implementation (dequantize with the `gguf` package, then a float32
-matmul). Native numerics: a few rows of bf16 x (decode) are quantized to int8 per 32-element block and
-multiplied by the quantized weight in integers (error per output <= sum_i |w_i| * d_x(i) / 2, d_x = the
-block's max|x| / 127); more rows, and every float32 x, multiply the exactly dequantized weight (rounded once
-to bf16 for bf16 x, as a bf16 copy of the GGUF would be; exact for float32 x) with float32 sums.
+matmul). Native numerics: a few rows of bf16 x (decode), and where AMX does not run any number of rows of
+bf16 x on the types with 32-column scales (all but Q6_K), are quantized to int8 per 32-element block (two
+terms: the second is the first one's remainder) and multiplied by the quantized weight in integers (error per
+output <= sum_i |w_i| * d_x(i) / 254, d_x = the block's max|x| / 127); the other cases (more rows where AMX
+runs, Q6_K, every float32 x) multiply the exactly dequantized weight (rounded once to bf16 for bf16 x, as a
+bf16 copy of the GGUF would be; exact for float32 x) with float32 sums. csrc/quant_gemm.c's `quant_path`
+says which path a call takes.
 `native_args(qm)` gives the C side (type, data pointer, rows, cols) of a prepared matrix for native callers.
 """
 
@@ -165,6 +168,7 @@ def _native() -> ctypes.CDLL | None:
     lib.quant_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64, i32, i32]
     lib.quant_dequant_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32, i32]
     lib.quant_repack.argtypes = [i32, ptr, i64, i64]
+    lib.quant_path.argtypes = [i32, i64, i64, i32]
     return lib
 
 

@@ -23,11 +23,50 @@ from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantSplitErr
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "gemma3": "Gemma3ForCausalLM"}
+              "gemma3": "Gemma3ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def _phi3_extras(f: GGUFFile) -> dict[str, Any]:
+    """llama.cpp's Phi-3 writer (convert_hf_to_gguf Phi3MiniModel): the rotated width as rope.dimension_count
+    (partial rotary), the sliding window (0: none, Phi-4), and LongRoPE as two F32 tensors `rope_factors_long` /
+    `rope_factors_short` with the original length and the attention factor as metadata (no scaling type)."""
+    head_dim = int(f.field("phi3.embedding_length")) // int(f.field("phi3.attention.head_count"))
+    out: dict[str, Any] = {}
+    dims = f.field("phi3.rope.dimension_count")
+    if dims:
+        out["partial_rotary_factor"] = int(dims) / head_dim
+    window = f.field("phi3.attention.sliding_window")
+    out["sliding_window"] = int(window) if window else None
+    orig = f.field("phi3.rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    factors = {t.name: t for t in f.reader.tensors if t.name in _CONFIG_TENSORS}
+    if factors:
+        if len(factors) != 2 or not orig:
+            raise GGUFError(f"{f.path}: LongRoPE needs both rope_factors_long/short tensors and "
+                            f"phi3.rope.scaling.original_context_length; found {sorted(factors)}, {orig}")
+        scaling = {"rope_type": "longrope",
+                   "long_factor": np.asarray(factors["rope_factors_long.weight"].data, np.float32).tolist(),
+                   "short_factor": np.asarray(factors["rope_factors_short.weight"].data, np.float32).tolist()}
+        attn = f.field("phi3.rope.scaling.attn_factor")
+        if attn is not None:
+            scaling["attention_factor"] = float(attn)
+        out["rope_scaling"] = scaling
+    return out
+
+
 # Per architecture, a function reading that architecture's own metadata keys into HF config keys.
-_GGUF_EXTRAS: dict[str, Callable[[GGUFFile], dict[str, Any]]] = {}
-# Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute).
-_PERMUTED_QK = {"llama", "mistral"}
+_GGUF_EXTRAS: dict[str, Callable[[GGUFFile], dict[str, Any]]] = {
+    # llama.cpp writes no NoPE metadata for smollm3 and runs every 4th layer without RoPE (its smollm3.cpp).
+    "smollm3": lambda f: {"no_rope_layer_interval": 4},
+    "phi3": _phi3_extras,
+}
+# Tensors that are configuration, read by an extras function, not weights.
+_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
+# Architectures whose converter permuted Q/K rows (llama.cpp's convert_hf_to_gguf LlamaModel.permute;
+# SmolLM3Model is a LlamaModel, Qwen2/Qwen3 are not).
+_PERMUTED_QK = {"llama", "mistral", "smollm3"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -41,12 +80,16 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3: per-head q/k RMSNorm weights
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Per architecture, block names that differ from `_BLOCK_NAMES` (Gemma: ffn_norm is the pre-feed-forward norm).
+# Per architecture, llama.cpp block names whose HF name differs from `_BLOCK_NAMES` (fused tensors; Gemma's
+# ffn_norm is the pre-feed-forward norm).
 _ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # q|k|v rows; gate|up rows
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
                "attn_k_norm": "self_attn.k_norm"},
@@ -146,6 +189,8 @@ class GGUFFile:
         import gguf
 
         for t in self.reader.tensors:
+            if t.name in _CONFIG_TENSORS:
+                continue
             name = self._hf_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             shift = 1.0 if self.arch in _NORM_SHIFTED and name.endswith("norm.weight") else 0.0

@@ -70,10 +70,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, dtype: torch.dtype,
+                 attention: nn.Module | None = None) -> None:
+        """`attention`: a family's own attention module (same forward signature), else LlamaAttention."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id, ctx, dtype)
+        self.self_attn = attention if attention is not None else LlamaAttention(cfg, layer_id, ctx, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, ctx, dtype)
 
@@ -103,13 +105,18 @@ class LlamaForCausalLM(nn.Module):
         self.is_last = end_layer == cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) \
             if self.is_first or (self.is_last and cfg.tie_word_embeddings) else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, dtype) for i in range(start_layer, end_layer))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, ctx, dtype) for i in range(start_layer, end_layer))
+        self.rotary = RotaryEmbedding.for_model(cfg)
         self.dtype = dtype
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(self.embed_tokens or VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, ctx, dtype), cfg.tie_word_embeddings, ctx, dtype)
+
+    def make_layer(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer `layer_id`; a family's subclass overrides this (its attention, norms or MLP), which
+        builds each layer once (no Llama layer allocated and then replaced)."""
+        return LlamaDecoderLayer(cfg, layer_id, ctx, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -118,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(batch.input_ids), None
         else:
             hidden, residual = batch.pp_proxy["hidden_states"], batch.pp_proxy["residual"]
-        rotary = self.rotary.lookup(batch.positions, self.dtype)  # shared by every layer of this step
+        rotary = self.rotary.lookup_batch(batch, self.dtype)  # shared by every layer of this step
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, attn, rotary)
         if not self.is_last:

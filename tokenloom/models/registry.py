@@ -8,6 +8,9 @@ from torch import nn
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.gemma import GemmaForCausalLM
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.phi3 import Phi3ForCausalLM
+from tokenloom.models.qwen3 import Qwen3ForCausalLM
+from tokenloom.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +18,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

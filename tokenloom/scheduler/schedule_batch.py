@@ -52,8 +52,9 @@ class ScheduleBatch:
         return not self.reqs
 
     def to_forward_batch(self, return_all_logits: bool = False) -> ForwardBatch:
+        prompt_lens = torch.tensor([len(r.origin_input_ids) for r in self.reqs], dtype=torch.int64)
         return ForwardBatch.build(self.forward_mode, self.input_ids, self.req_pool_indices, self.prefix_lens,
-                                  self.seq_lens, self.out_cache_loc, return_all_logits)
+                                  self.seq_lens, self.out_cache_loc, return_all_logits, prompt_lens)
 
 
 class BatchMemory:

@@ -7,6 +7,7 @@
  *                  and normalized unrounded, so rounding error does not accumulate along the residual stream
  *   silu_and_mul:  out[:, i] = silu(x[:, i]) * x[:, inter + i]
  *   rope:          rotate-half rotary embedding of every head of x, in place, from float32 cos/sin tables
+ *   rope_part:     the same on the first rot_dim elements of each head only (partial rotary, Phi-4-mini)
  *   argmax_rows:   index of each float32 row's maximum, as torch.argmax gives it (first maximum; a NaN wins)
  *
  * Every value is computed in float32 and rounded once to the storage type (bf16: round to nearest even); a
@@ -74,15 +75,17 @@ KERNEL_API int silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64
     return 0;                                                                                                  \
 }                                                                                                              \
                                                                                                                \
-KERNEL_API int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const float *cos_table,        \
-                             const float *sin_table, int64_t rows, int heads, int head_dim, int threads) {     \
-    const int half = head_dim / 2;                                                                             \
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * head_dim, threads))")   \
+KERNEL_API int rope_part_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const float *cos_table,   \
+                                  const float *sin_table, int64_t rows, int heads, int head_stride,            \
+                                  int rot_dim, int threads) {                                                  \
+    /* the first rot_dim elements of each head (head_stride apart) rotate; the rest pass (partial rotary) */  \
+    const int half = rot_dim / 2;                                                                              \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * rot_dim, threads))")    \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
         /* cos_table rows are [cos | cos], sin_table rows [-sin | sin] (rotate-half layout) */                  \
-        const float *c = cos_table + positions[r] * head_dim, *s = sin_table + positions[r] * head_dim + half;  \
+        const float *c = cos_table + positions[r] * rot_dim, *s = sin_table + positions[r] * rot_dim + half;   \
         for (int h = 0; h < heads; ++h) {                                                                      \
-            T *xh = x + r * x_stride + (int64_t)h * head_dim;                                                  \
+            T *xh = x + r * x_stride + (int64_t)h * head_stride;                                               \
             for (int d = 0; d < half; ++d) {                                                                   \
                 const float x1 = LOAD_##SUFFIX(xh[d]), x2 = LOAD_##SUFFIX(xh[d + half]);                      \
                 xh[d] = STORE_##SUFFIX(x1 * c[d] - x2 * s[d]);                                                 \
@@ -91,6 +94,12 @@ KERNEL_API int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, c
         }                                                                                                      \
     }                                                                                                          \
     return 0;                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+KERNEL_API int rope_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const float *cos_table,        \
+                             const float *sin_table, int64_t rows, int heads, int head_dim, int threads) {     \
+    return rope_part_##SUFFIX(x, x_stride, positions, cos_table, sin_table, rows, heads, head_dim, head_dim,   \
+                              threads);                                                                        \
 }
 
 DEFINE_OPS(f32, float)

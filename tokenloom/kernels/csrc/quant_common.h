@@ -42,6 +42,11 @@ typedef void (*tl_dequant_row_fn)(const uint8_t *row, int64_t k, float *out);
  * the file layout. dequant_row must read the re-laid-out form. */
 typedef void (*tl_repack_row_fn)(uint8_t *row, int64_t k);
 
+/* One weight row (k columns) as unsigned quants q[k] in natural column order with, per 32-column block b, a
+ * scale and a minimum such that the dequantized weight is scale[b] * q + min[b] (exact but for the one rounding
+ * the type's own dequantize makes): the many-row int8 path's tile (quant_batch.c). */
+typedef void (*tl_u8_row_fn)(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min);
+
 typedef struct {
     int type;
     int block;      /* elements per block */
@@ -49,6 +54,7 @@ typedef struct {
     tl_dot_rows_fn dot_rows;
     tl_dequant_row_fn dequant_row;
     tl_repack_row_fn repack_row;
+    tl_u8_row_fn u8_row; /* NULL: the type's blocks do not map onto 32-column scales (Q6_K's are 16) */
 } tl_quant_type;
 
 #endif

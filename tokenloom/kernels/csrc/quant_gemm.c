@@ -3,15 +3,18 @@
  * blocks per output feature, re-laid-out by the type's repack), plus row dequantize (embedding lookup, full
  * dequantize). The per-type work is in the family files (quant_legacy.c, quant_kquants.c; quant_common.h).
  *
- * Two paths, chosen by the number of rows m:
+ * Three paths, chosen by the number of rows m (quant_path):
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
  *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
  *    activation rows, so one pass over the weight serves both); weight rows are split over OpenMP threads in
  *    chunks of CHUNK_ROWS and each chunk goes through the type's vpdpbusd dot kernel. The rounding of x is the
  *    only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with d_x = max|x_block| / 127
  *    (d_x / 2 with the second term off, quant_act_residual(0)).
- *  - many rows (prefill, batched decode) and every float32 x: per thread, a tile of up to 64 weight rows is
- *    dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature vectors, and
+ *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, types with 32-column scales): the same two
+ *    int8 terms against integer weight tiles, register-blocked over many rows (quant_batch.c), same bound.
+ *  - the other many-row cases (prefill, batched decode) and every float32 x: per thread, a tile of up to 64
+ *    weight rows is dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature
+ *    vectors, and
  *    multiplied with float32 accumulators: for bf16 x, bf16 weights (the dequantized value rounded once, as
  *    loading the GGUF to bf16 would; the legacy family writes them directly) through amx_gemm.c's tiles
  *    where AMX runs, else pair_gemm.c's AVX512-BF16 register bands; for float32 x, float32 weights (exact)
@@ -35,10 +38,7 @@ enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, 
 #define SMALL_M_LIMIT 16          /* the small path's per-chunk output buffer holds this many rows */
 #define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
 
-/* Rows up to which the int8 stream beats the dequantized tile (bench/quant_gemm.py --small-m; -1: not yet
- * decided). With AMX the tile's matmul is nearly free and its dequantize sets the crossover: 12 rows
- * (49152x576, 8192x2048, 3072x576 Q4_1: int8 path 1.6x faster at 8 rows, 1.15x slower at 16). Without AMX
- * the tile path's AVX512-BF16 matmul costs more, so the int8 path keeps its whole range. */
+/* Rows up to which the int8 stream runs (quant_small_m below; -1: not yet decided). */
 static int quant_small_m_max = -1;
 /* Decode rows carry a second int8 term, the first one's rounding remainder (quantize_act): on by default, since
  * one int8 term moved SmolLM2's greedy answers further from float32 than bf16 activations do (bench/accuracy.py);
@@ -64,10 +64,12 @@ static const tl_quant_type *tl_quant_lookup(int type) {
 KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != NULL; }
 
 /* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). The
- * defaults are the crossovers with the tile path measured with both int8 terms (SmolLM2 and 1B shapes, Q4_1
- * and Q8_0): 4-8 rows where the tile path runs on AMX, 10-12 on AVX512-BF16. */
+ * defaults are the crossovers measured with both int8 terms (SmolLM2 and 1B shapes, Q4_1 and Q8_0): 4-8 rows
+ * where the next path is AMX's bf16 tile; 8 where it is quant_batch.c's many-row int8 path (one thread,
+ * 576x1536 and 8192x2048, Q4_1/Q8_0/Q4_K: the small stream 1.1-1.6x faster at 2-4 rows, within +-15% at
+ * 6-8, 1.05-1.5x slower at 12); 10-12 against the AVX512-BF16 tile (Q6_K, and with the int8 path off). */
 #define SMALL_M_AMX 6
-#define SMALL_M_NO_AMX 12
+#define SMALL_M_NO_AMX 8
 KERNEL_API int quant_small_m(int value) {
     if (value >= 0)
         quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;
@@ -425,6 +427,44 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
 }
 #endif
 
+#include "quant_batch.c" /* the many-row int8 path: uses quantize_act, transpose_tile, epilogue above */
+
+/* Rows from which bf16 x takes quant_batch.c's int8 path instead of the bf16 tile (types with 32-column scales,
+ * k % 64 == 0; rows up to quant_small_m take the small stream first): read (value < 0) or set it (0: never).
+ * By default every row count past the small stream where AMX does not run (bench/quant_gemm.py --tile, one
+ * thread, AVX512-BF16 tile vs this path at 16-256 rows: 1.35-1.6x faster with both int8 terms), and never
+ * where it runs (AMX's bf16 tiles are 1.3-5x faster than this path at 16-256 rows). */
+static int quant_batch_min_rows = -1;
+KERNEL_API int quant_batch_m(int value) {
+    if (value >= 0)
+        quant_batch_min_rows = value;
+    else if (quant_batch_min_rows < 0) /* a benign race: every caller decides the same */
+#if HAVE_AMX
+        quant_batch_min_rows = amx_gemm_supported() ? 0 : 1;
+#else
+        quant_batch_min_rows = 1;
+#endif
+    return quant_batch_min_rows;
+}
+
+/* The path quant_linear takes for these arguments: 1 the small int8 stream, 2 the many-row int8 path, 0 the
+ * dequantized tile; -1 for a type this build lacks (tests pick each path's error bound with it). */
+KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
+#if HAVE_QUANT_GEMM
+    const tl_quant_type *t = tl_quant_lookup(type);
+    if (t == NULL) return -1;
+    if (!x_is_f32 && m <= quant_small_m(-1)) return 1;
+#if HAVE_QUANT_BATCH
+    const int batch_from = quant_batch_m(-1);
+    if (!x_is_f32 && batch_from > 0 && m >= batch_from && t->u8_row != NULL && k % 64 == 0) return 2;
+#endif
+    return 0;
+#else
+    (void)type; (void)m; (void)k; (void)x_is_f32;
+    return -1;
+#endif
+}
+
 /* out[m, n] (row stride out_stride; float32 or bf16) = x[m, k] (row stride x_stride; float32 or bf16) . W^T
  * (+ bias[n], float32 or bf16, or NULL), W [n, k] of GGUF type `type` re-laid-out by quant_repack. */
 KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
@@ -436,9 +476,15 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     if (rc != QUANT_OK) return rc;
     if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
     if (m == 0 || n == 0) return QUANT_OK;
-    if (!x_is_f32 && m <= quant_small_m(-1))
+    switch (quant_path(type, m, k, x_is_f32)) {
+    case 1:
         return small_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                           threads);
+#if HAVE_QUANT_BATCH
+    case 2: return batch_path(t, w, n, k, x, x_stride, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
+#endif
+    default: break;
+    }
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #else
     (void)type; (void)w; (void)n; (void)k; (void)x; (void)x_stride; (void)x_is_f32; (void)m; (void)bias;

@@ -290,6 +290,30 @@ static void kq45_dequant_row_avx(const uint8_t *row, int64_t k, float *out, int 
     }
 }
 static void kq4_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 0); }
+
+/* Unsigned quants in natural order with per-sub-block (32 columns) scale d*sc_j and minimum -dmin*m_j
+ * (quant_common.h's tl_u8_row_fn): the same lanes the dequantize above writes, as bytes. */
+static void kq45_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min, int five) {
+    const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, q += KQ_K, scale += 8, min += 8) {
+        __m512i v[4];
+        float sc[16];
+        _mm512_storeu_ps(sc, kq45_decode(five, row + blk * bytes, v));
+        for (int t = 0; t < 4; ++t)
+            for (int g = 0; g < 4; ++g)
+                _mm_storeu_si128((__m128i *)(q + 128 * (t / 2) + 32 * g + 16 * (t % 2)), kq_lane(v[t], g));
+        for (int j = 0; j < 8; ++j) {
+            scale[j] = sc[j];
+            min[j] = -sc[8 + j];
+        }
+    }
+}
+static void kq4_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+    kq45_u8_row(row, k, q, scale, min, 0);
+}
+static void kq5_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+    kq45_u8_row(row, k, q, scale, min, 1);
+}
 static void kq5_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 1); }
 
 static void kq6_dequant_row_avx(const uint8_t *row, int64_t k, float *out) {
@@ -472,13 +496,15 @@ static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, c
 
 #if KQ_VNNI
 #define KQ_DEQ(name) name##_avx
+#define KQ_U8(name) name
 #else
 #define KQ_DEQ(name) name
+#define KQ_U8(name) NULL
 #endif
 static const tl_quant_type kq_types[3] = {
-    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row},
-    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row},
-    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row},
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row, KQ_U8(kq4_u8_row)},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row, KQ_U8(kq5_u8_row)},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row, NULL},
 };
 
 static const tl_quant_type *tl_kquant_type(int type) {

@@ -320,10 +320,43 @@ static void q8_0_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1
     legacy_dot(2, w, row_bytes, n0, n1, a, out, out_stride);
 }
 
+/* ---- unsigned quants with per-block scale and minimum (quant_common.h's tl_u8_row_fn) ---- */
+
+/* Q4: nibbles to bytes (low nibbles are a block's elements 0..15, high ones 16..31). Q4_0: w = d q - 8 d;
+ * Q4_1: w = d q + m; Q8_0: w = d u - 128 d with the re-laid-out u = q + 128. */
+static inline __attribute__((always_inline)) void q4_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale,
+                                                        float *min, const int is_q4_1) {
+    const int64_t nb = k / TL_QK;
+    const uint8_t *qs = row + (is_q4_1 ? 4 : 2) * nb;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm_and_si128(v, low));
+        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+        const float d = h2f(row + 2 * b);
+        scale[b] = d;
+        min[b] = is_q4_1 ? h2f(row + 2 * nb + 2 * b) : -8.0f * d;
+    }
+}
+static void q4_0_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+    q4_u8(row, k, q, scale, min, 0);
+}
+static void q4_1_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+    q4_u8(row, k, q, scale, min, 1);
+}
+static void q8_0_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+    const int64_t nb = k / TL_QK;
+    memcpy(q, row + 2 * nb, (size_t)k);
+    for (int64_t b = 0; b < nb; ++b) {
+        scale[b] = h2f(row + 2 * b);
+        min[b] = -128.0f * scale[b];
+    }
+}
+
 static const tl_quant_type TL_LEGACY_TYPES[3] = {
-    {TL_Q4_0, 32, 18, q4_0_dot, q4_0_dequant, q4_0_repack},
-    {TL_Q4_1, 32, 20, q4_1_dot, q4_1_dequant, q4_1_repack},
-    {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack},
+    {TL_Q4_0, 32, 18, q4_0_dot, q4_0_dequant, q4_0_repack, q4_0_u8},
+    {TL_Q4_1, 32, 20, q4_1_dot, q4_1_dequant, q4_1_repack, q4_1_u8},
+    {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack, q8_0_u8},
 };
 #endif
 
