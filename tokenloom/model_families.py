@@ -64,6 +64,90 @@ def _parse_qwen2(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return fields
 
 
+def _gemma_common(cfg: dict[str, Any], source: str, default_context: int) -> dict[str, Any]:
+    """What Gemma 2 and Gemma 3 share: GeGLU with tanh GELU, (1 + w) RMSNorm, sandwich norms, embeddings
+    scaled by sqrt(hidden_size), the query pre-attention scalar, interleaved sliding/global layers. Defaults
+    for keys a config leaves out are transformers' (Gemma configs on the Hub omit many of them)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelConfigError(f"{source}: unsupported hidden_activation {act!r} (Gemma runs gelu_pytorch_tanh)")
+    if cfg.get("attention_bias"):
+        raise ModelConfigError(f"{source}: attention_bias is not supported for Gemma (no o_proj bias)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"{source}: use_bidirectional_attention (an encoder, not a causal LM) "
+                               "is not supported")
+    layer_types = tuple(cfg.get("layer_types") or ())
+    bad = set(layer_types) - {"full_attention", "sliding_attention"}
+    if bad:
+        raise ModelConfigError(f"{source}: unsupported layer_types {sorted(bad)}")
+    window = cfg.get("sliding_window", 4096)
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "head_dim": int(cfg.get("head_dim") or 256),
+        "max_position_embeddings": int(cfg.get("max_position_embeddings") or default_context),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "norm_weight_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5,
+        "sliding_window": int(window) if window else None,
+        "layer_types": layer_types,
+    }
+
+
+def _softcap(cfg: dict[str, Any], key: str, default: float | None) -> float | None:
+    """A soft-cap key: transformers' default when absent, None (off) when null or 0."""
+    value = cfg.get(key, default)
+    return float(value) if value else None
+
+
+def _parse_gemma2(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 2: attention and final logit soft-caps (50 / 30 unless the config says otherwise); layers
+    alternate sliding (even ids) and global unless `layer_types` lists them."""
+    fields = _gemma_common(cfg, source, 8192)
+    n = int(cfg["num_hidden_layers"])
+    if not fields["layer_types"]:
+        fields["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
+    fields["attn_logit_softcap"] = _softcap(cfg, "attn_logit_softcapping", 50.0)
+    fields["final_logit_softcap"] = _softcap(cfg, "final_logit_softcapping", 30.0)
+    return fields
+
+
+def _parse_gemma3(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3 text: per-head (1 + w) q/k norms; sliding layers rotate with their own base
+    (`rope_local_base_freq`, or `rope_parameters["sliding_attention"]`) and no scaling, global layers with
+    `rope_theta` (default 1e6) and `rope_scaling`; without `layer_types` every `sliding_window_pattern`-th
+    layer (default 6th) is global. Soft-caps only where the config sets them."""
+    if "text_config" in cfg or "vision_config" in cfg:
+        raise ModelConfigError(f"{source}: multimodal Gemma 3 (vision tower) is not supported; serve a "
+                               "text-only Gemma3ForCausalLM checkpoint")
+    fields = _gemma_common(cfg, source, 131072)
+    n = int(cfg["num_hidden_layers"])
+    if not fields["layer_types"]:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(n))
+    rope = cfg.get("rope_parameters") or {}
+    per_type = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
+    local = dict(rope.get("sliding_attention") or {}) if per_type else {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelConfigError(f"{source}: unsupported rope_type {local['rope_type']!r} on sliding layers")
+    glob = (rope.get("full_attention") or {}) if per_type else rope
+    fields["rope_theta"] = float(cfg.get("rope_theta") or glob.get("rope_theta") or 1_000_000.0)
+    fields["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0)
+    fields["qk_norm"] = "head"
+    fields["attn_logit_softcap"] = _softcap(cfg, "attn_logit_softcapping", None)
+    fields["final_logit_softcap"] = _softcap(cfg, "final_logit_softcapping", None)
+    return fields
+
+
+# Architectures refused by name, with what they would need.
+_REFUSED = {
+    "Gemma3ForConditionalGeneration": "multimodal Gemma 3 (vision tower + text model) is not supported; "
+                                      "serve a text-only Gemma3ForCausalLM checkpoint",
+}
+
+
 def _layer_windows(cfg: dict[str, Any], sliding_by_default: Callable[[int], bool]) -> dict[str, Any]:
     """`sliding_window` and `layer_types` of a config whose window is off unless `use_sliding_window` (Qwen3,
     SmolLM3: transformers' default false): the config's own `layer_types`, else the family's default rule."""
@@ -209,6 +293,8 @@ FAMILIES: dict[str, Family] = {
         Family("LlamaForCausalLM", ("llama",), _parse_llama),
         Family("MistralForCausalLM", ("mistral",), _parse_llama),
         Family("Qwen2ForCausalLM", ("qwen2",), _parse_qwen2),
+        Family("Gemma2ForCausalLM", ("gemma2",), _parse_gemma2),
+        Family("Gemma3ForCausalLM", ("gemma3_text",), _parse_gemma3),
         Family("Qwen3ForCausalLM", ("qwen3",), _parse_qwen3),
         Family("SmolLM3ForCausalLM", ("smollm3",), _parse_smollm3),
         Family("Phi3ForCausalLM", ("phi3",), _parse_phi3),
@@ -235,6 +321,9 @@ def family_for(cfg: dict[str, Any], source: str) -> Family:
         for family in FAMILIES.values():
             if model_type in family.model_types:
                 return family
+    for arch in archs:
+        if arch in _REFUSED:
+            raise ModelConfigError(f"{source}: {arch}: {_REFUSED[arch]}")
     found = archs or [cfg.get("model_type")]
     raise ModelConfigError(f"{source}: unsupported architecture {found}; tokenloom supports "
                            f"{', '.join(FAMILIES)}")

@@ -1,4 +1,5 @@
-"""SwiGLU activation over a merged gate/up projection (one native call on the CPU, torch elsewhere)."""
+"""Gated activations over a merged gate/up projection: SwiGLU (one native call on the CPU, torch elsewhere)
+and GeGLU with the tanh-approximated GELU (Gemma; torch)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,11 @@ class SiluAndMul(nn.Module):
             return cpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[gate | up] -> gelu_tanh(gate) * up, halving the last dimension (transformers' gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -23,6 +23,7 @@ from tokenloom.kernels.quant_gemm import QUANT_TYPES, QuantMatrix, QuantSplitErr
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
@@ -88,9 +89,13 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Per architecture, llama.cpp block names whose HF name differs from `_BLOCK_NAMES` (fused tensors).
+# Per architecture, llama.cpp block names whose HF name differs from `_BLOCK_NAMES` (fused tensors; Gemma's
+# ffn_norm is the pre-feed-forward norm).
 _ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # q|k|v rows; gate|up rows
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm"},
 }
 _BLOCK_NAMES.update({  # mixture of experts (3-D *_exps tensors are split per expert by `tensors`)
     "ffn_gate_inp": "mlp.gate",
@@ -104,6 +109,9 @@ _BLOCK_NAMES.update({  # mixture of experts (3-D *_exps tensors are split per ex
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 })
+# Architectures whose converter stored every RMSNorm weight as 1 + w (llama.cpp's Gemma converters); the
+# model takes HF's w, so the 1 is taken off at load (exact to float32 rounding).
+_NORM_SHIFTED = {"gemma3"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -200,6 +208,7 @@ class GGUFFile:
                 continue
             name = self._hf_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shift = 1.0 if self.arch in _NORM_SHIFTED and name.endswith("norm.weight") else 0.0
             heads = None
             if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
@@ -223,7 +232,7 @@ class GGUFFile:
             tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
             if heads is not None:
                 tensor = unpermute_qk(tensor, heads)
-            yield name, tensor
+            yield name, tensor - shift if shift else tensor
 
     def _expert_tensors(self, t: Any, name: str, shape: tuple[int, ...], quantized: bool
                         ) -> Iterator[tuple[str, torch.Tensor | QuantMatrix]]:
@@ -299,6 +308,37 @@ class GGUFFile:
         if not m or m.group(2) not in names:
             raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def _gemma3_extras(f: GGUFFile) -> dict[str, Any]:
+    """llama.cpp's gemma3 keys, read as its loader does: the window (absent: every layer global), the
+    sliding pattern (a per-layer bool array, else every 6th layer global), the sliding layers' RoPE base
+    (default 10000), the final soft-cap; the query scale is not stored: head_dim ** -0.5, or
+    (hidden / heads) ** -0.5 for the 62-layer 27B model (llama.cpp's rule, after gemma_pytorch)."""
+    a = f.arch
+    layers = int(f.field(f"{a}.block_count"))
+    heads = int(f.field(f"{a}.attention.head_count"))
+    hidden = int(f.field(f"{a}.embedding_length"))
+    head_dim = int(f.field(f"{a}.attention.key_length") or hidden // heads)
+    window = f.field(f"{a}.attention.sliding_window")
+    pattern = f.field(f"{a}.attention.sliding_window_pattern")
+    if not window:
+        types = ["full_attention"] * layers
+    elif isinstance(pattern, list):
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:  # llama.cpp: layer i slides when n == 0 or i % n < n - 1
+        n = 6 if pattern is None else int(pattern)
+        types = ["sliding_attention" if n == 0 or (i + 1) % n else "full_attention" for i in range(layers)]
+    return {
+        "sliding_window": int(window) if window else None,
+        "layer_types": types,
+        "rope_local_base_freq": float(f.field(f"{a}.rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": f.field(f"{a}.final_logit_softcapping"),
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+    }
+
+
+_GGUF_EXTRAS["gemma3"] = _gemma3_extras
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:

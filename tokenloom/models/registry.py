@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenloom.model_config import ModelConfigError
+from tokenloom.models.gemma import GemmaForCausalLM
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.moe_decoder import MoEForCausalLM
 from tokenloom.models.phi3 import Phi3ForCausalLM
@@ -16,6 +17,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -10,7 +10,9 @@ layer. Invariants every backend keeps:
   its own slot space: the backend maps the step's slots through `full_to_swa` once per step (positions out
   of the window may map to the dummy slot 0: they are masked or not read);
 - outputs come back in the token order of `batch.input_ids`, shape [T, num_heads * head_dim];
-- no Python loop over requests on the per-step path.
+- no Python loop over requests on the per-step path;
+- `logit_cap` > 0 soft-caps the scaled scores, s -> cap * tanh(s / cap), before the mask and softmax
+  (Gemma 2's attn_logit_softcapping); 0 leaves them alone.
 """
 
 from __future__ import annotations
@@ -49,5 +51,5 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens -> attention output [T, Hq * D]."""

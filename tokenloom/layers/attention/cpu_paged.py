@@ -12,6 +12,9 @@ kernel call reads those (no cascade: windows of different lengths rarely start o
 Over a sliding-window pool those lists are built for every window (they must be mapped to the sliding
 layers' slots even where the window does not bind) and mapped through `full_to_swa`, as are the new tokens'
 slots.
+
+Soft-capped scores (`logit_cap`, Gemma 2) are not in the native kernel: such a decode runs the torch path on
+the same step's indices (its padded metadata, windows included, built once per step on the first capped layer).
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
-from tokenloom.layers.attention.torch_native import TorchNativeBackend
+from tokenloom.layers.attention.torch_native import (
+    TorchNativeBackend,
+    TorchNativeMetadata,
+    decode_metadata_from_indices,
+)
 from tokenloom.layers.kv_indices import build_kv_indices
 
 
@@ -37,6 +44,7 @@ class CpuDecodeMetadata:
     # window -> (kv_indptr, kv_indices) over each request's last `window` positions; windows that bind only
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     swa_out_loc: torch.Tensor | None = None  # the new tokens' slots in the sliding layers' pool
+    torch_md: TorchNativeMetadata | None = None  # the torch decode's, for soft-capped layers (built on use)
 
 
 class CpuPagedBackend(TorchNativeBackend):
@@ -64,11 +72,16 @@ class CpuPagedBackend(TorchNativeBackend):
         batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared, windowed, swa_out_loc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
-            return super().forward(q, k, v, layer_id, scaling, batch)
-        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
+            return super().forward(q, k, v, layer_id, scaling, batch, logit_cap)
         md: CpuDecodeMetadata = batch.attn_metadata
+        if logit_cap:
+            if md.torch_md is None:
+                md.torch_md = self._map_swa(decode_metadata_from_indices(
+                    md.kv_indptr, md.kv_indices, batch.seq_lens, batch.max_seq_len, self.windows), batch)
+            return self._attend(q, k, v, layer_id, scaling, batch, md.torch_md, logit_cap)
+        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         window = md.windowed.get(self.window_of(layer_id))
         kv_indptr, kv_indices, shared = (md.kv_indptr, md.kv_indices, md.shared) if window is None \
             else (*window, None)

@@ -75,12 +75,7 @@ class TorchNativeBackend(AttentionBackend):
         windows = [w for w in self.windows if w < max_len]  # a window >= every length never binds
         kv_pos = torch.arange(max_len, device=device)
         if batch.forward_mode.is_decode():
-            mask = torch.zeros(bsz, 1, 1, max_len, dtype=torch.float32, device=device)
-            mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
-            md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, 1, mask, None)
-            # the query sits at seq_len - 1 and sees keys > seq_len - 1 - w
-            md.window_masks = {w: mask.masked_fill(kv_pos[None, None, None, :] < (seq_lens - w).view(-1, 1, 1, 1),
-                                                   float("-inf")) for w in windows}
+            md = _decode_metadata(kv_indptr, kv_indices, kv_slots, valid, seq_lens, max_len, windows)
         else:
             q_max = batch.max_extend_len
             per_request = self._per_request_plan(batch, kv_indptr, kv_indices, q_max, max_len)
@@ -132,15 +127,18 @@ class TorchNativeBackend(AttentionBackend):
                 for b in range(batch.batch_size)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
-                batch: ForwardBatch) -> torch.Tensor:
-        md: TorchNativeMetadata = batch.attn_metadata
+                batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:
+        return self._attend(q, k, v, layer_id, scaling, batch, batch.attn_metadata, logit_cap)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
+                batch: ForwardBatch, md: TorchNativeMetadata, logit_cap: float) -> torch.Tensor:
         swa = self.in_swa_pool(layer_id)
         self.kv_pool.set_kv(layer_id, md.swa_out_loc if swa else batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)  # [Hkv, rows, D]
         window = self.window_of(layer_id)
         if md.per_request is not None:
             slots = md.swa_per_request if swa else [r[3] for r in md.per_request]
-            return self._extend_per_request(q, k_buf, v_buf, md, scaling, window, slots)
+            return self._extend_per_request(q, k_buf, v_buf, md, scaling, window, slots, logit_cap)
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         group = q.shape[1] // num_kv_heads
         shape = (num_kv_heads, md.batch_size, md.max_len, head_dim)
@@ -149,18 +147,18 @@ class TorchNativeBackend(AttentionBackend):
         v_g = v_buf.index_select(1, flat).view(shape).to(q.dtype)
         window = window if window in (md.window_masks or {}) else 0
         if batch.forward_mode.is_decode():
-            return _decode(q, k_g, v_g, md.window_masks[window] if window else md.mask, scaling, group)
-        return self._extend(q, k_g.transpose(0, 1), v_g.transpose(0, 1), md, scaling, group, window)
+            return _decode(q, k_g, v_g, md.window_masks[window] if window else md.mask, scaling, group, logit_cap)
+        return self._extend(q, k_g.transpose(0, 1), v_g.transpose(0, 1), md, scaling, group, window, logit_cap)
 
     def _extend(self, q: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor, md: TorchNativeMetadata,
-                scaling: float, group: int, window: int = 0) -> torch.Tensor:
+                scaling: float, group: int, window: int = 0, logit_cap: float = 0.0) -> torch.Tensor:
         bsz, num_kv_heads, _, head_dim = k_pad.shape
         num_heads = q.shape[1]
         q_pad = q.new_zeros(bsz * md.q_max, num_heads, head_dim)
         q_pad[md.query_slot] = q
         if md.mask is None and not window:  # no prefix: plain causal attention, GQA handled by SDPA
             q4 = q_pad.view(bsz, md.q_max, num_heads, head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q4, k_pad, v_pad, is_causal=True, scale=scaling, enable_gqa=True)
+            out = _sdpa(q4, k_pad, v_pad, is_causal=True, scale=scaling, enable_gqa=True, softcap=logit_cap)
             return out.transpose(1, 2).reshape(bsz * md.q_max, num_heads * head_dim)[md.query_slot]
         # [B, Qmax, Hkv, G, D] -> [B, Hkv, Qmax * G, D]
         q_pad = q_pad.view(bsz, md.q_max, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
@@ -174,14 +172,15 @@ class TorchNativeBackend(AttentionBackend):
             if md.grouped_mask is None:
                 md.grouped_mask = md.mask if group == 1 else md.mask.repeat_interleave(group, dim=2)
             mask = md.grouped_mask
-        out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, scale=scaling)
+        out = _sdpa(q_pad, k_pad, v_pad, attn_mask=mask, scale=scaling, softcap=logit_cap)
         out = out.view(bsz, num_kv_heads, md.q_max, group, head_dim).permute(0, 2, 1, 3, 4)
         return out.reshape(bsz * md.q_max, num_heads * head_dim)[md.query_slot]
 
 
     @staticmethod
     def _extend_per_request(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: TorchNativeMetadata,
-                            scaling: float, window: int, request_slots: list[torch.Tensor]) -> torch.Tensor:
+                            scaling: float, window: int, request_slots: list[torch.Tensor],
+                            logit_cap: float = 0.0) -> torch.Tensor:
         """Each request's queries against exactly its own K/V (`request_slots[b]`, in the layer's pool):
         q [T, Hq, D] -> [T, Hq * D]."""
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
@@ -195,8 +194,8 @@ class TorchNativeBackend(AttentionBackend):
             q_r = q[start: start + new]  # [n, Hq, D]
             w = window if window < prefix + new else 0  # a window covering every key does not bind
             if prefix == 0 and not w:  # keys and queries coincide: plain causal attention, GQA handled by SDPA
-                o = F.scaled_dot_product_attention(q_r.transpose(0, 1).unsqueeze(0), k_r, v_r, is_causal=True,
-                                                   scale=scaling, enable_gqa=True)  # [1, Hq, n, D]
+                o = _sdpa(q_r.transpose(0, 1).unsqueeze(0), k_r, v_r, is_causal=True, scale=scaling,
+                          enable_gqa=True, softcap=logit_cap)  # [1, Hq, n, D]
                 out[start: start + new] = o[0].transpose(0, 1).reshape(new, num_heads * head_dim)
                 continue
             # query i sits at position prefix + i and sees keys <= it (and > it - w in a window layer); a KV
@@ -212,21 +211,68 @@ class TorchNativeBackend(AttentionBackend):
                 md.request_masks[key] = mask
             q_g = q_r.view(new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(
                 1, num_kv_heads, new * group, head_dim)
-            o = F.scaled_dot_product_attention(q_g, k_r, v_r, attn_mask=mask, scale=scaling)
+            o = _sdpa(q_g, k_r, v_r, attn_mask=mask, scale=scaling, softcap=logit_cap)
             out[start: start + new] = o.view(num_kv_heads, new, group, head_dim).permute(1, 0, 2, 3).reshape(
                 new, num_heads * head_dim)
         return out
 
 
+def _decode_metadata(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_slots: torch.Tensor,
+                     valid: torch.Tensor, seq_lens: torch.Tensor, max_len: int, windows: list[int]
+                     ) -> TorchNativeMetadata:
+    """A decode step's metadata: the padding mask, and per binding window its mask (the query sits at
+    seq_len - 1 and sees keys > seq_len - 1 - w)."""
+    bsz = seq_lens.numel()
+    mask = torch.zeros(bsz, 1, 1, max_len, dtype=torch.float32, device=kv_slots.device)
+    mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, 1, mask, None)
+    kv_pos = torch.arange(max_len, device=kv_slots.device)
+    md.window_masks = {w: mask.masked_fill(kv_pos[None, None, None, :] < (seq_lens - w).view(-1, 1, 1, 1),
+                                           float("-inf")) for w in windows}
+    md.grouped_window_masks = {}
+    return md
+
+
+def decode_metadata_from_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
+                                 max_len: int, windows: list[int]) -> TorchNativeMetadata:
+    """The torch decode metadata of a step whose ragged KV indices are already built."""
+    kv_slots, valid = padded_kv_indices(kv_indptr, kv_indices, seq_lens, max_len)
+    return _decode_metadata(kv_indptr, kv_indices, kv_slots, valid, seq_lens, max_len,
+                            [w for w in windows if w < max_len])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+          is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False, softcap: float = 0.0
+          ) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`; with `softcap` > 0 the same attention with the scaled scores
+    soft-capped before the mask, which SDPA cannot do: explicit float32 scores, softmax, weighted sum."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
+    if is_causal:  # top-left aligned, as SDPA's is_causal
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
-            group: int) -> torch.Tensor:
+            group: int, logit_cap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, D]; k/v [Hkv, B, L, D] contiguous; mask [B, 1, 1, L] additive -> [B, Hq * D].
 
     Batched over (Hkv, B) with the query heads of a KV group as rows: no copy of K or V."""
     num_kv_heads, bsz, _, head_dim = k.shape
     qg = q.view(bsz, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
     scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [Hkv, B, G, L]
-    scores = scores.mul_(scaling).add_(mask.view(1, bsz, 1, -1))
+    scores = scores.mul_(scaling)
+    if logit_cap:
+        scores = scores.div_(logit_cap).tanh_().mul_(logit_cap)
+    scores = scores.add_(mask.view(1, bsz, 1, -1))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(bsz, num_kv_heads * group * head_dim)
