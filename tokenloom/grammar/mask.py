@@ -1,0 +1,38 @@
+"""A batch's token masks: a packed int32 bitmask, one row per request (bit t of word t // 32 set: token t
+allowed, the layout both backends fill), applied to float32 logits.
+
+`apply_bitmask` sets the logits of disallowed tokens of the listed rows to -inf in place. Unpacking is one
+shift-and-test over [rows, words, 32] (no per-token Python); columns past the bitmask's width (logits wider
+than the vocabulary the grammar knows: padded LM heads) are disallowed too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed bitmask for `rows` requests (-1: every bit set)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab]: which tokens each row allows."""
+    bits = (bitmask[:, :, None] >> _SHIFTS.to(bitmask.device)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=allowed.device)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Set `logits[rows[i], t]` to -inf where row i of `bitmask` disallows token t (in place). `rows`: the
+    logits rows the bitmask rows belong to (None: all rows, in order)."""
+    allowed = allowed_tokens(bitmask, logits.shape[1])
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
