@@ -81,10 +81,8 @@ class XGrammarBackend:
     def compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler
         try:
-            if spec.kind == "json_schema":
+            if spec.kind in ("json_schema", "json_object"):  # json_object: the schema {"type": "object"}
                 return c.compile_json_schema(spec.text, any_whitespace=False)
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
             if spec.kind == "regex":
                 return c.compile_regex(spec.text)
             if spec.kind == "ebnf":
@@ -164,10 +162,14 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
     """The backend `--grammar-backend name` selects (None for "none": grammars are refused)."""
     if name == "none":
         return None
-    if name == "xgrammar":
-        return XGrammarBackend(tokenizer, vocab_size, eos_token_ids)
-    if name == "llguidance":
-        return LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)
+    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}.get(name)
+    if cls is not None:
+        try:
+            return cls(tokenizer, vocab_size, eos_token_ids)
+        except ImportError as e:
+            hint = " --no-deps xgrammar==0.2.9" if name == "xgrammar" else " llguidance"
+            raise ValueError(f"--grammar-backend {name} needs the {name} package (pip install{hint}; "
+                             f"scripts/setup.sh installs it): {e}") from None
     if name == "outlines":
         raise ValueError("--grammar-backend outlines is not available in tokenloom: use xgrammar (default) or "
                          "llguidance")

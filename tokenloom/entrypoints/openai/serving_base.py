@@ -178,6 +178,12 @@ def check_common(req: SamplingExtras) -> None:
     grammar_params(req)
 
 
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (only the regex metacharacters escaped: xgrammar warns about
+    escapes of other characters, such as re.escape's escaped spaces)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}/-])", r"\\\1", text)
+
+
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
@@ -217,7 +223,7 @@ def grammar_params(req: SamplingExtras) -> dict[str, str]:
     if req.guided_choice is not None:
         if not req.guided_choice:
             raise ValueError("guided_choice must list at least one choice")
-        found.append(("guided_choice", "regex", "|".join(f"({re.escape(c)})" for c in req.guided_choice)))
+        found.append(("guided_choice", "regex", "|".join(f"({_regex_literal(c)})" for c in req.guided_choice)))
     if req.guided_grammar is not None:
         found.append(("guided_grammar", "ebnf", req.guided_grammar))
     if len(found) > 1:

@@ -15,3 +15,4 @@
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"
+#include "token_mask.c"
