@@ -35,7 +35,6 @@ from tokenloom.grammar.backends import make_backend  # noqa: E402
 from tokenloom.grammar.compiler import GrammarCompiler  # noqa: E402
 from tokenloom.grammar.mask import allocate_bitmask, apply_bitmask  # noqa: E402
 from tokenloom.grammar.spec import GrammarSpec  # noqa: E402
-from tokenloom.kernels import cpu_ops  # noqa: E402
 from tokenloom.models.loader import resolve_model_source  # noqa: E402
 from tokenloom.tokenizer import load_tokenizer  # noqa: E402
 
@@ -93,8 +92,7 @@ def mask_cost(backend_name: str, tokenizer, batch: int) -> dict:
         for j, m in enumerate(matchers):
             m.fill(mask, j)
         t1 = time.thread_time()
-        if not cpu_ops.apply_token_bitmask(logits, mask, rows):
-            apply_bitmask(logits, mask, rows)
+        apply_bitmask(logits, mask, rows)
         t2 = time.thread_time()
         for m in matchers:
             m.accept(token)

@@ -23,7 +23,7 @@ from tests.e2e.server_process import ServerProcess, http
 jsonschema = pytest.importorskip("jsonschema")
 
 FLAGS = ("--context-length", "2048", "--max-total-tokens", "8192", "--max-running-requests", "64",
-         "--num-threads", "1")
+         "--chunked-prefill-size", "64", "--num-threads", "1")
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -143,6 +143,18 @@ def test_regex_on_generate_and_vllm_aliases(server, oai):
     schema = SCHEMAS["flat"]
     out = oai.completions.create(model="tiny", prompt="Person:", max_tokens=120, extra_body={"guided_json": schema})
     jsonschema.validate(json.loads(out.choices[0].text), schema)
+
+
+def test_a_chunked_prompt_takes_its_first_token_from_the_grammar(server):
+    # 300 prompt tokens in 64-token chunks: only the last chunk's token is the answer's first
+    regex = r"[0-9]{3}"
+    for temperature in (0, 1.0):
+        status, body = http("POST", server.url + "/generate", {
+            "text": "count " * 300, "sampling_params": {"regex": regex, "max_new_tokens": 10,
+                                                        "temperature": temperature}})
+        assert status == 200, body
+        assert body["meta_info"]["prompt_tokens"] > 256
+        assert re.fullmatch(regex, body["text"]), body["text"]
 
 
 def test_ebnf_grammar(server):

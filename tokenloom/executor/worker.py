@@ -137,10 +137,12 @@ class ModelWorker:
             else None
         grammars = None
         if lane_state is not None and any(r.grammar is not None for r in reqs):
-            # a non-final prefill chunk's token is discarded, and a finished request riding this step (overlap)
-            # has its token discarded too: their matchers must not see those tokens
+            # a non-final prefill chunk's token is discarded (its fill_ids stop short of the request's tokens;
+            # `is_chunked` may still count an earlier chunk whose result is not processed yet), and so is the
+            # token of a finished request riding this step (overlap): their matchers must not see those tokens
             extend = fb.forward_mode.is_extend()
-            grammars = [None if r.finished or (extend and r.is_chunked > 0) else r.grammar for r in reqs]
+            grammars = [None if r.finished or (extend and len(r.fill_ids) < len(r.origin_input_ids) + len(r.output_ids))
+                        else r.grammar for r in reqs]
         return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids, grammars)
 
     # --- forward side --------------------------------------------------------------------------------

@@ -99,21 +99,3 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     _fn("argmax_rows", torch.float32)(_ptr(x2), ctypes.c_int64(x2.stride(0)), ctypes.c_int64(rows),
                                       ctypes.c_int64(cols), _ptr(out), ctypes.c_int(torch.get_num_threads()))
     return out
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> bool:
-    """In place: logits[rows[i], t] = -inf where row i of the packed int32 `bitmask` disallows token t (and for
-    columns past its width). False (nothing done) when the native path does not apply: the caller then uses
-    grammar.mask.apply_bitmask, which computes the same."""
-    if not (available(logits) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
-            and bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"):
-        return False
-    mask = bitmask.contiguous()
-    n = mask.shape[0]
-    idx = (torch.arange(n, dtype=torch.int64) if rows is None else rows.to(torch.int64)).contiguous()
-    if idx.numel() != n:
-        raise ValueError(f"{n} bitmask rows for {idx.numel()} logits rows")
-    _lib().apply_token_bitmask_f32(_ptr(logits), ctypes.c_int64(logits.stride(0)), ctypes.c_int64(logits.shape[1]),
-                                   _ptr(mask), ctypes.c_int64(mask.shape[1]), _ptr(idx), ctypes.c_int64(n),
-                                   ctypes.c_int(torch.get_num_threads()))
-    return True

@@ -55,8 +55,7 @@ class Sampler:
         if info.grammar_bitmask is not None:
             if logits.dtype != torch.float32:
                 logits = logits.float()
-            if not cpu_ops.apply_token_bitmask(logits, info.grammar_bitmask, info.grammar_rows):
-                apply_bitmask(logits, info.grammar_bitmask, info.grammar_rows)
+            apply_bitmask(logits, info.grammar_bitmask, info.grammar_rows)
         raw = logits
         logits = apply_logit_processors(logits.float(), info)
         next_ids = greedy_argmax(logits) if info.all_greedy else self._sample(logits, info)

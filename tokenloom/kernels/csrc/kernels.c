@@ -15,4 +15,3 @@
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"
-#include "token_mask.c"
