@@ -1,6 +1,7 @@
-"""Constrained decoding pieces on their own: the packed token mask (against a bit-by-bit reference),
-the masked distribution), grammar specs and the OpenAI/vLLM aliases, the compile cache, and real backend
-matchers walked token by token against Python's `re`."""
+"""Constrained decoding pieces on their own: the packed token mask (against a bit-by-bit reference), the sampler
+under a mask in every mode (never a disallowed token; logprobs those of the masked distribution), grammar specs
+and the OpenAI/vLLM aliases, the compile cache, and real backend matchers walked token by token against
+Python's `re`."""
 
 from __future__ import annotations
 
