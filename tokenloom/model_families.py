@@ -36,18 +36,31 @@ def _require_act(cfg: dict[str, Any], source: str, allowed: tuple[str, ...], key
     return "silu" if act == "swish" else act
 
 
-def _parse_llama(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    """Llama, Mistral: SwiGLU. A Mistral sliding window is applied by capping the context at the window
-    (attention is exact inside it), recorded in `extra`."""
-    _require_act(cfg, source, ("silu", "swish"))
+def _window(cfg: dict[str, Any]) -> int | None:
+    """The sliding window a config turns on (Qwen2 only with `use_sliding_window`), else None."""
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    return {"hidden_act": "silu", "extra": {"sliding_window": window} if window else {}}
+    return int(window) if window else None
+
+
+def _parse_llama(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Llama, Mistral: SwiGLU. Mistral's `sliding_window` applies to every layer (as transformers' Mistral
+    does, whatever `layer_types` says)."""
+    _require_act(cfg, source, ("silu", "swish"))
+    window = _window(cfg)
+    return {"hidden_act": "silu", **({"sliding_window": window} if window else {})}
 
 
 def _parse_qwen2(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    """Qwen2: Llama with QKV bias (on unless the config says otherwise)."""
+    """Qwen2: Llama with QKV bias (on unless the config says otherwise). With `use_sliding_window`, the layers
+    `layer_types` names sliding (by default those from `max_window_layers` on, as transformers' Qwen2Config)."""
     fields = _parse_llama(cfg, source)
     fields["attention_bias"] = True if cfg.get("attention_bias") is None else bool(cfg["attention_bias"])
+    window = fields.get("sliding_window")
+    if window:
+        layers = int(cfg["num_hidden_layers"])
+        first = int(cfg.get("max_window_layers", 28))
+        fields["layer_types"] = tuple(cfg.get("layer_types") or (
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)))
     return fields
 
 

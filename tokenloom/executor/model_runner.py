@@ -86,7 +86,9 @@ class ModelRunner:
         heads = max(1, self.model_config.num_attention_heads // parallel.tp_size)
         self.attn_backend = create_attention_backend(args.attention_backend, self.memory.req_to_token_pool,
                                                      self.memory.kv_pool, heads,
-                                                     cascade=not args.disable_cascade_attention)
+                                                     cascade=not args.disable_cascade_attention,
+                                                     layer_windows=[self.model_config.layer_window(i) for i in
+                                                                    range(self.model_config.num_hidden_layers)])
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         self.native_decode = None if args.disable_native_decode else NativeDecode.build(
             self.model, self.memory.kv_pool, self.attn_backend, self.dtype, self.device, parallel)

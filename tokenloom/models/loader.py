@@ -122,13 +122,10 @@ def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, pa
 
 
 def _with_context(config: ModelConfig, args: ServerArgs) -> ModelConfig:
-    """Apply --context-length and Mistral's sliding window (full attention is exact inside the window)."""
+    """Apply --context-length (a sliding window no longer caps it: the attention backends honour windows)."""
     from dataclasses import replace
 
     length = args.context_length or config.max_position_embeddings
-    window = config.extra.get("sliding_window")
-    if window:
-        length = min(length, int(window))
     return replace(config, max_position_embeddings=length) if length != config.max_position_embeddings \
         else config
 

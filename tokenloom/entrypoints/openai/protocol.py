@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from tokenloom.entrypoints.request_fields import (
     COMMON_UNSUPPORTED,
@@ -129,6 +129,9 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, fed back through the template
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an earlier answer's reasoning (templates may drop it)
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -141,6 +144,11 @@ class ChatCompletionRequest(SamplingExtras):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # false: at most one call per answer
+    separate_reasoning: bool = True  # SGLang: false leaves <think> in the content even with --reasoning-parser
+    # Set by the chat serving: how this request's answers are read, and each streamed choice's parser state.
+    _output_rules: Any = PrivateAttr(default=None)
+    _streams: dict[int, Any] = PrivateAttr(default_factory=dict)
     # chat-template controls (SGLang and vLLM)
     add_generation_prompt: bool | None = None  # default: true unless continue_final_message
     continue_final_message: bool = False
@@ -149,8 +157,8 @@ class ChatCompletionRequest(SamplingExtras):
     input_ids: list[int] | None = None  # SGLang: the prompt already rendered, used instead of the template
 
     IGNORED: ClassVar[frozenset[str]] = SamplingExtras.IGNORED | {
-        "parallel_tool_calls", "function_call", "reasoning_effort", "include_reasoning", "separate_reasoning",
-        "stream_reasoning", "verbosity", "prediction", "task"}
+        "function_call", "reasoning_effort", "include_reasoning", "stream_reasoning", "verbosity", "prediction",
+        "task"}
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
         **SamplingExtras.UNSUPPORTED,
         "functions": (None, "it has no function calling"),
@@ -240,6 +248,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):

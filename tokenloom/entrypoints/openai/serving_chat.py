@@ -3,16 +3,20 @@
 `max_completion_tokens` (or the deprecated `max_tokens`; neither = until the context limit) becomes
 max_new_tokens; unset temperature/top_p/top_k/min_p/repetition_penalty take the model's generation config,
 then OpenAI's defaults. Streams send, per choice, a role chunk, content deltas and a finish chunk. Text
-content parts are joined; other part types, tools and structured response formats are refused (tokenloom
-has no multimodal input, function calling or constrained decoding). The prompt is the model's chat template
-(with `continue_final_message`, `add_generation_prompt`, `chat_template_kwargs` and `documents` as SGLang and
-vLLM take them), or SGLang's pre-rendered `input_ids`.
+content parts are joined; other part types are refused (no multimodal input). The prompt is the model's chat
+template (with `tools`, `continue_final_message`, `add_generation_prompt`, `chat_template_kwargs` and
+`documents` as SGLang and vLLM take them; assistant `tool_calls` and `role: tool` turns are fed back
+through it), or SGLang's pre-rendered `input_ids`. With `--reasoning-parser` / `--tool-call-parser` the answer
+is split into `reasoning_content`, `tool_calls` and content, whole or streamed (chat_output.py); an answer
+with calls finishes with `finish_reason: "tool_calls"`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from tokenloom.entrypoints.openai.chat_output import ChatOutputRules, ChoiceStream, check_tools
 from tokenloom.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -61,9 +65,15 @@ class ChatServing(OpenAIServingBase):
                 raise ValueError(f"top_logprobs must be in [0, {top_max}] (--max-logprobs), got {req.top_logprobs}")
             if req.top_logprobs and not req.logprobs:  # 0 (vLLM's default) asks for nothing
                 raise ValueError("top_logprobs requires logprobs to be true")
-        if req.tools and req.tool_choice != "none":
-            raise ValueError("tools are not supported by tokenloom (no function calling)")
-        prompt, ids = self._prompt(req, messages)
+        choice = check_tools(req.tools, req.tool_choice)
+        if choice not in ("none", "auto"):
+            raise ValueError(f"tool_choice {req.tool_choice!r} must be enforced by constrained decoding, which this "
+                             "server does not have yet; use 'auto' (the model decides) or 'none'")
+        req._output_rules = ChatOutputRules(
+            self.tm.args.tool_call_parser if choice != "none" else None,
+            self.tm.args.reasoning_parser if req.separate_reasoning else None,
+            req.tools if choice != "none" else None, 1 if not req.parallel_tool_calls else None)
+        prompt, ids = self._prompt(req, messages, req.tools if choice != "none" else None)
         reqs, _ = self.tm.tokenize_batch(None, ids, self.sampling_params(req, max_new, self.generation_defaults),
                                          req.rid, stream=req.stream, return_logprob=req.logprobs,
                                          top_logprobs_num=req.top_logprobs or 0,
@@ -72,7 +82,8 @@ class ChatServing(OpenAIServingBase):
             r.input_text = prompt
         return reqs
 
-    def _prompt(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> tuple[str | None, list[int]]:
+    def _prompt(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
         """The prompt: SGLang's pre-rendered `input_ids` if given, else the chat template with the request's
         template controls (continue_final_message leaves the last message open instead of adding the
         generation prompt; chat_template_kwargs and documents are variables for the template)."""
@@ -93,6 +104,8 @@ class ChatServing(OpenAIServingBase):
             variables["continue_final_message"] = True
         if req.documents is not None:
             variables["documents"] = req.documents
+        if tools:
+            variables["tools"] = tools
         return self.tm.apply_chat_template(messages, add_generation_prompt, **variables)
 
     @staticmethod
@@ -116,6 +129,12 @@ class ChatServing(OpenAIServingBase):
             entry: dict[str, Any] = {"role": message.role, "content": content or ""}
             if message.name:
                 entry["name"] = message.name
+            if message.tool_calls:
+                if message.role != "assistant":
+                    raise ValueError(f"messages[{i}]: only an assistant message carries tool_calls")
+                entry["tool_calls"] = [_template_call(i, c) for c in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
             messages.append(entry)
         return messages
 
@@ -140,8 +159,11 @@ class ChatServing(OpenAIServingBase):
         for i, out in enumerate(outs):
             meta = out["meta_info"]
             reason, matched = finish_reason_of(meta["finish_reason"])
-            choices.append(ChatChoice(index=i, message=ChatMessageOut(content=out["text"]), finish_reason=reason,
-                                      matched_stop=matched,
+            content, reasoning, calls = req._output_rules.whole(out["text"])
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            message = ChatMessageOut(content=content, reasoning_content=reasoning, tool_calls=calls or None)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason, matched_stop=matched,
                                       logprobs=self._logprobs(meta.get("output_token_logprobs"),
                                                               meta.get("output_top_logprobs"))))
         return ChatCompletionResponse(model=self.response_model_name(req), choices=choices, usage=usage)
@@ -155,12 +177,20 @@ class ChatServing(OpenAIServingBase):
                      logprobs: list[list[Any]] | None, top: list[list[list[Any]]] | None,
                      finish: dict[str, Any] | None, usage: UsageInfo | None) -> list[dict[str, Any]]:
         chunks = []
-        if delta or logprobs:
-            choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=delta),
-                                      logprobs=self._logprobs(logprobs, top))
-            chunks.append(self._chunk(req, rid, choice, usage if finish is None else None))
+        stream = req._streams.get(index)
+        if stream is None:
+            stream = req._streams[index] = ChoiceStream(req._output_rules)
+        pieces = stream.feed(delta, final=finish is not None)
+        if logprobs and not pieces:
+            pieces = [{"content": ""}]
+        for k, piece in enumerate(pieces):
+            choice = ChatStreamChoice(index=index, delta=DeltaMessage(**piece),
+                                      logprobs=self._logprobs(logprobs, top) if k == 0 else None)
+            chunks.append(self._chunk(req, rid, choice, usage if finish is None and k == len(pieces) - 1 else None))
         if finish is not None:
             reason, matched = finish_reason_of(finish)
+            if stream.made_calls and reason == "stop":
+                reason = "tool_calls"
             choice = ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason, matched_stop=matched)
             chunks.append(self._chunk(req, rid, choice, usage))
         return chunks
@@ -174,3 +204,19 @@ class ChatServing(OpenAIServingBase):
         data = chunk.model_dump()
         data["choices"][0]["delta"] = choice.delta.model_dump(exclude_none=True)
         return data
+
+
+def _template_call(message_index: int, call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's tool call as chat templates read it: `function.arguments` as a mapping (the HF
+    convention templates are written for), parsed from OpenAI's JSON string."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"messages[{message_index}].tool_calls entries need function.name")
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ValueError(f"messages[{message_index}]: tool call {fn['name']!r} has arguments that are not "
+                             "JSON") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}

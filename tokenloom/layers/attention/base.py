@@ -4,6 +4,8 @@ Per forward: `init_forward_metadata(batch)` once (index building, masks), then `
 layer. Invariants every backend keeps:
 - `forward` first stores the new tokens' K and V into the KV pool at `batch.out_cache_loc`, then attends
   each new query to the request's KV positions [0, seq_len), causally (query at position p sees <= p);
+- a sliding-window layer (`layer_windows[layer_id]` = w > 0, from `ModelConfig.layer_window`) lets the query
+  at position p see only positions (p - w, p] (transformers' `sliding_window_overlay`: kv > q - w);
 - outputs come back in the token order of `batch.input_ids`, shape [T, num_heads * head_dim];
 - no Python loop over requests on the per-step path.
 """
@@ -11,6 +13,7 @@ layer. Invariants every backend keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -20,9 +23,17 @@ from tokenloom.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+                 layer_windows: Sequence[int] = ()) -> None:
+        """`layer_windows[layer_id]`: the sliding window of that (global) layer, 0 = full attention; layers
+        past the end of the sequence are full."""
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
+        self.layer_windows = tuple(int(w) for w in layer_windows)
+        self.windows = sorted({w for w in self.layer_windows if w > 0})  # the distinct windows
+
+    def window_of(self, layer_id: int) -> int:
+        return self.layer_windows[layer_id] if layer_id < len(self.layer_windows) else 0
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

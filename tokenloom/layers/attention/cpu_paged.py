@@ -5,11 +5,16 @@
 Cascade decode: once per step, `init_forward_metadata` finds decode requests whose KV index lists start with
 the same slots (a prefix they share through the radix cache) and plans groups; every layer's kernel call then
 reads each shared prefix once for the whole group. `cascade=False` (`--disable-cascade-attention`) turns it off.
+
+Sliding-window layers: `init_forward_metadata` also builds, once per step and per distinct window w that
+binds (w < some request's length), index lists holding each request's last w positions only; a window layer's
+kernel call reads those (no cascade: windows of different lengths rarely start on the same slots).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,12 +31,14 @@ class CpuDecodeMetadata:
     kv_indptr: torch.Tensor  # [B + 1] int64
     kv_indices: torch.Tensor  # [sum of lengths] int64
     shared: paged_attention.SharedPrefixPlan | None  # None: every request attends its own KV
+    # window -> (kv_indptr, kv_indices) over each request's last `window` positions; windows that bind only
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class CpuPagedBackend(TorchNativeBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int | None = None,
-                 cascade: bool = True) -> None:
-        super().__init__(req_to_token_pool, kv_pool)
+                 cascade: bool = True, layer_windows: Sequence[int] = ()) -> None:
+        super().__init__(req_to_token_pool, kv_pool, layer_windows)
         kv_heads = kv_pool.k_buffers[0].shape[0] if kv_pool.k_buffers else 1
         self.group = max(1, (num_heads or kv_heads) // kv_heads)
         self.cascade = cascade
@@ -40,10 +47,14 @@ class CpuPagedBackend(TorchNativeBackend):
         if not batch.forward_mode.is_decode():
             super().init_forward_metadata(batch)
             return
-        kv_indptr, kv_indices = build_kv_indices(
-            self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens)
+        table, rows, seq_lens = self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens
+        kv_indptr, kv_indices = build_kv_indices(table, rows, seq_lens)
         shared = paged_attention.plan_shared_prefixes(kv_indptr, kv_indices, self.group) if self.cascade else None
-        batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared)
+        windowed = {}
+        for w in self.windows:
+            if w < batch.max_seq_len:  # the query at seq_len - 1 sees positions [seq_len - w, seq_len)
+                windowed[w] = build_kv_indices(table, rows, seq_lens.clamp(max=w), (seq_lens - w).clamp(min=0))
+        batch.attn_metadata = CpuDecodeMetadata(kv_indptr, kv_indices, shared, windowed)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -51,8 +62,11 @@ class CpuPagedBackend(TorchNativeBackend):
             return super().forward(q, k, v, layer_id, scaling, batch)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         md: CpuDecodeMetadata = batch.attn_metadata
-        out = paged_attention.decode(q, k_buf, v_buf, md.kv_indptr, md.kv_indices, scaling, k_new=k, v_new=v,
-                                     out_loc=batch.out_cache_loc, shared=md.shared)  # stores k/v, then attends
+        window = md.windowed.get(self.window_of(layer_id))
+        kv_indptr, kv_indices, shared = (md.kv_indptr, md.kv_indices, md.shared) if window is None \
+            else (*window, None)
+        out = paged_attention.decode(q, k_buf, v_buf, kv_indptr, kv_indices, scaling, k_new=k, v_new=v,
+                                     out_loc=batch.out_cache_loc, shared=shared)  # stores k/v, then attends
         return out.to(q.dtype)
 
     @staticmethod

@@ -7,6 +7,8 @@ agree; a test checks it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.layers.attention.base import AttentionBackend
@@ -36,9 +38,11 @@ def resolve_attention_backend(name: str, kv_pool: KVPool, num_heads: int) -> str
 
 
 def create_attention_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
-                             num_heads: int, cascade: bool = True) -> AttentionBackend:
-    """`cascade`: let the `cpu` backend attend a prefix shared by several decode requests once for all."""
+                             num_heads: int, cascade: bool = True, layer_windows: Sequence[int] = ()
+                             ) -> AttentionBackend:
+    """`cascade`: let the `cpu` backend attend a prefix shared by several decode requests once for all.
+    `layer_windows[layer_id]`: that layer's sliding window (0 = full attention; `ModelConfig.layer_window`)."""
     resolved = resolve_attention_backend(name, kv_pool, num_heads)
     if resolved == "cpu":
-        return CpuPagedBackend(req_to_token_pool, kv_pool, num_heads, cascade=cascade)
-    return ATTENTION_BACKEND_CLASSES[resolved](req_to_token_pool, kv_pool)
+        return CpuPagedBackend(req_to_token_pool, kv_pool, num_heads, cascade=cascade, layer_windows=layer_windows)
+    return ATTENTION_BACKEND_CLASSES[resolved](req_to_token_pool, kv_pool, layer_windows)

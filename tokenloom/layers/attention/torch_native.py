@@ -16,6 +16,10 @@ indexing).
   per layer).
 
 GQA without copying K/V per query head: the query heads of one KV group are folded into the query axis.
+
+Sliding-window layers (`layer_windows`): the same gathered K/V with the window's rule added to the mask
+(key position > query position - window), one mask per distinct window built once per step. A window no
+shorter than the batch's longest sequence cannot bind, so such steps use the full-attention path.
 """
 
 from __future__ import annotations
@@ -49,7 +53,10 @@ class TorchNativeMetadata:
     grouped_mask: torch.Tensor | None = None  # extend mask repeated over the GQA group, built on first use
     # extend run request by request: per request (first token, new tokens, cached prefix, its KV slots)
     per_request: list[tuple[int, int, int, torch.Tensor]] | None = None
-    request_masks: dict = None  # (new, prefix, group) -> boolean mask, built on first use
+    request_masks: dict = None  # (new, prefix, group, window) -> boolean mask, built on first use
+    # window -> that window's mask (the layout of `mask`); only windows that bind in this step
+    window_masks: dict[int, torch.Tensor] | None = None
+    grouped_window_masks: dict[int, torch.Tensor] | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -61,10 +68,15 @@ class TorchNativeBackend(AttentionBackend):
         kv_slots, valid = padded_kv_indices(kv_indptr, kv_indices, seq_lens, max_len)
         device = seq_lens.device
         bsz = batch.batch_size
+        windows = [w for w in self.windows if w < max_len]  # a window >= every length never binds
+        kv_pos = torch.arange(max_len, device=device)
         if batch.forward_mode.is_decode():
             mask = torch.zeros(bsz, 1, 1, max_len, dtype=torch.float32, device=device)
             mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
             md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, 1, mask, None)
+            # the query sits at seq_len - 1 and sees keys > seq_len - 1 - w
+            md.window_masks = {w: mask.masked_fill(kv_pos[None, None, None, :] < (seq_lens - w).view(-1, 1, 1, 1),
+                                                   float("-inf")) for w in windows}
         else:
             q_max = batch.max_extend_len
             per_request = self._per_request_plan(batch, kv_indptr, kv_indices, q_max, max_len)
@@ -76,16 +88,19 @@ class TorchNativeBackend(AttentionBackend):
             offset_in_req = torch.arange(batch.input_ids.numel(), device=device) - batch.extend_start_loc[
                 batch.token_req_index]
             query_slot = batch.token_req_index * q_max + offset_in_req
-            if int(batch.extend_prefix_lens.max()) == 0:
+            mask = None
+            window_masks = {}
+            no_prefix = int(batch.extend_prefix_lens.max()) == 0
+            if not no_prefix or windows:  # query i of request b sits at position prefix_b + i
+                q_pos = (batch.extend_prefix_lens[:, None] + torch.arange(q_max, device=device)[None, :])[:, :, None]
+                causal = (kv_pos[None, None, :] <= q_pos) & valid[:, None, :]
                 # No cached prefix anywhere: query and key positions coincide, padding sits at the end of
-                # each row, so plain causal attention is exact for every real token.
-                mask = None
-            else:  # query i of request b sits at position prefix_b + i and sees kv positions <= it
-                q_pos = batch.extend_prefix_lens[:, None] + torch.arange(q_max, device=device)[None, :]
-                kv_pos = torch.arange(max_len, device=device)
-                mask = ((kv_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :])[:, None]
+                # each row, so plain causal attention is exact for every real token of a full layer.
+                mask = None if no_prefix else causal[:, None]
+                window_masks = {w: (causal & (kv_pos[None, None, :] > q_pos - w))[:, None] for w in windows}
             md = TorchNativeMetadata(kv_indptr, kv_indices, kv_slots.view(-1), bsz, max_len, q_max, mask,
-                                     query_slot)
+                                     query_slot, window_masks=window_masks)
+        md.grouped_window_masks = {}
         batch.attn_metadata = md
 
     @staticmethod
@@ -109,40 +124,49 @@ class TorchNativeBackend(AttentionBackend):
         md: TorchNativeMetadata = batch.attn_metadata
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)  # [Hkv, rows, D]
+        window = self.window_of(layer_id)
         if md.per_request is not None:
-            return self._extend_per_request(q, k_buf, v_buf, md, scaling)
+            return self._extend_per_request(q, k_buf, v_buf, md, scaling, window)
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         group = q.shape[1] // num_kv_heads
         shape = (num_kv_heads, md.batch_size, md.max_len, head_dim)
         k_g = k_buf.index_select(1, md.kv_slots_flat).view(shape).to(q.dtype)  # [Hkv, B, L, D], contiguous
         v_g = v_buf.index_select(1, md.kv_slots_flat).view(shape).to(q.dtype)
+        window = window if window in (md.window_masks or {}) else 0
         if batch.forward_mode.is_decode():
-            return _decode(q, k_g, v_g, md.mask, scaling, group)
-        return self._extend(q, k_g.transpose(0, 1), v_g.transpose(0, 1), md, scaling, group)
+            return _decode(q, k_g, v_g, md.window_masks[window] if window else md.mask, scaling, group)
+        return self._extend(q, k_g.transpose(0, 1), v_g.transpose(0, 1), md, scaling, group, window)
 
     def _extend(self, q: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor, md: TorchNativeMetadata,
-                scaling: float, group: int) -> torch.Tensor:
+                scaling: float, group: int, window: int = 0) -> torch.Tensor:
         bsz, num_kv_heads, _, head_dim = k_pad.shape
         num_heads = q.shape[1]
         q_pad = q.new_zeros(bsz * md.q_max, num_heads, head_dim)
         q_pad[md.query_slot] = q
-        if md.mask is None:  # no prefix: plain causal attention, GQA handled by SDPA
+        if md.mask is None and not window:  # no prefix: plain causal attention, GQA handled by SDPA
             q4 = q_pad.view(bsz, md.q_max, num_heads, head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(q4, k_pad, v_pad, is_causal=True, scale=scaling, enable_gqa=True)
             return out.transpose(1, 2).reshape(bsz * md.q_max, num_heads * head_dim)[md.query_slot]
         # [B, Qmax, Hkv, G, D] -> [B, Hkv, Qmax * G, D]
         q_pad = q_pad.view(bsz, md.q_max, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q_pad = q_pad.reshape(bsz, num_kv_heads, md.q_max * group, head_dim)
-        if md.grouped_mask is None:
-            md.grouped_mask = md.mask if group == 1 else md.mask.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=md.grouped_mask, scale=scaling)
+        if window:
+            mask = md.grouped_window_masks.get(window)
+            if mask is None:
+                mask = md.window_masks[window]
+                mask = md.grouped_window_masks[window] = mask if group == 1 else mask.repeat_interleave(group, 2)
+        else:
+            if md.grouped_mask is None:
+                md.grouped_mask = md.mask if group == 1 else md.mask.repeat_interleave(group, dim=2)
+            mask = md.grouped_mask
+        out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, scale=scaling)
         out = out.view(bsz, num_kv_heads, md.q_max, group, head_dim).permute(0, 2, 1, 3, 4)
         return out.reshape(bsz * md.q_max, num_heads * head_dim)[md.query_slot]
 
 
     @staticmethod
     def _extend_per_request(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: TorchNativeMetadata,
-                            scaling: float) -> torch.Tensor:
+                            scaling: float, window: int = 0) -> torch.Tensor:
         """Each request's queries against exactly its own K/V: q [T, Hq, D] -> [T, Hq * D]."""
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         num_heads = q.shape[1]
@@ -153,17 +177,22 @@ class TorchNativeBackend(AttentionBackend):
             k_r = k_buf.index_select(1, slots).to(q.dtype).unsqueeze(0)  # [1, Hkv, L, D]
             v_r = v_buf.index_select(1, slots).to(q.dtype).unsqueeze(0)
             q_r = q[start: start + new]  # [n, Hq, D]
-            if prefix == 0:  # keys and queries coincide: plain causal attention, GQA handled by SDPA
+            w = window if window < prefix + new else 0  # a window covering every key does not bind
+            if prefix == 0 and not w:  # keys and queries coincide: plain causal attention, GQA handled by SDPA
                 o = F.scaled_dot_product_attention(q_r.transpose(0, 1).unsqueeze(0), k_r, v_r, is_causal=True,
                                                    scale=scaling, enable_gqa=True)  # [1, Hq, n, D]
                 out[start: start + new] = o[0].transpose(0, 1).reshape(new, num_heads * head_dim)
                 continue
-            # query i sits at position prefix + i and sees keys <= it; a KV group's heads fold into the rows
-            key = (new, prefix, group)
+            # query i sits at position prefix + i and sees keys <= it (and > it - w in a window layer); a KV
+            # group's heads fold into the rows
+            key = (new, prefix, group, w)
             mask = md.request_masks.get(key)
             if mask is None:
-                q_pos = prefix + torch.arange(new, device=q.device).repeat_interleave(group)
-                mask = torch.arange(prefix + new, device=q.device)[None, :] <= q_pos[:, None]
+                q_pos = (prefix + torch.arange(new, device=q.device).repeat_interleave(group))[:, None]
+                kv_pos = torch.arange(prefix + new, device=q.device)[None, :]
+                mask = kv_pos <= q_pos
+                if w:
+                    mask &= kv_pos > q_pos - w
                 md.request_masks[key] = mask
             q_g = q_r.view(new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(
                 1, num_kv_heads, new * group, head_dim)
