@@ -66,7 +66,7 @@ MODES = {
 def server(request, tiny_runtime_model):
     overlap, dtype = request.param
     srv = ServerProcess("--model-path", tiny_runtime_model, "--overlap-schedule", overlap, "--dtype", dtype,
-                        *FLAGS).wait_healthy()
+                        *FLAGS).wait_healthy(timeout=900)  # a shared, loaded machine starts slowly
     yield srv
     srv.stop()
     assert "Traceback" not in srv.logs(), srv.logs()
