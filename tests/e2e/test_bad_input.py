@@ -158,8 +158,8 @@ OPENAI_CASES = [
      {"messages": [{"role": "assistant", "content": None, "tool_calls": [
          {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0]: tool call 'f' has arguments that are not JSON"),
-    ("chat_json_mode", "/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}},
-     "response_format 'json_object' is not supported"),
+    ("chat_unknown_response_format", "/v1/chat/completions", {"messages": USER, "response_format": {"type": "yaml"}},
+     "response_format type must be one of text, json_object, json_schema, structural_tag"),
     ("chat_unknown_sampling_extra", "/v1/chat/completions", {"messages": USER, "logit_bias": {"-5": 1}},
      "logit_bias token id -5 is outside"),
     ("chat_unknown_role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]},

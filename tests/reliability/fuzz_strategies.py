@@ -104,9 +104,12 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
                             st.dictionaries(token_ids.map(str), st.sampled_from([float("nan"), float("inf")]),
                                             min_size=1, max_size=1)),
     "sampling_seed": st.one_of(st.floats(), st.text(max_size=3)),
-    "json_schema": st.text(min_size=1, max_size=5), "regex": st.text(min_size=1, max_size=5),
-    "ebnf": st.text(min_size=1, max_size=5), "stop_regex": st.text(min_size=1, max_size=5),
-    "structural_tag": st.text(min_size=1, max_size=5),
+    # grammars: wrong types, and texts that do not parse (a valid grammar is a request to serve, not refuse)
+    "json_schema": st.one_of(st.integers(), st.sampled_from(['{"type": "strin"}', "{", "[1]", '{"required": 5}'])),
+    "regex": st.one_of(st.integers(), st.sampled_from(["a(", "[a-", "(?<=a)b"])),
+    "ebnf": st.one_of(st.integers(), st.sampled_from(['foo ::= "a"', "root ::=", "root ::= bar"])),
+    "stop_regex": st.text(min_size=1, max_size=5),
+    "structural_tag": st.one_of(st.integers(), st.sampled_from(["{", "[]", '{"type": "structural_tag"}'])),
     "custom_params": st.one_of(st.lists(junk, max_size=2), st.text(max_size=3), st.integers()),
 }
 

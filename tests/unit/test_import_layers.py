@@ -18,7 +18,7 @@ PACKAGE = os.path.join(ROOT, "tokenloom")
 FLOORS: list[set[str]] = [
     {"model_families"},
     {"version", "device", "local_cache", "ipc", "forward_batch", "model_config", "finish_reason"},
-    {"sampling", "function_call"},
+    {"sampling", "grammar", "function_call"},
     {"protocol", "kernels"},
     {"distributed"},
     {"config"},

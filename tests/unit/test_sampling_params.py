@@ -56,11 +56,13 @@ VOCAB = 100
     ({"stream_interval": 0}, "stream_interval"),
     ({"sampling_seed": 1.5}, "sampling_seed"),
     ({"sampling_seed": True}, "sampling_seed"),
-    ({"regex": "a+"}, "regex"),
-    ({"json_schema": "{}"}, "json_schema"),
-    ({"ebnf": "root ::= 'a'"}, "ebnf"),
+    ({"regex": 5}, "regex"),
+    ({"json_schema": {"type": "object"}}, "json_schema"),
+    ({"ebnf": ["root ::= 'a'"]}, "ebnf"),
     ({"stop_regex": "x"}, "stop_regex"),
-    ({"structural_tag": "{}"}, "structural_tag"),
+    ({"structural_tag": 1}, "structural_tag"),
+    ({"regex": "a+", "json_schema": "{}"}, "only one of json_schema, regex"),
+    ({"regex": "a+", "min_new_tokens": 2, "max_new_tokens": 4}, "min_new_tokens cannot be combined with regex"),
 ])
 def test_invalid_values_raise_naming_the_key(d, key):
     with pytest.raises(SamplingParamsError, match=key):

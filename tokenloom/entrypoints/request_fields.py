@@ -36,7 +36,6 @@ NO_HIDDEN_STATES = "hidden states are not returned"
 NO_MOE_CAPTURE = "it captures no expert routing"
 NO_CACHE_NAMESPACES = "every request shares one prefix cache (no cache namespaces)"
 ONE_DP_RANK = "it runs one data-parallel rank (only 0 is valid)"
-NO_CONSTRAINED = "it has no constrained decoding"
 NO_REASONING = "it serves no reasoning models"
 
 # Fields every route refuses when set (SGLang's /generate and both OpenAI routes declare them), with the

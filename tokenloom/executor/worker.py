@@ -40,6 +40,7 @@ from tokenloom.executor.prompt_logprobs import (
 from tokenloom.executor.step_plan import StepPlan
 from tokenloom.executor.token_table import TokenTable
 from tokenloom.forward_batch import ForwardBatch
+from tokenloom.grammar.mask import allocate_bitmask
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_rows import SamplingRows
 
@@ -56,6 +57,8 @@ class ForwardOutput:
     input_logprobs: list[InputLogprobChunk | None] | None = None
     # Rows whose token may finish their request (`SamplingBatchInfo.finish_candidates`); None: check all rows.
     finish_candidates: list[int] | None = None
+    # Rows whose grammar accepted its end with this token (the request stops), when any has a grammar.
+    grammar_finished: set[int] | None = None
     # Seconds spent in the model forward and in sampling (+ copying results out).
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -83,6 +86,7 @@ class PreparedStep:
     want_logprob: bool = False
     logit_plan: LogitPlan | None = None  # extra logits rows for prompt logprobs
     token_ids: list[list[int] | None] | None = None  # per request its token_ids_logprob, when any asks
+    grammars: list | None = None  # per request its grammar matcher (None: unconstrained row), when any has one
 
 
 class ModelWorker:
@@ -92,6 +96,7 @@ class ModelWorker:
         self.device = runner.device  # where forwards run (the forward thread's stream is made for it)
         self.token_table = TokenTable(runner.memory.req_to_token_pool.req_to_token.shape[0], runner.device)
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
+        self.vocab_size = runner.vocab_size  # the grammar backends index this many token ids
 
     # --- scheduler side ------------------------------------------------------------------------------
     @property
@@ -130,7 +135,15 @@ class ModelWorker:
             reqs, fb.forward_mode.is_decode(), return_logprob=want_logprob, top_logprobs_num=top_k)
         token_ids = [r.token_ids_logprob for r in reqs] if any(r.token_ids_logprob is not None for r in reqs) \
             else None
-        return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids)
+        grammars = None
+        if lane_state is not None and any(r.grammar is not None for r in reqs):
+            # a non-final prefill chunk's token is discarded (its fill_ids stop short of the request's tokens;
+            # `is_chunked` may still count an earlier chunk whose result is not processed yet), and so is the
+            # token of a finished request riding this step (overlap): their matchers must not see those tokens
+            extend = fb.forward_mode.is_extend()
+            grammars = [None if r.finished or (extend and len(r.fill_ids) < len(r.origin_input_ids) + len(r.output_ids))
+                        else r.grammar for r in reqs]
+        return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids, grammars)
 
     # --- forward side --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -179,6 +192,32 @@ class ModelWorker:
         self.token_table.write(torch.tensor(rows, dtype=torch.int64, device=self.device),
                                torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
+    def _fill_grammar_masks(self, grammars: list, info: SamplingBatchInfo) -> None:
+        """The token masks of the step's constrained rows, from their matchers' current state: every token
+        before this step was accepted by the steps before it on this (forward) side, in step order, so the
+        mask follows the previous step's token even when the scheduler has not processed it yet (overlap)."""
+        rows = [i for i, m in enumerate(grammars) if m is not None and not m.is_terminated()]
+        if not rows:
+            return
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            grammars[i].fill(bitmask, j)
+        info.grammar_bitmask = bitmask
+        info.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def _accept_grammar_tokens(grammars: list, next_token_ids: list[int]) -> set[int]:
+        """Advance each constrained row's matcher by its sampled token; the rows whose grammar then ended.
+        A token the matcher refuses (it cannot happen through the mask) also ends the row, rather than
+        letting the request run on unconstrained."""
+        done = set()
+        for i, m in enumerate(grammars):
+            if m is None or m.is_terminated():
+                continue
+            if not m.accept(next_token_ids[i]) or m.is_terminated():
+                done.add(i)
+        return done
+
     @torch.inference_mode()
     def sample(self, step: PreparedStep, forwarded: ForwardResult) -> ForwardOutput:
         """Sample the next tokens from a forward's logits and hand back plain Python results; stores the
@@ -187,6 +226,8 @@ class ModelWorker:
             raise ValueError("sample() needs logits: this rank's model does not hold the last layers")
         start = time.perf_counter()
         fb, info, logits = step.forward_batch, step.sampling, forwarded.logits
+        if step.grammars is not None:
+            self._fill_grammar_masks(step.grammars, info)
         sample = self.runner.sample(logits, info)
         if info.output_counts is not None and fb.forward_mode.is_decode():  # carried to the next step
             rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
@@ -197,6 +238,10 @@ class ModelWorker:
             out.token_ids_logprobs = token_ids_logprobs(logits, step.token_ids)
         if fb.forward_mode.is_decode():  # extend results check every row (chunks discard their token)
             out.finish_candidates = info.finish_candidates(sample.next_token_ids, self.eos_ids)
+        if step.grammars is not None:
+            out.grammar_finished = self._accept_grammar_tokens(step.grammars, out.next_token_ids)
+            if out.finish_candidates is not None and out.grammar_finished:
+                out.finish_candidates = sorted(set(out.finish_candidates) | out.grammar_finished)
         if step.want_logprob:
             out.logprobs = sample.next_token_logprobs.tolist()
             if step.top_logprobs_num:

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
 from tokenloom.frontend.request_metrics import ServingMetrics
+from tokenloom.grammar.spec import GrammarSpec, spec_from_params, validate_spec
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
 from tokenloom.models.loader import ModelSource
 from tokenloom.protocol import (
@@ -115,6 +117,7 @@ class TokenizerManager:
         self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
         # tokenizing (and chat templates) run here, off the HTTP event loop (the tokenizer releases the GIL)
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-tokenize")
+        self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()  # specs that parsed (tokenize thread)
         self.addresses = addresses
         self.zmq_ctx = zmq.Context()
         self.receiver = Receiver(self.zmq_ctx, self.addresses.engine)
@@ -266,6 +269,8 @@ class TokenizerManager:
             raise ValueError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         params = SamplingParams.from_dict(sampling, self.vocab_size)
         self._check_length(len(input_ids), params)
+        if params.has_grammar:
+            self._check_grammar(params)
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError("top_logprobs_num must be a non-negative integer")
         _check_logprob_start_len(logprob_start_len)
@@ -278,6 +283,25 @@ class TokenizerManager:
                                 logprob_start_len=logprob_start_len if return_logprob else -1,
                                 top_logprobs_num=top_logprobs_num, arrival_time=time.time(),
                                 token_ids_logprob=token_ids_logprob if return_logprob else None)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """A request's grammar parses (a 400 naming the problem otherwise, before anything is queued); the
+        scheduler compiles it against the vocabulary off its critical path. Specs that passed are remembered."""
+        if self.args.grammar_backend == "none":
+            raise ValueError("constrained decoding (json_schema, regex, ebnf, structural_tag, response_format) is "
+                             "off: the server runs with --grammar-backend none")
+        if self.args.disaggregation_mode != "null":
+            raise ValueError("constrained decoding is not supported on a prefill/decode disaggregated server yet")
+        spec = spec_from_params(params.json_schema, params.regex, params.ebnf, params.structural_tag)
+        if spec.kind == "structural_tag" and self.args.grammar_backend != "xgrammar":
+            raise ValueError("structural_tag needs --grammar-backend xgrammar")
+        if spec in self._valid_grammars:
+            self._valid_grammars.move_to_end(spec)
+            return
+        validate_spec(spec)
+        self._valid_grammars[spec] = None
+        if len(self._valid_grammars) > 1024:
+            self._valid_grammars.popitem(last=False)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` on the tokenizing thread (validation and tokenization of a request: a long

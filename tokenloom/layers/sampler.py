@@ -11,7 +11,10 @@ which other requests share the batch or on the batch order; other rows draw from
 (`--random-seed`).
 
 Logprobs are those of the model's raw distribution (log_softmax of the logits before any processing),
-as vLLM reports them by default.
+as vLLM reports them by default; for a constrained row (a grammar's token mask, `info.grammar_bitmask`) the
+raw distribution is the masked one, as SGLang reports it: the mask is applied to the logits first, in place
+(disallowed tokens -inf), and every mode (greedy, temperature, top-k/p, min-p, penalties, bias) then works
+on what the grammar allows.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.grammar.mask import apply_bitmask
 from tokenloom.kernels import cpu_ops
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 
@@ -48,6 +52,10 @@ class Sampler:
         self.generator = torch.Generator(device=device or "cpu").manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        if info.grammar_bitmask is not None:
+            if logits.dtype != torch.float32:
+                logits = logits.float()
+            apply_bitmask(logits, info.grammar_bitmask, info.grammar_rows)
         raw = logits
         logits = apply_logit_processors(logits.float(), info)
         next_ids = greedy_argmax(logits) if info.all_greedy else self._sample(logits, info)

@@ -50,6 +50,10 @@ class SamplingBatchInfo:
     # The penalty state was carried from the previous decode step of the same requests, so it already counts
     # every token generated before this step (pending ones included): `add_pending_tokens` is not needed.
     penalties_carried: bool = False
+    # Constrained decoding: packed int32 token bitmask of the constrained rows (grammar/mask.py) and which
+    # rows they are; filled on the forward side right before sampling (executor/worker.py).
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
+    grammar_rows: torch.Tensor | None = None  # [G] int64
 
     @classmethod
     def from_requests(cls, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],

@@ -44,7 +44,7 @@ class SamplingParams:
     stream_interval: int | None = None
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
-    # Accepted for compatibility; constrained decoding is not implemented and is rejected if set.
+    # Constrained decoding (tokenloom/grammar/): at most one of these four; stop_regex is refused.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -123,10 +123,18 @@ class SamplingParams:
                     raise SamplingParamsError(f"logit_bias token id {token} is outside the vocabulary "
                                               f"(size {vocab_size})")
                 num(f"logit_bias[{key}]", bias)
-        constrained = [k for k in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
-                       if getattr(self, k) is not None]
-        if constrained:
-            raise SamplingParamsError(f"{constrained[0]} is not supported by tokenloom (no constrained decoding)")
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise SamplingParamsError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        grammars = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise SamplingParamsError(f"only one of json_schema, regex, ebnf and structural_tag may be set, got "
+                                      f"{' and '.join(grammars)}")
+        if grammars and self.min_new_tokens > 0:
+            raise SamplingParamsError(f"min_new_tokens cannot be combined with {grammars[0]}: the grammar decides "
+                                      f"where the answer may end")
+        if self.stop_regex is not None:
+            raise SamplingParamsError("stop_regex is not supported by tokenloom")
 
     def _verify_stops(self, vocab_size: int | None) -> None:
         if self.stop is not None:
@@ -160,6 +168,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+    @property
+    def has_grammar(self) -> bool:
+        return (self.json_schema is not None or self.regex is not None or self.ebnf is not None
+                or self.structural_tag is not None)
 
     @property
     def uses_penalties(self) -> bool:

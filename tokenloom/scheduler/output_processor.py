@@ -21,6 +21,7 @@ from typing import Any
 from tokenloom.cache.prefix_cache import PrefixCache
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.executor.worker import ForwardOutput
+from tokenloom.finish_reason import finish_stop
 from tokenloom.protocol import BatchTokenOutput
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
@@ -122,6 +123,8 @@ class OutputProcessor:
             def tail(n: int, r: Req = req) -> str:
                 return self.tokenizer.decode(r.output_ids[-n:], skip_special_tokens=False)
         req.check_finished(tail)
+        if not req.finished and out.grammar_finished and i in out.grammar_finished:
+            req.finished_reason = finish_stop(out.next_token_ids[i])  # the grammar's answer is complete
 
     # --- streaming ---------------------------------------------------------------------------------
     def emit(self, reqs: list[Req]) -> None:

@@ -86,6 +86,9 @@ class Req:
         # Prompt logprobs: one entry per prompt position from logprob_start_len on. The first is None (SGLang:
         # the logits before position k are not computed); entry p > k is log P(token p | tokens < p).
         self.input_logprobs = InputLogprobs() if return_logprob and logprob_start_len >= 0 else None
+        # Constrained decoding: the grammar matcher (grammar/backends.py `Matcher`) once compiled; it follows
+        # `output_ids` and is advanced on the forward side right after each sampling (executor/worker.py).
+        self.grammar: Any = None
 
     # --- token views -------------------------------------------------------------------------------
     def all_ids(self) -> list[int]:

@@ -51,6 +51,7 @@ import torch
 from tokenloom.cache.kv_memory import KVMemory
 from tokenloom.config import ServerArgs
 from tokenloom.executor.worker import ForwardOutput
+from tokenloom.grammar.backends import make_backend
 from tokenloom.protocol import (
     AbortRequest,
     FlushCacheReply,
@@ -64,6 +65,7 @@ from tokenloom.protocol import (
     TransferEvent,
 )
 from tokenloom.sampling.stopping import cap_new_tokens, new_token_room
+from tokenloom.scheduler.grammar_queue import GrammarQueue
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
@@ -181,6 +183,14 @@ class Scheduler:
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
         self.trace_profiler = trace_profiler or TraceProfiler()
+        # Requests waiting for their grammar to compile (scheduler/grammar_queue.py). With several ranks
+        # (TP, PP) every rank must admit them at the same round, so there each round waits for the compiles
+        # of the requests that arrived (deterministic; a compile slower than the timeout is the exception).
+        vocab_size = getattr(worker, "vocab_size", None)
+        self.grammar_queue = GrammarQueue(
+            lambda: make_backend(args.grammar_backend, tokenizer, vocab_size, tuple(self.eos_token_ids)),
+            args.grammar_compile_timeout)
+        self._grammar_in_lockstep = ranks_agree is not None or args.pp_size > 1
 
     def set_port(self, port: RequestPort) -> None:
         """Make `port` decide how requests enter and leave (a prefill or decode server's side of
@@ -228,7 +238,11 @@ class Scheduler:
         if tr.stream and not req.finished:  # the HTTP side may now start the answer as a 200 stream
             self.send(RequestAccepted(req.rid))
         if not taken:
-            self.waiting_queue.append(req)
+            spec = self.grammar_queue.spec_of(req)
+            if spec is None:
+                self.waiting_queue.append(req)
+            else:
+                self.grammar_queue.add(req, spec)
 
     def _validate(self, req: Req) -> tuple[str, int] | None:
         n = len(req.origin_input_ids)
@@ -254,6 +268,10 @@ class Scheduler:
                 self.waiting_queue.remove(req)
                 self._finish_aborted(req, message, status)
                 return
+        req = self.grammar_queue.remove(rid)
+        if req is not None:
+            self._finish_aborted(req, message, status)
+            return
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
             req.is_chunked = 0
@@ -283,6 +301,8 @@ class Scheduler:
         decode step of the lane's running requests."""
         lane = lane or self.lanes[0]
         self.port.before_schedule(lane)
+        if len(self.grammar_queue):
+            self._admit_grammar_requests()
         batch = self._get_new_batch_prefill(lane)
         if batch is not None:
             lane.last_decode = None
@@ -293,6 +313,14 @@ class Scheduler:
                 lane.last_decode = batch
             return batch
         return None
+
+    def _admit_grammar_requests(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; end those whose compile failed."""
+        idle = not self.waiting_queue and self.chunked_req is None and all(not lane.running for lane in self.lanes)
+        ready, failed = self.grammar_queue.poll(idle=idle, block=self._grammar_in_lockstep)
+        self.waiting_queue.extend(ready)
+        for req, reason in failed:
+            self._finish_aborted(req, reason, 400)
 
     def _in_flight_prefills(self) -> list[Req]:
         """Requests of launched prefill batches that will start decoding when processed (not yet running)."""
@@ -522,7 +550,7 @@ class Scheduler:
     # --- control ------------------------------------------------------------------------------------
     def is_idle(self) -> bool:
         return (not self.waiting_queue and self.chunked_req is None and all(lane.is_empty() for lane in self.lanes)
-                and self.port.is_idle())
+                and self.port.is_idle() and not len(self.grammar_queue))
 
     def check_idle_integrity(self) -> None:
         if self.is_idle():
@@ -561,6 +589,7 @@ class Scheduler:
             "last_gen_throughput": self.stats.last_gen_throughput,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             **self.port.info(),
+            **self.grammar_queue.info(),
             **(loop_info or {}),
             "time": time.time(),
         }

@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from tokenloom.entrypoints.request_fields import (
     COMMON_UNSUPPORTED,
-    NO_CONSTRAINED,
     NO_EMBEDS,
     NO_LOGIT_PROCESSORS,
     NO_MULTIMODAL,
@@ -48,7 +47,7 @@ class SamplingExtras(LenientRequest):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     best_of: int | None = None  # only best_of == n (no server-side ranking of extra candidates)
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema, structural_tag
     # SGLang extras
     top_k: int | None = None
     min_p: float | None = None
@@ -63,6 +62,12 @@ class SamplingExtras(LenientRequest):
     json_schema: str | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
+    structural_tag: str | None = None
+    # vLLM's guided decoding fields (aliases of the above; serving_base.grammar_params)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     custom_params: dict[str, Any] | None = None
     rid: str | list[str] | None = None
     # prefill/decode disaggregation (SGLang's router adds them; a unified server ignores them)
@@ -93,12 +98,8 @@ class SamplingExtras(LenientRequest):
         "prompt_logprobs": (None, "prompt logprobs are not returned on the OpenAI routes (use /generate)"),
         "return_tokens_as_token_ids": (False, "logprob tokens are always token strings"),
         "truncate_prompt_tokens": (None, "prompts are not truncated (a prompt over the context is a 400)"),
-        "guided_json": (None, NO_CONSTRAINED),
-        "guided_regex": (None, NO_CONSTRAINED),
-        "guided_choice": (None, NO_CONSTRAINED),
-        "guided_grammar": (None, NO_CONSTRAINED),
-        "structural_tag": (None, NO_CONSTRAINED),
-        "structured_outputs": (None, NO_CONSTRAINED),
+        "structured_outputs": (None, "use response_format or guided_json / guided_regex / guided_choice / "
+                                        "guided_grammar"),
         "vllm_xargs": (None, "it has no request extensions"),
     }
 

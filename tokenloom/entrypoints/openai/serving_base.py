@@ -10,6 +10,8 @@ tokenizing, a body's unsupported fields (`request_fields`) and `check_common`'s 
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -35,6 +37,7 @@ from tokenloom.entrypoints.serving_utils import (
     start_stream,
 )
 from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
+from tokenloom.grammar.spec import JSON_OBJECT_SCHEMA
 from tokenloom.protocol import TokenizedRequest
 
 
@@ -159,8 +162,7 @@ class OpenAIServingBase:
             "skip_special_tokens": req.skip_special_tokens,
             "spaces_between_special_tokens": req.spaces_between_special_tokens, "n": req.n,
             "logit_bias": req.logit_bias, "sampling_seed": req.seed if req.seed is not None else req.sampling_seed,
-            "regex": req.regex, "json_schema": req.json_schema, "ebnf": req.ebnf, "stop_regex": req.stop_regex,
-            "custom_params": req.custom_params,
+            "stop_regex": req.stop_regex, "custom_params": req.custom_params, **grammar_params(req),
         }
         return {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
 
@@ -173,9 +175,60 @@ def check_common(req: SamplingExtras) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise ValueError(f"best_of must equal n ({req.n}) in tokenloom (no server-side ranking of extra "
                          f"candidates), got {req.best_of}")
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ValueError(f"response_format {kind!r} is not supported by tokenloom (no constrained decoding)")
+    grammar_params(req)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (only the regex metacharacters escaped: xgrammar warns about
+    escapes of other characters, such as re.escape's escaped spaces)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}/-])", r"\\\1", text)
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def grammar_params(req: SamplingExtras) -> dict[str, str]:
+    """The grammar a request asks for, as one SGLang sampling key (json_schema, regex, ebnf, structural_tag),
+    from SGLang's own keys, OpenAI's `response_format` or vLLM's `guided_*` aliases; at most one source.
+    `guided_choice` is a regex alternation of the escaped choices; json_schema's `strict` is always honoured."""
+    found: list[tuple[str, str, str]] = []  # (source field, sampling key, grammar text)
+    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if getattr(req, name) is not None:
+            found.append((name, name, getattr(req, name)))
+    rf = req.response_format
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise ValueError("response_format must be an object with a type")
+        kind = rf.get("type", "text")
+        if kind not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
+        if kind == "json_object":
+            found.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec and "schema_" not in spec:
+                raise ValueError("response_format json_schema needs a json_schema object with a schema "
+                                 "({\"name\": ..., \"schema\": {...}})")
+            schema = spec.get("schema", spec.get("schema_"))
+            if not isinstance(schema, dict | bool):
+                raise ValueError("response_format json_schema.schema must be a JSON schema object")
+            found.append(("response_format", "json_schema", json.dumps(schema)))
+        elif kind == "structural_tag":
+            found.append(("response_format", "structural_tag", json.dumps(rf)))
+    if req.guided_json is not None:
+        text = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        found.append(("guided_json", "json_schema", text))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise ValueError("guided_choice must list at least one choice")
+        found.append(("guided_choice", "regex", "|".join(f"({_regex_literal(c)})" for c in req.guided_choice)))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", "ebnf", req.guided_grammar))
+    if len(found) > 1:
+        raise ValueError(f"only one structured-output constraint may be given, got {found[0][0]} and {found[1][0]}")
+    return {found[0][1]: found[0][2]} if found else {}
 
 
 def end_at_stop(req: SamplingExtras, out: dict[str, Any]) -> dict[str, Any]:
