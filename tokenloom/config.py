@@ -99,10 +99,9 @@ class ServerArgs:
     tool_call_parser: str | None = _flag(
         None, "How the model writes tool calls, read into OpenAI's `tool_calls` (whole and streamed): "
         + ", ".join(TOOL_CALL_PARSERS) + ". Without it, `tools` are still rendered into the chat template and "
-        "the answer is plain content.", (None, *TOOL_CALL_PARSERS))
+        "the answer is plain content.")
     reasoning_parser: str | None = _flag(
-        None, "Split the model's <think> block into `reasoning_content`: " + ", ".join(REASONING_PARSERS) + ".",
-        (None, *REASONING_PARSERS))
+        None, "Split the model's <think> block into `reasoning_content`: " + ", ".join(REASONING_PARSERS) + ".")
     random_seed: int = _flag(0, "Seed for sampling of requests that carry no sampling_seed, and dummy weights.")
     trust_remote_code: bool = _flag(False, "Accepted for SGLang compatibility; no effect (tokenloom runs only its "
                                     "own model code).")
@@ -252,9 +251,14 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and value not in choices:
-                named = ", ".join(str(c) for c in choices if c is not None)
-                raise ConfigError(f"--{_dash(f.name)} must be one of {named}; got {value!r}")
+                raise ConfigError(f"--{_dash(f.name)} must be one of {', '.join(choices)}; got {value!r}")
         self._validate_quantization()
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got "
+                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got "
+                              f"{self.reasoning_parser!r}")
         self._validate_torchao()
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1; got {self.page_size}")
@@ -400,7 +404,7 @@ class ServerArgs:
             flags = (f"--{_dash(f.name)}", *f.metadata.get("aliases", ()))
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
             if f.metadata.get("choices"):
-                kwargs["choices"] = tuple(c for c in f.metadata["choices"] if c is not None)
+                kwargs["choices"] = f.metadata["choices"]
             if f.type in ("bool",):
                 kwargs["action"] = "store_true"
             else:

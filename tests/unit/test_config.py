@@ -247,7 +247,8 @@ def test_model_split_over_tp_is_checked(tp, heads, kv_heads, inter, problem):
 
     from tokenloom.config import check_parallel_fits
 
-    config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter)
+    config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+                             num_experts=0, moe_layers=(), num_hidden_layers=2, moe_intermediate_size=0)
     if problem is None:
         check_parallel_fits(ServerArgs(tp_size=tp), config)
     else:
@@ -389,6 +390,12 @@ EFFECT_TESTS = {
     "num_reserved_decode_tokens": "tests/unit/test_pd_scheduling.py",
     "disable_hybrid_swa_memory": "tests/integration/test_sliding_window_pool.py",
     "swa_full_tokens_ratio": "tests/integration/test_sliding_window_pool.py",
+    "tool_call_parser": "tests/e2e/test_tool_calls.py",
+    "reasoning_parser": "tests/e2e/test_tool_calls.py",
+    "ep_size": "tests/e2e/test_moe_server.py",
+    "enable_ep_moe": "tests/e2e/test_moe_server.py",
+    "grammar_backend": "tests/e2e/test_structured_output.py",
+    "grammar_compile_timeout": "tests/unit/test_grammar.py",
 }
 
 

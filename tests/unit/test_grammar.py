@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -202,3 +203,56 @@ def test_backend_matcher_walk_matches_python_re(backend_name, smollm2_tokenizer)
     if backend_name == "xgrammar":
         with pytest.raises(GrammarError, match="invalid regex"):
             backend.compile(GrammarSpec("regex", "a("))
+
+
+def test_grammar_compile_timeout_ends_only_the_slow_request():
+    """--grammar-compile-timeout: a grammar still compiling past its deadline fails its request with the flag
+    named; a request whose grammar is ready is unaffected and the queue keeps working."""
+    import threading
+    from types import SimpleNamespace
+
+    from tokenloom.config import ServerArgs
+    from tokenloom.scheduler.grammar_queue import GrammarQueue
+
+    release = threading.Event()
+
+    class SlowBackend:
+        def compile(self, spec):
+            if spec.text == "slow":
+                release.wait(5)
+            return spec.text
+
+        def new_matcher(self, compiled):
+            return compiled
+
+    timeout = ServerArgs(grammar_compile_timeout=0.2).grammar_compile_timeout
+    queue = GrammarQueue(SlowBackend, timeout)
+    slow, fast = SimpleNamespace(rid="slow", grammar=None), SimpleNamespace(rid="fast", grammar=None)
+    queue.add(fast, GrammarSpec("regex", "fast"))
+    queue.add(slow, GrammarSpec("regex", "slow"))
+    ready, failed, deadline = [], [], time.monotonic() + 5
+    while len(queue) and time.monotonic() < deadline:
+        r, f = queue.poll(idle=True)
+        ready += r
+        failed += f
+    release.set()
+    assert [r.rid for r in ready] == ["fast"] and fast.grammar == "fast"
+    assert [(r.rid, "--grammar-compile-timeout" in why) for r, why in failed] == [("slow", True)]
+
+
+@pytest.mark.parametrize("backend, body, message", [
+    ("none", {"json_schema": '{"type": "object"}'}, "--grammar-backend none"),
+    ("llguidance", {"structural_tag": '{"type": "structural_tag", "format": {"type": "const_string", '
+                                      '"value": "x"}}'}, "structural_tag needs --grammar-backend xgrammar"),
+])
+def test_grammar_backend_flag_decides_what_is_accepted(backend, body, message):
+    from types import SimpleNamespace
+
+    from tokenloom.config import ServerArgs
+    from tokenloom.frontend.tokenizer_manager import TokenizerManager
+    from tokenloom.sampling.sampling_params import SamplingParams
+
+    args = ServerArgs(grammar_backend=backend)
+    stub = SimpleNamespace(args=args, _valid_grammars={})
+    with pytest.raises(ValueError, match=message):
+        TokenizerManager._check_grammar(stub, SamplingParams(**body))

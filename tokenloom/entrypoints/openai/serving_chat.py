@@ -6,7 +6,9 @@ then OpenAI's defaults. Streams send, per choice, a role chunk, content deltas a
 content parts are joined; other part types are refused (no multimodal input). The prompt is the model's chat
 template (with `tools`, `continue_final_message`, `add_generation_prompt`, `chat_template_kwargs` and
 `documents` as SGLang and vLLM take them; assistant `tool_calls` and `role: tool` turns are fed back
-through it), or SGLang's pre-rendered `input_ids`. With `--reasoning-parser` / `--tool-call-parser` the answer
+through it), or SGLang's pre-rendered `input_ids`. `tool_choice` "required" or a named function is enforced
+by a grammar in the parser's format (function_call/forced.py), so the answer is always valid calls.
+With `--reasoning-parser` / `--tool-call-parser` the answer
 is split into `reasoning_content`, `tool_calls` and content, whole or streamed (chat_output.py); an answer
 with calls finishes with `finish_reason: "tool_calls"`.
 """
@@ -32,6 +34,8 @@ from tokenloom.entrypoints.openai.protocol import (
 )
 from tokenloom.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_of
 from tokenloom.frontend.tokenizer_manager import TokenizerManager
+from tokenloom.function_call.forced import forced_call_tag
+from tokenloom.function_call.registry import tool_format
 from tokenloom.protocol import TokenizedRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
@@ -66,21 +70,35 @@ class ChatServing(OpenAIServingBase):
             if req.top_logprobs and not req.logprobs:  # 0 (vLLM's default) asks for nothing
                 raise ValueError("top_logprobs requires logprobs to be true")
         choice = check_tools(req.tools, req.tool_choice)
+        params = self.sampling_params(req, max_new, self.generation_defaults)
         if choice not in ("none", "auto"):
-            raise ValueError(f"tool_choice {req.tool_choice!r} must be enforced by constrained decoding, which this "
-                             "server does not have yet; use 'auto' (the model decides) or 'none'")
+            params["structural_tag"] = self._forced_calls(req, choice, params)
         req._output_rules = ChatOutputRules(
             self.tm.args.tool_call_parser if choice != "none" else None,
             self.tm.args.reasoning_parser if req.separate_reasoning else None,
             req.tools if choice != "none" else None, 1 if not req.parallel_tool_calls else None)
         prompt, ids = self._prompt(req, messages, req.tools if choice != "none" else None)
-        reqs, _ = self.tm.tokenize_batch(None, ids, self.sampling_params(req, max_new, self.generation_defaults),
+        reqs, _ = self.tm.tokenize_batch(None, ids, params,
                                          req.rid, stream=req.stream, return_logprob=req.logprobs,
                                          top_logprobs_num=req.top_logprobs or 0,
                                          bootstrap=(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room))
         for r in reqs:
             r.input_text = prompt
         return reqs
+
+    def _forced_calls(self, req: ChatCompletionRequest, choice: str, params: dict[str, Any]) -> str:
+        """The grammar (a structural tag) that makes the answer calls of the offered functions (`required`)
+        or of the named one, in --tool-call-parser's format: enforced, not hoped for."""
+        parser = self.tm.args.tool_call_parser
+        if parser is None:
+            raise ValueError(f"tool_choice {req.tool_choice!r} needs the server's --tool-call-parser (the format "
+                             "the forced calls are written in)")
+        taken = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if params.get(k) is not None]
+        if taken:
+            raise ValueError(f"tool_choice {req.tool_choice!r} constrains the answer to tool calls; it cannot be "
+                             f"combined with {taken[0]} / response_format")
+        tag = forced_call_tag(tool_format(parser, req.tools), req.tools or [], choice, req.parallel_tool_calls)
+        return json.dumps(tag, ensure_ascii=False)
 
     def _prompt(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
