@@ -161,3 +161,55 @@ def test_reasoning_split_whole_and_streamed(case):
         stream = ReasoningStream(style)
         parts = [stream.feed(text[:cut]), stream.feed(text[cut:], final=True)]
         assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == (reasoning, answer), cut
+
+
+FORCEABLE = ["llama3", "qwen25", "mistral", "deepseekv3", "qwen3_coder"]
+# Per parser: a valid forced answer calling get_weather (city Oslo, days 2) then add, and its parse.
+FORCED_ANSWERS = {
+    "qwen25": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}; '
+              '{"name": "add", "parameters": {"a": 1, "b": 2}}',
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+    "deepseekv3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                  '{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                  'add\n```json\n{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n"
+                   "2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n"
+                   "</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("parser", FORCEABLE)
+def test_forced_call_grammar_accepts_calls_and_nothing_else(parser):
+    """The tool_choice grammar (xgrammar's own matcher as the judge) takes the format's calls, rejects free
+    text, a second call when parallel calls are off, an unoffered function and schema-breaking arguments;
+    what it takes, the parser reads back as the same calls."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from tokenloom.function_call.forced import forced_call_tag
+
+    fmt = tool_format(parser, TOOLS)
+    schema_tools = [{"type": "function", "function": {**t["function"], "parameters": {
+        **t["function"]["parameters"], "required": list(t["function"]["parameters"]["properties"])}}} for t in TOOLS]
+    both = FORCED_ANSWERS[parser]
+    parallel = xgr.Grammar.from_structural_tag(json.dumps(forced_call_tag(fmt, schema_tools, "required", True)))
+    single = xgr.Grammar.from_structural_tag(json.dumps(forced_call_tag(fmt, schema_tools, "required", False)))
+    named = xgr.Grammar.from_structural_tag(json.dumps(forced_call_tag(fmt, schema_tools, "add", True)))
+    assert accepts(parallel, both)
+    assert not accepts(single, both)
+    assert not accepts(parallel, "Sure, the weather in Oslo is fine.")
+    assert not accepts(named, both)  # get_weather is not the named function
+    assert not accepts(parallel, both.replace("Oslo", "").replace('"city": "",', "").replace("<parameter=city>\n\n"
+                                                                                             "</parameter>\n", ""))
+    content, calls = parse_whole(fmt, both, NAMES)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("add", {"a": 1, "b": 2})]
+
+
+def test_pythonic_cannot_be_forced():
+    from tokenloom.function_call.forced import forced_call_tag
+
+    with pytest.raises(ValueError, match="cannot be enforced with --tool-call-parser pythonic"):
+        forced_call_tag(tool_format("pythonic"), TOOLS, "required", True)

@@ -80,6 +80,26 @@ class ToolFormat(ABC):
         """Strings whose presence means the model began a call (for a quick `has_tool_call`)."""
         return ()
 
+    def forced_calls(self) -> ForcedCalls | None:
+        """How a grammar writes calls in this format (tool_choice required / a named function), or None when
+        the format's arguments cannot be described by a JSON schema grammar."""
+        return None
+
+
+@dataclass(frozen=True)
+class ForcedCalls:
+    """A format's calls as text around each call's arguments: `before` + begin(name) + <arguments as JSON,
+    or as the format's XML parameters when `style` is "qwen_xml"> + end(name), calls joined by
+    `separator`, all of it + `after`. `{name}` in begin/end is the function's name (JSON-escaped where
+    the format writes it inside a JSON string)."""
+
+    begin: str
+    end: str
+    separator: str = ""
+    before: str = ""
+    after: str = ""
+    style: str = "json"
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"

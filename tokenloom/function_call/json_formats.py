@@ -16,6 +16,7 @@ out not to be a call (no string name) is content from its start.
 from __future__ import annotations
 
 from tokenloom.function_call.core import (
+    ForcedCalls,
     PartialCall,
     Scan,
     ToolFormat,
@@ -38,6 +39,9 @@ def _tail(text: str, start: int, final: bool, markers: tuple[str, ...], after_ca
 class HermesFormat(ToolFormat):
     name = "qwen25"
     START, END = "<tool_call>", "</tool_call>"
+
+    def forced_calls(self) -> ForcedCalls:
+        return ForcedCalls('<tool_call>\n{{"name": {name}, "arguments": ', "}}\n</tool_call>", "\n")
 
     def call_markers(self) -> tuple[str, ...]:
         return (self.START,)
@@ -76,6 +80,9 @@ class Llama3Format(ToolFormat):
     name = "llama3"
     TAG = "<|python_tag|>"
 
+    def forced_calls(self) -> ForcedCalls:
+        return ForcedCalls('{{"name": {name}, "parameters": ', "}}", "; ")
+
     def call_markers(self) -> tuple[str, ...]:
         return (self.TAG, "{")
 
@@ -113,6 +120,9 @@ class Llama3Format(ToolFormat):
 class MistralFormat(ToolFormat):
     name = "mistral"
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def forced_calls(self) -> ForcedCalls:
+        return ForcedCalls("[TOOL_CALLS]{raw_name}[ARGS]", "")
 
     def call_markers(self) -> tuple[str, ...]:
         return (self.TAG,)
@@ -168,6 +178,10 @@ class DeepSeekV3Format(ToolFormat):
     CALLS_BEGIN, CALL_BEGIN = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
     SEP, CALL_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     FENCE = "```json"
+
+    def forced_calls(self) -> ForcedCalls:
+        return ForcedCalls(self.CALL_BEGIN + "function" + self.SEP + "{raw_name}\n```json\n",
+                           "\n```" + self.CALL_END, "", self.CALLS_BEGIN, "<｜tool▁calls▁end｜>")
 
     def call_markers(self) -> tuple[str, ...]:
         return (self.CALLS_BEGIN, self.CALL_BEGIN)

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from tokenloom.function_call.core import PartialCall, Scan, ToolFormat, held_back, skip_space
+from tokenloom.function_call.core import ForcedCalls, PartialCall, Scan, ToolFormat, held_back, skip_space
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
@@ -121,6 +121,10 @@ class Qwen3CoderFormat(ToolFormat):
 
     def call_markers(self) -> tuple[str, ...]:
         return (self.START,)
+
+    def forced_calls(self) -> ForcedCalls:
+        return ForcedCalls("<tool_call>\n<function={raw_name}>\n", "</function>\n</tool_call>", "\n",
+                           style="qwen_xml")
 
     def scan(self, text: str, final: bool) -> Scan:
         j = text.find(self.START)
