@@ -92,7 +92,7 @@ def _check_calls(calls, allowed: set[str]) -> None:
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_required_always_yields_valid_calls(oai, seed):
     r = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required",
-                                    temperature=1.0, seed=seed, max_tokens=200)
+                                    temperature=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None
@@ -111,9 +111,10 @@ def test_named_function_and_single_call(oai):
 @pytest.mark.parametrize("seed", [5, 6, 7])
 def test_streamed_calls_assemble_to_the_non_streamed_answer(oai, seed):
     """OpenAI's stream shape: per call index the first delta carries id, type and name with empty arguments,
-    later deltas argument fragments; finish_reason tool_calls; the assembly equals the whole answer."""
+    later deltas argument fragments; the assembly and finish_reason equal the whole answer's. Parallel calls
+    are allowed, so a random model may call until max_tokens (finish "length", the last call cut short)."""
     kwargs = dict(model="m", messages=USER, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
-                  max_tokens=240)
+                  max_tokens=120)
     whole = oai.chat.completions.create(**kwargs).choices[0]
     calls: dict[int, list[str]] = {}
     finish, name_before_args = None, True
@@ -130,7 +131,8 @@ def test_streamed_calls_assemble_to_the_non_streamed_answer(oai, seed):
                 calls[d.index][1] += d.function.arguments
         finish = chunk.choices[0].finish_reason or finish
     assert name_before_args
-    assert finish == whole.finish_reason == "tool_calls"
+    assert finish == whole.finish_reason and finish in ("tool_calls", "length")
+    assert len(calls) >= 1 and (finish == "tool_calls" or len(calls) >= 2)
     assert [tuple(c) for c in calls.values()] == [(c.function.name, c.function.arguments)
                                                   for c in whole.message.tool_calls]
 

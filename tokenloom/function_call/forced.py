@@ -5,7 +5,8 @@ arguments held to the function's JSON schema.
 The grammar is an xgrammar structural tag (JSON): per function a tag `begin(name)` + arguments + `end`,
 tags joined by the format's separator (`stop_after_first` unless parallel calls are allowed), wrapped in the
 format's opening and closing text. Nothing but calls can be written, and the answer can end only after a
-whole call, so the parser always finds at least one valid call. Built here as plain data; the grammar
+whole call, so the parser always finds at least one valid call. Whitespace inside the arguments is at most
+one character per gap: unbounded, a model can pad a call with whitespace until max_tokens. Built here as plain data; the grammar
 backend compiles it like any `structural_tag`.
 """
 
@@ -28,7 +29,7 @@ def forced_call_tag(fmt: ToolFormat, tools: list[dict[str, Any]], choice: str, p
     for fn in functions:
         schema = fn.get("parameters") or {"type": "object"}
         content = ({"type": "qwen_xml_parameter", "json_schema": schema} if forced.style == "qwen_xml"
-                   else {"type": "json_schema", "json_schema": schema})
+                   else {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1})
         names = {"name": json.dumps(fn["name"], ensure_ascii=False), "raw_name": fn["name"]}
         tags.append({"type": "tag", "begin": forced.begin.format(**names), "content": content,
                      "end": forced.end.format(**names)})
