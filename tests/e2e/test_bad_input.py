@@ -48,7 +48,7 @@ GENERATE_CASES = [
     ("stop_token_ids_outside_vocab", sp(stop_token_ids=[10**6]), "stop_token_ids must be token ids"),
     ("stop_not_strings", sp(stop=[1, 2]), "stop must be a string or a list of strings"),
     ("sampling_seed_not_int", sp(sampling_seed="x"), "sampling_seed must be an integer"),
-    ("constrained_decoding", sp(regex="a+"), "regex is not supported"),
+    ("constrained_decoding_bad_regex", sp(regex="a("), "invalid regex"),
     ("unknown_sampling_key", sp(tempreature=0.5), "unknown sampling parameter(s): tempreature"),
     ("sampling_params_not_object", {"text": "Hi", "sampling_params": "greedy"}, "sampling_params must be an object"),
     ("n_mismatch_in_batch", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]},
