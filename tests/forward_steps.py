@@ -82,3 +82,10 @@ class ForwardSteps:
         self.runner.req_to_token_pool.free(seq.req_pool_idx)
         seq.reset_for_retract()
         seq.origin_input_ids = []
+
+
+def all_kv_free(runner: ModelRunner) -> bool:
+    """Every KV slot is back: the full pool's and, with a sliding-window pool, every sliding-layer slot too."""
+    alloc = runner.token_allocator
+    full_free = alloc.full_available_size() if hasattr(alloc, "full_available_size") else alloc.available_size()
+    return full_free == runner.max_total_num_tokens and getattr(alloc, "swa_in_use", lambda: 0)() == 0

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.family_models import QWEN3_STYLE_TEMPLATE, gguf_twin
-from tests.forward_steps import ForwardSteps
+from tests.forward_steps import ForwardSteps, all_kv_free
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 
@@ -57,7 +57,7 @@ def _our_logits(runner: ModelRunner, prompts: list[list[int]], decode: int = 3) 
         logits = [torch.cat((lg, row[None])) for lg, row in zip(logits, step, strict=True)]
     for s in seqs:
         steps.release(s)
-    assert runner.token_allocator.available_size() == runner.max_total_num_tokens
+    assert all_kv_free(runner)
     return logits
 
 

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from tests.forward_steps import ForwardSteps
+from tests.forward_steps import ForwardSteps, all_kv_free
 from tests.gemma_models import WINDOW, make_tiny_gemma
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
@@ -56,7 +56,7 @@ def _run(folder: str, lengths: list[int], **flags) -> tuple[list[torch.Tensor], 
     decode = steps.extend(seqs, [[11 + i] for i in range(len(seqs))])
     for s in seqs:
         steps.release(s)
-    assert runner.token_allocator.available_size() == runner.max_total_num_tokens
+    assert all_kv_free(runner)
     logits = [torch.cat((a, b, d[None])) for a, b, d in zip(first, second, decode, strict=True)]
     fed = [p + c + [11 + i] for i, (p, c) in enumerate(zip(prompts, chunk, strict=True))]
     return logits, fed

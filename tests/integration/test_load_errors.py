@@ -115,10 +115,10 @@ def test_unsupported_rope_scaling(tiny_model_dir, tmp_path):
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg.pop("rope_parameters", None)
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "mrope", "factor": 4.0}  # multimodal 3-D positions
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'yarn'"):
+    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'mrope'"):
         _load(folder)
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from tokenloom.config import ConfigError, ServerArgs
 from tokenloom.entrypoints.launcher import RuntimeLauncher
+from tokenloom.model_config import ModelConfig
 from tokenloom.models.loader import ModelSource
 
 
@@ -144,7 +144,10 @@ def test_deaths_published_by_other_nodes_are_reported():
 
 def _source(**sizes) -> ModelSource:
     """What the launcher reads of a model before any rank starts: the shapes `check_parallel_fits` splits."""
-    config = SimpleNamespace(**{**dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=128), **sizes})
+    shape = {**dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=128), **sizes}
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
+                         tie_word_embeddings=True, attention_bias=False, **shape)
     return ModelSource(kind="hf", path="unused", config=config, load_format="dummy")
 
 

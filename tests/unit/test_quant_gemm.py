@@ -157,6 +157,8 @@ def test_many_row_int8_path(name):
         lib.quant_batch_m(ctypes.c_int(1))  # the default without AMX (test_tile_path_without_amx checks it)
         assert lib.quant_path(qm.qtype, 64, k, 0) == 2 and lib.quant_path(qm.qtype, 13, k, 0) == 2
         got = qg.linear(x, qm, out_dtype=torch.float32)
+        assert torch.equal(qg.linear(x[:13], qm, out_dtype=torch.float32), got[:13])
+        assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), got[20:33])
         lib.quant_act_residual(ctypes.c_int(0))
         one_term = qg.linear(x, qm, out_dtype=torch.float32)
         lib.quant_act_residual(ctypes.c_int(residual))
@@ -165,8 +167,6 @@ def test_many_row_int8_path(name):
     finally:
         lib.quant_batch_m(ctypes.c_int(batch))
         lib.quant_act_residual(ctypes.c_int(residual))
-    assert torch.equal(qg.linear(x[:13], qm, out_dtype=torch.float32), got[:13])
-    assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), got[20:33])
     assert not torch.equal(got, tile)
     assert bool(((got - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
     assert bool(((one_term - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())

@@ -6,8 +6,8 @@ The grammar is an xgrammar structural tag (JSON): per function a tag `begin(name
 tags joined by the format's separator (`stop_after_first` unless parallel calls are allowed), wrapped in the
 format's opening and closing text. Nothing but calls can be written, and the answer can end only after a
 whole call, so the parser always finds at least one valid call. Whitespace inside the arguments is at most
-one character per gap: unbounded, a model can pad a call with whitespace until max_tokens. Built here as plain data; the grammar
-backend compiles it like any `structural_tag`.
+one character per gap: unbounded, a model can pad a call with whitespace until max_tokens. Built here as plain
+data; the grammar backend compiles it like any `structural_tag`.
 """
 
 from __future__ import annotations
