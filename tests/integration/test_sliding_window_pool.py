@@ -2,7 +2,8 @@
 with a full layer, 16-token prefill chunks; greedy tokens equal transformers' float32 with the pool on and with
 --disable-hybrid-swa-memory, the sliding layers' slots in use stay bounded by the window (plus a chunk) while
 the full layers hold the whole sequence, aborts leak nothing (the harness checks both pools when idle), the
-pool's size follows --swa-full-tokens-ratio, and PD refuses the pool with a message naming the way out."""
+pool's size follows --swa-full-tokens-ratio, and PD servers get the pool too (their transfers carry both pools:
+tests/e2e/test_family_pd.py)."""
 
 from __future__ import annotations
 
@@ -89,14 +90,14 @@ def test_aborts_leak_nothing(models):
     assert {h.results[r].finish_reason["type"] for r in ("r0", "r1")} == {"abort"}
 
 
-def test_pool_sizes_and_pd_refusal(models):
+def test_pool_sizes_and_pd(models):
     folder, _ = models["qwen2"]
     args = ServerArgs(model_path=folder, dtype="float32", max_total_tokens=1000, swa_full_tokens_ratio=0.25)
     memory = ModelRunner(args).memory
     assert memory.kv_pool.swa_size == 250 and memory.max_total_num_tokens == 1000
     assert memory.kv_pool.swa_pool.nbytes() < memory.kv_pool.full_pool.nbytes()
     windows = (0, WINDOW)
-    with pytest.raises(ValueError, match="--disable-hybrid-swa-memory"):
-        swa_memory_applies(ServerArgs(disaggregation_mode="prefill"), windows)
+    assert swa_memory_applies(ServerArgs(disaggregation_mode="prefill"), windows)
+    assert swa_memory_applies(ServerArgs(disaggregation_mode="decode"), windows)
     assert not swa_memory_applies(ServerArgs(disaggregation_mode="prefill", disable_hybrid_swa_memory=True), windows)
     assert not swa_memory_applies(ServerArgs(page_size=16), windows)

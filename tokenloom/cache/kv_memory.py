@@ -29,8 +29,8 @@ head's run (max_total_num_tokens + page_size) * head_dim elements after the prev
 cache/kv_layout.py's `transfer_runs` computes and coalesces. A page-major layout (one run per page
 and layer) would need the kernels' indexing changed.
 
-Sliding-window models (some layer with `ModelConfig.layer_window` > 0; not with --disable-hybrid-swa-memory,
---page-size > 1 or PD, which refuses them): the sliding layers' KV lives in a second, smaller pool
+Sliding-window models (some layer with `ModelConfig.layer_window` > 0; not with --disable-hybrid-swa-memory or
+--page-size > 1): the sliding layers' KV lives in a second, smaller pool
 (`--swa-full-tokens-ratio` of the full one) whose slots are freed once out of the window (cache/swa_pool.py,
 cache/swa_radix_cache.py); the budget counts a token as the full layers' bytes plus the ratio times the
 sliding layers'. The decision depends on the model, not on this rank's layers, so every pipeline stage
@@ -94,12 +94,10 @@ def request_slots_for(args: ServerArgs, tokens: int, context_len: int) -> int:
 
 
 def swa_memory_applies(args: ServerArgs, layer_windows: tuple[int, ...]) -> bool:
-    """Whether a model with these per-layer windows gets the sliding-window pool; refuses PD for it."""
+    """Whether a model with these per-layer windows gets the sliding-window pool (PD servers too: their transfers
+    carry both pools, cache/pool_layout.py)."""
     if not any(layer_windows) or args.disable_hybrid_swa_memory:
         return False
-    if args.disaggregation_mode != "null":
-        raise ValueError("prefill/decode disaggregation cannot transfer the sliding-window KV pool of this model "
-                         "yet; pass --disable-hybrid-swa-memory to serve it with one full pool")
     if args.page_size != 1:
         logger.info("Sliding-window model with --page-size %d: one full KV pool (the sliding-window pool needs "
                     "page size 1)", args.page_size)

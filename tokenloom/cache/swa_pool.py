@@ -19,17 +19,21 @@ maps to 0.
 `SWAKVPool` keeps KVPool's interface for the attention backends: `get_kv(layer)` returns the layer's
 buffers in its own pool, and `set_kv(layer, slots, ...)` takes slots of that pool's space (a backend maps a
 sliding layer's slots through `full_to_swa` once per step, not per layer). `k_buffers[i]` are the local
-layers' K buffers in layer order (both pools share dtype, heads and head_dim).
+layers' K buffers in layer order (both pools share dtype, heads and head_dim). `layout` describes both buffers
+for a PD transfer (cache/pool_layout.py); `read_slots` / `write_slots` move a request's KV of both pools
+(decode-side retraction to host memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from tokenloom.cache.allocator import TokenAllocator
 from tokenloom.cache.kv_pool import KVPool
+from tokenloom.cache.pool_layout import PoolLayout
 
 
 class SWAAllocator:
@@ -125,7 +129,8 @@ class SWAKVPool:
         self.dtype, self.num_kv_heads, self.head_dim = dtype, num_kv_heads, head_dim
         self.start_layer, self.end_layer = start_layer, end_layer
         layers = range(start_layer, end_layer)
-        self.sliding = tuple(bool(sliding[i]) for i in layers)  # by local layer
+        self.model_sliding = tuple(bool(s) for s in sliding)  # by global layer
+        self.sliding = self.model_sliding[start_layer:end_layer]  # by local layer
         n_swa = sum(self.sliding)
         self.full_pool = KVPool(size, 1, num_kv_heads, head_dim, dtype, device, 0, len(layers) - n_swa)
         self.swa_pool = KVPool(swa_size, 1, num_kv_heads, head_dim, dtype, device, 0, n_swa)
@@ -159,5 +164,36 @@ class SWAKVPool:
             return pool.nbytes() // pool.rows if pool.rows else 0
         return per(self.full_pool), per(self.swa_pool)
 
-    def layout(self, head_start: int):  # noqa: ANN201 - the PD path refuses SWA pools before asking
-        raise NotImplementedError("the sliding-window KV pool is not transferable (PD refuses it at start)")
+    def read_slots(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """Every local layer's K and V of the tokens at `full_slots` (a copy): the full layers' rows, then the
+        sliding layers' at the mapped swa slots ([layers, 2, kv_heads, len, head_dim]; a token out of every window
+        reads the dummy slot, never read back as anything that matters)."""
+        swa = self._swa_map()[full_slots.to(torch.int64)]
+        return torch.cat((self.full_pool.read_slots(full_slots), self.swa_pool.read_slots(swa)))
+
+    def write_slots(self, full_slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Store `read_slots`' result at `full_slots`, which must all hold swa slots (freshly allocated)."""
+        n_full = self.full_pool.end_layer - self.full_pool.start_layer
+        swa = self._swa_map()[full_slots.to(torch.int64)]
+        if bool((swa == 0).any()):
+            raise ValueError("write_slots: some full slots have no swa slot to receive the sliding layers' KV")
+        self.full_pool.write_slots(full_slots, data[:n_full])
+        self.swa_pool.write_slots(swa, data[n_full:])
+
+    def _swa_map(self) -> torch.Tensor:
+        if self.full_to_swa is None:
+            raise RuntimeError("the sliding-window pool has no full_to_swa map (KVMemory sets it)")
+        return self.full_to_swa
+
+    def layout(self, head_start: int) -> PoolLayout:
+        """Both buffers as data for a transfer peer: each in the numbering of its own layer kind
+        (cache/pool_layout.py), with the model's per-layer pattern."""
+        pattern = self.model_sliding
+        n_swa_before = sum(pattern[:self.start_layer])
+        n_full_before = self.start_layer - n_swa_before
+        n_swa = sum(self.sliding)
+        full = dataclasses.replace(self.full_pool.layout(head_start), start_layer=n_full_before,
+                                   end_layer=n_full_before + len(self.sliding) - n_swa)
+        swa = dataclasses.replace(self.swa_pool.layout(head_start), start_layer=n_swa_before,
+                                  end_layer=n_swa_before + n_swa)
+        return PoolLayout(full, swa, pattern)

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenloom.cache.kv_layout import KVLayout
+from tokenloom.cache.pool_layout import PoolLayout
 from tokenloom.disaggregation.agent_config import AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.clocks import RoomTimers
@@ -63,13 +64,16 @@ Handler = Callable[[int, dict[str, Any]], None]
 class TransferAgent(ABC):
     role = ""
 
-    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout, aux: AuxBuffer) -> None:
-        """A role's agent calls `_start()` last in its constructor (its state exists before messages come)."""
+    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout | PoolLayout,
+                 aux: AuxBuffer) -> None:
+        """A role's agent calls `_start()` last in its constructor (its state exists before messages come).
+        `layout`: this rank's KV memory (a sliding-window pool's is two buffers, both registered)."""
         self.config = config
         self.engine = engine
-        self.layout = layout
+        self.layout = PoolLayout.of(layout)
         self.aux = aux
-        engine.register(layout.base_addr, layout.nbytes)
+        for addr, nbytes in self.layout.regions():
+            engine.register(addr, nbytes)
         engine.register(aux.base_addr, aux.nbytes)
         self.channel = ControlChannel(config.host, config.events_address)
         self.control_address = self.channel.address

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenloom.cache.pool_layout import swa_slots_of
 from tokenloom.disaggregation.aux_buffer import AuxBuffer, AuxSlotError
 from tokenloom.disaggregation.decode_agent import DecodeAgent
 from tokenloom.disaggregation.side import DisaggSide
@@ -86,9 +87,26 @@ class DecodeDisaggregation(DisaggSide):
         room = req.bootstrap.room
         if self.refused(req, room in self.transfer or any(r.room == room for r in self.prealloc)):
             return True
+        if self._beyond_swa_pool(req):
+            return True
         req.input_logprobs = None  # the prompt's logprobs are the prefill server's answer (the router merges)
         self.prealloc.append(DecodeRoom(req))
         self.agent.track_decode(room, req.bootstrap)
+        return True
+
+    def _beyond_swa_pool(self, req: Req) -> bool:
+        """Answer `req` with a 400 (True) when a sliding-window pool could never pre-allocate it: the prompt's
+        KV arrives for every position at once, so each needs a slot of the (smaller) sliding layers' pool too."""
+        swa_size = getattr(self.kv_pool, "swa_size", None)
+        tokens = len(req.origin_input_ids) + min(self.scheduler.args.num_reserved_decode_tokens,
+                                                 req.sampling_params.max_new_tokens)
+        if swa_size is None or tokens <= swa_size:
+            return False
+        req.abort(f"the prompt ({len(req.origin_input_ids)} tokens) does not fit this decode server's sliding-window "
+                  f"KV pool ({swa_size} slots, --swa-full-tokens-ratio of --max-total-tokens): raise them, or pass "
+                  "--disable-hybrid-swa-memory to both servers", 400)
+        self.scheduler.emit(req)
+        self._tell_peer_refused(req)
         return True
 
     def on_event(self, event: TransferEvent) -> None:
@@ -262,7 +280,8 @@ class DecodeDisaggregation(DisaggSide):
             slots = self.scheduler.reserve_kv(req, tokens)
             state.aux_index = self.aux.alloc()
             self.transfer[state.room] = state
-            self.agent.send_metadata(state.room, state.prefill_info, slots.tolist(), state.aux_index)
+            self.agent.send_metadata(state.room, state.prefill_info, slots.tolist(), state.aux_index,
+                                     swa_slots_of(self.kv_pool, slots))
             state.prefill_info = None
 
     def _prebuild(self) -> None:
@@ -292,7 +311,15 @@ class DecodeDisaggregation(DisaggSide):
                 started.append(req)
         self.arrived = []
         for req in started:
+            self._drop_out_of_window(req)
             self.scheduler.start_running(req)
+
+    def _drop_out_of_window(self, req: Req) -> None:
+        """A sliding-window pool: free the sliding-layer slots of the positions no query of `req` reads any more
+        (its KV arrived, or came back from host memory, for every position; decode steps free only the newest)."""
+        cache = self.scheduler.kv_memory.tree_cache
+        if cache.sliding_window and req.req_pool_idx is not None:
+            cache.release_out_of_window(req.req_pool_idx, req.kv_len, 0, req.kv_len)
 
     # --- hooks the prefill side uses --------------------------------------------------------------------------------
     def after_prefill(self, batch: ScheduleBatch) -> None:
@@ -331,6 +358,7 @@ class DecodeDisaggregation(DisaggSide):
             slots = self.scheduler.reserve_kv(state.req, state.offloaded_len)
             self.kv_pool.write_slots(slots, state.offloaded_kv)
             state.offloaded_kv = None
+            self._drop_out_of_window(state.req)
             self.scheduler.start_running(state.req)
 
     # --- state --------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import logging
 from typing import Any
 
 from tokenloom.cache.kv_layout import KVLayout
+from tokenloom.cache.pool_layout import PoolLayout
 from tokenloom.disaggregation.agent import Handler, TransferAgent
 from tokenloom.disaggregation.agent_config import AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
@@ -41,10 +42,11 @@ DRAIN_MARGIN_S = 5.0  # a drain's bound past the transfer timeout (no write of t
 class DecodeAgent(TransferAgent):
     role = "decode"
 
-    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout, aux: AuxBuffer) -> None:
+    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout | PoolLayout,
+                 aux: AuxBuffer) -> None:
         super().__init__(config, engine, layout, aux)
         self._prefill_servers = PrefillDirectory(config.page_size, config.kv_dtype, engine.backend, config.world,
-                                                 layout, config.bootstrap_timeout_s)
+                                                 self.layout, config.bootstrap_timeout_s)
         self._expected: dict[int, set[int]] = {}  # room -> prefill ranks that must say "done"
         self._done: dict[int, set[int]] = {}  # room -> prefill ranks that said "done"
         self._room_prefill: dict[int, Target] = {}  # entry: room -> its prefill's bootstrap
@@ -64,10 +66,12 @@ class DecodeAgent(TransferAgent):
         (or "failed": unreachable, incompatible)."""
         self.channel.call(lambda: self._bootstrap_decode(room, bootstrap))
 
-    def send_metadata(self, room: int, prefill_info: dict[str, Any], slots: list[int], aux_index: int) -> None:
-        """The room's KV was pre-allocated at `slots` (this rank's pool) and its metadata slot at `aux_index`;
-        tell the prefill ranks (`prefill_info`: the "bootstrapped" event's layout) where to write."""
-        self.channel.call(lambda: self._send_dst(room, prefill_info, slots, aux_index))
+    def send_metadata(self, room: int, prefill_info: dict[str, Any], slots: list[int], aux_index: int,
+                      swa_slots: list[int] | None = None) -> None:
+        """The room's KV was pre-allocated at `slots` (this rank's pool; `swa_slots`: their swa slots in a
+        sliding-window pool) and its metadata slot at `aux_index`; tell the prefill ranks (`prefill_info`: the
+        "bootstrapped" event's layout) where to write."""
+        self.channel.call(lambda: self._send_dst(room, prefill_info, slots, aux_index, swa_slots))
 
     def bound_drain(self, room: int) -> None:
         """The scheduler keeps a failed room's slots until the prefill side lets go; if it never does, a "let_go"
@@ -223,7 +227,8 @@ class DecodeAgent(TransferAgent):
         self._deadlines.cancel(room)
         self.channel.event(TransferEvent(room, "bootstrapped", data=info))
 
-    def _send_dst(self, room: int, info: dict[str, Any], slots: list[int], aux_index: int) -> None:
+    def _send_dst(self, room: int, info: dict[str, Any], slots: list[int], aux_index: int,
+                  swa_slots: list[int] | None = None) -> None:
         ranks = info["ranks"]
         prefill_world = [RankKV.from_json(r["rank_kv"]) for r in ranks]
         control = {int(r["rank_kv"]["rank"]): r["control"] for r in ranks}
@@ -234,7 +239,8 @@ class DecodeAgent(TransferAgent):
         self._peer_entry[room] = control[min(control)]
         msg = {"t": "dst", "room": room, "decode_rank": me.rank,
                "decode_ranks": [r.to_json() for r in self.config.world], "engine": self.engine.descriptor(),
-               "layout": self.layout.to_json(), "slots": slots, "status": self.control_address,
+               "layout": self.layout.to_json(), "slots": slots, "swa_slots": swa_slots,
+               "status": self.control_address,
                "entry": self._world_control[0]}
         for rank in sorted(control):  # every prefill rank, so each knows at once whether it writes anything
             self._send(control[rank], {**msg, "aux_addr": self.aux.slot_addr(aux_index) if rank == writer_of_aux

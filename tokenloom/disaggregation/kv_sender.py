@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.cache.kv_layout import KVLayout, transfer_runs
+from tokenloom.cache.pool_layout import PoolLayout
 from tokenloom.disaggregation.agent_config import SENDER_THREADS, AgentConfig, test_failure_prob
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
 from tokenloom.disaggregation.pairing import RankKV, write_targets
@@ -43,10 +43,11 @@ class _Job:
     slots: list[int]
     is_last: bool
     aux: bytes | None
+    swa_slots: list[int] | None = None  # a sliding-window pool's swa slots of the same tokens
 
 
 class KVSender:
-    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout, aux: AuxBuffer,
+    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: PoolLayout, aux: AuxBuffer,
                  send: Callable[[str, dict[str, Any]], None], entry_address: Callable[[], str]) -> None:
         """`send(address, msg)`: the agent's control-message send (thread-safe); `entry_address()`: the prefill
         entry rank's control address (known only once the server's ranks exchanged theirs)."""
@@ -67,10 +68,11 @@ class KVSender:
             thread.start()
 
     # --- scheduler thread ----------------------------------------------------------------------------------
-    def queue_chunk(self, room: int, start: int, slots: list[int], is_last: bool, aux: bytes | None) -> None:
+    def queue_chunk(self, room: int, start: int, slots: list[int], is_last: bool, aux: bytes | None,
+                    swa_slots: list[int] | None = None) -> None:
         with self._cond:
             self._pending[room] = self._pending.get(room, 0) + 1
-        self._queues[room % len(self._queues)].put(_Job(room, start, slots, is_last, aux))
+        self._queues[room % len(self._queues)].put(_Job(room, start, slots, is_last, aux, swa_slots))
 
     def wait_room(self, room: int, timeout_s: float) -> None:
         """Return once every queued chunk of the room was written or dropped (or after `timeout_s`)."""
@@ -150,11 +152,14 @@ class KVSender:
             if random.random() < test_failure_prob():
                 raise TransferError("injected transfer failure (TEST_FAILURE_PROB)")
             for msg, pieces in targets:
-                dst_layout = KVLayout.from_json(msg["layout"])
-                dst_slots = msg["slots"][job.start: job.start + len(job.slots)]
+                dst_layout = PoolLayout.from_json(msg["layout"])
+                span = slice(job.start, job.start + len(job.slots))
+                dst_slots = msg["slots"][span]
+                dst_swa = msg["swa_slots"][span] if msg.get("swa_slots") is not None else None
                 runs: list[tuple[int, int, int]] = []
                 for layers, heads in pieces:
-                    runs += transfer_runs(self.layout, dst_layout, job.slots, dst_slots, layers=layers, heads=heads)
+                    runs += self.layout.runs(dst_layout, job.slots, dst_slots, job.swa_slots, dst_swa, layers=layers,
+                                             heads=heads)
                 if job.is_last and job.aux is not None and msg.get("aux_addr") is not None:
                     self.aux.write(staging, job.aux)
                     runs.append((self.aux.slot_addr(staging), int(msg["aux_addr"]), len(job.aux)))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.cache.kv_layout import aligned_prefix
+from tokenloom.cache.pool_layout import swa_slots_of
 from tokenloom.disaggregation.aux_buffer import encode_aux
 from tokenloom.disaggregation.prefill_agent import PrefillAgent
 from tokenloom.disaggregation.side import DisaggSide
@@ -208,9 +209,11 @@ class PrefillDisaggregation(DisaggSide):
             last = bool(req.output_ids)
             end = upto if last else aligned_prefix(upto, page)
             if end > state.sent or last:
-                slots = self.scheduler.request_slots(req, state.sent, end).tolist()
+                slots = self.scheduler.request_slots(req, state.sent, end)
+                # a sliding-window pool's swa slots are read now: the next chunk (after `settle_reads`) may drop them
+                swa = swa_slots_of(self.scheduler.kv_memory.kv_pool, slots)
                 aux = encode_aux(room, first_token_payload(req)) if last else None
-                self.agent.send_chunk(room, state.sent, slots, last, aux)
+                self.agent.send_chunk(room, state.sent, slots.tolist(), last, aux, swa)
                 state.sent = end
             if last:
                 self.inflight[room] = req

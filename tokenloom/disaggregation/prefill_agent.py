@@ -22,6 +22,7 @@ from collections import OrderedDict
 from typing import Any
 
 from tokenloom.cache.kv_layout import KVLayout
+from tokenloom.cache.pool_layout import PoolLayout
 from tokenloom.disaggregation.agent import Handler, TransferAgent
 from tokenloom.disaggregation.agent_config import AgentConfig
 from tokenloom.disaggregation.aux_buffer import AuxBuffer
@@ -36,7 +37,8 @@ ENDED_ROOMS_KEPT = 4096  # rooms given up on, remembered after forget (a late de
 class PrefillAgent(TransferAgent):
     role = "prefill"
 
-    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout, aux: AuxBuffer) -> None:
+    def __init__(self, config: AgentConfig, engine: TransferEngine, layout: KVLayout | PoolLayout,
+                 aux: AuxBuffer) -> None:
         super().__init__(config, engine, layout, aux)
         # rooms given up on here (reason, by the client, status): a destination arriving later (the decode half of
         # a request aborted here before its decode server had even seen it) is answered with an abort, else the
@@ -52,7 +54,7 @@ class PrefillAgent(TransferAgent):
         self._writes_over: OrderedDict[int, set[int]] = OrderedDict()
         # not the entry: rooms given up on whose "over" goes to the entry once this rank's writes are
         self._report_over: set[int] = set()
-        self._sender = KVSender(config, engine, layout, aux, self._send, lambda: self._world_control[0])
+        self._sender = KVSender(config, engine, self.layout, aux, self._send, lambda: self._world_control[0])
         self._start()
 
     def _handlers(self) -> dict[str, Handler]:
@@ -74,10 +76,12 @@ class PrefillAgent(TransferAgent):
         self.channel.call(lambda: self._watch(room, self.config.bootstrap_timeout_s, "the decode server's "
                                               "destination (bootstrap timeout)"))
 
-    def send_chunk(self, room: int, start: int, slots: list[int], is_last: bool, aux: bytes | None) -> None:
+    def send_chunk(self, room: int, start: int, slots: list[int], is_last: bool, aux: bytes | None,
+                   swa_slots: list[int] | None = None) -> None:
         """Write tokens [start, start + len(slots)) of the room (slots of this rank's pool) to the decode
-        ranks; `aux`: the metadata slot's bytes (aux writer, last chunk)."""
-        self._sender.queue_chunk(room, start, slots, is_last, aux)
+        ranks; `aux`: the metadata slot's bytes (aux writer, last chunk); `swa_slots`: a sliding-window pool's
+        swa slots of the same tokens (0: dropped already)."""
+        self._sender.queue_chunk(room, start, slots, is_last, aux, swa_slots)
 
     def wait_chunks(self, room: int, timeout_s: float | None = None) -> None:
         """Return once every queued chunk of the room was written (or dropped): its source slots may then be

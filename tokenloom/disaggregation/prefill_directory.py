@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from tokenloom.cache.kv_layout import KVLayout
+from tokenloom.cache.pool_layout import PoolLayout
 from tokenloom.disaggregation.bootstrap_server import fetch_parallel_info
 from tokenloom.disaggregation.pairing import RankKV, writers_for
 
@@ -23,12 +24,12 @@ PREFILL_INFO_TTL_S = 30.0
 
 
 class PrefillDirectory:
-    def __init__(self, page_size: int, kv_dtype: str, backend: str, world: list[RankKV], layout: KVLayout,
+    def __init__(self, page_size: int, kv_dtype: str, backend: str, world: list[RankKV], layout: KVLayout | PoolLayout,
                  fetch_deadline_s: float) -> None:
         """This decode server's page size, KV dtype, transfer backend, ranks and KV layout (what a prefill
         server must match); `fetch_deadline_s`: how long a lookup keeps trying a prefill server not ready yet."""
         self.page_size, self.kv_dtype, self.backend = page_size, kv_dtype, backend
-        self.world, self.local_layout = world, layout
+        self.world, self.local_layout = world, PoolLayout.of(layout)
         self.fetch_deadline_s = fetch_deadline_s
         self._known: dict[tuple[str, int], tuple[float, dict[str, Any]]] = {}  # (host, port) -> (when, answer)
         self._lock = threading.Lock()
@@ -69,7 +70,13 @@ class PrefillDirectory:
                 writers_for(d, prefill_world)
         except ValueError as e:
             return f"the prefill server does not hold the KV this decode server needs: {e}"
-        layout = KVLayout.from_json(first["layout"])
+        layout = PoolLayout.from_json(first["layout"])
         if layout.head_dim != self.local_layout.head_dim or layout.itemsize != self.local_layout.itemsize:
             return "KV layout mismatch (head dim or element size differ): not the same model"
+        if layout.hybrid != self.local_layout.hybrid:
+            where = "the prefill server" if layout.hybrid else "this decode server"
+            return (f"sliding-window KV pool mismatch: only {where} keeps the sliding layers' KV in its own pool; "
+                    "start both servers with or both without --disable-hybrid-swa-memory")
+        if layout.sliding != self.local_layout.sliding:
+            return "sliding-window KV pool mismatch (the layers' window pattern differs): not the same model"
         return None
