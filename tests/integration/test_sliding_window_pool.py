@@ -2,8 +2,9 @@
 with a full layer, 16-token prefill chunks; greedy tokens equal transformers' float32 with the pool on and with
 --disable-hybrid-swa-memory, the sliding layers' slots in use stay bounded by the window (plus a chunk) while
 the full layers hold the whole sequence, aborts leak nothing (the harness checks both pools when idle), the
-pool's size follows --swa-full-tokens-ratio, and PD servers get the pool too (their transfers carry both pools:
-tests/e2e/test_family_pd.py)."""
+pool's size follows --swa-full-tokens-ratio, and PD servers get the pool too: a prefill and a decode scheduler
+in one process (tests/pd_harness.py) transfer both pools, with the decode side retracting to host memory and
+resuming (the servers' pair: tests/e2e/test_family_pd.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.integration.test_sliding_window import make_window_model
+from tests.pd_harness import PDPair
 from tests.scheduler_harness import LoopHarness
 from tokenloom.cache.kv_memory import swa_memory_applies
 from tokenloom.cache.swa_pool import SWAKVPool
@@ -101,3 +103,40 @@ def test_pool_sizes_and_pd(models):
     assert swa_memory_applies(ServerArgs(disaggregation_mode="decode"), windows)
     assert not swa_memory_applies(ServerArgs(disaggregation_mode="prefill", disable_hybrid_swa_memory=True), windows)
     assert not swa_memory_applies(ServerArgs(page_size=16), windows)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_pd_pair_transfers_both_pools(models, kind):
+    """Chunks past the window (the prefill side drops its oldest sliding K/V between chunks, after their
+    transfer), a follow-up turn hitting the prefill side's radix cache (its cached prefix keeps sliding K/V only
+    near its end: the rest is not sent, and not read), and a decode pool so small that requests retract to
+    host memory and resume (both pools copied out and back): greedy tokens equal transformers'."""
+    folder, hf = models[kind]
+
+    def make(**kw):
+        args = ServerArgs(**{"model_path": folder, "dtype": "float32", "max_total_tokens": 512,
+                             "max_running_requests": 4, "chunked_prefill_size": CHUNK, "overlap_schedule": "off",
+                             "num_reserved_decode_tokens": 2, **kw})
+        runner = ModelRunner(args)
+        return LoopHarness(args, ModelWorker(runner, ()), runner.memory, runner.vocab_size), None
+
+    pair = PDPair(make, decode_args={"max_total_tokens": 120})
+    try:
+        for h in (pair.prefill_h, pair.decode_h):
+            assert isinstance(h.memory.kv_pool, SWAKVPool)
+        gen = torch.Generator().manual_seed(7)
+        prompts = {rid: torch.randint(0, 256, (n,), generator=gen).tolist() for rid, n in (("a", 45), ("b", 30),
+                                                                                          ("c", 25))}
+        greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+        for rid, ids in prompts.items():
+            pair.submit(rid, ids, greedy)
+        results = pair.run(timeout_s=300)
+        assert pair.decode.side.offloaded > 0  # retracted to host memory (and resumed)
+        prompts["d"] = prompts["a"] + results["a"].output_ids[:1] + torch.randint(0, 256, (6,), generator=gen).tolist()
+        pair.submit("d", prompts["d"], greedy)
+        results = pair.run(timeout_s=300)
+        assert pair.prefill_h.results["d"].meta["cached_tokens"] >= 40  # a radix hit on the prefill side
+        for rid, ids in prompts.items():
+            assert results[rid].output_ids == _greedy(hf, ids, 30), rid
+    finally:
+        pair.close()

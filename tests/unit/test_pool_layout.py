@@ -92,3 +92,24 @@ def test_read_write_slots_round_trip_both_pools():
             assert torch.equal(_kv(dst, layer, d), _kv(src, layer, s))
     with pytest.raises(ValueError, match="no swa slot"):
         dst.write_slots(torch.tensor([10]), src.read_slots(torch.tensor([1])))
+
+
+def test_a_decode_server_refuses_a_prefill_server_whose_pool_kind_differs():
+    from tokenloom.disaggregation.pairing import topology_ranks
+    from tokenloom.disaggregation.prefill_directory import PrefillDirectory
+
+    world = topology_ranks(6, HEADS, 1, 1)
+    hybrid = _pool(0, 6).layout(0)
+    plain = KVPool(32, 1, HEADS, DIM, torch.float32, torch.device("cpu"), 0, 6).layout(0)
+
+    def info(layout) -> dict:
+        return {"ranks": [{"page_size": 1, "kv_cache_dtype": "float32", "transfer_backend": "mooncake",
+                           "rank_kv": world[0].to_json(), "layout": layout.to_json()}]}
+
+    for mine, theirs, who in ((hybrid, plain, "this decode server"), (plain, hybrid, "the prefill server")):
+        directory = PrefillDirectory(1, "float32", "mooncake", world, mine, 1.0)
+        problem = directory.incompatibility(info(theirs))
+        assert problem is not None and who in problem and "--disable-hybrid-swa-memory" in problem
+    assert PrefillDirectory(1, "float32", "mooncake", world, hybrid, 1.0).incompatibility(info(hybrid)) is None
+    other = PoolLayout(hybrid.full, hybrid.swa, (False, True, False, True, True, False))
+    assert "pattern" in PrefillDirectory(1, "float32", "mooncake", world, hybrid, 1.0).incompatibility(info(other))

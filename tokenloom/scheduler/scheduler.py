@@ -583,6 +583,9 @@ class Scheduler:
             "evictable_kv_tokens": self.tree_cache.evictable_size(),
             "kv_tokens_in_use": used,
             "free_request_slots": self.req_to_token_pool.available_size(),
+            **({"swa_max_total_num_tokens": self.allocator.swa_size,  # a sliding-window pool's sliding-layer slots
+                "swa_available_kv_tokens": self.allocator.swa_size - self.allocator.swa_in_use()}
+               if hasattr(self.allocator, "swa_size") else {}),
             "num_running_reqs": len(self.running) + len(self._in_flight_prefills()),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_retracted_reqs": self.num_retracted,
