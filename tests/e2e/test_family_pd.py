@@ -8,8 +8,9 @@ sliding K/V of its oldest chunks; two prompts at once (one past the window, one 
 a follow-up turn (a radix hit on the prefill server, whose cached prefix has its sliding K/V only near its end).
 Greedy tokens equal transformers' (teacher-forced on ours) and every prompt and output logprob is within 1e-4.
 Afterwards both servers are idle with full pools, the sliding layers' pool included (the prefill server's after
-a cache flush). The Gemma pair's decode server has a small sliding-layer pool: a prompt it could never
-pre-allocate is answered with an error naming the pool, and both servers keep serving."""
+a cache flush). The Gemma pair's decode server has a sliding-layer pool smaller than the follow-up turn: it
+reserves sliding slots for the window's tail only (a too-small pool's refusal: tests/integration/
+test_sliding_window_pool.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.moe_factory import make_tiny_moe
 
 FLAGS = ("--dtype", "float32", "--chunked-prefill-size", "8", "--max-total-tokens", "2048",
          "--max-running-requests", "8", "--num-threads", "1", "--disaggregation-transfer-backend", "mooncake")
-DECODE_SWA = 0.1  # the Gemma decode server's sliding-layer pool: 204 slots
+DECODE_SWA = 0.02  # the Gemma decode server's sliding-layer pool: 40 slots, fewer than the follow-up turn
 PARAMS = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
 
@@ -92,13 +93,12 @@ def test_pd_pair_matches_transformers(pair):
         _check(pair.hf, ids, out)
         outs.append(out)
     follow = prompt + outs[0]["output_ids"] + torch.randint(3, 49152, (4,), generator=gen).tolist()
+    assert len(follow) > int(2048 * DECODE_SWA)  # the decode server reserves sliding slots for its window only
     status, out = pair.generate([follow])[0]
     assert status == 200, out
     _check(pair.hf, follow, out)
     # the prefill server computed the prompt (not its first output token's KV): a hit on the prompt
     assert out["meta_info"]["cached_tokens"] >= len(prompt) - 1, out["meta_info"]
-    if pair.kind == "gemma3":
-        _beyond_the_decode_sliding_pool(pair)
     for server in (pair.prefill, pair.decode):
         _assert_idle_and_full(server)
     decode = pair.decode.server_info()
@@ -110,14 +110,3 @@ def test_pd_pair_matches_transformers(pair):
         assert prefill["swa_available_kv_tokens"] == prefill["swa_max_total_num_tokens"] == int(2048 * 0.8)
         assert prefill["available_kv_tokens"] == prefill["max_total_num_tokens"], prefill
 
-
-def _beyond_the_decode_sliding_pool(pair: Pair) -> None:
-    """A prompt the decode server's sliding-layer pool could never hold at once: an error naming the pool; the
-    next request is served."""
-    too_long = list(range(3, 3 + int(2048 * DECODE_SWA)))
-    status, out = pair.generate([too_long])[0]
-    assert status != 200 and "sliding-window KV pool" in str(out), (status, out)
-    prompt = torch.randint(3, 49152, (WINDOW + 3,), generator=torch.Generator().manual_seed(5)).tolist()
-    status, out = pair.generate([prompt])[0]
-    assert status == 200, out
-    _check(pair.hf, prompt, out)

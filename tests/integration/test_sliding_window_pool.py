@@ -112,15 +112,8 @@ def test_pd_pair_transfers_both_pools(models, kind):
     near its end: the rest is not sent, and not read), and a decode pool so small that requests retract to
     host memory and resume (both pools copied out and back): greedy tokens equal transformers'."""
     folder, hf = models[kind]
-
-    def make(**kw):
-        args = ServerArgs(**{"model_path": folder, "dtype": "float32", "max_total_tokens": 512,
-                             "max_running_requests": 4, "chunked_prefill_size": CHUNK, "overlap_schedule": "off",
-                             "num_reserved_decode_tokens": 2, **kw})
-        runner = ModelRunner(args)
-        return LoopHarness(args, ModelWorker(runner, ()), runner.memory, runner.vocab_size), None
-
-    pair = PDPair(make, decode_args={"max_total_tokens": 120})
+    # the decode side's sliding layers get 30 slots: fewer than prompt "a" (its tail is reserved, not all of it)
+    pair = PDPair(_pd_side(folder), decode_args={"max_total_tokens": 120, "swa_full_tokens_ratio": 0.25})
     try:
         for h in (pair.prefill_h, pair.decode_h):
             assert isinstance(h.memory.kv_pool, SWAKVPool)
@@ -140,3 +133,34 @@ def test_pd_pair_transfers_both_pools(models, kind):
             assert results[rid].output_ids == _greedy(hf, ids, 30), rid
     finally:
         pair.close()
+
+
+def test_pd_decode_refuses_what_its_sliding_pool_cannot_hold(models):
+    """A decode sliding-layer pool smaller than a request's window (plus the decode reservation): a 400 naming
+    the pool, on both sides; a request whose window fits is served."""
+    folder, hf = models["mistral"]
+    pair = PDPair(_pd_side(folder), decode_args={"max_total_tokens": 120, "swa_full_tokens_ratio": 0.05})
+    try:
+        assert pair.decode_h.memory.kv_pool.swa_size == 6  # the window's 8 + 1 positions do not fit
+        gen = torch.Generator().manual_seed(8)
+        long, short = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (20, 3))
+        pair.submit("long", long, {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True})
+        pair.submit("short", short, {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True})
+        results = pair.run(timeout_s=120)
+        assert results["long"].finish_reason["status_code"] == 400
+        assert "sliding-window KV pool" in results["long"].finish_reason["message"]
+        assert pair.prefill_h.results["long"].finish_reason["type"] == "abort"
+        assert results["short"].output_ids == _greedy(hf, short, 2)
+    finally:
+        pair.close()
+
+
+def _pd_side(folder: str):
+    """`PDPair`'s side maker over the real model (pools from the flags, as a server builds them)."""
+    def make(**kw):
+        args = ServerArgs(**{"model_path": folder, "dtype": "float32", "max_total_tokens": 512,
+                             "max_running_requests": 4, "chunked_prefill_size": CHUNK, "overlap_schedule": "off",
+                             "num_reserved_decode_tokens": 2, **kw})
+        runner = ModelRunner(args)
+        return LoopHarness(args, ModelWorker(runner, ()), runner.memory, runner.vocab_size), None
+    return make

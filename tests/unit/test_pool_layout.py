@@ -42,7 +42,8 @@ def _kv(pool: SWAKVPool, layer: int, slot: int) -> torch.Tensor:
 @pytest.mark.parametrize("prefill_split", [[(0, 6)], [(0, 3), (3, 6)], [(0, 2), (2, 5), (5, 6)]])
 def test_runs_move_both_pools_across_pipeline_splits(prefill_split):
     src_slots, dst_slots = [3, 4, 5, 9, 10], [7, 8, 12, 13, 14]
-    src_swa, dst_swa = [0, 6, 7, 2, 3], [5, 6, 1, 2, 9]  # the first source token's sliding K/V was dropped
+    # the first source token's sliding K/V was dropped; the destination reserved none for the second
+    src_swa, dst_swa = [0, 6, 7, 2, 3], [5, 0, 1, 2, 9]
     decode = _pool(0, 6, seed=99)
     decode.full_to_swa[torch.tensor(dst_slots)] = torch.tensor(dst_swa)
     before = {(layer, slot): _kv(decode, layer, slot).clone() for layer in range(6) for slot in dst_slots}
@@ -57,7 +58,7 @@ def test_runs_move_both_pools_across_pipeline_splits(prefill_split):
         for layer in range(a, b):
             for i, (s, d) in enumerate(zip(src_slots, dst_slots, strict=True)):
                 got = _kv(decode, layer, d)
-                if PATTERN[layer] and src_swa[i] == 0:  # dropped at the source: the destination is left alone
+                if PATTERN[layer] and 0 in (src_swa[i], dst_swa[i]):  # not copied: the destination is left alone
                     assert torch.equal(got, before[(layer, d)])
                 else:
                     assert torch.equal(got, _kv(stage, layer, s)), (layer, s, d)
@@ -90,8 +91,12 @@ def test_read_write_slots_round_trip_both_pools():
     for layer in range(6):
         for s, d in ((1, 7), (2, 8), (3, 9)):
             assert torch.equal(_kv(dst, layer, d), _kv(src, layer, s))
-    with pytest.raises(ValueError, match="no swa slot"):
-        dst.write_slots(torch.tensor([10]), src.read_slots(torch.tensor([1])))
+    # a slot without a swa slot (out of every window) takes the full layers' rows only
+    dummy = {layer: _kv(dst, layer, 10).clone() for layer in range(6)}  # sliding: slot 10 reads the dummy swa row
+    dst.write_slots(torch.tensor([10]), src.read_slots(torch.tensor([2])))
+    for layer in range(6):
+        assert torch.equal(_kv(dst, layer, 10), dummy[layer] if PATTERN[layer] else _kv(src, layer, 2))
+        assert torch.equal(_kv(dst, layer, 10), _kv(src, layer, 2)) != PATTERN[layer]
 
 
 def test_a_decode_server_refuses_a_prefill_server_whose_pool_kind_differs():

@@ -145,3 +145,23 @@ def test_evict_frees_until_the_sliding_pool_has_room():
     cache.evict(2 * KEEP)
     assert alloc.available_size() >= 24 - 3 * KEEP + 2 * KEEP
     memory.check_idle_integrity()
+
+
+def test_tail_reservation_and_pool_room():
+    """KV arriving for a whole prompt (PD decode): full slots for every position, sliding-layer slots for the
+    window's tail only; `free_by_pool` / `swa_tail` tell the decode side what a reservation may take."""
+    memory = _memory(radix=False, tokens=96, swa_tokens=8)
+    alloc = memory.token_allocator
+    assert memory.swa_tail() == KEEP and memory.free_by_pool() == (96, 8)
+    slots = alloc.alloc_tail(40, KEEP)
+    assert slots is not None and slots.numel() == 40
+    assert (alloc.full_to_swa[slots] > 0).tolist() == [False] * (40 - KEEP) + [True] * KEEP
+    alloc.check()
+    assert memory.free_by_pool() == (56, 8 - KEEP)
+    assert alloc.alloc_tail(10, KEEP) is None  # the tail does not fit the sliding pool: nothing taken
+    assert memory.free_by_pool() == (56, 8 - KEEP)
+    alloc.free(slots)
+    assert memory.free_by_pool() == (96, 8) and alloc.swa_in_use() == 0
+    plain = KVMemory.build(tokens=32, request_slots=2, context_len=16, page_size=1, num_kv_heads=1, head_dim=8,
+                           dtype=torch.float32, device=torch.device("cpu"), start_layer=0, end_layer=1)
+    assert plain.swa_tail() is None and plain.free_by_pool() == (32, 32)

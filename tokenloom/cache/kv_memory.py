@@ -196,6 +196,20 @@ class KVMemory:
                     memory.kv_pool.nbytes() / 2**20, str(dtype).removeprefix("torch."), requests, args.page_size)
         return memory
 
+    def swa_tail(self) -> int | None:
+        """A sliding-window pool: the positions at the end of a sequence whose sliding-layer K/V its next query
+        reads (what KV arriving for a whole prompt needs slots for); None for a plain pool."""
+        return getattr(self.tree_cache, "keep", None) if self.tree_cache.sliding_window else None
+
+    def free_by_pool(self) -> tuple[int, int]:
+        """(full-layer slots a reservation may take: free and evictable, sliding-layer slots free); a plain pool's
+        second is its first."""
+        full = self.token_allocator.full_available_size() if self.swa_tail() is not None \
+            else self.token_allocator.available_size()
+        full += self.tree_cache.evictable_size()
+        swa = self.token_allocator.swa.available_size() if self.swa_tail() is not None else full
+        return full, swa
+
     # --- checks ------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + evictable + locked == pool size (call with nothing running)."""

@@ -79,8 +79,8 @@ class PoolLayout:
              dst_swa: Slots | None, *, layers: range, heads: range | None = None) -> list[tuple[int, int, int]]:
         """The (src_addr, dst_addr, nbytes) runs that copy tokens `src_slots[i]` -> `dst_slots[i]` of the global
         `layers` (and `heads`) both hold; for hybrid pools the sliding layers go `src_swa[i]` -> `dst_swa[i]`,
-        skipping tokens the source no longer holds (swa slot 0: out of every window that may still read them;
-        the destination never reads them either)."""
+        skipping tokens either side has no swa slot for (0: out of every window a query still to come reads —
+        the source dropped them, or the destination reserved only the window's tail)."""
         if self.hybrid != dst.hybrid or self.sliding != dst.sliding:
             raise ValueError("the two servers' KV pools differ in their sliding-window layers (start both with "
                              "or both without --disable-hybrid-swa-memory)")
@@ -92,7 +92,7 @@ class PoolLayout:
             s, d = np.asarray(src_swa, dtype=np.int64), np.asarray(dst_swa, dtype=np.int64)
             if len(s) != len(d):
                 raise ValueError(f"src swa slots {len(s)} but dst swa slots {len(d)}")
-            keep = s > 0
+            keep = (s > 0) & (d > 0)
             out.append(transfer_runs_array(self.swa, dst.swa, s[keep], d[keep], layers=swa_layers, heads=heads))
         runs = np.concatenate(out)
         return list(zip(runs[:, 0].tolist(), runs[:, 1].tolist(), runs[:, 2].tolist(), strict=True))

@@ -93,6 +93,18 @@ class SWAAllocator:
             return None
         return self._pair(self.full.alloc_decode(seq_lens, last_slots))
 
+    def alloc_tail(self, n: int, tail: int) -> torch.Tensor | None:
+        """Full slots for `n` tokens of which only the last `tail` get swa slots: KV of a whole prompt arriving
+        from elsewhere, whose earlier positions are out of every window its next queries read (SGLang's
+        tail pre-allocation for PD, sgl-project/sglang#24036)."""
+        tail = min(n, tail)
+        if not self._swa_fits(tail):
+            return None
+        full = self.full.alloc(n)
+        if full is not None and tail:
+            self.full_to_swa[full[n - tail:]] = self.swa.alloc(tail)
+        return full
+
     def free_swa(self, full_slots: torch.Tensor) -> int:
         """Give back the sliding-layer slots of `full_slots` (those still present); returns how many."""
         if not full_slots.numel():
@@ -172,13 +184,13 @@ class SWAKVPool:
         return torch.cat((self.full_pool.read_slots(full_slots), self.swa_pool.read_slots(swa)))
 
     def write_slots(self, full_slots: torch.Tensor, data: torch.Tensor) -> None:
-        """Store `read_slots`' result at `full_slots`, which must all hold swa slots (freshly allocated)."""
+        """Store `read_slots`' result at `full_slots`; the sliding layers' rows only where a full slot has a swa
+        slot (the others are out of every window: nothing reads them)."""
         n_full = self.full_pool.end_layer - self.full_pool.start_layer
         swa = self._swa_map()[full_slots.to(torch.int64)]
-        if bool((swa == 0).any()):
-            raise ValueError("write_slots: some full slots have no swa slot to receive the sliding layers' KV")
         self.full_pool.write_slots(full_slots, data[:n_full])
-        self.swa_pool.write_slots(swa, data[n_full:])
+        has = swa > 0
+        self.swa_pool.write_slots(swa[has], data[n_full:, :, :, has.to(data.device)])
 
     def _swa_map(self) -> torch.Tensor:
         if self.full_to_swa is None:

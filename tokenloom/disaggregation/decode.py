@@ -95,15 +95,16 @@ class DecodeDisaggregation(DisaggSide):
         return True
 
     def _beyond_swa_pool(self, req: Req) -> bool:
-        """Answer `req` with a 400 (True) when a sliding-window pool could never pre-allocate it: the prompt's
-        KV arrives for every position at once, so each needs a slot of the (smaller) sliding layers' pool too."""
-        swa_size = getattr(self.kv_pool, "swa_size", None)
-        tokens = len(req.origin_input_ids) + min(self.scheduler.args.num_reserved_decode_tokens,
-                                                 req.sampling_params.max_new_tokens)
-        if swa_size is None or tokens <= swa_size:
+        """Answer `req` with a 400 (True) when a sliding-window pool could never pre-allocate it: smaller than
+        the window (plus the decode reservation) its first query reads."""
+        swa_size, tail = getattr(self.kv_pool, "swa_size", None), self.scheduler.kv_memory.swa_tail()
+        if swa_size is None or tail is None:
             return False
-        req.abort(f"the prompt ({len(req.origin_input_ids)} tokens) does not fit this decode server's sliding-window "
-                  f"KV pool ({swa_size} slots, --swa-full-tokens-ratio of --max-total-tokens): raise them, or pass "
+        need = min(len(req.origin_input_ids), tail) + self._growth(req)
+        if need <= swa_size:
+            return False
+        req.abort(f"this decode server's sliding-window KV pool ({swa_size} slots, --swa-full-tokens-ratio of "
+                  f"--max-total-tokens) cannot hold the window of this request ({need} slots): raise them, or pass "
                   "--disable-hybrid-swa-memory to both servers", 400)
         self.scheduler.emit(req)
         self._tell_peer_refused(req)
@@ -260,13 +261,26 @@ class DecodeDisaggregation(DisaggSide):
         reqs = [*self.scheduler.running, *(s.req for s in self.transfer.values()), *(s.req for s in self.arrived)]
         return sum(min(per, max(r.sampling_params.max_new_tokens - len(r.output_ids), 0)) for r in reqs)
 
+    def _growth(self, req: Req) -> int:
+        return min(self.scheduler.args.num_reserved_decode_tokens, req.sampling_params.max_new_tokens,
+                   CLIP_MAX_NEW_TOKENS_ESTIMATION)
+
     def _room_for(self, tokens: int, req: Req) -> bool:
+        """Whether `tokens` positions of `req` can be reserved now (`_reserve`), leaving the decode reservation.
+        A sliding-window pool's sliding layers need slots only for the window's tail."""
         s = self.scheduler
-        budget = s.free_kv_tokens() - self._reserved()
-        growth = min(s.args.num_reserved_decode_tokens, req.sampling_params.max_new_tokens,
-                     CLIP_MAX_NEW_TOKENS_ESTIMATION)
+        reserved, growth = self._reserved(), self._growth(req)
+        full, swa = s.kv_memory.free_by_pool()
+        tail = s.kv_memory.swa_tail()
+        swa_need = tokens if tail is None else min(tokens, tail)
         active = len(s.running) + len(self.transfer) + len(self.arrived)
-        return budget >= tokens + growth and s.free_request_rows() > 0 and active < s.max_running_requests
+        return (full - reserved >= tokens + growth and swa - reserved >= swa_need + growth
+                and s.free_request_rows() > 0 and active < s.max_running_requests)
+
+    def _reserve(self, req: Req, tokens: int) -> torch.Tensor:
+        """A row and slots for `tokens` positions of `req`; in a sliding-window pool sliding-layer slots only for
+        the last positions its queries read (the KV of the others is not sent, sgl-project/sglang#24036)."""
+        return self.scheduler.reserve_kv(req, tokens, self.scheduler.kv_memory.swa_tail())
 
     def _preallocate(self) -> None:
         for state in list(self.prealloc):
@@ -277,7 +291,7 @@ class DecodeDisaggregation(DisaggSide):
             if self.aux.available() == 0 or not self._room_for(tokens, req):
                 break  # in order: a large request is not overtaken forever
             self.prealloc.remove(state)
-            slots = self.scheduler.reserve_kv(req, tokens)
+            slots = self._reserve(req, tokens)
             state.aux_index = self.aux.alloc()
             self.transfer[state.room] = state
             self.agent.send_metadata(state.room, state.prefill_info, slots.tolist(), state.aux_index,
@@ -311,15 +325,7 @@ class DecodeDisaggregation(DisaggSide):
                 started.append(req)
         self.arrived = []
         for req in started:
-            self._drop_out_of_window(req)
             self.scheduler.start_running(req)
-
-    def _drop_out_of_window(self, req: Req) -> None:
-        """A sliding-window pool: free the sliding-layer slots of the positions no query of `req` reads any more
-        (its KV arrived, or came back from host memory, for every position; decode steps free only the newest)."""
-        cache = self.scheduler.kv_memory.tree_cache
-        if cache.sliding_window and req.req_pool_idx is not None:
-            cache.release_out_of_window(req.req_pool_idx, req.kv_len, 0, req.kv_len)
 
     # --- hooks the prefill side uses --------------------------------------------------------------------------------
     def after_prefill(self, batch: ScheduleBatch) -> None:
@@ -355,10 +361,9 @@ class DecodeDisaggregation(DisaggSide):
             if not self._room_for(state.offloaded_len, state.req):
                 return
             self.retracted.pop(0)
-            slots = self.scheduler.reserve_kv(state.req, state.offloaded_len)
+            slots = self._reserve(state.req, state.offloaded_len)
             self.kv_pool.write_slots(slots, state.offloaded_kv)
             state.offloaded_kv = None
-            self._drop_out_of_window(state.req)
             self.scheduler.start_running(state.req)
 
     # --- state --------------------------------------------------------------------------------------------------------

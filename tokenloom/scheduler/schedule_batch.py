@@ -105,16 +105,21 @@ class BatchMemory:
         self._ensure(int((seq - prefix).sum()) + int(rows.numel()) * (page - 1))
         return self.allocator.alloc_extend(prefix, seq, self._last_slots(rows, prefix))
 
-    def reserve(self, req: Req, tokens: int) -> torch.Tensor:
+    def reserve(self, req: Req, tokens: int, swa_tail: int | None = None) -> torch.Tensor:
         """A row and KV slots for `tokens` tokens of `req` (none cached), without a batch: for KV that
         arrives from elsewhere or comes back from host memory. Sets the row, its slots and `kv_len`; returns
-        the slots (int64, in token order). The caller checked that they fit (`available_tokens`, a free row)."""
+        the slots (int64, in token order). The caller checked that they fit (`available_tokens`, a free row).
+        `swa_tail` (a sliding-window pool): only the last that many tokens get sliding-layer slots."""
         rows = self.req_to_token_pool.alloc(1)
         if rows is None:
             raise KVCacheOOM("no free request row for a KV reservation")
         row_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        slots = self._alloc_extend(row_t, zero, torch.tensor([tokens], dtype=torch.int64, device=self.device))
+        if swa_tail is not None and hasattr(self.allocator, "alloc_tail"):
+            self._ensure(tokens)
+            slots = self.allocator.alloc_tail(tokens, swa_tail)
+        else:
+            slots = self._alloc_extend(row_t, zero, torch.tensor([tokens], dtype=torch.int64, device=self.device))
         if slots is None:
             self.req_to_token_pool.free(rows[0])
             raise KVCacheOOM(f"KV pool cannot hold a reservation of {tokens} tokens")

@@ -505,11 +505,11 @@ class Scheduler:
     def free_request_rows(self) -> int:
         return self.req_to_token_pool.available_size()
 
-    def reserve_kv(self, req: Req, tokens: int) -> torch.Tensor:
+    def reserve_kv(self, req: Req, tokens: int, swa_tail: int | None = None) -> torch.Tensor:
         """Give `req` (not admitted anywhere) a row and KV slots for `tokens` tokens, evicting from the prefix
-        cache as a batch would: for KV that arrives from elsewhere. Returns the slots in token order; the
-        caller checked they fit (`free_kv_tokens`, `free_request_rows`)."""
-        return self.memory.reserve(req, tokens)
+        cache as a batch would: for KV that arrives from elsewhere (`swa_tail`: `BatchMemory.reserve`'s). Returns
+        the slots in token order; the caller checked they fit (`free_kv_tokens`, `free_request_rows`)."""
+        return self.memory.reserve(req, tokens, swa_tail)
 
     def request_slots(self, req: Req, start: int = 0, end: int | None = None) -> torch.Tensor:
         """The KV slots (int64) of `req`'s tokens [start, end) (end: all it holds)."""
