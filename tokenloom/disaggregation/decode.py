@@ -3,10 +3,13 @@
 Lifecycle of a request with a bootstrap room (others — warm-up, health checks, SGLang's fake host — are
 prefilled here, as on a unified server):
 - pre-allocation queue: the entry rank's agent looks the prefill server up ("bootstrapped"; an unreachable or
-  incompatible one — page size, KV dtype, backend, layers — fails the room). In arrival order, while memory
-  allows (the KV of the prompt, plus `--num-reserved-decode-tokens` of room kept for every request already
-  decoding or arriving, a free request row and a metadata slot) and no retracted request waits to resume, the
-  request gets its row, its KV slots and a metadata slot, and the agent tells the prefill ranks where to write.
+  incompatible one — page size, KV dtype, backend, layers, sliding-window pool or not — fails the room). In
+  arrival order, while memory allows (the KV of the prompt, plus `--num-reserved-decode-tokens` of room kept for
+  every request already decoding or arriving, a free request row and a metadata slot) and no retracted request
+  waits to resume, the request gets its row, its KV slots and a metadata slot, and the agent tells the prefill
+  ranks where to write. A sliding-window pool gives sliding-layer slots to the window's tail only (the earlier
+  positions' sliding K/V is never read here, so never sent); a request whose window that pool cannot hold is
+  refused at admission.
 - transfer queue: until "arrived" (every decode rank holds its KV and the metadata slot). The slot's room must
   be the request's, else the request fails ("context corruption") instead of trusting a wrong token.
 - prebuilt: the first token (and its logprobs) is appended as if this server had sampled it, the token table
