@@ -9,8 +9,9 @@ methods, which never block on the network: each hands its work to the control th
 
 Protocol (room = the router's bootstrap room):
 - decode rank d, once the scheduler pre-allocated the room: "dst" (its engine, KV layout, slots — and their swa
-  slots in a sliding-window pool, cache/pool_layout.py — metadata slot address, status address, the decode world's layout) → every prefill rank that writes part of d's KV
-  (pairing.writers_for), the aux writer and the prefill entry;
+  slots in a sliding-window pool, cache/pool_layout.py — metadata slot address, status address, the decode
+  world's layout) → every prefill rank that writes part of d's KV (pairing.writers_for), the aux writer and the
+  prefill entry;
 - prefill entry: once every decode rank's "dst" is in → event "ready" (the request may be prefilled);
 - prefill rank p, after each KV chunk of the room (sender thread): writes its pieces into every decode rank
   it serves; after the last chunk (and the metadata slot, for the aux writer) → "done" to each of them and
