@@ -1,8 +1,8 @@
 """A prefill and a decode scheduler in one process, paired the way two disaggregated servers are: real
 `Scheduler`s, `KVMemory`s, event loops, `TransferAgent`s (ZMQ control, sender thread) and bootstrap server;
 the fake worker of tests/unit/test_scheduler_fake_runner.py (its next token is the sum of the sequence read
-back through the KV slots, so KV that did not arrive intact changes the tokens); and, in place of a transfer
-engine, `MemmoveEngine` (both pools live in this process, so a write is a memmove).
+back through the KV slots, so KV that did not arrive intact changes the tokens) or a real model's; and, in place
+of a transfer engine, `MemmoveEngine` (both pools live in this process, so a write is a memmove).
 
 `PDPair.submit` sends a request with one bootstrap room to both sides, as SGLang's router does; `run` steps
 both loops until every submitted request finished on the decode side (the answer clients get) and both sides
@@ -97,7 +97,8 @@ class PDSide:
         addresses = IpcAddresses.fresh()
         self.events = Receiver(harness.scheduler_ctx, addresses.scheduler)
         harness.loop.inbox = MergedInbox(harness.inbox, self.events)
-        world = topology_ranks(1, 1, 1, 1)
+        pool = harness.memory.kv_pool
+        world = topology_ranks(pool.end_layer, pool.num_kv_heads, 1, 1)  # one rank holding the whole pool
         config = AgentConfig(role=role, me=world[0], world=world, host="127.0.0.1", page_size=harness.args.page_size,
                              kv_dtype=kv_dtype, events_address=addresses.scheduler, **agent_config)
         memory = harness.memory
