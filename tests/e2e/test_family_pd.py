@@ -22,7 +22,7 @@ import torch
 from tests.e2e.server_process import ServerProcess, free_port, http
 from tests.e2e.test_disaggregation import Router, _assert_idle_and_full
 from tests.e2e.test_gemma_server import _check
-from tests.gemma_models import WINDOW, make_tiny_gemma
+from tests.gemma_models import WINDOW, _smollm2_tokenizer, make_tiny_gemma
 from tests.moe_factory import make_tiny_moe
 
 FLAGS = ("--dtype", "float32", "--chunked-prefill-size", "8", "--max-total-tokens", "2048",
@@ -47,15 +47,16 @@ class Pair:
             self.stop()
             raise
 
-    def generate(self, prompts: list[list[int]]) -> list[tuple[int, dict]]:
-        """Every prompt sent at once (SGLang's router takes one prompt per /generate)."""
+    def generate(self, prompts: list[list[int]], prompt_logprobs: bool = True) -> list[tuple[int, dict]]:
+        """Every prompt sent at once (SGLang's router takes one prompt per /generate); `prompt_logprobs`: the
+        prompt's too (computed in full: no radix hit then)."""
         assert self.router is not None
         replies: list = [None] * len(prompts)
+        first = {"logprob_start_len": 0} if prompt_logprobs else {}
 
         def ask(i: int) -> None:
             replies[i] = http("POST", self.router.url + "/generate", {
-                "input_ids": prompts[i], "return_logprob": True, "logprob_start_len": 0, "sampling_params": PARAMS},
-                timeout=300)
+                "input_ids": prompts[i], "return_logprob": True, **first, "sampling_params": PARAMS}, timeout=300)
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -77,8 +78,10 @@ def pair(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(kind))
     if kind == "gemma3":
         p = Pair(kind, folder, make_tiny_gemma(kind, folder), ("--swa-full-tokens-ratio", str(DECODE_SWA)))
-    else:
-        p = Pair(kind, folder, make_tiny_moe(kind, folder))
+    else:  # the tokenizer the Gemma model read (reading SmolLM2's takes seconds)
+        hf = make_tiny_moe(kind, folder, tokenizer=False)
+        _smollm2_tokenizer().save_pretrained(folder)
+        p = Pair(kind, folder, hf)
     yield p
     p.stop()
 
@@ -94,7 +97,7 @@ def test_pd_pair_matches_transformers(pair):
         outs.append(out)
     follow = prompt + outs[0]["output_ids"] + torch.randint(3, 49152, (4,), generator=gen).tolist()
     assert len(follow) > int(2048 * DECODE_SWA)  # the decode server reserves sliding slots for its window only
-    status, out = pair.generate([follow])[0]
+    status, out = pair.generate([follow], prompt_logprobs=False)[0]
     assert status == 200, out
     _check(pair.hf, follow, out)
     # the prefill server computed the prompt (not its first output token's KV): a hit on the prompt
