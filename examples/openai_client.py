@@ -49,9 +49,9 @@ def reasoning(client: OpenAI) -> None:
     # SmolLM2 does not think on its own: a regex (SGLang's extra) holds it to <think>...</think>answer, and
     # --reasoning-parser qwen3 splits the two parts, streamed or not.
     chat = client.chat.completions.create(
-        model="smollm2", max_tokens=96, temperature=0,
+        model="smollm2", max_tokens=256, temperature=0,
         messages=[{"role": "user", "content": "Is 17 a prime number? Think first."}],
-        extra_body={"regex": r"<think>[A-Za-z0-9 ,.']{10,200}</think>(Yes|No)[A-Za-z0-9 ,.']{0,80}"})
+        extra_body={"regex": r"<think>[A-Za-z0-9 ,.']{10,400}[.]</think>[A-Za-z0-9 ,.']{1,160}[.]"})
     message = chat.choices[0].message
     print("reasoning:", message.reasoning_content)
     print("answer:", message.content)
