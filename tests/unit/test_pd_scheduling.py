@@ -444,9 +444,8 @@ def test_a_grammar_failing_on_either_side_is_a_400_on_both_with_nothing_held(pai
         b, type(spec)(spec.kind, "bad " + spec.text))
     pair.submit("g", prompt(9, 12), dict(GREEDY, max_new_tokens=5, regex="[a-z]+"))
     results = pair.run(["g"])
-    for side in (pair.prefill_h, pair.decode_h):
-        while side.results.get("g") is None or side.results["g"].finish_reason is None:
-            pair.step()
+    step_until(pair, lambda: pair.prefill_h.results.get("g") is not None
+               and pair.prefill_h.results["g"].finish_reason is not None)
     for res in (results["g"], pair.prefill_h.results["g"]):
         assert res.finish_reason["status_code"] == 400, res.finish_reason
         assert "does not compile here" in res.finish_reason["message"], res.finish_reason
