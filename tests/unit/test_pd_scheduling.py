@@ -463,3 +463,20 @@ def test_a_first_token_the_decode_grammar_refuses_is_a_500_naming_it(pair_factor
     assert finish["status_code"] == 500 and "not allowed by the request's grammar" in finish["message"], finish
     pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
     assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_an_abort_while_the_grammar_compiles_ends_both_halves(pair_factory):
+    pair = pair_factory()
+    prefill_g, _ = _fake_grammars(pair)
+    release = threading.Event()
+    slow = prefill_g.compile
+    prefill_g.compile = lambda spec: (release.wait(10), slow(spec))[1]
+    pair.submit("g", prompt(9, 12), dict(GREEDY, max_new_tokens=5, regex="[a-z]+"))
+    step_until(pair, lambda: len(pair.prefill_h.scheduler.grammar_queue) == 1)
+    pair.abort("g", "prefill")
+    step_until(pair, lambda: pair.prefill_h.results.get("g") is not None)
+    release.set()
+    assert pair.prefill_h.results["g"].finish_reason["type"] == "abort"
+    assert pair.run(["g"])["g"].finish_reason["type"] == "abort"  # the decode half ended too, pools full
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
