@@ -12,7 +12,8 @@ choice of words, so a decode side that restarted its grammar (or ran without one
 token would fail the full match. Bad grammars are 400s naming the problem, and every pool ends full (each PP
 stage's; the prefill and the decode server's, with no queue or transfer record left).
 
-The three servers start together (module scope); the tool-calling template is test_tool_calls.py's.
+The three servers start together (module scope); the tool-calling template is test_tool_calls.py's
+(`--chat-template`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.e2e.conftest import TINY_FLAGS
 from tests.e2e.server_process import ServerProcess, free_port, http
 from tests.e2e.test_disaggregation import Router, _assert_idle_and_full
 from tests.e2e.test_structured_output import SCHEMAS
-from tests.e2e.test_tool_calls import TOOLS, USER, _check_calls, model_dir  # noqa: F401 (model_dir: a fixture)
+from tests.e2e.test_tool_calls import TOOLS, USER, _check_calls, template_file  # noqa: F401 (a fixture)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -38,13 +39,14 @@ REASONING = r"<think>\n[a-z]{2,6}( [a-z]{2,6}){1,3}\n</think>\n\n[A-Z][a-z]{2,6}
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir, request):  # noqa: F811 (model_dir: the fixture imported above)
+def stack(tiny_runtime_model, template_file, request):  # noqa: F811 (template_file: the fixture imported above)
     """{"pp", "pd", "unified"}: base URLs, and the servers (pp, prefill, decode)."""
     bootstrap = free_port()
-    pp = ServerProcess("--model-path", model_dir, *FLAGS, "--pp-size", "2")
-    prefill = ServerProcess("--model-path", model_dir, *FLAGS, "--disaggregation-mode", "prefill",
-                            "--disaggregation-bootstrap-port", str(bootstrap))
-    decode = ServerProcess("--model-path", model_dir, *FLAGS, "--disaggregation-mode", "decode")
+    flags = ("--model-path", tiny_runtime_model, "--chat-template", template_file, *FLAGS)
+    pp = ServerProcess(*flags, "--pp-size", "2")
+    prefill = ServerProcess(*flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                            str(bootstrap))
+    decode = ServerProcess(*flags, "--disaggregation-mode", "decode")
     servers, router = (pp, prefill, decode), None
     try:
         unified = request.getfixturevalue("tiny_server")  # (while the three start)
