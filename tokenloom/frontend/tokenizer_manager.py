@@ -292,8 +292,6 @@ class TokenizerManager:
         if self.args.grammar_backend == "none":
             raise ValueError("constrained decoding (json_schema, regex, ebnf, structural_tag, response_format) is "
                              "off: the server runs with --grammar-backend none")
-        if self.args.disaggregation_mode != "null":
-            raise ValueError("constrained decoding is not supported on a prefill/decode disaggregated server yet")
         spec = spec_from_params(params.json_schema, params.regex, params.ebnf, params.structural_tag)
         if spec.kind == "structural_tag" and self.args.grammar_backend != "xgrammar":
             raise ValueError("structural_tag needs --grammar-backend xgrammar")
