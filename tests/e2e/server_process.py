@@ -45,6 +45,8 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
         return status, text
 
 
+POOL_FLAGS = {"--max-total-tokens", "--mem-fraction-static"}
+TEST_POOL_TOKENS = "65536"  # a tiny model's pool for any test: ~16 MiB
 PORT_RETRIES = 3  # restarts of a server whose free port was taken before it bound it (by another process's bind)
 
 
@@ -60,6 +62,10 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             "w+", prefix="tokenloom-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", self.module, *self.flags, "--port", str(self.port)]
+        if self.module == "tokenloom.launch_server" and not POOL_FLAGS.intersection(self.flags):
+            # the default pool is a quarter of free memory (GiBs to zero at each start, and several servers at
+            # once here); tests that are about the pool's size say so with their own flag
+            cmd += ["--max-total-tokens", TEST_POOL_TOKENS]
         if "--log-level" not in self.flags:
             cmd += ["--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)

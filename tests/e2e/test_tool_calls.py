@@ -1,6 +1,6 @@
 """Tool calling and reasoning end to end: a real server (the tiny random Llama with SmolLM2's tokenizer and a
-Hermes/Qwen-style chat template that renders tools) started with `--tool-call-parser qwen25
---reasoning-parser qwen3`, and the real `openai` client.
+Hermes/Qwen-style chat template that renders tools, given by `--chat-template`) started with
+`--tool-call-parser qwen25 --reasoning-parser qwen3`, and the real `openai` client.
 
 A random model never calls a tool on its own, so every call here is forced: `tool_choice` "required" or a
 named function makes the server constrain the answer with a grammar in the parser's format, and the tests
@@ -13,9 +13,7 @@ Reasoning is forced with a regex (SGLang's `regex` extra) in the shape `<think>.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 
 import pytest
 
@@ -49,23 +47,17 @@ USER = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_runtime_model, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = str(tmp_path_factory.mktemp("tools_model"))
-    shutil.copytree(tiny_runtime_model, folder, dirs_exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = TEMPLATE
-    for name in ("chat_template.jinja", "chat_template.json"):
-        if os.path.exists(os.path.join(folder, name)):
-            os.remove(os.path.join(folder, name))
-    tok.save_pretrained(folder)
-    return folder
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools_template") / "tools.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = ServerProcess("--model-path", model_dir, "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3",
+def server(tiny_runtime_model, template_file):
+    """The tiny model keeps its own template; `--chat-template` puts the tool-rendering one in its place."""
+    srv = ServerProcess("--model-path", tiny_runtime_model, "--chat-template", template_file,
+                        "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3",
                         "--context-length", "2048", "--max-total-tokens", "8192", "--num-threads", "1"
                         ).wait_healthy(timeout=900)
     yield srv
@@ -137,12 +129,13 @@ def test_streamed_calls_assemble_to_the_non_streamed_answer(oai, seed):
                                                   for c in whole.message.tool_calls]
 
 
-def test_tools_and_tool_turns_render_through_the_template(oai, model_dir):
+def test_tools_and_tool_turns_render_through_the_template(oai, tiny_runtime_model):
     """The prompt the server built has exactly the tokens transformers' own template rendering gives, with the
     tools and with an assistant call plus a tool result fed back."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_runtime_model)
+    tok.chat_template = TEMPLATE
     history = USER + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},

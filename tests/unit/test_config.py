@@ -403,6 +403,7 @@ EFFECT_TESTS = {
     "disable_hybrid_swa_memory": "tests/integration/test_sliding_window_pool.py",
     "swa_full_tokens_ratio": "tests/integration/test_sliding_window_pool.py",
     "tool_call_parser": "tests/e2e/test_tool_calls.py",
+    "chat_template": "tests/e2e/test_tool_calls.py",
     "reasoning_parser": "tests/e2e/test_tool_calls.py",
     "ep_size": "tests/e2e/test_moe_server.py",
     "enable_ep_moe": "tests/e2e/test_moe_server.py",
@@ -417,3 +418,17 @@ def test_every_flag_has_an_effect_test():
         with open(os.path.join(REPO, path)) as f:
             text = f.read()
         assert name in text or f"--{name.replace('_', '-')}" in text, (name, path)
+
+
+def test_chat_template_must_be_a_file_that_parses(tmp_path):
+    from tokenloom.tokenizer import read_chat_template
+
+    with pytest.raises(ConfigError, match="--chat-template 'chatml' is not a file"):
+        ServerArgs(chat_template="chatml")
+    good, bad = tmp_path / "good.jinja", tmp_path / "bad.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    bad.write_text("{% for m in messages %}{{ m.content }}")
+    assert ServerArgs(chat_template=str(good)).chat_template == str(good)
+    assert read_chat_template(str(good)) == good.read_text()
+    with pytest.raises(ValueError, match=r"--chat-template .*bad.jinja: line 1: .*endfor"):
+        read_chat_template(str(bad))

@@ -366,3 +366,117 @@ def test_a_rooms_failure_counts_once_however_many_notices_of_it_come(pair_factor
     pair.decode_h.inbox.send(TransferEvent(pair.rooms["x"], "failed", "a late notice"))
     pair.run(["x"])
     assert pair.decode.side.info()["num_failed_transfer_reqs"] == 1
+
+
+class FakeMatcher:
+    """A grammar matcher that records the tokens it accepted and refuses those in `refuse`."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.accepted: list[int] = []
+        self.refuse = refuse
+
+    def fill(self, bitmask: Any, row: int) -> None:  # the fake worker samples without masks
+        pass
+
+    def accept(self, token: int) -> bool:
+        if token in self.refuse:
+            return False
+        self.accepted.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, n: int) -> None:
+        del self.accepted[len(self.accepted) - n:]
+
+
+class FakeGrammarBackend:
+    """Compiles any regex but "bad" (a `GrammarError` naming it); its matchers refuse the tokens in `refuse`."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self.matchers: list[FakeMatcher] = []
+        self.refuse: set[int] = set()
+
+    def compile(self, spec: Any) -> str:
+        from tokenloom.grammar.spec import GrammarError
+
+        self.compiled.append(spec.text)
+        if spec.text.startswith("bad"):
+            raise GrammarError(f"invalid regex: {spec.text} does not compile here")
+        return spec.text
+
+    def new_matcher(self, compiled: str) -> FakeMatcher:
+        self.matchers.append(FakeMatcher(self.refuse))
+        return self.matchers[-1]
+
+
+def _fake_grammars(pair: PDPair) -> tuple[FakeGrammarBackend, FakeGrammarBackend]:
+    from tokenloom.scheduler.grammar_queue import GrammarQueue
+
+    backends = FakeGrammarBackend(), FakeGrammarBackend()
+    for h, backend in zip((pair.prefill_h, pair.decode_h), backends, strict=True):
+        h.scheduler.grammar_queue = GrammarQueue(lambda b=backend: b, 5.0)
+    return backends
+
+
+def test_a_grammar_compiles_on_both_sides_and_decode_continues_from_the_prefill_token(pair_factory):
+    pair = pair_factory(decode_args={"overlap_schedule": "on"})
+    prefill_g, decode_g = _fake_grammars(pair)
+    ids = prompt(9, 12)
+    pair.submit("g", ids, dict(GREEDY, max_new_tokens=5, regex="[a-z]+"))
+    results = pair.run()
+    assert results["g"].output_ids == reference(ids, 5)
+    assert prefill_g.compiled == ["[a-z]+"] and decode_g.compiled == ["[a-z]+"]
+    # the prefill matcher saw nothing here (the fake worker advances none); the decode one took the prefill
+    # side's first token before any decode step, on the scheduling thread
+    assert decode_g.matchers[0].accepted == reference(ids, 1)
+
+
+@pytest.mark.parametrize("bad_on", ["prefill", "decode"])
+def test_a_grammar_failing_on_either_side_is_a_400_on_both_with_nothing_held(pair_factory, bad_on):
+    pair = pair_factory()
+    backends = dict(zip(("prefill", "decode"), _fake_grammars(pair), strict=True))
+    backends[bad_on].compile = lambda spec, b=backends[bad_on]: FakeGrammarBackend.compile(
+        b, type(spec)(spec.kind, "bad " + spec.text))
+    pair.submit("g", prompt(9, 12), dict(GREEDY, max_new_tokens=5, regex="[a-z]+"))
+    results = pair.run(["g"])
+    step_until(pair, lambda: pair.prefill_h.results.get("g") is not None
+               and pair.prefill_h.results["g"].finish_reason is not None)
+    for res in (results["g"], pair.prefill_h.results["g"]):
+        assert res.finish_reason["status_code"] == 400, res.finish_reason
+        assert "does not compile here" in res.finish_reason["message"], res.finish_reason
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))  # pools full (run checks), still serving
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_a_first_token_the_decode_grammar_refuses_is_a_500_naming_it(pair_factory):
+    pair = pair_factory()
+    _, decode_g = _fake_grammars(pair)
+    ids = prompt(9, 12)
+    decode_g.refuse = {reference(ids, 1)[0]}  # the prefill side (no mask in the fake) sampled it anyway
+    pair.submit("g", ids, dict(GREEDY, max_new_tokens=5, regex="[a-z]+"))
+    finish = pair.run(["g"])["g"].finish_reason
+    assert finish["status_code"] == 500 and "not allowed by the request's grammar" in finish["message"], finish
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)
+
+
+def test_an_abort_while_the_grammar_compiles_ends_both_halves(pair_factory):
+    pair = pair_factory()
+    prefill_g, _ = _fake_grammars(pair)
+    release = threading.Event()
+    slow = prefill_g.compile
+    prefill_g.compile = lambda spec: (release.wait(10), slow(spec))[1]
+    pair.submit("g", prompt(9, 12), dict(GREEDY, max_new_tokens=5, regex="[a-z]+"))
+    step_until(pair, lambda: len(pair.prefill_h.scheduler.grammar_queue) == 1)
+    pair.abort("g", "prefill")
+    step_until(pair, lambda: pair.prefill_h.results.get("g") is not None)
+    release.set()
+    assert pair.prefill_h.results["g"].finish_reason["type"] == "abort"
+    assert pair.run(["g"])["g"].finish_reason["type"] == "abort"  # the decode half ended too, pools full
+    pair.submit("y", prompt(5, 10), dict(GREEDY, max_new_tokens=3))
+    assert pair.run(["y"])["y"].output_ids == reference(prompt(5, 10), 3)

@@ -60,7 +60,7 @@ from tokenloom.protocol import (
 from tokenloom.sampling.sampling_params import SamplingParams
 from tokenloom.sampling.stopping import new_token_room
 from tokenloom.scheduler.profiler import start_profile_request
-from tokenloom.tokenizer import load_tokenizer, longest_token_chars
+from tokenloom.tokenizer import load_tokenizer, longest_token_chars, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class TokenizerManager:
         self.args = args
         self.source = source
         self.tokenizer = load_tokenizer(self.source, args.tokenizer_path)
+        if args.chat_template:
+            self.tokenizer.chat_template = read_chat_template(args.chat_template)
         self.context_len = self.source.config.context_length
         self.vocab_size = self.source.config.vocab_size
         self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
@@ -290,8 +292,6 @@ class TokenizerManager:
         if self.args.grammar_backend == "none":
             raise ValueError("constrained decoding (json_schema, regex, ebnf, structural_tag, response_format) is "
                              "off: the server runs with --grammar-backend none")
-        if self.args.disaggregation_mode != "null":
-            raise ValueError("constrained decoding is not supported on a prefill/decode disaggregated server yet")
         spec = spec_from_params(params.json_schema, params.regex, params.ebnf, params.structural_tag)
         if spec.kind == "structural_tag" and self.args.grammar_backend != "xgrammar":
             raise ValueError("structural_tag needs --grammar-backend xgrammar")

@@ -169,6 +169,7 @@ def _native() -> ctypes.CDLL | None:
     lib.quant_dequant_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32, i32]
     lib.quant_repack.argtypes = [i32, ptr, i64, i64]
     lib.quant_path.argtypes = [i32, i64, i64, i32]
+    lib.quant_moe.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32]
     return lib
 
 
@@ -259,6 +260,26 @@ def linear(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], qm.rows)
     return out if direct else out.to(out_dtype)
+
+
+def moe_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_weight: torch.Tensor, group_start: torch.Tensor,
+                gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor], inter: int
+                ) -> torch.Tensor:
+    """An MoE layer's experts in one native call (csrc/quant_moe.c): x bf16 [T, H]; the (token, expert) pairs
+    sorted by expert as pair_token (int64 [P]) and pair_weight (float32 [P]); group_start (int64 [G + 1]) the
+    pair offset of each active expert; gate_up and down each (GGUF type ids int32 [G], data pointers int64 [G])
+    of those experts' prepared matrices ([2 * inter, H] gate rows then up rows; [H, inter]). Returns float32
+    [T, H]: per token, the routing-weighted sum of its experts' SwiGLU outputs."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"moe_experts: x must be contiguous bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+    groups = group_start.numel() - 1
+    rc = _native().quant_moe(x.shape[0], x.shape[1], inter, _ptr(x), pair_token.numel(), _ptr(pair_token),
+                             _ptr(pair_weight), groups, _ptr(group_start), _ptr(gate_up[0]), _ptr(gate_up[1]),
+                             _ptr(down[0]), _ptr(down[1]), _ptr(out), torch.get_num_threads())
+    if rc:
+        _check(rc, f"moe experts (hidden {x.shape[1]}, inter {inter})")
+    return out
 
 
 def embedding(ids: torch.Tensor, qm: QuantMatrix, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,10 @@ Grouped execution (`FusedMoE.forward`): the step's (token, expert) pairs are sor
 expert runs its gate_up and down projections once on all of its rows: an expert's weights are read once per
 step, not once per token, and an expert no token picked is not touched (at batch 1 only the k chosen ones).
 Each expert's output rows are scaled by their routing weight and summed back per token with `index_add_` in
-float32; the sum is rounded to the activation dtype once, at the end.
+float32; the sum is rounded to the activation dtype once, at the end. With GGUF-quantized experts and bf16
+activations (the default) the whole grouped computation is one native call (csrc/quant_moe.c): expert by
+expert in Python costs ~10 small ops and two OpenMP regions per expert, several times the weight reads at
+decode; the kernel keeps float32 between the projections where the modular path rounds to bf16.
 
 Weights: float experts are two stacked tensors, `w13` [E_local, 2 * I_local, H] (gate rows then up rows) and
 `w2` [E_local, H, I_local], in the model dtype. A GGUF's quantized experts (--quantization gguf) stay in the
@@ -85,6 +88,10 @@ class FusedMoE(nn.Module):
         self.quant13: list[QuantWeight] | None = None
         self.quant2: list[QuantWeight] | None = None
         self.active_experts = 0  # experts the last forward ran on this rank (tests, step logs)
+        # quantized experts that the one-call native kernel can run: per local expert (type ids, data
+        # pointers) of gate_up and of down; None: expert by expert through quant_linear
+        self.native_tables: tuple[torch.Tensor, ...] | None = None
+        self.use_native = True  # tests compare the two paths
 
     # --- loading ------------------------------------------------------------------------------------------
 
@@ -146,6 +153,26 @@ class FusedMoE(nn.Module):
         self._quant_parts = {}
         self.w13 = None
         self.w2 = None
+        self.native_tables = self._native_expert_tables()
+
+    def _native_expert_tables(self) -> tuple[torch.Tensor, ...] | None:
+        """(gate_up types, gate_up data pointers, down types, down data pointers) over the local experts when
+        every expert is one prepared GGUF matrix per projection of a type the native kernels run, else None.
+        The pointers stay valid: quant13 / quant2 hold the matrices for the layer's life."""
+        tables: list[list[int]] = [[], [], [], []]
+        for q13, q2 in zip(self.quant13 or (), self.quant2 or (), strict=True):
+            for slot, q in ((0, q13), (2, q2)):
+                if len(q.segments) != 1:
+                    return None
+                w = q.segments[0].weight
+                if not isinstance(w, QuantMatrix) or not w.packed or not quant_gemm.native_supported(w.qtype):
+                    return None
+                tables[slot].append(w.qtype)
+                tables[slot + 1].append(w.data.data_ptr())
+        if not tables[0] or self.hidden_size % 32 or self.inter_local % 32:
+            return None
+        return (torch.tensor(tables[0], dtype=torch.int32), torch.tensor(tables[1], dtype=torch.int64),
+                torch.tensor(tables[2], dtype=torch.int32), torch.tensor(tables[3], dtype=torch.int64))
 
     # --- forward ------------------------------------------------------------------------------------------
 
@@ -166,6 +193,9 @@ class FusedMoE(nn.Module):
 
     def combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Sum over each token's routed (local) experts of weight * expert(x), float32 [T, H], unreduced."""
+        if (self.native_tables is not None and self.use_native and x.dtype == torch.bfloat16
+                and x.device.type == "cpu"):
+            return self._combine_native(x, weights, ids)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
@@ -183,3 +213,23 @@ class FusedMoE(nn.Module):
             start += n
         self.active_experts = active
         return out
+
+    def _combine_native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`combine` in one native call (csrc/quant_moe.c): the same grouping by expert, this rank's experts
+        only, every projection and the weighted sum inside the kernel."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pair indices grouped by expert, tokens ascending within
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        local = counts[self.first_expert:self.first_expert + self.num_local]
+        first = int(counts[:self.first_expert].sum()) if self.first_expert else 0
+        pairs = order[first:first + int(local.sum())]
+        active = torch.nonzero(local).flatten()
+        group_start = torch.zeros(active.numel() + 1, dtype=torch.int64)
+        group_start[1:] = local.index_select(0, active).cumsum(0)
+        gu_types, gu_data, down_types, down_data = self.native_tables
+        self.active_experts = int(active.numel())
+        return quant_gemm.moe_experts(
+            x.contiguous(), pairs // k, weights.reshape(-1).float().index_select(0, pairs).contiguous(),
+            group_start, (gu_types.index_select(0, active), gu_data.index_select(0, active)),
+            (down_types.index_select(0, active), down_data.index_select(0, active)), self.inter_local)

@@ -2,11 +2,14 @@
 
 A request with a grammar (json_schema, regex, ebnf, structural_tag) joins this queue on arrival and its
 grammar is submitted to the `GrammarCompiler` (a worker thread, cached by spec). Each scheduling round
-`poll()` moves the requests whose grammar is ready to the scheduler's waiting queue, each with its own
-matcher (`req.grammar`), and returns those whose compile failed or did not finish within the timeout
-(`--grammar-compile-timeout`) with the reason; the scheduler ends them with a 400 and keeps serving. Other
+`poll()` returns the requests whose grammar is ready, each with its own matcher (`req.grammar`), which the
+scheduler then lets in (its request port: a disaggregated server's side; or the waiting queue), and those
+whose compile failed or did not finish within the timeout (`--grammar-compile-timeout`) with the reason; the
+scheduler refuses them with a 400 (a disaggregated request's peer server is told) and keeps serving. Other
 requests never wait for a compile. SGLang's grammar queue plays the same role (a request is scheduled only once
-its grammar is ready).
+its grammar is ready). On a prefill/decode pair both servers compile a request's grammar, each at arrival: the
+prefill server samples the first token under it, the decode server's matcher takes that token
+(`Scheduler.apply_token`) and decodes on.
 """
 
 from __future__ import annotations

@@ -234,15 +234,29 @@ class Scheduler:
             self.output.emit([req])
             self.port.take(req)  # refused: the port may only tell whoever else waits for it
             return
+        spec = self.grammar_queue.spec_of(req)
+        if spec is not None:
+            # A request with a grammar enters (the port, the waiting queue) only once its grammar compiled: a
+            # disaggregated request's peer is paired and its KV reserved only for a grammar that can run (each
+            # side compiles its own, both at arrival), and one that fails is refused at the door like any other.
+            self.grammar_queue.add(req, spec)
+            return
+        self._enter(req)
+
+    def _enter(self, req: Req) -> None:
+        """A checked request (its grammar compiled, if any) goes to the port or the waiting queue."""
         taken = self.port.take(req)  # (or refused by it: then finished)
-        if tr.stream and not req.finished:  # the HTTP side may now start the answer as a 200 stream
+        if req.stream and not req.finished:  # the HTTP side may now start the answer as a 200 stream
             self.send(RequestAccepted(req.rid))
         if not taken:
-            spec = self.grammar_queue.spec_of(req)
-            if spec is None:
-                self.waiting_queue.append(req)
-            else:
-                self.grammar_queue.add(req, spec)
+            self.waiting_queue.append(req)
+
+    def _refuse(self, req: Req, message: str, status: int) -> None:
+        """End a request that holds nothing yet (it waited for its grammar) and tell the port, whose peer
+        server holds the other half of a disaggregated request (it ends with the same status and message)."""
+        req.abort(message, status)
+        self.output.emit([req])
+        self.port.take(req)
 
     def _validate(self, req: Req) -> tuple[str, int] | None:
         n = len(req.origin_input_ids)
@@ -270,7 +284,7 @@ class Scheduler:
                 return
         req = self.grammar_queue.remove(rid)
         if req is not None:
-            self._finish_aborted(req, message, status)
+            self._refuse(req, message, status)
             return
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
@@ -318,9 +332,10 @@ class Scheduler:
         """Move requests whose grammar compiled to the waiting queue; end those whose compile failed."""
         idle = not self.waiting_queue and self.chunked_req is None and all(not lane.running for lane in self.lanes)
         ready, failed = self.grammar_queue.poll(idle=idle, block=self._grammar_in_lockstep)
-        self.waiting_queue.extend(ready)
+        for req in ready:
+            self._enter(req)
         for req, reason in failed:
-            self._finish_aborted(req, reason, 400)
+            self._refuse(req, reason, 400)
 
     def _in_flight_prefills(self) -> list[Req]:
         """Requests of launched prefill batches that will start decoding when processed (not yet running)."""
@@ -523,7 +538,20 @@ class Scheduler:
     def apply_token(self, req: Req, out: ForwardOutput) -> bool:
         """Apply the token of row 0 of `out` (id, logprobs), sampled elsewhere, to `req` as if this scheduler
         had sampled it: appended with its stop checks, then answered (streamed; or finished: its KV released
-        into the cache). True when `req` goes on: then `start_running` it."""
+        into the cache). True when `req` goes on: then `start_running` it. A request with a grammar advances its
+        matcher by the token first (the decode steps here continue the grammar from it); a token the grammar
+        does not allow (the other server did not apply it) ends the request with a 500 naming it."""
+        grammar = req.grammar
+        if grammar is not None and not req.finished and not grammar.is_terminated():
+            token = out.next_token_ids[0]
+            if not grammar.accept(token):
+                req.abort(f"The first token (id {token}) sampled by the prefill server is not allowed by the "
+                          f"request's grammar: that server did not apply it.", 500)
+                self.output.release(req)
+                self.output.emit([req])
+                return False
+            if grammar.is_terminated():
+                out.grammar_finished = {0}
         self.output.append_token(req, 0, out)
         if req.finished:
             self.output.release(req)

@@ -12,6 +12,7 @@
 #include "quant_legacy.c"
 #include "quant_kquants.c"
 #include "quant_gemm.c"
+#include "quant_moe.c"
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"

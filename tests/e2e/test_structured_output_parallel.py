@@ -1,0 +1,157 @@
+"""Structured output, forced tool calls and reasoning under pipeline parallelism and in a prefill/decode pair,
+end to end with the real `openai` client:
+- `--pp-size 2`: the last stage samples under the grammar's mask and advances the matchers; stage 0 applies the
+  outputs (a grammar's end included) it receives;
+- a PD pair (mooncake) behind SGLang's router: the prefill server samples the first token under the grammar,
+  the decode server compiles the same grammar, advances its matcher by that token and continues from there.
+
+Judges: `jsonschema` and `re.fullmatch` on every answer, and the unified session server (`tiny_server`: same
+weights and flags): a greedy constrained answer equals its answer token for token, i.e. the decode side's
+grammar state after the prefill side's token is the one a single server has. The regex `YES_NO` starts with a
+choice of words, so a decode side that restarted its grammar (or ran without one) after the prefill's first
+token would fail the full match. Bad grammars are 400s naming the problem, and every pool ends full (each PP
+stage's; the prefill and the decode server's, with no queue or transfer record left).
+
+The three servers start together (module scope); the tool-calling template is test_tool_calls.py's
+(`--chat-template`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.conftest import TINY_FLAGS
+from tests.e2e.server_process import ServerProcess, free_port, http
+from tests.e2e.test_disaggregation import Router, _assert_idle_and_full
+from tests.e2e.test_structured_output import SCHEMAS
+from tests.e2e.test_tool_calls import TOOLS, USER, _check_calls, template_file  # noqa: F401 (a fixture)
+
+jsonschema = pytest.importorskip("jsonschema")
+
+FLAGS = (*TINY_FLAGS, "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+TARGETS = ["pp", "pd"]
+YES_NO = r"(yes|no): [a-z]{2,6}( [a-z]{2,6}){0,2}\."
+REASONING = r"<think>\n[a-z]{2,6}( [a-z]{2,6}){1,3}\n</think>\n\n[A-Z][a-z]{2,6}( [a-z]{2,6}){0,3}\."
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_runtime_model, template_file, request):  # noqa: F811 (template_file: the fixture imported above)
+    """{"pp", "pd", "unified"}: base URLs, and the servers (pp, prefill, decode)."""
+    bootstrap = free_port()
+    flags = ("--model-path", tiny_runtime_model, "--chat-template", template_file, *FLAGS)
+    pp = ServerProcess(*flags, "--pp-size", "2")
+    prefill = ServerProcess(*flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                            str(bootstrap))
+    decode = ServerProcess(*flags, "--disaggregation-mode", "decode")
+    servers, router = (pp, prefill, decode), None
+    try:
+        unified = request.getfixturevalue("tiny_server")  # (while the three start)
+        for server in servers:
+            server.wait_healthy(timeout=900)
+        router = Router(prefill, bootstrap, decode).wait_ready()
+        yield {"pp": pp.url, "pd": router.url, "unified": unified.url}, servers
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers:
+            server.stop()
+    for server in servers:
+        assert "Traceback" not in server.logs(), server.logs()
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _generate(url: str, text: str, **params) -> dict:
+    status, body = http("POST", url + "/generate", {"text": text, "sampling_params": params}, timeout=120)
+    assert status == 200, body
+    return body
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_generate_greedy_equals_the_unified_server_and_sampled_answers_fullmatch(stack, target):
+    urls, _ = stack
+    schema = json.dumps(SCHEMAS["nested"])
+    for text, params in (("Answer:", {"regex": YES_NO, "max_new_tokens": 40}),
+                         ("Person:", {"json_schema": schema, "max_new_tokens": 120})):
+        want = _generate(urls["unified"], text, temperature=0, **params)
+        got = _generate(urls[target], text, temperature=0, **params)
+        assert got["text"] == want["text"], (got["text"], want["text"])
+        assert got["meta_info"]["completion_tokens"] == want["meta_info"]["completion_tokens"]
+        assert got["meta_info"]["finish_reason"]["type"] == "stop", got["meta_info"]
+    jsonschema.validate(json.loads(got["text"]), SCHEMAS["nested"])
+    with ThreadPoolExecutor(4) as pool:
+        sampled = list(pool.map(lambda seed: _generate(urls[target], "Answer:", regex=YES_NO, max_new_tokens=40,
+                                                       temperature=1.0, sampling_seed=seed), range(4)))
+    for body in sampled:
+        assert re.fullmatch(YES_NO, body["text"]), body["text"]
+        assert body["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_response_format_json_schema_validates(stack, target):
+    urls, _ = stack
+    jobs = [(name, knobs) for name in ("flat", "enum_anyof", "pattern_optional")
+            for knobs in ({"temperature": 0}, {"temperature": 1.0, "seed": 7})]
+    with _client(urls[target]) as oai, ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: oai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"Describe {job[0]}"}], max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": job[0], "schema": SCHEMAS[job[0]],
+                                                                    "strict": True}}, **job[1]), jobs))
+    for (name, _), answer in zip(jobs, answers, strict=True):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", (name, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_forced_tool_calls_and_reasoning(stack, target):
+    urls, _ = stack
+    with _client(urls[target]) as oai:
+        for seed in (1, 2):
+            choice = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required",
+                                                 temperature=1.0, seed=seed, max_tokens=200,
+                                                 parallel_tool_calls=False).choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            _check_calls(choice.message.tool_calls, {"get_weather", "add"})
+        named = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, temperature=1.0, seed=9,
+                                            max_tokens=200, parallel_tool_calls=False,
+                                            tool_choice={"type": "function", "function": {"name": "add"}})
+        _check_calls(named.choices[0].message.tool_calls, {"add"})
+        kwargs = dict(model="m", messages=USER, temperature=1.0, seed=3, max_tokens=80, extra_body={"regex": REASONING})
+        msg = oai.chat.completions.create(**kwargs).choices[0].message
+        assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,3}\n", msg.reasoning_content), msg
+        assert re.fullmatch(r"[A-Z][a-z]{2,6}( [a-z]{2,6}){0,3}\.", msg.content), msg
+        reasoning = content = ""
+        for chunk in oai.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                content += chunk.choices[0].delta.content or ""
+        assert (reasoning, content) == (msg.reasoning_content, msg.content)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_bad_grammars_are_400s_and_every_pool_ends_full(stack, target):
+    import openai
+
+    urls, (pp, prefill, decode) = stack
+    status, body = http("POST", urls[target] + "/generate", {"text": "x", "sampling_params": {"regex": "a("}})
+    assert status == 400 and "invalid regex" in json.dumps(body), (status, body)
+    with _client(urls[target]) as oai, pytest.raises(openai.BadRequestError, match="required must be an array"):
+        oai.chat.completions.create(model="m", messages=USER, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "required": 5}}})
+    assert _generate(urls[target], "Answer:", regex=YES_NO, max_new_tokens=40)["text"]  # still serving
+    if target == "pp":
+        info = pp.wait_idle_and_pool_full()
+        assert all(s["available_kv_tokens"] + s["evictable_kv_tokens"] == s["max_total_num_tokens"]
+                   for s in info["pp_stages"]), info["pp_stages"]
+    else:
+        _assert_idle_and_full(prefill)
+        _assert_idle_and_full(decode)

@@ -1,0 +1,154 @@
+/*
+ * Mixture-of-experts feed-forward over GGUF-quantized experts in one call (layers/moe.py's native path):
+ * for the step's (token, expert) pairs, grouped by expert, y_p = down_e(silu(gate_e(x_t)) * up_e(x_t)) and
+ * out[t] = sum over t's pairs p of weight_p * y_p.
+ *
+ * Why one call: at decode an MoE layer runs k experts of a few rows each; expert by expert through
+ * quant_linear that is ~10 small torch ops and two OpenMP regions per expert, and on two cores the wake-ups
+ * and op overheads cost several times the weight reads. Here one OpenMP region covers the layer, its phases
+ * separated by the worksharing loops' barriers:
+ *   A  per sub-batch (up to SUB_ROWS pairs of one expert): gather the pairs' x rows, quantize them to int8
+ *      in two terms (quant_gemm.c's quantize_act: the value and its rounding remainder);
+ *   B  per (sub-batch, 16 gate_up rows): the type's dot kernel -> gate_up, float32;
+ *   C  per sub-batch: act = silu(gate) * up in float32, quantized the same way;
+ *   D  per (sub-batch, 16 down rows): the dot kernel -> y, float32;
+ *   E  per 16 output columns: out[t] = sum of weight_p * y_p over the pairs in order (no two threads write
+ *      the same element; the sum order is the pairs' order, so the result does not depend on the threads).
+ * The numerics are quant_linear's small path (the same int8 terms and dot kernels) with float32 in place of
+ * the modular path's bf16 roundings between the projections.
+ *
+ * Inputs: x bf16 [T, hidden]; pairs sorted by expert: pair_token[P] (row of x), pair_weight[P] (float32);
+ * groups: group_start[G + 1] (pair offsets), per group the expert's gate_up ([2 * inter, hidden], gate rows
+ * then up rows) and down ([hidden, inter]) weights as (type, repacked data). out float32 [T, hidden], written
+ * whole. Returns 0 or a negative QUANT_E* code.
+ */
+#include <math.h>
+
+#define SUB_ROWS 8 /* pairs per sub-batch: two int8 terms each fit the dot kernels' SMALL_M_LIMIT rows */
+
+#if HAVE_QUANT_GEMM
+typedef struct {
+    int64_t group, first, rows; /* pairs first .. first + rows - 1, all of expert group `group` */
+} tl_moe_sub;
+
+static inline float tl_silu(float v) { return v / (1.0f + expf(-v)); }
+#endif
+
+KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const uint16_t *x, int64_t pairs,
+                         const int64_t *pair_token, const float *pair_weight, int64_t groups,
+                         const int64_t *group_start, const int32_t *gu_type, const int64_t *gu_data,
+                         const int32_t *down_type, const int64_t *down_data, float *out, int threads) {
+#if HAVE_QUANT_GEMM
+    if (t_rows < 0 || pairs < 0 || groups < 0 || hidden % TL_QK || inter % TL_QK) return QUANT_E_SHAPE;
+    for (int64_t g = 0; g < groups; ++g) {
+        const tl_quant_type *gu = tl_quant_lookup(gu_type[g]), *dn = tl_quant_lookup(down_type[g]);
+        int rc = check_shape(gu, 2 * inter, hidden);
+        if (rc == QUANT_OK) rc = check_shape(dn, hidden, inter);
+        if (rc != QUANT_OK) return rc;
+        if (group_start[g] > group_start[g + 1]) return QUANT_E_SHAPE;
+    }
+    if (groups > 0 && (group_start[0] != 0 || group_start[groups] != pairs)) return QUANT_E_SHAPE;
+    for (int64_t p = 0; p < pairs; ++p)
+        if (pair_token[p] < 0 || pair_token[p] >= t_rows) return QUANT_E_INDEX;
+    memset(out, 0, sizeof(float) * (size_t)(t_rows * hidden));
+    if (pairs == 0) return QUANT_OK;
+
+    const int residual = quant_act_residual_on, terms = residual ? 2 : 1;
+    int64_t subs = 0;
+    for (int64_t g = 0; g < groups; ++g) subs += (group_start[g + 1] - group_start[g] + SUB_ROWS - 1) / SUB_ROWS;
+    const int64_t nbx = hidden / TL_QK, nba = inter / TL_QK;
+    tl_moe_sub *sub = malloc(sizeof(tl_moe_sub) * (size_t)subs);
+    uint16_t *xg = malloc(sizeof(uint16_t) * (size_t)(pairs * hidden));        /* gathered x rows */
+    int8_t *qx = malloc((size_t)(terms * pairs * hidden));                       /* their int8 terms */
+    float *dx = malloc(sizeof(float) * (size_t)(terms * pairs * nbx));
+    int32_t *sx = malloc(sizeof(int32_t) * (size_t)(terms * pairs * nbx));
+    float *gate_up = malloc(sizeof(float) * (size_t)(pairs * 2 * inter));       /* then act in its first half */
+    int8_t *qa = malloc((size_t)(terms * pairs * inter));
+    float *da = malloc(sizeof(float) * (size_t)(terms * pairs * nba));
+    int32_t *sa = malloc(sizeof(int32_t) * (size_t)(terms * pairs * nba));
+    float *y = malloc(sizeof(float) * (size_t)(pairs * hidden));
+    if (!sub || !xg || !qx || !dx || !sx || !gate_up || !qa || !da || !sa || !y) {
+        free(sub); free(xg); free(qx); free(dx); free(sx); free(gate_up); free(qa); free(da); free(sa); free(y);
+        return QUANT_E_MEMORY;
+    }
+    subs = 0;
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t p = group_start[g]; p < group_start[g + 1]; p += SUB_ROWS) {
+            const int64_t left = group_start[g + 1] - p;
+            sub[subs++] = (tl_moe_sub){g, p, left < SUB_ROWS ? left : SUB_ROWS};
+        }
+    /* A sub-batch's int8 terms sit at its first pair's offset (times `terms`): rows 0 .. rows - 1 hold the
+     * first term, rows .. 2 rows - 1 the remainder, as quantize_act writes them. */
+    const int64_t gu_chunks = (2 * inter + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t dn_chunks = (hidden + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t col_chunks = (hidden + 15) / 16;
+
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < subs; ++i) { /* A */
+            const tl_moe_sub s = sub[i];
+            for (int64_t r = 0; r < s.rows; ++r)
+                memcpy(xg + (s.first + r) * hidden, x + pair_token[s.first + r] * hidden, sizeof(uint16_t) * hidden);
+            quantize_act(xg + s.first * hidden, hidden, 0, s.rows, hidden, residual, qx + terms * s.first * hidden,
+                         dx + terms * s.first * nbx, sx + terms * s.first * nbx);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < subs * gu_chunks; ++i) { /* B */
+            const tl_moe_sub s = sub[i / gu_chunks];
+            const tl_quant_type *t = tl_quant_lookup(gu_type[s.group]);
+            const int64_t n0 = (i % gu_chunks) * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < 2 * inter ? n0 + CHUNK_ROWS : 2 * inter;
+            const tl_act_q8 a = {qx + terms * s.first * hidden, dx + terms * s.first * nbx,
+                                 sx + terms * s.first * nbx, (int)(terms * s.rows), hidden};
+            float buf[2 * SUB_ROWS * CHUNK_ROWS];
+            t->dot_rows((const uint8_t *)(intptr_t)gu_data[s.group], hidden / t->block * t->block_size, n0, n1, &a,
+                        buf, CHUNK_ROWS);
+            for (int64_t r = 0; r < s.rows; ++r)
+                for (int64_t j = 0; j < n1 - n0; ++j)
+                    gate_up[(s.first + r) * 2 * inter + n0 + j] =
+                        buf[r * CHUNK_ROWS + j] + (residual ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < subs; ++i) { /* C */
+            const tl_moe_sub s = sub[i];
+            for (int64_t r = 0; r < s.rows; ++r) {
+                float *row = gate_up + (s.first + r) * 2 * inter;
+                for (int64_t j = 0; j < inter; ++j) row[j] = tl_silu(row[j]) * row[inter + j];
+            }
+            quantize_act(gate_up + s.first * 2 * inter, 2 * inter, 1, s.rows, inter, residual,
+                         qa + terms * s.first * inter, da + terms * s.first * nba, sa + terms * s.first * nba);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < subs * dn_chunks; ++i) { /* D */
+            const tl_moe_sub s = sub[i / dn_chunks];
+            const tl_quant_type *t = tl_quant_lookup(down_type[s.group]);
+            const int64_t n0 = (i % dn_chunks) * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < hidden ? n0 + CHUNK_ROWS : hidden;
+            const tl_act_q8 a = {qa + terms * s.first * inter, da + terms * s.first * nba,
+                                 sa + terms * s.first * nba, (int)(terms * s.rows), inter};
+            float buf[2 * SUB_ROWS * CHUNK_ROWS];
+            t->dot_rows((const uint8_t *)(intptr_t)down_data[s.group], inter / t->block * t->block_size, n0, n1, &a,
+                        buf, CHUNK_ROWS);
+            for (int64_t r = 0; r < s.rows; ++r)
+                for (int64_t j = 0; j < n1 - n0; ++j)
+                    y[(s.first + r) * hidden + n0 + j] =
+                        buf[r * CHUNK_ROWS + j] + (residual ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t c = 0; c < col_chunks; ++c) { /* E */
+            const int64_t c0 = c * 16, c1 = c0 + 16 < hidden ? c0 + 16 : hidden;
+            for (int64_t p = 0; p < pairs; ++p) {
+                float *dst = out + pair_token[p] * hidden;
+                const float *src = y + p * hidden, w = pair_weight[p];
+                for (int64_t j = c0; j < c1; ++j) dst[j] += w * src[j];
+            }
+        }
+    }
+    free(sub); free(xg); free(qx); free(dx); free(sx); free(gate_up); free(qa); free(da); free(sa); free(y);
+    return QUANT_OK;
+#else
+    (void)t_rows; (void)hidden; (void)inter; (void)x; (void)pairs; (void)pair_token; (void)pair_weight;
+    (void)groups; (void)group_start; (void)gu_type; (void)gu_data; (void)down_type; (void)down_data; (void)out;
+    (void)threads;
+    return QUANT_E_TYPE;
+#endif
+}
