@@ -121,6 +121,10 @@ def test_pd_pair_transfers_both_pools(models, kind):
         prompts = {rid: torch.randint(0, 256, (n,), generator=gen).tolist() for rid, n in (("a", 45), ("b", 30),
                                                                                           ("c", 25))}
         greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+        # "a" and "b" start decoding together (not one after the other, as a slow transfer could make them), so
+        # their growth overflows the decode pool and one retracts
+        side, prebuild = pair.decode.side, pair.decode.side._prebuild
+        side._prebuild = lambda: prebuild() if len(side.arrived) >= 2 or not (side.prealloc or side.transfer) else None
         for rid, ids in prompts.items():
             pair.submit(rid, ids, greedy)
         results = pair.run(timeout_s=300)
