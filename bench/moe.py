@@ -2,7 +2,7 @@
 batch-1 decode comparison against llama-server on that file (issue 31's MoE speed case).
 
     .venv/bin/python bench/moe.py --make          # make the files once (minutes; ~12 GB of disk while making)
-    .venv/bin/python bench/moe.py                 # make if needed, then a short ITL run of both servers
+    .venv/bin/python bench/moe.py                 # make if needed, then both servers measured in turns
 
 Shape: Qwen3-30B-A3B's routing (128 experts, top-8, norm_topk_prob, q/k head norms) at a size that fits here:
 hidden 1024, 24 layers, 16 heads / 4 KV heads of 64, expert FFN 256, SmolLM2's vocabulary (49152, untied). That
@@ -15,10 +15,12 @@ safetensors written one layer per shard with random normal weights, std 0.02, se
 whole in memory in float32; SmolLM2's tokenizer beside it), `moe2b-bf16.gguf` (convert_hf_to_gguf.py),
 `moe2b-q4_k_m.gguf` (llama-quantize).
 
-The run: each server alone, started on the Q4_K_M file, one request at a time (a 64-token prompt), ITL from the
-difference of a long and a 1-token answer (so prefill and HTTP cancel out), median of `--repeats`. Only a
-short run: the figures are ratios under whatever load the machine has; the medians for docs/benchmarks.md
-come from a quiet machine.
+The run: both servers up on the Q4_K_M file at once (tokenloom with AMX off, as on the AMD EPYC this project
+targets), measured in turns so that the machine's load hits both alike. Per turn and server: the batch-1 ITL
+(one request, a 64-token prompt; the difference of a long and a 1-token answer, so prefill and HTTP cancel
+out) and the output throughput of `--concurrency` (32) requests at once; medians over `--repeats` turns.
+Beside them, the bandwidth bound of a batch-1 step: the bytes of the active experts (top-k of each expert
+tensor), attention and LM head over the read bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -188,42 +190,49 @@ def _throughput(generate, concurrency: int, new_tokens: int) -> float:
 
 def run_pair(path: str, threads: int, new_tokens: int, repeats: int, concurrency: int
              ) -> dict[str, dict[str, float]]:
-    """Each server alone on `path`: batch-1 ITL (median of `repeats`), then the output throughput of
-    `concurrency` requests at once (median of `repeats`)."""
+    """Both servers up on `path` at once, measured in turns (tokenloom, llama.cpp, tokenloom, ...), so a
+    load that comes and goes hits both alike: per server the median over `repeats` turns of the batch-1 ITL
+    and of the output throughput of `concurrency` requests at once."""
     from bench.peer_engines import free_port
 
-    results: dict[str, dict[str, float]] = {}
     env = {**os.environ, "TOKENLOOM_DISABLE_AMX": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
-    for name in ("tokenloom", "llama.cpp"):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        if name == "tokenloom":
-            cmd = [sys.executable, "-m", "tokenloom.launch_server", "--model-path", path, "--port", str(port),
-                   "--num-threads", str(threads), "--max-total-tokens", "16384"]
+    servers: dict[str, tuple[subprocess.Popen, object]] = {}
+    try:
+        for name in ("tokenloom", "llama.cpp"):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            if name == "tokenloom":
+                cmd = [sys.executable, "-m", "tokenloom.launch_server", "--model-path", path, "--port", str(port),
+                       "--num-threads", str(threads), "--max-total-tokens", "16384"]
 
-            def generate(n: int, i: int = 0, url: str = url) -> None:
-                _post(url + "/generate", {"input_ids": _prompt(i), "sampling_params": {
-                    "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
-        else:  # one slot per concurrent request, each with the context a request needs
-            cmd = [find_llama_server(None), "-m", path, "--port", str(port), "-t", str(threads),
-                   "-c", str(concurrency * 512), "-np", str(concurrency)]
+                def generate(n: int, i: int = 0, url: str = url) -> None:
+                    _post(url + "/generate", {"input_ids": _prompt(i), "sampling_params": {
+                        "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+            else:  # one slot per concurrent request, each with the context a request needs
+                cmd = [find_llama_server(None), "-m", path, "--port", str(port), "-t", str(threads),
+                       "-c", str(concurrency * 512), "-np", str(concurrency)]
 
-            def generate(n: int, i: int = 0, url: str = url) -> None:
-                _post(url + "/completion", {"prompt": _prompt(i), "n_predict": n, "temperature": 0,
-                                            "ignore_eos": True, "cache_prompt": False})
-        log = tempfile.NamedTemporaryFile(prefix=f"moe-{name}-", suffix=".log", delete=False)  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
+                def generate(n: int, i: int = 0, url: str = url) -> None:
+                    _post(url + "/completion", {"prompt": _prompt(i), "n_predict": n, "temperature": 0,
+                                                "ignore_eos": True, "cache_prompt": False})
+            log = tempfile.NamedTemporaryFile(prefix=f"moe-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            servers[name] = (proc, generate)
             _wait(url, proc)
-            itl = _itl_ms(generate, new_tokens, repeats)
-            tput = statistics.median(_throughput(generate, concurrency, new_tokens) for _ in range(repeats))
-            results[name] = {"itl_ms": itl, "throughput_tok_s": tput}
-            print(f"{name}: batch-1 ITL {itl:.2f} ms, {concurrency} concurrent {tput:.1f} tok/s (log {log.name})",
-                  flush=True)
-        finally:
+            print(f"{name} up (log {log.name})", flush=True)
+        runs: dict[str, dict[str, list[float]]] = {n: {"itl_ms": [], "throughput_tok_s": []} for n in servers}
+        for turn in range(repeats):
+            for name, (_, generate) in servers.items():
+                runs[name]["itl_ms"].append(_itl_ms(generate, new_tokens, 1))
+                runs[name]["throughput_tok_s"].append(_throughput(generate, concurrency, new_tokens))
+                print(f"turn {turn}: {name} ITL {runs[name]['itl_ms'][-1]:.2f} ms, {concurrency} concurrent "
+                      f"{runs[name]['throughput_tok_s'][-1]:.1f} tok/s", flush=True)
+        return {name: {key: statistics.median(values) for key, values in r.items()} | {"runs": r}
+                for name, r in runs.items()}
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    return results
 
 
 def _prompt(i: int) -> list[int]:

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from tokenloom.local_cache import cache_dir
+from tokenloom.models.gguf_file import gc_paused
 from tokenloom.models.loader import ModelSource
 
 
@@ -33,8 +34,9 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     cached = os.path.join(cache_dir(), "tokenizers", key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(source.path),
-                                              gguf_file=os.path.basename(source.path))
+    with gc_paused():  # transformers parses the GGUF's vocabulary with the gguf package's reader
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(source.path),
+                                                  gguf_file=os.path.basename(source.path))
     tmp = f"{cached}.tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(cached), exist_ok=True)
