@@ -32,6 +32,22 @@ typedef struct {
 } tl_moe_sub;
 
 static inline float tl_silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* Phases B and D: rows [16 chunk, 16 chunk + 16) of a weight [n, k] (type, repacked data) against the sub-batch's
+ * int8 activation terms (stored from its first pair on, `terms` rows per pair, as quantize_act writes them);
+ * the terms' sums go to dst [pairs, n] (float32) at the sub-batch's rows. */
+static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64_t chunk, tl_moe_sub s,
+                             const int8_t *q, const float *d, const int32_t *sums, int terms, float *dst) {
+    const tl_quant_type *t = tl_quant_lookup(type);
+    const int64_t nb = k / TL_QK, n0 = chunk * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < n ? n0 + CHUNK_ROWS : n;
+    const tl_act_q8 a = {q + terms * s.first * k, d + terms * s.first * nb, sums + terms * s.first * nb,
+                         (int)(terms * s.rows), k};
+    float buf[2 * SUB_ROWS * CHUNK_ROWS];
+    t->dot_rows((const uint8_t *)(intptr_t)data, k / t->block * t->block_size, n0, n1, &a, buf, CHUNK_ROWS);
+    for (int64_t r = 0; r < s.rows; ++r)
+        for (int64_t j = 0; j < n1 - n0; ++j)
+            dst[(s.first + r) * n + n0 + j] = buf[r * CHUNK_ROWS + j] + (terms > 1 ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
+}
 #endif
 
 KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const uint16_t *x, int64_t pairs,
@@ -94,20 +110,9 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
                          dx + terms * s.first * nbx, sx + terms * s.first * nbx);
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t i = 0; i < subs * gu_chunks; ++i) { /* B */
-            const tl_moe_sub s = sub[i / gu_chunks];
-            const tl_quant_type *t = tl_quant_lookup(gu_type[s.group]);
-            const int64_t n0 = (i % gu_chunks) * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < 2 * inter ? n0 + CHUNK_ROWS : 2 * inter;
-            const tl_act_q8 a = {qx + terms * s.first * hidden, dx + terms * s.first * nbx,
-                                 sx + terms * s.first * nbx, (int)(terms * s.rows), hidden};
-            float buf[2 * SUB_ROWS * CHUNK_ROWS];
-            t->dot_rows((const uint8_t *)(intptr_t)gu_data[s.group], hidden / t->block * t->block_size, n0, n1, &a,
-                        buf, CHUNK_ROWS);
-            for (int64_t r = 0; r < s.rows; ++r)
-                for (int64_t j = 0; j < n1 - n0; ++j)
-                    gate_up[(s.first + r) * 2 * inter + n0 + j] =
-                        buf[r * CHUNK_ROWS + j] + (residual ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
-        }
+        for (int64_t i = 0; i < subs * gu_chunks; ++i) /* B */
+            tl_moe_dot_chunk(gu_type[sub[i / gu_chunks].group], gu_data[sub[i / gu_chunks].group], hidden, 2 * inter,
+                             i % gu_chunks, sub[i / gu_chunks], qx, dx, sx, terms, gate_up);
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < subs; ++i) { /* C */
             const tl_moe_sub s = sub[i];
@@ -119,20 +124,9 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
                          qa + terms * s.first * inter, da + terms * s.first * nba, sa + terms * s.first * nba);
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t i = 0; i < subs * dn_chunks; ++i) { /* D */
-            const tl_moe_sub s = sub[i / dn_chunks];
-            const tl_quant_type *t = tl_quant_lookup(down_type[s.group]);
-            const int64_t n0 = (i % dn_chunks) * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < hidden ? n0 + CHUNK_ROWS : hidden;
-            const tl_act_q8 a = {qa + terms * s.first * inter, da + terms * s.first * nba,
-                                 sa + terms * s.first * nba, (int)(terms * s.rows), inter};
-            float buf[2 * SUB_ROWS * CHUNK_ROWS];
-            t->dot_rows((const uint8_t *)(intptr_t)down_data[s.group], inter / t->block * t->block_size, n0, n1, &a,
-                        buf, CHUNK_ROWS);
-            for (int64_t r = 0; r < s.rows; ++r)
-                for (int64_t j = 0; j < n1 - n0; ++j)
-                    y[(s.first + r) * hidden + n0 + j] =
-                        buf[r * CHUNK_ROWS + j] + (residual ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
-        }
+        for (int64_t i = 0; i < subs * dn_chunks; ++i) /* D */
+            tl_moe_dot_chunk(down_type[sub[i / dn_chunks].group], down_data[sub[i / dn_chunks].group], inter, hidden,
+                             i % dn_chunks, sub[i / dn_chunks], qa, da, sa, terms, y);
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < col_chunks; ++c) { /* E */
             const int64_t c0 = c * 16, c1 = c0 + 16 < hidden ? c0 + 16 : hidden;
