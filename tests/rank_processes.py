@@ -1,9 +1,13 @@
 """Running a test's world of rank processes: spawn one process per rank, collect what each reports, and
 leave nothing running. Each target is called as `target(rank, *args, port, results)` and puts exactly one
-`(rank, dict)` on `results` — `{"error": traceback}` when it failed."""
+`(rank, dict)` on `results` — `{"error": traceback}` when it failed — either as the tuple itself or as its
+`pickle.dumps` bytes. Bytes are the safe form when the dict holds torch tensors: torch's queue pickler shares a
+tensor's storage through a file descriptor the receiver must fetch from the still-living sender, and a rank
+that exits right after `put` leaves the receiver a dangling socket path (FileNotFoundError)."""
 
 from __future__ import annotations
 
+import pickle
 import queue
 import socket
 import time
@@ -33,7 +37,8 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, join_s: float
         deadline = time.monotonic() + join_s
         while len(got) < world and time.monotonic() < deadline:
             try:
-                rank, out = results.get(timeout=1)
+                item = results.get(timeout=1)
+                rank, out = pickle.loads(item) if isinstance(item, bytes) else item
                 got[rank] = out
             except queue.Empty:
                 if all(p.exitcode is not None for p in procs) and results.empty():
@@ -55,6 +60,7 @@ def report_from_world(rank: int, tp: int, pp: int, port: int, results: Any,
                       body: Callable[[Any], dict]) -> None:
     """Inside a rank process: join the tp x pp world on loopback (1 thread), put `(rank, body(ctx))` on
     `results` — or `(rank, {"error": traceback})` — and leave the world."""
+    import pickle
     import traceback
 
     import torch
@@ -68,7 +74,7 @@ def report_from_world(rank: int, tp: int, pp: int, port: int, results: Any,
             out = body(ctx)
         finally:
             destroy_distributed()
-        results.put((rank, out))
+        results.put(pickle.dumps((rank, out)))  # by value: see the module docstring
     except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
+        results.put(pickle.dumps((rank, {"error": traceback.format_exc()})))
         raise
