@@ -15,8 +15,9 @@ import torch
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
 from tokenloom.entrypoints.openai.serving_base import grammar_params
 from tokenloom.grammar.compiler import GrammarCompiler
-from tokenloom.grammar.mask import allocate_bitmask, allowed_tokens, apply_bitmask
+from tokenloom.grammar.mask import allocate_bitmask, allowed_tokens, apply_bitmask, apply_bitmask_torch
 from tokenloom.grammar.spec import GrammarError, GrammarSpec, spec_from_params, validate_spec
+from tokenloom.kernels import cpu_ops
 from tokenloom.layers.sampler import Sampler
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_params import SamplingParams
@@ -44,22 +45,35 @@ def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("width", [VOCAB, VOCAB + 40])  # logits wider than the grammar's vocabulary
-def test_mask_matches_a_bit_by_bit_reference_torch_and_native(width):
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_torch], ids=["native", "torch"])
+@pytest.mark.parametrize("width", [VOCAB, VOCAB + 40, VOCAB - 7])  # logits wider / narrower than the grammar's
+def test_mask_matches_a_bit_by_bit_reference_torch_and_native(width, apply):
+    if apply is apply_bitmask:
+        assert cpu_ops.available(torch.zeros(1)), "the native kernels must build on this machine"
     mask = _random_bitmask(3, VOCAB, seed=1)
     expected = _reference_allowed(mask, width)
     assert torch.equal(allowed_tokens(mask, width), expected)
     logits = torch.randn(5, width)
     rows = torch.tensor([4, 0, 2])
-    torch_out = logits.clone()
-    apply_bitmask(torch_out, mask, rows)
+    out = logits.clone()
+    apply(out, mask, rows)
     want = logits.clone()
     for i, r in enumerate(rows.tolist()):
         want[r][~expected[i]] = float("-inf")
-    assert torch.equal(torch_out, want)
+    assert torch.equal(out, want)
     full = logits[:3].clone()
-    apply_bitmask(full, mask)  # every row, in order: in place
+    apply(full, mask)  # every row, in order: in place
     assert torch.equal(full, torch.where(expected, logits[:3], torch.tensor(float("-inf"))))
+    strided = torch.randn(3, width + 9)[:, :width]  # rows at a stride wider than the row
+    want = torch.where(expected, strided, torch.tensor(float("-inf")))
+    apply(strided, mask)
+    assert torch.equal(strided, want)
+
+
+def test_native_mask_refuses_rows_outside_the_logits():
+    mask = _random_bitmask(2, VOCAB, seed=2)
+    with pytest.raises(IndexError):
+        apply_bitmask(torch.randn(3, VOCAB), mask, torch.tensor([0, 3]))
 
 
 def _info(params: list[SamplingParams], mask: torch.Tensor, rows: list[int], **kw) -> SamplingBatchInfo:

@@ -1,6 +1,7 @@
 """Native row-wise kernels of the decoder layer on the CPU (csrc/cpu_ops.c): RMSNorm with the residual add,
 SiLU-and-mul and rotary embedding, one call each instead of a chain of small aten ops; and a row argmax
-(torch's CPU argmax over a vocabulary-wide row is ~10x slower than reading it).
+(torch's CPU argmax over a vocabulary-wide row is ~10x slower than reading it); and a grammar bitmask applied
+to float32 logits in place (unpacking the bits with torch costs ~10x more than the one pass the kernel makes).
 
 `available(x)` says whether a tensor can take the native path (CPU, float32 or bfloat16, kernels built);
 callers keep their torch expression as the fallback. Every function computes in float32 and rounds once.
@@ -102,3 +103,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     _fn("argmax_rows", torch.float32)(_ptr(x2), ctypes.c_int64(x2.stride(0)), ctypes.c_int64(rows),
                                       ctypes.c_int64(cols), _ptr(out), ctypes.c_int(torch.get_num_threads()))
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    """-inf into `logits[rows[i], t]` (rows None: row i) wherever int32 `bitmask` row i disallows token t, in
+    place, columns past the bitmask's width included. False (nothing done) when the native path cannot take
+    these tensors: the caller then uses its torch expression."""
+    if not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and bitmask.dtype == torch.int32 and bitmask.dim() == 2 and available(logits)):
+        return False
+    mask = bitmask.contiguous()
+    index = None
+    if rows is not None:
+        index = rows.to(torch.int64).contiguous()
+        if index.numel() != mask.shape[0]:
+            raise ValueError(f"{index.numel()} rows for a bitmask of {mask.shape[0]}")
+        if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < logits.shape[0]):
+            raise IndexError(f"bitmask rows {index.tolist()} outside logits of {logits.shape[0]} rows")
+    elif mask.shape[0] > logits.shape[0]:
+        raise ValueError(f"a bitmask of {mask.shape[0]} rows for logits of {logits.shape[0]}")
+    _lib().apply_token_bitmask_f32(_ptr(logits), ctypes.c_int64(logits.stride(0)), ctypes.c_int64(logits.shape[1]),
+                                   _ptr(mask), ctypes.c_int64(mask.shape[1]), _ptr(index),
+                                   ctypes.c_int64(mask.shape[0]))
+    return True

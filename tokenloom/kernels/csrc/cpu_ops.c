@@ -9,6 +9,7 @@
  *   rope:          rotate-half rotary embedding of every head of x, in place, from float32 cos/sin tables
  *   rope_part:     the same on the first rot_dim elements of each head only (partial rotary, Phi-4-mini)
  *   argmax_rows:   index of each float32 row's maximum, as torch.argmax gives it (first maximum; a NaN wins)
+ *   apply_token_bitmask: -inf into the float32 logits a packed grammar bitmask disallows (constrained decoding)
  *
  * Every value is computed in float32 and rounded once to the storage type (bf16: round to nearest even); a
  * residual sum is rounded before it is normalized, so the stored residual is exactly what was normalized.
@@ -145,6 +146,37 @@ KERNEL_API int argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, i
             while (at < cols - 1 && xr[at] != m) ++at;
         }
         out[r] = at;
+    }
+    return 0;
+}
+
+
+/* Constrained decoding's token mask: for each bitmask row i (bit t of int32 word t / 32 set: token t allowed),
+ * logits[rows[i] (or i when rows is NULL)][t] = -inf for every t < vocab it disallows, including every column at
+ * or past words * 32 (a logits row wider than the grammar's vocabulary: padded LM heads). Words with every bit
+ * set are skipped, so a mostly-allowed row costs one read of its bitmask. -inf is written as its bit pattern
+ * (-ffast-math may not assume infinities exist). Runs on the calling thread: the work is one pass over the
+ * masked rows, memory-bound, and the sampler calls it between other single-threaded steps. */
+KERNEL_API int apply_token_bitmask_f32(float *logits, int64_t logits_stride, int64_t vocab, const int32_t *bitmask,
+                                       int64_t words, const int64_t *rows, int64_t n_rows) {
+    const uint32_t NEG_INF = 0xff800000u;
+    const int64_t covered = words * 32 < vocab ? words * 32 : vocab;
+    for (int64_t i = 0; i < n_rows; ++i) {
+        uint32_t *row = (uint32_t *)(logits + (rows != NULL ? rows[i] : i) * logits_stride);
+        const uint32_t *bits = (const uint32_t *)(bitmask + i * words);
+        int64_t t = 0;
+#ifdef __AVX512F__
+        const __m512i ninf = _mm512_set1_epi32((int)NEG_INF);
+        for (; t + 32 <= covered; t += 32) {
+            const uint32_t disallowed = ~bits[t / 32];
+            if (disallowed == 0) continue;
+            _mm512_mask_storeu_epi32(row + t, (__mmask16)(disallowed & 0xffffu), ninf);
+            _mm512_mask_storeu_epi32(row + t + 16, (__mmask16)(disallowed >> 16), ninf);
+        }
+#endif
+        for (; t < covered; ++t)
+            if (!((bits[t / 32] >> (t % 32)) & 1u)) row[t] = NEG_INF;
+        for (t = covered; t < vocab; ++t) row[t] = NEG_INF;
     }
     return 0;
 }
