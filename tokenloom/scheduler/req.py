@@ -89,6 +89,9 @@ class Req:
         # Constrained decoding: the grammar matcher (grammar/backends.py `Matcher`) once compiled; it follows
         # `output_ids` and is advanced on the forward side right after each sampling (executor/worker.py).
         self.grammar: Any = None
+        # Jump-forward (scheduler/jump_forward.py): its output ends with forced tokens that have no KV yet; it
+        # waits in its lane's `jumping` list for the extend that computes them (decode rows of it are void).
+        self.forced_pending = False
 
     # --- token views -------------------------------------------------------------------------------
     def all_ids(self) -> list[int]:
