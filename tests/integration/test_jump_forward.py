@@ -77,7 +77,8 @@ def test_schema_answers_validate_with_fewer_decode_steps_than_tokens(tiny_runtim
     assert state["decode_batches"] < len(out.output_ids) - 8
     assert (state["num_jump_forward_void_rows"] > 0) == (overlap == "on")
 
-    # a batch: greedy, sampled and penalised rows beside an unconstrained one and a logprob request (not jumped)
+    # a batch: greedy, sampled and penalised rows beside an unconstrained one (with overlap: KV pages of 4, so
+    # jump extends continue partial pages)
     jobs = [(f"g{i}", p, greedy) for i, p in enumerate(PROMPTS)]
     jobs += [("sampled", PROMPTS[1], {"temperature": 1.0, "sampling_seed": 3, "max_new_tokens": 120,
                                       "json_schema": schema}),
@@ -85,7 +86,7 @@ def test_schema_answers_validate_with_fewer_decode_steps_than_tokens(tiny_runtim
                                         "repetition_penalty": 1.2, "max_new_tokens": 120, "json_schema": schema}),
              ("plain", PROMPTS[3], {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True})]
     results, state = _run(tiny_runtime_model, tokenizer, jobs, enable_jump_forward=True, overlap_schedule=overlap,
-                          grammar_backend=backend)
+                          grammar_backend=backend, page_size=4 if overlap == "on" else 1)
     for rid, _, _ in jobs[:-1]:
         out = results[rid]
         assert out.finish_reason["type"] == "stop", (rid, out)
@@ -150,3 +151,36 @@ def test_refused_where_unsupported():
                          ({"grammar_backend": "none"}, "--grammar-backend none")]:
         with pytest.raises(ConfigError, match=f"--enable-jump-forward is not supported with {named}"):
             ServerArgs(enable_jump_forward=True, **flags).validate()
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_abort_while_jumping_and_requeue_for_want_of_kv(tiny_runtime_model, tokenizer, overlap):
+    """A request aborted while it waits for its jump extend ends with its KV freed; one whose extend does not fit
+    in the KV pool is re-queued (recomputed) and still answers the one allowed string."""
+    params = {"temperature": 0, "max_new_tokens": 80, "json_schema": json.dumps(CONST_SCHEMA)}
+    h = Harness(tiny_runtime_model, tokenizer=tokenizer, eos=(EOS,), enable_jump_forward=True,
+                overlap_schedule=overlap)
+
+    def jumping(harness) -> bool:
+        return any(lane.jumping for lane in harness.scheduler.lanes)
+
+    h.submit("aborted", PROMPTS[0], params)
+    h.run(until=jumping)
+    h.abort("aborted")
+    assert h.run()["aborted"].finish_reason["type"] == "abort"
+
+    h.submit("requeued", PROMPTS[1], params)
+    h.run(until=jumping)
+    memory = h.scheduler.jump.memory
+    real, asked = memory.available_tokens, []
+
+    def full_once() -> int:  # the pool looks full to the next question, the jump extend's
+        asked.append(1)
+        return 0 if len(asked) == 1 else real()
+
+    memory.available_tokens = full_once
+    out = h.run()["requeued"]
+    assert out.finish_reason["type"] == "stop" and json.loads(_answer(tokenizer, out.output_ids)) == CONST_VALUE
+    state = h.scheduler.internal_state()
+    assert state["num_jump_forward_requeued"] == 1 and state["num_retracted_reqs"] == 1, state
+    assert h.scheduler.flush_cache().success and all_kv_free(h.runner)
