@@ -88,7 +88,7 @@ def test_answers_match_plain_decoding_with_fewer_decode_steps(served):
         jsonschema.validate(json.loads(body["text"]), KEYS_SCHEMA)
         got, want = body["output_ids"], reference[f"keys{i}"]
         outputs += len(got)
-        d = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        d = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
         if d is None:
             assert got == want
         else:  # the first difference is a tokenization of the same forced text, not another answer
@@ -97,8 +97,13 @@ def test_answers_match_plain_decoding_with_fewer_decode_steps(served):
     after = srv.wait_idle_and_pool_full()
     decode_steps = after["decode_steps"] - before["decode_steps"]
     forced = after["num_jump_forward_tokens"] - before["num_jump_forward_tokens"]
+    void = after["num_jump_forward_void_rows"] - before["num_jump_forward_void_rows"]
     assert forced >= 3 * 10, after
-    assert decode_steps < outputs - forced + 3, (decode_steps, outputs, forced)
+    # a decode step samples one token, except a void one (overlap: launched before its request's jump was
+    # known); the prefill and each jump extend sample the others that are not forced (the counter skips a
+    # request's first decode step, and with overlap the step after its last may run: at most one per request)
+    assert decode_steps <= outputs - forced + void, (decode_steps, outputs, forced, void)
+    assert decode_steps < outputs - 20, (decode_steps, outputs, forced, void)
 
 
 def test_max_new_tokens_bounds_forced_tokens(served):
