@@ -19,6 +19,11 @@ Who decides what, in step order:
    next batch is an extend of every such request by its tokens without KV (`BatchMemory.prepare_for_jump`:
    [t, F] or F); it samples the token after F under the grammar (the forward side ends `jump_pending`), and
    its result puts the request back in `running` (or in `jumping` again, if forced tokens follow).
+When to extend: a jump batch is a step in which the lane's other requests do not decode, so a lone jumper
+beside many decoding requests would cost the lane a step for the few tokens it saves. Jumpers therefore wait
+to be extended together: the batch runs once the ready jumpers are at least `GATHER_SHARE` of the lane's
+requests, or nothing else runs, or the oldest has waited `MAX_WAIT_STEPS` of the lane's batches (a jumper
+beside long unconstrained requests is not held back for long).
 A jumping request that does not fit in the KV pool is re-queued as a retracted one (its KV freed, the prompt
 and outputs recomputed later); its matcher already follows every output token.
 
@@ -34,6 +39,9 @@ from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.req import Req
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
 
+GATHER_SHARE = 0.5  # ready jumpers / (running + ready jumpers) at which they are extended together
+MAX_WAIT_STEPS = 4  # lane batches the oldest ready jumper may wait
+
 
 class JumpForward:
     def __init__(self, memory: BatchMemory) -> None:
@@ -41,6 +49,7 @@ class JumpForward:
         self.batches = 0  # jump-forward extend steps planned
         self.extended_tokens = 0  # tokens those steps computed
         self.requeued = 0  # jumping requests re-queued for want of KV
+        self._waited: dict[int, int] = {}  # id(ready jumper) -> lane batches it waited
 
     def next_batch(self, lane: Lane, requeue: Callable[[Req], None]) -> ScheduleBatch | None:
         """The extend of `lane`'s jumping requests that no launched batch holds, or None. Those that do not
@@ -48,6 +57,12 @@ class JumpForward:
         ready = [r for r in lane.jumping if r.inflight == 0]
         if not ready:
             return None
+        waited = {id(r): self._waited.get(id(r), -1) + 1 for r in ready}
+        if lane.running and len(ready) < GATHER_SHARE * (len(ready) + len(lane.running)) \
+                and max(waited.values()) < MAX_WAIT_STEPS:
+            self._waited = waited  # they wait for more jumpers while the others decode
+            return None
+        self._waited = {}
         lane.jumping = [r for r in lane.jumping if r.inflight]
         page = self.memory.allocator.page_size
         room = self.memory.available_tokens()
