@@ -39,24 +39,30 @@ def _params(schema: dict, max_new_tokens: int = 100) -> dict:
     return {"temperature": 0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(schema)}
 
 
-def _reference(folder: str) -> dict[str, list[int]]:
+def _reference(folder: str, tokenizer) -> dict[str, list[int]]:
     """Plain decoding (no jump-forward) of every request, in-process."""
-    h = Harness(folder, eos=(EOS,), max_total_tokens=4096)
+    h = Harness(folder, tokenizer=tokenizer, eos=(EOS,), max_total_tokens=4096)
     for i, prompt in enumerate(PROMPTS):
         h.submit(f"keys{i}", prompt, _params(KEYS_SCHEMA))
         h.submit(f"const{i}", prompt, _params(CONST_SCHEMA))
-    return {rid: r.output_ids for rid, r in h.run().items()}
+    results = h.run()
+    assert sorted(results) == sorted(f"{kind}{i}" for kind in ("keys", "const") for i in range(len(PROMPTS)))
+    assert all(r.finish_reason["type"] == "stop" for r in results.values()), results
+    return {rid: r.output_ids for rid, r in results.items()}
 
 
 @pytest.fixture(scope="module", params=["on", "off"], ids=["overlap", "no_overlap"])
 def served(request, tiny_runtime_model):
-    from transformers import AutoTokenizer
+    from tokenloom.config import ServerArgs
+    from tokenloom.models.loader import resolve_model_source
+    from tokenloom.tokenizer import load_tokenizer
 
     srv = ServerProcess("--model-path", tiny_runtime_model, "--overlap-schedule", request.param, *FLAGS)
     try:
-        reference = _reference(tiny_runtime_model)
+        tokenizer = load_tokenizer(resolve_model_source(ServerArgs(model_path=tiny_runtime_model)))
+        reference = _reference(tiny_runtime_model, tokenizer)
         srv.wait_healthy(timeout=900)
-        yield srv, reference, AutoTokenizer.from_pretrained(tiny_runtime_model)
+        yield srv, reference, tokenizer
     finally:
         srv.stop()
     assert "Traceback" not in srv.logs(), srv.logs()
