@@ -15,8 +15,8 @@ Jump-forward (scheduler/jump_forward.py): a row with forced tokens (`ForwardOutp
 its sampled token, one at a time with the stop checks (a stop string or max_new_tokens inside them ends the
 request there; the rest are dropped); a request that goes on is marked `forced_pending` and handed back to the
 scheduler in `jumped` (it waits for the extend of those tokens) instead of running; one whose grammar ended
-with them (`forced_finished`) stops. A decode row of a
-`forced_pending` request is void: its token is discarded.
+with them (`forced_finished`) stops. A decode row of a `forced_pending` request is void: its token is
+discarded.
 """
 
 from __future__ import annotations
