@@ -119,3 +119,19 @@ def test_max_new_tokens_bounds_forced_tokens(served):
         assert len(body["output_ids"]) == n and body["meta_info"]["completion_tokens"] == n, body
         assert body["meta_info"]["finish_reason"] == {"type": "length", "length": n}, body
     srv.wait_idle_and_pool_full()
+
+
+def test_streamed_chat_answer_equals_the_whole_one(served):
+    import openai
+
+    srv, _, _ = served
+    rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": KEYS_SCHEMA, "strict": True}}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "A record please"}], response_format=rf,
+              max_tokens=100, temperature=0)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                 if c.choices]
+    assert "".join(parts) == whole
+    jsonschema.validate(json.loads(whole), KEYS_SCHEMA)
+    srv.wait_idle_and_pool_full()
