@@ -66,6 +66,7 @@ from tokenloom.protocol import (
 )
 from tokenloom.sampling.stopping import cap_new_tokens, new_token_room
 from tokenloom.scheduler.grammar_queue import GrammarQueue
+from tokenloom.scheduler.jump_forward import JumpForward
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
@@ -192,6 +193,10 @@ class Scheduler:
             lambda: make_backend(args.grammar_backend, tokenizer, vocab_size, tuple(self.eos_token_ids)),
             args.grammar_compile_timeout)
         self._grammar_in_lockstep = ranks_agree is not None or args.pp_size > 1
+        # --enable-jump-forward (scheduler/jump_forward.py): the worker finds the forced tokens, lanes extend them
+        self.jump = JumpForward(self.memory) if args.enable_jump_forward else None
+        if self.jump is not None:
+            worker.jump_forward = True
 
     def set_port(self, port: RequestPort) -> None:
         """Make `port` decide how requests enter and leave (a prefill or decode server's side of
@@ -201,8 +206,9 @@ class Scheduler:
 
     @property
     def running(self) -> list[Req]:
-        """Every lane's running requests (a new list; lanes own them)."""
-        return [r for lane in self.lanes for r in lane.running]
+        """Every lane's running requests, with those waiting for a jump-forward extend (a new list; lanes own
+        them)."""
+        return [r for lane in self.lanes for r in (*lane.running, *lane.jumping)]
 
     # --- inputs --------------------------------------------------------------------------------------
     def handle(self, msg: Any, loop: LoopControl = NO_LOOP) -> None:
@@ -295,11 +301,12 @@ class Scheduler:
             self._finish_aborted(req, message, status)
             return
         for lane in self.lanes:
-            for req in lane.running:
-                if req.rid == rid:
-                    lane.running.remove(req)
-                    self._finish_aborted(req, message, status)
-                    return
+            for held in (lane.running, lane.jumping):
+                for req in held:
+                    if req.rid == rid:
+                        held.remove(req)
+                        self._finish_aborted(req, message, status)
+                        return
         for req in self.prefilling.values():
             if req.rid == rid and not req.finished:  # processing its prefill's result releases it
                 self._finish_aborted(req, message, status)
@@ -320,7 +327,9 @@ class Scheduler:
         self.port.before_schedule(lane)
         if len(self.grammar_queue):
             self._admit_grammar_requests()
-        batch = self._get_new_batch_prefill(lane)
+        batch = self.jump.next_batch(lane, self._requeue) if self.jump is not None and lane.jumping else None
+        if batch is None:
+            batch = self._get_new_batch_prefill(lane)
         if batch is not None:
             lane.last_decode = None
             return batch
@@ -453,11 +462,23 @@ class Scheduler:
             retracted.append(req)
         if not retracted:
             return fits
+        self._requeue_front(retracted)
+        return fits
+
+    def _requeue(self, req: Req) -> None:
+        """Re-queue a settled request holding a row (a jumping one the KV pool cannot extend) as retracted: its
+        KV is freed and its prompt and outputs are recomputed when it is admitted again."""
+        self.num_retracted += 1
+        self.tree_cache.release_unfinished(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_for_retract()
+        self._requeue_front([req])
+
+    def _requeue_front(self, retracted: list[Req]) -> None:
         self.waiting_queue[:0] = reversed(retracted)  # retracted requests go first, oldest first
         self.ratio.after_retract(self.running)
         logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                        len(retracted), self.ratio.value)
-        return fits
 
     # --- running ------------------------------------------------------------------------------------
     def launch(self, batch: ScheduleBatch, lane: Lane | None = None) -> PreparedStepLike:
@@ -498,7 +519,10 @@ class Scheduler:
         else:
             self.output.process_decode(batch, out)
             self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
-        lane.running = [r for r in lane.running if not r.finished]
+        lane.running = [r for r in lane.running if not r.finished and not r.forced_pending]
+        if self.output.jumped:  # jump-forward: they wait for the extend of their forced tokens
+            lane.jumping.extend(self.output.jumped)
+            self.output.jumped.clear()
         if self.ranks_agree is not None:  # ints hash alike in every process (no hash seed)
             self.token_digest = hash((self.token_digest, tuple(r.output_ids[-1] if r.output_ids else -1
                                                                 for r in batch.reqs)))
@@ -624,6 +648,7 @@ class Scheduler:
             "cache_hit_rate": self.stats.cache_hit_rate(),
             **self.port.info(),
             **self.grammar_queue.info(),
+            **(self.jump.info(self.output.forced_tokens, self.output.void_rows) if self.jump is not None else {}),
             **(loop_info or {}),
             "time": time.time(),
         }
