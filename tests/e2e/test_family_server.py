@@ -4,7 +4,7 @@
 - /generate greedy tokens equal transformers' greedy continuation and every output logprob is within 1e-4 of
   transformers' log-softmax (fp32; the logits agree to ~1e-6, so a greedy tie is not a concern), with
   --chunked-prefill-size 16 (the 40-token prompt runs in three chunks) and a radix hit (the second prompt shares
-  32 tokens with the first and reports them cached), at TP=1, TP=2 (4 q heads, 2 kv heads: one kv head per
+  32 tokens with the first and reports them cached), at TP=2 (4 q heads, 2 kv heads: one kv head per
   rank) and PP=2 (Qwen3: one layer per stage; SmolLM3: its NoPE layer 3 on the second stage);
 - the checkpoint's own chat template through the `openai` client, with `chat_template_kwargs` passed through:
   the Qwen3-style template renders `enable_thinking` False with an empty think block, so the prompt is longer
@@ -21,7 +21,8 @@ from tests.e2e.server_process import ServerProcess, http
 
 FLAGS = ("--dtype", "float32", "--chunked-prefill-size", "16", "--max-total-tokens", "4096",
          "--max-running-requests", "4", "--num-threads", "1")
-LAYOUTS = {"tp1": (), "tp2": ("--tp-size", "2"), "pp2": ("--pp-size", "2")}
+# (TP=1: the same models in process, tests/integration/test_family_forward.py; a server start is the cost here)
+LAYOUTS = {"tp2": ("--tp-size", "2"), "pp2": ("--pp-size", "2")}
 NEW = 8
 CHAT = [{"role": "user", "content": "Tell me about the weather in the mountains."}]
 

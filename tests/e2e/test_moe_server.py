@@ -42,10 +42,10 @@ def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[
     return ids[0, len(prompt):].tolist(), logprobs
 
 
-# (unsplit: tests/integration/test_moe_models.py, in process; a server start is the cost here)
+# (unsplit: tests/integration/test_moe_models.py, in process; a server start is the cost here. --ep-size 2 is
+# --enable-ep-moe's expert split: tests/unit/test_config.py checks the two flags mean the same)
 CASES = [
     ("qwen3_moe_mixed", ("--tp-size", "2")),
-    ("qwen3_moe_mixed", ("--tp-size", "2", "--ep-size", "2")),
     ("qwen3_moe_mixed", ("--pp-size", "2")),
     ("qwen2_moe", ("--tp-size", "2", "--enable-ep-moe")),
     ("olmoe", ("--tp-size", "2")),

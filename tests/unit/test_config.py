@@ -433,3 +433,8 @@ def test_chat_template_must_be_a_file_that_parses(tmp_path):
     assert read_chat_template(str(good)) == good.read_text()
     with pytest.raises(ValueError, match=r"--chat-template .*bad.jinja: line 1: .*endfor"):
         read_chat_template(str(bad))
+
+
+def test_enable_ep_moe_is_ep_size_equal_to_tp_size():
+    assert ServerArgs(tp_size=2, enable_ep_moe=True).moe_ep_size == ServerArgs(tp_size=2, ep_size=2).moe_ep_size == 2
+    assert ServerArgs(tp_size=2).moe_ep_size == 1  # default: each rank a slice of every expert
