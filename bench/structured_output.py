@@ -33,8 +33,9 @@ from tokenloom import Engine  # noqa: E402
 from tokenloom.config import ServerArgs  # noqa: E402
 from tokenloom.grammar.backends import make_backend  # noqa: E402
 from tokenloom.grammar.compiler import GrammarCompiler  # noqa: E402
-from tokenloom.grammar.mask import allocate_bitmask, apply_bitmask  # noqa: E402
+from tokenloom.grammar.mask import allocate_bitmask  # noqa: E402
 from tokenloom.grammar.spec import GrammarSpec  # noqa: E402
+from tokenloom.layers.sampler import apply_grammar_mask  # noqa: E402
 from tokenloom.models.loader import resolve_model_source  # noqa: E402
 from tokenloom.tokenizer import load_tokenizer  # noqa: E402
 
@@ -100,7 +101,7 @@ def mask_cost(backend_name: str, tokenizer, batch: int) -> dict:
         for j, m in enumerate(matchers):
             m.fill(mask, j)
         t1 = time.thread_time()
-        apply_bitmask(logits, mask, rows)
+        apply_grammar_mask(logits, mask, rows)  # what the sampler runs
         t2 = time.thread_time()
         for m in matchers:
             m.accept(token)

@@ -85,6 +85,16 @@ class ModelConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer_id] == SLIDING_ATTENTION else 0
 
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original length when a served prompt can be longer: such a prompt is computed with the long
+        factors (every token of it), a shorter one with the short factors, so their KV differs for the same
+        tokens. None for every other RoPE, and where the context does not reach past the original length."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+            return None
+        orig = int(scaling["original_max_position_embeddings"])
+        return orig if self.context_length > orig else None
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts > 0 and (not self.moe_layers or layer_id in self.moe_layers)
 

@@ -15,9 +15,10 @@ import torch
 
 from tests.forward_steps import ForwardSteps
 from tests.phi3_factory import ORIG, hf_greedy_stepwise, make_tiny_phi3
-from tests.scheduler_harness import generate_in_process
+from tests.scheduler_harness import LoopHarness, generate_in_process
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.executor.worker import ModelWorker
 from tokenloom.model_config import ModelConfig, ModelConfigError
 
 # float32 logits of a 2-layer model: observed ~3e-7 (summation order only)
@@ -76,6 +77,28 @@ def test_phi3_greedy_generation_matches_transformers(phi3_dir, prompt_len):
     ours = generate_in_process(runner, [prompt], [{"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}])[0]
     ref, _ = hf_greedy_stepwise(hf, prompt, 40)
     assert ours == ref
+
+
+def test_phi3_prefix_cache_never_mixes_short_and_long_factor_kv(phi3_dir):
+    """A prompt past the original length is computed with the long factors throughout, so the cached KV of a
+    shorter prompt with the same first tokens (short factors) must not be reused for it, while two long
+    prompts share theirs. Each answer equals transformers' on its own."""
+    folder, hf = phi3_dir("phi4mini_longrope_partial")
+    runner = _runner(folder)
+    h = LoopHarness(runner.args, ModelWorker(runner, ()), runner.memory, runner.vocab_size)
+    assert h.scheduler.flush_cache().success
+    short = _prompts([40], seed=3)[0]
+    long_a = short + _prompts([110], seed=4)[0]  # 150 tokens: long factors, first 40 tokens those of `short`
+    long_b = long_a[:120] + _prompts([20], seed=5)[0]  # shares 120 tokens with long_a, also long
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    got = {}
+    for rid, prompt in (("short", short), ("long_a", long_a), ("long_b", long_b)):
+        h.submit(rid, prompt, greedy)
+        got[rid] = h.run()[rid]
+        assert got[rid].output_ids == hf_greedy_stepwise(hf, prompt, 8)[0], rid
+    assert got["long_a"].meta["cached_tokens"] == 0  # the short prompt's KV (short factors) was not reused
+    assert got["long_b"].meta["cached_tokens"] >= 100  # the long ones share theirs
+    assert h.scheduler.flush_cache().success
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch_native"])

@@ -283,3 +283,31 @@ def test_smollm2_quantized_default_is_close_to_the_dequantized_file(smollm2_hf_r
     assert kl < 1e-3 and top1 > 0.95, (kl, top1)
     kl, top1 = _kl_top1(decode, ref)
     assert kl < 1e-2 and top1 > 0.95, (kl, top1)
+
+
+def _moe_split_file(path: str, inter: int) -> str:
+    """A GGUF holding only what the split check reads: o_proj (64 input features) and the routed and shared
+    experts' down_proj (`inter` input features), all Q8_0 (32-element blocks)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "qwen2moe")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(0)
+    for name, shape in (("blk.0.attn_output.weight", (64, 64)), ("blk.0.ffn_down_exps.weight", (4, 64, inter)),
+                        ("blk.0.ffn_down_shexp.weight", (64, 64))):
+        data = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), q8)
+        writer.add_tensor(name, data, raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_split_cutting_the_experts_blocks_is_refused_unless_experts_are_whole(tmp_path):
+    # 96 expert input features at --tp-size 2: 48 per rank, which cuts a 32-element block; o_proj's 64 do not
+    f = GGUFFile(_moe_split_file(str(tmp_path / "moe.gguf"), inter=96))
+    with pytest.raises(QuantSplitError, match=r"blk\.0\.ffn_down_exps\.weight \(Q8_0\): --tp-size 2 .*cuts.*--ep-size"):
+        f.check_tp_split(2)
+    f.check_tp_split(2, ep_size=2)  # expert parallel: each rank holds whole experts, nothing is cut
+    GGUFFile(_moe_split_file(str(tmp_path / "moe128.gguf"), inter=128)).check_tp_split(2)  # 64 per rank: fine

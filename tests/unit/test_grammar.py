@@ -15,10 +15,10 @@ import torch
 from tokenloom.entrypoints.openai.protocol import CompletionRequest
 from tokenloom.entrypoints.openai.serving_base import grammar_params
 from tokenloom.grammar.compiler import GrammarCompiler
-from tokenloom.grammar.mask import allocate_bitmask, allowed_tokens, apply_bitmask, apply_bitmask_torch
+from tokenloom.grammar.mask import allocate_bitmask, allowed_tokens, apply_bitmask
 from tokenloom.grammar.spec import GrammarError, GrammarSpec, spec_from_params, validate_spec
 from tokenloom.kernels import cpu_ops
-from tokenloom.layers.sampler import Sampler
+from tokenloom.layers.sampler import Sampler, apply_grammar_mask
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_params import SamplingParams
 
@@ -45,10 +45,10 @@ def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_torch], ids=["native", "torch"])
+@pytest.mark.parametrize("apply", [apply_grammar_mask, apply_bitmask], ids=["native", "torch"])
 @pytest.mark.parametrize("width", [VOCAB, VOCAB + 40, VOCAB - 7])  # logits wider / narrower than the grammar's
 def test_mask_matches_a_bit_by_bit_reference_torch_and_native(width, apply):
-    if apply is apply_bitmask:
+    if apply is apply_grammar_mask:
         assert cpu_ops.available(torch.zeros(1)), "the native kernels must build on this machine"
     mask = _random_bitmask(3, VOCAB, seed=1)
     expected = _reference_allowed(mask, width)
@@ -73,7 +73,7 @@ def test_mask_matches_a_bit_by_bit_reference_torch_and_native(width, apply):
 def test_native_mask_refuses_rows_outside_the_logits():
     mask = _random_bitmask(2, VOCAB, seed=2)
     with pytest.raises(IndexError):
-        apply_bitmask(torch.randn(3, VOCAB), mask, torch.tensor([0, 3]))
+        apply_grammar_mask(torch.randn(3, VOCAB), mask, torch.tensor([0, 3]))
 
 
 def _info(params: list[SamplingParams], mask: torch.Tensor, rows: list[int], **kw) -> SamplingBatchInfo:

@@ -78,7 +78,7 @@ class RuntimeLauncher:
                  startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         check_parallel_fits(args, source.config)
         if source.gguf is not None and source.quantization == "gguf" and args.tp_size > 1:
-            source.gguf.check_tp_split(args.tp_size)
+            source.gguf.check_tp_split(args.tp_size, args.moe_ep_size)
         self.args = args
         self.source = source
         self.addresses = addresses

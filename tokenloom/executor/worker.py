@@ -97,6 +97,8 @@ class ModelWorker:
         self.token_table = TokenTable(runner.memory.req_to_token_pool.req_to_token.shape[0], runner.device)
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
         self.vocab_size = runner.vocab_size  # the grammar backends index this many token ids
+        # LongRoPE: prompts longer than this are computed with the long factors (the prefix cache keeps them apart)
+        self.long_rope_after = runner.model_config.long_rope_after()
 
     # --- scheduler side ------------------------------------------------------------------------------
     @property

@@ -5,8 +5,9 @@ allowed, the layout both backends fill), applied to float32 logits.
 the bitmask as bytes and looks each byte up in a 256 x 8 table of its bits (one gather, little-endian: bit t
 of a word is bit t % 8 of its byte t // 8), about 10x cheaper than shifting every bit out; columns past the
 bitmask's width (logits wider than the vocabulary the grammar knows: padded LM heads) are disallowed too.
-On the CPU the native kernel (kernels/cpu_ops.apply_token_bitmask) does the same in one pass over the masked
-rows without unpacking: ~10x cheaper again at a batch of 64 over a 49k vocabulary.
+On the CPU the sampler uses the native kernel instead (kernels/cpu_ops.apply_token_bitmask, the same result in
+one pass over the masked rows without unpacking, ~10x cheaper at a batch of 64 over a 49k vocabulary); this
+torch expression is its reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import sys
 
 import torch
-
-from tokenloom.kernels import cpu_ops
 
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: bits of each byte value
 assert sys.byteorder == "little", "the byte view of the int32 bitmask assumes little-endian words"
@@ -39,12 +38,6 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Set `logits[rows[i], t]` to -inf where row i of `bitmask` disallows token t (in place). `rows`: the
     logits rows the bitmask rows belong to (None: all rows, in order)."""
-    if not cpu_ops.apply_token_bitmask(logits, bitmask, rows):
-        apply_bitmask_torch(logits, bitmask, rows)
-
-
-def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """`apply_bitmask` in torch ops (any device or dtype; the native kernel's reference)."""
     allowed = allowed_tokens(bitmask, logits.shape[1])
     if rows is None or (rows.numel() == logits.shape[0] and bool((rows == torch.arange(rows.numel())).all())):
         logits.masked_fill_(~allowed, float("-inf"))

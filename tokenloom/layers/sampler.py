@@ -40,6 +40,13 @@ class SampleOutput:
     top_logprob_ids: torch.Tensor | None = None  # [B, K] int64
 
 
+def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """-inf into the float32 logits the grammar bitmask disallows (grammar/mask.py), in place; the native
+    kernel on the CPU, the torch expression elsewhere."""
+    if not cpu_ops.apply_token_bitmask(logits, bitmask, rows):
+        apply_bitmask(logits, bitmask, rows)
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of [B, V] float32 logits; the native kernel on the CPU gives the same index."""
     if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0 and cpu_ops.available(logits):
@@ -55,7 +62,7 @@ class Sampler:
         if info.grammar_bitmask is not None:
             if logits.dtype != torch.float32:
                 logits = logits.float()
-            apply_bitmask(logits, info.grammar_bitmask, info.grammar_rows)
+            apply_grammar_mask(logits, info.grammar_bitmask, info.grammar_rows)
         raw = logits
         logits = apply_logit_processors(logits.float(), info)
         next_ids = greedy_argmax(logits) if info.all_greedy else self._sample(logits, info)

@@ -303,21 +303,25 @@ class GGUFFile:
             qm = qm.permute_rows(unpermute_qk(torch.arange(qm.rows), heads))
         return qm
 
-    def check_tp_split(self, tp_size: int) -> None:
-        """Refuse, before any rank loads, a --tp-size whose row-parallel split (o_proj, down_proj: input
-        features) of a kept-quantized tensor would cut a block; the rank's own load raises the same."""
+    def check_tp_split(self, tp_size: int, ep_size: int = 1) -> None:
+        """Refuse, before any rank loads, a --tp-size whose row-parallel split (input features) of a
+        kept-quantized tensor would cut a block; the rank's own load raises the same. Split that way: o_proj,
+        down_proj, a shared expert's down_proj, and the routed experts' down_proj (each rank a slice of every
+        expert) unless expert parallelism (`ep_size` > 1) gives each rank whole experts."""
+        split = {"attn_output", "ffn_down", "ffn_down_shexp"} | ({"ffn_down_exps"} if ep_size == 1 else set())
         for t in self.reader.tensors:
             m = _BLOCK_RE.match(t.name)
             qtype = int(t.tensor_type)
-            if not m or m.group(2) not in ("attn_output", "ffn_down") or qtype not in QUANT_TYPES:
+            if not m or m.group(2) not in split or qtype not in QUANT_TYPES:
                 continue
             cols, block = int(t.shape[0]), QUANT_TYPES[qtype][1]
             if cols % tp_size or (cols // tp_size) % block:
+                hint = " or give each rank whole experts (--ep-size)" if m.group(2) == "ffn_down_exps" else ""
                 raise QuantSplitError(
                     f"{self.path}: tensor {t.name} ({type_name(qtype)}): --tp-size {tp_size} splits its {cols} "
                     f"input features into shards of {cols / tp_size:g}, which cuts its {block}-element "
-                    f"{type_name(qtype)} blocks; choose a tp-size that divides {cols // block} blocks, or run "
-                    "with --quantization none (weights dequantized to --dtype at load)")
+                    f"{type_name(qtype)} blocks; choose a tp-size that divides {cols // block} blocks{hint}, or "
+                    "run with --quantization none (weights dequantized to --dtype at load)")
 
     def _hf_name(self, name: str) -> str:
         if name in _GLOBAL_NAMES:

@@ -46,7 +46,8 @@ class OutputProcessor:
         still uses them (then processing that batch's results releases it)."""
         if req.req_pool_idx is None or req.inflight > 0 or self.held(req):
             return
-        self.tree_cache.cache_finished(req.req_pool_idx, req.all_ids(), req.kv_len, req.prefix_len, req.last_node)
+        self.tree_cache.cache_finished(req.req_pool_idx, req.cache_key(req.all_ids()), req.kv_len, req.prefix_len,
+                                       req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 
@@ -56,7 +57,7 @@ class OutputProcessor:
         if req.kv_len <= req.prefix_len:
             return
         req.prefix_indices, req.last_node = self.tree_cache.cache_unfinished(
-            req.req_pool_idx, req.all_ids()[: req.kv_len], req.prefix_len, req.last_node)
+            req.req_pool_idx, req.cache_key(req.all_ids()[: req.kv_len]), req.prefix_len, req.last_node)
 
     # --- results -----------------------------------------------------------------------------------
     def process_extend(self, batch: ScheduleBatch, out: ForwardOutput) -> list[Req]:

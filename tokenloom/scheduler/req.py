@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
 
 
+LONG_FACTOR_KEYS = 1 << 32  # Req.cache_namespace of prompts computed with LongRoPE's long factors
+
+
 class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
                  input_text: str | None = None, stream: bool = False, return_logprob: bool = False,
@@ -89,10 +92,21 @@ class Req:
         # Constrained decoding: the grammar matcher (grammar/backends.py `Matcher`) once compiled; it follows
         # `output_ids` and is advanced on the forward side right after each sampling (executor/worker.py).
         self.grammar: Any = None
+        # The prefix cache's key space (`cache_key`): 0, or LONG_FACTOR_KEYS for a LongRoPE model's prompt
+        # longer than its original length, whose every token's KV is computed with the long factors and so must
+        # never be shared with (matched by, or matching) KV computed with the short ones. Set on arrival.
+        self.cache_namespace = 0
 
     # --- token views -------------------------------------------------------------------------------
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def cache_key(self, ids: list[int]) -> list[int]:
+        """`ids` as the prefix cache keys them: shifted into this request's namespace (token ids are below
+        2**31, namespaces are multiples of 2**32, so two namespaces share no key)."""
+        if not self.cache_namespace:
+            return ids
+        return [t + self.cache_namespace for t in ids]
 
     @property
     def prefix_len(self) -> int:
@@ -124,7 +138,7 @@ class Req:
             limit = len(self.fill_ids) - 1
             if self.wants_input_logprobs:
                 limit = min(limit, self.logprob_start_len)
-            result = match_prefix(self.fill_ids[:limit])
+            result = match_prefix(self.cache_key(self.fill_ids[:limit]))
             self.prefix_indices, self.last_node = result.indices, result.last_node
         self.extend_input_len = len(self.fill_ids) - self.prefix_len
 

@@ -73,7 +73,7 @@ from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
 from tokenloom.scheduler.prefill_adder import AddResult, PrefillAdder
 from tokenloom.scheduler.profiler import TraceProfiler
-from tokenloom.scheduler.req import Req
+from tokenloom.scheduler.req import LONG_FACTOR_KEYS, Req
 from tokenloom.scheduler.request_port import RequestPort, UnifiedPort
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
 from tokenloom.scheduler.stats import NewTokenRatio, StepStats
@@ -125,6 +125,7 @@ class Scheduler:
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.stats = StepStats(args.decode_log_interval)
         self.eos_token_ids = worker.eos_token_ids
+        self.long_rope_after: int | None = getattr(worker, "long_rope_after", None)
         self.ranks_agree = ranks_agree
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
@@ -175,6 +176,8 @@ class Scheduler:
                   logprob_start_len=tr.logprob_start_len, token_ids_logprob=tr.token_ids_logprob,
                   arrival_time=tr.arrival_time,
                   eos_token_ids=self.eos_token_ids, bootstrap=tr.bootstrap)
+        if self.long_rope_after is not None and len(req.origin_input_ids) > self.long_rope_after:
+            req.cache_namespace = LONG_FACTOR_KEYS  # its KV is computed with the long factors (req.py)
         error = self._validate(req)
         if error is not None:
             req.abort(*error)
