@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/structured_output.py             # SmolLM2 (bf16), 64 requests, 3 rounds
     .venv/bin/python bench/structured_output.py --quick     # 1 round
+    .venv/bin/python bench/structured_output.py --jump-forward   # jump-forward on vs off (issue 32)
 
 One engine (the default SmolLM2, overlap on) serves both workloads alternately, round after round. The schema
 asks for a fixed-size array of short strings, so every constrained answer has about as many tokens as the
@@ -14,6 +15,12 @@ matchers mid-answer + apply the mask to [64, vocab] float32 logits + accept one 
 share of the unconstrained decode step; and the compile time of a schema corpus, cold (a new backend) and
 cached (the `GrammarCompiler` cache), for xgrammar and llguidance. CPU times (time.thread_time) for the
 in-process figures. The last line is one JSON object.
+
+`--jump-forward`: two engines (SmolLM2 bf16, overlap on), `--enable-jump-forward` off and on, serve the same
+requests for a record schema of seven fixed keys (enums, bounded strings and integers) in alternating order,
+round after round; reported per engine (medians of the rounds): wall seconds, output tokens per second,
+requests per second, decode steps and forced tokens. Jump-forward tokenizes forced text itself, so the two
+engines' token counts may differ: requests per second (the same requests) is the like-for-like figure.
 """
 
 from __future__ import annotations
@@ -59,6 +66,17 @@ CORPUS = [
      "required": ["address"]},
 ]
 VOCAB = 49152
+JUMP_SCHEMA = {"type": "object", "properties": {
+    "customer_name": {"type": "string", "maxLength": 16},
+    "customer_email_address": {"type": "string", "maxLength": 24},
+    "shipping_country": {"enum": ["France", "Germany", "Japan", "United States"]},
+    "order_priority_level": {"enum": ["low", "normal", "urgent"]},
+    "number_of_items": {"type": "integer", "minimum": 1, "maximum": 99},
+    "gift_wrapping_requested": {"type": "boolean"},
+    "delivery_instructions": {"type": "string", "maxLength": 24}},
+    "required": ["customer_name", "customer_email_address", "shipping_country", "order_priority_level",
+                 "number_of_items", "gift_wrapping_requested", "delivery_instructions"],
+    "additionalProperties": False}
 
 
 def run(engine: Engine, prompts: list[str], params: dict) -> dict:
@@ -134,14 +152,60 @@ def compile_times(backend_name: str, tokenizer) -> dict:
             "cached_us_mean": 1e6 * cached}
 
 
+def jump_forward(ns: argparse.Namespace, rounds: int) -> dict:
+    """Jump-forward off vs on: the same schema requests on two engines, alternating, medians of `rounds`."""
+    prompts = [f"Write the order record of customer number {i} as JSON." for i in range(ns.num_prompts)]
+    params = {"json_schema": json.dumps(JUMP_SCHEMA), "temperature": 0, "max_new_tokens": 256}
+    engines = {name: Engine(dtype="bfloat16", log_level="warning", max_running_requests=ns.num_prompts,
+                            overlap_schedule="on", enable_jump_forward=name == "on") for name in ("off", "on")}
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    try:
+        for engine in engines.values():
+            engine.generate(prompts[:8], sampling_params=params)  # warm-up + compile (cached after)
+        for r in range(rounds):
+            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                engine = engines[name]
+                before = engine.get_server_info()
+                res = run(engine, prompts, params)
+                after = engine.get_server_info()
+                for text in res.pop("texts"):
+                    json.loads(text)  # every answer parses
+                res["wall_s"] = res["tokens"] / res["output_tok_s"]
+                res["req_s"] = ns.num_prompts / res["wall_s"]
+                res["decode_steps"] = after["decode_steps"] - before["decode_steps"]
+                forced = "num_jump_forward_tokens"
+                res["forced_tokens"] = after.get(forced, 0) - before.get(forced, 0)
+                runs[name].append(res)
+                print(f"round {r + 1} jump-forward {name:>3}: {res['output_tok_s']:7.1f} tok/s, {res['req_s']:.2f} "
+                      f"req/s, {res['tokens']} tokens ({res['forced_tokens']} forced), {res['decode_steps']} decode "
+                      f"steps", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    med = statistics.median
+    summary = {name: {k: med(x[k] for x in v) for k in ("output_tok_s", "req_s", "wall_s", "tokens",
+                                                         "decode_steps", "forced_tokens")}
+               for name, v in runs.items()}
+    return {"bench": "structured_output_jump_forward", "num_prompts": ns.num_prompts, "rounds": rounds,
+            "serving": summary, "req_s_ratio_on_off": summary["on"]["req_s"] / summary["off"]["req_s"],
+            "output_tok_s_ratio_on_off": summary["on"]["output_tok_s"] / summary["off"]["output_tok_s"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64, help="unconstrained max_new_tokens (ignore_eos)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--jump-forward", action="store_true", help="measure --enable-jump-forward off vs on instead")
     ns = p.parse_args()
     rounds = 1 if ns.quick else ns.rounds
+    if ns.jump_forward:
+        report = jump_forward(ns, rounds)
+        print(f"jump-forward on / off: requests/s x{report['req_s_ratio_on_off']:.3f}, output tokens/s "
+              f"x{report['output_tok_s_ratio_on_off']:.3f}")
+        print(json.dumps(report))
+        return
     tokenizer = load_tokenizer(resolve_model_source(ServerArgs()))
     report: dict = {"bench": "structured_output", "num_prompts": ns.num_prompts, "rounds": rounds,
                     "threads": torch.get_num_threads()}

@@ -173,6 +173,13 @@ class ServerArgs:
                                  "SGLang compatibility and refused at start.", GRAMMAR_BACKENDS)
     grammar_compile_timeout: float = _flag(60.0, "Seconds a request waits for its grammar to compile before it "
                                            "ends with an error (other requests never wait for a compile).")
+    enable_jump_forward: bool = _flag(False, "Jump-forward decoding for grammar requests: where the grammar "
+                                      "admits one continuation (JSON keys, ':', closing braces) its tokens are "
+                                      "emitted without sampling and computed in one extend step instead of one "
+                                      "decode step each. Opt-in: the forced text is tokenized by the grammar "
+                                      "backend, not chosen by the model, so outputs may differ from decoding "
+                                      "without it; requests with logprobs are not jumped. Unified server only "
+                                      "(refused with --pp-size > 1, --tp-size > 1 or --disaggregation-mode).")
     # Prefill/decode disaggregation (tokenloom/disaggregation/)
     disaggregation_mode: str = _flag("null", "null (a unified server), prefill or decode: one half of a "
                                      "disaggregated pair that SGLang's router drives (sglang_router.launch_router "
@@ -310,6 +317,8 @@ class ServerArgs:
                               "llguidance")
         if not self.grammar_compile_timeout > 0:
             raise ConfigError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
+        if self.enable_jump_forward:
+            self._validate_jump_forward()
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1; got {self.num_threads}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
@@ -378,6 +387,16 @@ class ServerArgs:
                 parse_dist_init_addr(self.dist_init_addr)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+    def _validate_jump_forward(self) -> None:
+        """Jump-forward is implemented for one rank's scheduler on a unified server (scheduler/jump_forward.py)."""
+        unsupported = [(self.pp_size > 1, f"--pp-size {self.pp_size}"), (self.tp_size > 1, f"--tp-size {self.tp_size}"),
+                       (self.disaggregation_mode != "null", f"--disaggregation-mode {self.disaggregation_mode}"),
+                       (self.grammar_backend == "none", "--grammar-backend none")]
+        for bad, flag in unsupported:
+            if bad:
+                raise ConfigError(f"--enable-jump-forward is not supported with {flag}: jump-forward runs on a "
+                                  "unified, single-rank server with a grammar backend (xgrammar or llguidance)")
 
     def _validate_disaggregation(self) -> None:
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:

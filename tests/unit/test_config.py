@@ -409,6 +409,7 @@ EFFECT_TESTS = {
     "enable_ep_moe": "tests/e2e/test_moe_server.py",
     "grammar_backend": "tests/unit/test_grammar.py",
     "grammar_compile_timeout": "tests/unit/test_grammar.py",
+    "enable_jump_forward": "tests/integration/test_jump_forward.py",
 }
 
 

@@ -15,6 +15,14 @@ them on different threads:
 An extend step in which some request wants prompt logprobs computes the extra logits rows its `LogitPlan`
 (executor/prompt_logprobs.py) lists, for that request only; sampling reads each request's last row as usual.
 
+Jump-forward (`jump_forward`, --enable-jump-forward; the scheduler's side is scheduler/jump_forward.py): after a
+constrained row accepts its sampled token, `sample` asks its matcher for the tokens the grammar forces next
+(at most the row's `jump_rooms` entry: what max_new_tokens leaves), accepts them and reports them
+(`ForwardOutput.forced`); the matcher is then `jump_pending` until an extend step of that request samples
+again (the scheduler's extend of the forced tokens). A decode step that reaches a pending matcher was
+launched before the scheduler knew of the jump (overlap): its row is void (no mask, no accept; the scheduler
+discards its token, and the KV it wrote is that of the jumping request's last sampled token, kept).
+
 A request whose previous token is not processed yet (`req.pending_tokens` > 0) has that token counted as
 generated: its `output_lens` entry includes it and, when penalties apply, it is added to its counts on the
 forward side, so overlapped and normal scheduling sample identically. After a decode step's sampling the
@@ -59,6 +67,10 @@ class ForwardOutput:
     finish_candidates: list[int] | None = None
     # Rows whose grammar accepted its end with this token (the request stops), when any has a grammar.
     grammar_finished: set[int] | None = None
+    # Jump-forward: per row, the tokens the grammar forces after the sampled one (accepted by its matcher).
+    forced: dict[int, list[int]] | None = None
+    # Rows whose grammar ended with their last forced token (llguidance stops where only EOS may follow).
+    forced_finished: set[int] | None = None
     # Seconds spent in the model forward and in sampling (+ copying results out).
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -87,6 +99,7 @@ class PreparedStep:
     logit_plan: LogitPlan | None = None  # extra logits rows for prompt logprobs
     token_ids: list[list[int] | None] | None = None  # per request its token_ids_logprob, when any asks
     grammars: list | None = None  # per request its grammar matcher (None: unconstrained row), when any has one
+    jump_rooms: list[int] | None = None  # jump-forward: per request the most forced tokens it may take
 
 
 class ModelWorker:
@@ -97,6 +110,7 @@ class ModelWorker:
         self.token_table = TokenTable(runner.memory.req_to_token_pool.req_to_token.shape[0], runner.device)
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=runner.device)
         self.vocab_size = runner.vocab_size  # the grammar backends index this many token ids
+        self.jump_forward = False  # --enable-jump-forward (set by the scheduler)
         # LongRoPE: prompts longer than this are computed with the long factors (the prefix cache keeps them apart)
         self.long_rope_after = runner.model_config.long_rope_after()
 
@@ -145,7 +159,12 @@ class ModelWorker:
             extend = fb.forward_mode.is_extend()
             grammars = [None if r.finished or (extend and len(r.fill_ids) < len(r.origin_input_ids) + len(r.output_ids))
                         else r.grammar for r in reqs]
-        return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids, grammars)
+        rooms = None
+        if grammars is not None and self.jump_forward:  # no jump for logprob requests (forced tokens have none)
+            rooms = [0 if g is None or r.return_logprob
+                     else _room(r.sampling_params.max_new_tokens, len(r.output_ids) + r.pending_tokens)
+                     for g, r in zip(grammars, reqs, strict=True)]
+        return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids, grammars, rooms)
 
     # --- forward side --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,11 +213,21 @@ class ModelWorker:
         self.token_table.write(torch.tensor(rows, dtype=torch.int64, device=self.device),
                                torch.tensor(token_ids, dtype=torch.int64, device=self.device))
 
-    def _fill_grammar_masks(self, grammars: list, info: SamplingBatchInfo) -> None:
+    def _fill_grammar_masks(self, grammars: list, info: SamplingBatchInfo, decode: bool) -> None:
         """The token masks of the step's constrained rows, from their matchers' current state: every token
         before this step was accepted by the steps before it on this (forward) side, in step order, so the
-        mask follows the previous step's token even when the scheduler has not processed it yet (overlap)."""
-        rows = [i for i, m in enumerate(grammars) if m is not None and not m.is_terminated()]
+        mask follows the previous step's token even when the scheduler has not processed it yet (overlap).
+        A decode row whose matcher is `jump_pending` is void (no mask); an extend row ends the pending state
+        (the extend computes the forced tokens, and its token follows them)."""
+        rows = []
+        for i, m in enumerate(grammars):
+            if m is None or m.is_terminated():
+                continue
+            if m.jump_pending:
+                if decode:
+                    continue
+                m.jump_pending = False
+            rows.append(i)
         if not rows:
             return
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
@@ -208,17 +237,40 @@ class ModelWorker:
         info.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     @staticmethod
-    def _accept_grammar_tokens(grammars: list, next_token_ids: list[int]) -> set[int]:
-        """Advance each constrained row's matcher by its sampled token; the rows whose grammar then ended.
-        A token the matcher refuses (it cannot happen through the mask) also ends the row, rather than
-        letting the request run on unconstrained."""
-        done = set()
+    def _accept_grammar_tokens(grammars: list, next_token_ids: list[int], rooms: list[int] | None,
+                               out: ForwardOutput) -> None:
+        """Advance each constrained row's matcher by its sampled token; `out.grammar_finished`: the rows whose
+        grammar then ended. A token the matcher refuses (it cannot happen through the mask) also ends the row,
+        rather than letting the request run on unconstrained. With `rooms` (jump-forward), a row that goes on
+        also accepts the tokens its grammar forces next (at most its room) and reports them in `out.forced`;
+        void rows (`jump_pending` decode rows) accept nothing. `out.forced_finished`: the rows whose grammar
+        ended with their last forced token (no extend follows: the request stops there)."""
+        done: set[int] = set()
+        forced: dict[int, list[int]] = {}
+        forced_done: set[int] = set()
         for i, m in enumerate(grammars):
-            if m is None or m.is_terminated():
+            if m is None or m.is_terminated() or m.jump_pending:
                 continue
             if not m.accept(next_token_ids[i]) or m.is_terminated():
                 done.add(i)
-        return done
+                continue
+            if rooms is None or rooms[i] <= 0:
+                continue
+            tokens = m.forced_tokens()[: rooms[i]]
+            taken = 0
+            for token in tokens:  # the backend's tokens are checked by its own matcher, token by token
+                if not m.accept(token):
+                    break
+                taken += 1
+            if taken:
+                forced[i] = tokens[:taken]
+                if m.is_terminated():
+                    forced_done.add(i)
+                else:
+                    m.jump_pending = True
+        out.grammar_finished = done
+        out.forced = forced or None
+        out.forced_finished = forced_done or None
 
     @torch.inference_mode()
     def sample(self, step: PreparedStep, forwarded: ForwardResult) -> ForwardOutput:
@@ -229,7 +281,7 @@ class ModelWorker:
         start = time.perf_counter()
         fb, info, logits = step.forward_batch, step.sampling, forwarded.logits
         if step.grammars is not None:
-            self._fill_grammar_masks(step.grammars, info)
+            self._fill_grammar_masks(step.grammars, info, fb.forward_mode.is_decode())
         sample = self.runner.sample(logits, info)
         if info.output_counts is not None and fb.forward_mode.is_decode():  # carried to the next step
             rows = torch.arange(sample.next_token_ids.numel(), device=sample.next_token_ids.device)
@@ -241,7 +293,7 @@ class ModelWorker:
         if fb.forward_mode.is_decode():  # extend results check every row (chunks discard their token)
             out.finish_candidates = info.finish_candidates(sample.next_token_ids, self.eos_ids)
         if step.grammars is not None:
-            out.grammar_finished = self._accept_grammar_tokens(step.grammars, out.next_token_ids)
+            self._accept_grammar_tokens(step.grammars, out.next_token_ids, step.jump_rooms, out)
             if out.finish_candidates is not None and out.grammar_finished:
                 out.finish_candidates = sorted(set(out.finish_candidates) | out.grammar_finished)
         if step.want_logprob:
@@ -251,3 +303,8 @@ class ModelWorker:
                 out.top_logprobs = [list(zip(v, i, strict=True)) for v, i in zip(values, ids, strict=True)]
         out.forward_s, out.sample_s = forwarded.forward_s, time.perf_counter() - start
         return out
+
+
+def _room(max_new_tokens: int | None, generated: int) -> int:
+    """Forced tokens a request may take after the token this step samples (its `generated`-th + 1)."""
+    return (1 << 30) if max_new_tokens is None else max_new_tokens - generated - 1

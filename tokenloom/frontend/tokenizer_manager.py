@@ -104,6 +104,30 @@ class RuntimeProcesses(Protocol):
         """Stop every process still running (`clean`: a deliberate shutdown, not a failure); idempotent."""
 
 
+class _TokenizerLoad:
+    """`load_tokenizer` on a thread of its own, started at construction; `result()` waits for it and returns the
+    tokenizer or raises what loading raised."""
+
+    def __init__(self, source: ModelSource, tokenizer_path: str | None) -> None:
+        self._outcome: list[Any] = []
+        self._thread = threading.Thread(target=self._load, args=(source, tokenizer_path),
+                                        name="tokenloom-tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, source: ModelSource, tokenizer_path: str | None) -> None:
+        try:
+            self._outcome.append(load_tokenizer(source, tokenizer_path))
+        except BaseException as e:  # noqa: BLE001 - handed to result()'s caller
+            self._outcome.append(e)
+
+    def result(self) -> Any:
+        self._thread.join()
+        (outcome,) = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
 class TokenizerManager:
     def __init__(self, args: ServerArgs, source: ModelSource, addresses: IpcAddresses,
                  runtime: RuntimeProcesses) -> None:
@@ -111,12 +135,10 @@ class TokenizerManager:
         start, what started is stopped and the error raised."""
         self.args = args
         self.source = source
-        self.tokenizer = load_tokenizer(self.source, args.tokenizer_path)
-        if args.chat_template:
-            self.tokenizer.chat_template = read_chat_template(args.chat_template)
+        # The tokenizer loads (seconds of CPU: transformers' imports) while the children start, not before them.
+        loading = _TokenizerLoad(source, args.tokenizer_path)
         self.context_len = self.source.config.context_length
         self.vocab_size = self.source.config.vocab_size
-        self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
         # tokenizing (and chat templates) run here, off the HTTP event loop (the tokenizer releases the GIL)
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-tokenize")
         self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()  # specs that parsed (tokenize thread)
@@ -136,6 +158,14 @@ class TokenizerManager:
         self.last_output_time = 0.0  # time.monotonic() of the last output from the runtime
         self.metrics = ServingMetrics()  # /metrics (frontend/request_metrics.py)
         self._launch()
+        try:
+            self.tokenizer = loading.result()
+            if args.chat_template:
+                self.tokenizer.chat_template = read_chat_template(args.chat_template)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
         self._thread = threading.Thread(target=self._receive_loop, name="tokenloom-receiver", daemon=True)
         self._thread.start()
 
@@ -143,7 +173,7 @@ class TokenizerManager:
     def _launch(self) -> None:
         try:
             self.scheduler_info = self.runtime.start()
-        except Exception:
+        except BaseException:
             self.shutdown()
             raise
 

@@ -4,7 +4,16 @@ compiled grammar, `new_matcher(compiled)` -> a per-request `Matcher`.
 A `Matcher` follows one request's output: `fill(bitmask, row)` writes the tokens allowed next into row `row`
 of a packed int32 bitmask (bit t of word t // 32 set: token t allowed), `accept(token)` advances it,
 `is_terminated()` says the grammar accepted its end (the stop token was accepted), `rollback(n)` undoes the
-last n accepted tokens. A matcher is used by one thread at a time (the forward side; see executor/worker.py).
+last n accepted tokens, `forced_tokens()` lists the tokens the grammar forces next (jump-forward decoding,
+`--enable-jump-forward`: scheduler/jump_forward.py) without changing the matcher. A matcher is used by one
+thread at a time (the forward side; see executor/worker.py). `jump_pending` is the forward side's mark of a
+matcher that accepted forced tokens whose extend has not run yet (executor/worker.py).
+
+Forced tokens: both backends tokenize the forced text themselves (greedy longest match over the vocabulary,
+never a stop or special token) and hold back a last token that is a strict prefix of a longer token (the
+model may still pick the longer one: mlc-ai/mlc-llm#2551), so the tokens may differ from what the tokenizer's
+own encoding or the model would have chosen; xgrammar: `find_jump_forward_tokens` (0.2.9), llguidance:
+`compute_ff_tokens`.
 
 The stop tokens are the server's EOS ids (the model's generation config, not only the tokenizer's): a
 grammar allows them exactly where its language may end, so EOS can only end a complete answer.
@@ -38,6 +47,10 @@ class Matcher(Protocol):
 
     def rollback(self, n: int) -> None: ...
 
+    def forced_tokens(self) -> list[int]: ...
+
+    jump_pending: bool
+
 
 class GrammarBackend(Protocol):
     name: str
@@ -48,10 +61,11 @@ class GrammarBackend(Protocol):
 
 
 class XGrammarMatcher:
-    __slots__ = ("m",)
+    __slots__ = ("m", "jump_pending")
 
     def __init__(self, matcher: Any) -> None:
         self.m = matcher
+        self.jump_pending = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
@@ -64,6 +78,9 @@ class XGrammarMatcher:
 
     def rollback(self, n: int) -> None:
         self.m.rollback(n)
+
+    def forced_tokens(self) -> list[int]:
+        return list(self.m.find_jump_forward_tokens())
 
 
 class XGrammarBackend:
@@ -96,12 +113,13 @@ class XGrammarBackend:
 
 
 class LLGuidanceMatcher:
-    __slots__ = ("m", "_fill")
+    __slots__ = ("m", "_fill", "jump_pending")
 
     def __init__(self, matcher: Any) -> None:
         from llguidance.torch import fill_next_token_bitmask
 
         self.m = matcher
+        self.jump_pending = False
         self._fill = fill_next_token_bitmask
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -115,6 +133,9 @@ class LLGuidanceMatcher:
 
     def rollback(self, n: int) -> None:
         self.m.rollback(n)
+
+    def forced_tokens(self) -> list[int]:
+        return list(self.m.compute_ff_tokens())
 
 
 class LLGuidanceBackend:

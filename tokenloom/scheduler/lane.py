@@ -13,6 +13,8 @@ A lane owns:
 - `sampling`: the worker's sampling state for the lane's batches (`ModelWorker.new_lane_state`, a
   `SamplingRows`; None on a pipeline stage that does not sample), which carries penalty counts from one step
   of the lane to its next;
+- `jumping`: its requests whose output ends with forced tokens (jump-forward, scheduler/jump_forward.py)
+  that wait for the extend step computing them; they hold their row and KV and count as admitted;
 - `launched`: the batches it launched whose results are not processed yet, oldest first. Results are
   processed in launch order (`Scheduler.process_batch_result` checks it).
 """
@@ -36,20 +38,21 @@ class Lane:
     running: list[Req] = field(default_factory=list)
     last_decode: ScheduleBatch | None = None
     launched: deque[ScheduleBatch] = field(default_factory=deque)
+    jumping: list[Req] = field(default_factory=list)
 
     def admitted(self) -> int:
         """Requests counted against the caps: running ones and those its launched prefills will add (a
         request in a non-final chunk counts too, conservatively)."""
         joining = sum(1 for b in self.launched if b.forward_mode.is_extend() for r in b.reqs if not r.finished)
-        return len(self.running) + joining
+        return len(self.running) + len(self.jumping) + joining
 
     def requests(self) -> Iterator[Req]:
-        """Every request the lane holds: running, then those of its launched batches (deduplicated)."""
+        """Every request the lane holds: running, jumping, then those of its launched batches (deduplicated)."""
         seen: set[int] = set()
-        for req in (*self.running, *(r for b in self.launched for r in b.reqs)):
+        for req in (*self.running, *self.jumping, *(r for b in self.launched for r in b.reqs)):
             if id(req) not in seen:
                 seen.add(id(req))
                 yield req
 
     def is_empty(self) -> bool:
-        return not self.running and not self.launched
+        return not self.running and not self.jumping and not self.launched

@@ -10,6 +10,13 @@ every request takes its token and may finish. A finished request's KV goes to th
 is freed as soon as no launched batch uses them; with the overlap scheduler a request that finished in batch
 k may ride batch k+1 (planned before k's tokens were known): its token there is discarded and its KV
 released when k+1's results arrive.
+
+Jump-forward (scheduler/jump_forward.py): a row with forced tokens (`ForwardOutput.forced`) appends them after
+its sampled token, one at a time with the stop checks (a stop string or max_new_tokens inside them ends the
+request there; the rest are dropped); a request that goes on is marked `forced_pending` and handed back to the
+scheduler in `jumped` (it waits for the extend of those tokens) instead of running; one whose grammar ended
+with them (`forced_finished`) stops. A decode row of a `forced_pending` request is void: its token is
+discarded.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.send = send
         self.stream_interval = stream_interval
+        self.jumped: list[Req] = []  # requests that took forced tokens in the batch just processed
+        self.forced_tokens = 0  # forced tokens appended so far (internal_state: num_jump_forward_tokens)
+        self.void_rows = 0  # decode rows discarded because their request was jumping (overlap)
 
     # --- memory ------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
@@ -82,11 +92,13 @@ class OutputProcessor:
                     self.release(req)
                     continue
             self.append_token(req, i, out)
+            self.append_forced(req, i, out)
             if req.finished:
                 self.release(req)
             else:
                 self.cache_progress(req)
-                to_run.append(req)
+                if not req.forced_pending:
+                    to_run.append(req)
         self.emit(batch.reqs)
         return to_run
 
@@ -98,7 +110,11 @@ class OutputProcessor:
             if req.finished:  # aborted, or finished in the batch before (overlap): this token is discarded
                 self.release(req)
                 continue
+            if req.forced_pending:  # void row: launched before its jump was known (overlap)
+                self.void_rows += 1
+                continue
             self.append_token(req, i, out, check is None or i in check)
+            self.append_forced(req, i, out)
             if req.finished:
                 self.release(req)
             elif self.tree_cache.sliding_window:  # its oldest in-window token just left the window
@@ -126,6 +142,27 @@ class OutputProcessor:
         req.check_finished(tail)
         if not req.finished and out.grammar_finished and i in out.grammar_finished:
             req.finished_reason = finish_stop(out.next_token_ids[i])  # the grammar's answer is complete
+
+    def append_forced(self, req: Req, i: int, out: ForwardOutput) -> None:
+        """Append row `i`'s forced tokens (jump-forward) to a request that goes on after its sampled token, each
+        with the stop checks; if it still goes on, it is `forced_pending` and listed in `jumped`."""
+        if req.finished or out.forced is None or i not in out.forced:
+            return
+        tail = None
+        if req.sampling_params.stop:
+            def tail(n: int, r: Req = req) -> str:
+                return self.tokenizer.decode(r.output_ids[-n:], skip_special_tokens=False)
+        for token in out.forced[i]:
+            req.output_ids.append(token)
+            self.forced_tokens += 1
+            req.check_finished(tail)
+            if req.finished:
+                return
+        if out.forced_finished and i in out.forced_finished:  # the grammar's answer is complete
+            req.finished_reason = finish_stop(req.output_ids[-1])
+            return
+        req.forced_pending = True
+        self.jumped.append(req)
 
     # --- streaming ---------------------------------------------------------------------------------
     def emit(self, reqs: list[Req]) -> None:

@@ -92,6 +92,9 @@ class Req:
         # Constrained decoding: the grammar matcher (grammar/backends.py `Matcher`) once compiled; it follows
         # `output_ids` and is advanced on the forward side right after each sampling (executor/worker.py).
         self.grammar: Any = None
+        # Jump-forward (scheduler/jump_forward.py): its output ends with forced tokens that have no KV yet; it
+        # waits in its lane's `jumping` list for the extend that computes them (decode rows of it are void).
+        self.forced_pending = False
         # The prefix cache's key space (`cache_key`): 0, or LONG_FACTOR_KEYS for a LongRoPE model's prompt
         # longer than its original length, whose every token's KV is computed with the long factors and so must
         # never be shared with (matched by, or matching) KV computed with the short ones. Set on arrival.

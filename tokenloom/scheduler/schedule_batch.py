@@ -98,6 +98,27 @@ class BatchMemory:
                              input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
                              req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
 
+    def prepare_for_jump(self, reqs: list[Req]) -> ScheduleBatch:
+        """An extend of requests that hold their row and the KV of their first `kv_len` tokens by the rest of
+        their tokens (jump-forward, scheduler/jump_forward.py: the forced tokens, after the last sampled token
+        when no decode step computed it), over their own KV as prefix (not a cache match)."""
+        device = self.device
+        for req in reqs:
+            req.fill_ids = req.all_ids()
+            req.extend_input_len = len(req.fill_ids) - req.kv_len
+        prefix = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+        seq = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64, device=device)
+        row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
+        slots = self._alloc_extend(row_t, prefix, seq)
+        if slots is None:
+            raise KVCacheOOM(f"KV pool cannot hold a jump-forward extend of {int((seq - prefix).sum())} tokens")
+        ids = [t for r in reqs for t in r.fill_ids[r.kv_len:]]
+        for req in reqs:
+            req.kv_len = len(req.fill_ids)
+        return ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.EXTEND,
+                             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+                             req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
+
     def _alloc_extend(self, rows: torch.Tensor, prefix: torch.Tensor, seq: torch.Tensor) -> torch.Tensor | None:
         """Slots for positions prefix[i]..seq[i]-1 of each row, evicting from the prefix cache first when the
         allocator is short (None: the pool cannot hold them even then)."""

@@ -42,7 +42,6 @@ sizes, queues and a running hash of its sampled tokens).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +67,7 @@ from tokenloom.protocol import (
 from tokenloom.sampling.stopping import cap_new_tokens, new_token_room
 from tokenloom.scheduler.grammar_queue import GrammarQueue
 from tokenloom.scheduler.interfaces import NO_LOOP, LoopControl, PreparedStepLike, SchedulerWorker
+from tokenloom.scheduler.jump_forward import JumpForward
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
 from tokenloom.scheduler.policy import order_waiting_queue, uncached_head
@@ -76,6 +76,7 @@ from tokenloom.scheduler.profiler import TraceProfiler
 from tokenloom.scheduler.req import LONG_FACTOR_KEYS, Req
 from tokenloom.scheduler.request_port import RequestPort, UnifiedPort
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
+from tokenloom.scheduler.state_report import scheduler_state
 from tokenloom.scheduler.stats import NewTokenRatio, StepStats
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,10 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(
             lambda: make_backend(args.grammar_backend, tokenizer, vocab_size, tuple(self.eos_token_ids)),
             args.grammar_compile_timeout)
+        # --enable-jump-forward (scheduler/jump_forward.py): the worker finds the forced tokens, lanes extend them
+        self.jump = JumpForward(self.memory) if args.enable_jump_forward else None
+        if self.jump is not None:
+            worker.jump_forward = True
 
     def set_port(self, port: RequestPort) -> None:
         """Make `port` decide how requests enter and leave (a prefill or decode server's side of
@@ -146,8 +151,9 @@ class Scheduler:
 
     @property
     def running(self) -> list[Req]:
-        """Every lane's running requests (a new list; lanes own them)."""
-        return [r for lane in self.lanes for r in lane.running]
+        """Every lane's running requests, with those waiting for a jump-forward extend (a new list; lanes own
+        them)."""
+        return [r for lane in self.lanes for r in (*lane.running, *lane.jumping)]
 
     # --- inputs --------------------------------------------------------------------------------------
     def handle(self, msg: Any, loop: LoopControl = NO_LOOP) -> None:
@@ -242,11 +248,12 @@ class Scheduler:
             self._finish_aborted(req, message, status)
             return
         for lane in self.lanes:
-            for req in lane.running:
-                if req.rid == rid:
-                    lane.running.remove(req)
-                    self._finish_aborted(req, message, status)
-                    return
+            for held in (lane.running, lane.jumping):
+                for req in held:
+                    if req.rid == rid:
+                        held.remove(req)
+                        self._finish_aborted(req, message, status)
+                        return
         for req in self.prefilling.values():
             if req.rid == rid and not req.finished:  # processing its prefill's result releases it
                 self._finish_aborted(req, message, status)
@@ -267,7 +274,9 @@ class Scheduler:
         self.port.before_schedule(lane)
         if len(self.grammar_queue) and not self.grammar_queue.lockstep:
             self._admit_grammar_requests()
-        batch = self._get_new_batch_prefill(lane)
+        batch = self.jump.next_batch(lane, self._requeue) if self.jump is not None and lane.jumping else None
+        if batch is None:
+            batch = self._get_new_batch_prefill(lane)
         if batch is not None:
             lane.last_decode = None
             return batch
@@ -407,11 +416,23 @@ class Scheduler:
             retracted.append(req)
         if not retracted:
             return fits
+        self._requeue_front(retracted)
+        return fits
+
+    def _requeue(self, req: Req) -> None:
+        """Re-queue a settled request holding a row (a jumping one the KV pool cannot extend) as retracted: its
+        KV is freed and its prompt and outputs are recomputed when it is admitted again."""
+        self.num_retracted += 1
+        self.tree_cache.release_unfinished(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_for_retract()
+        self._requeue_front([req])
+
+    def _requeue_front(self, retracted: list[Req]) -> None:
         self.waiting_queue[:0] = reversed(retracted)  # retracted requests go first, oldest first
         self.ratio.after_retract(self.running)
         logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                        len(retracted), self.ratio.value)
-        return fits
 
     # --- running ------------------------------------------------------------------------------------
     def launch(self, batch: ScheduleBatch, lane: Lane | None = None) -> PreparedStepLike:
@@ -452,7 +473,10 @@ class Scheduler:
         else:
             self.output.process_decode(batch, out)
             self.stats.on_decode(batch, len(self.waiting_queue), self.tree_cache, self.max_total_num_tokens)
-        lane.running = [r for r in lane.running if not r.finished]
+        lane.running = [r for r in lane.running if not r.finished and not r.forced_pending]
+        if self.output.jumped:  # jump-forward: they wait for the extend of their forced tokens
+            lane.jumping.extend(self.output.jumped)
+            self.output.jumped.clear()
         if self.ranks_agree is not None:  # ints hash alike in every process (no hash seed)
             self.token_digest = hash((self.token_digest, tuple(r.output_ids[-1] if r.output_ids else -1
                                                                 for r in batch.reqs)))
@@ -551,33 +575,4 @@ class Scheduler:
 
     def internal_state(self, loop_info: dict[str, Any] | None = None) -> dict[str, Any]:
         """The scheduler's state (pools, queues, counters), with the driving loop's `loop_info` merged in."""
-        free = self.allocator.full_available_size()  # == available_size() but for a sliding-window pool
-        used = self.max_total_num_tokens - free - self.tree_cache.evictable_size()
-        agree = {}
-        if self.ranks_agree is not None:  # every rank's pools, queues and sampled tokens equal rank 0's
-            agree["tp_ranks_agree"] = self.ranks_agree(
-                (self.allocator.available_size(), self.tree_cache.evictable_size(),
-                 self.req_to_token_pool.available_size(), [r.rid for r in self.running],
-                 [r.rid for r in self.waiting_queue], self.token_digest))
-        return {
-            **agree,
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "max_req_input_len": self.max_req_input_len,
-            "max_running_requests": self.max_running_requests,
-            "available_kv_tokens": free,
-            "evictable_kv_tokens": self.tree_cache.evictable_size(),
-            "kv_tokens_in_use": used,
-            "free_request_slots": self.req_to_token_pool.available_size(),
-            **({"swa_max_total_num_tokens": self.allocator.swa_size,  # a sliding-window pool's sliding-layer slots
-                "swa_available_kv_tokens": self.allocator.swa_size - self.allocator.swa_in_use()}
-               if hasattr(self.allocator, "swa_size") else {}),
-            "num_running_reqs": len(self.running) + len(self._in_flight_prefills()),
-            "num_waiting_reqs": len(self.waiting_queue),
-            "num_retracted_reqs": self.num_retracted,
-            "last_gen_throughput": self.stats.last_gen_throughput,
-            "cache_hit_rate": self.stats.cache_hit_rate(),
-            **self.port.info(),
-            **self.grammar_queue.info(),
-            **(loop_info or {}),
-            "time": time.time(),
-        }
+        return scheduler_state(self, loop_info)
