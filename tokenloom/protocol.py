@@ -9,7 +9,9 @@ Control messages (`AbortRequest`, `FlushCacheRequest`, `GetInternalStateRequest`
 `StopProfileRequest`) travel engine → scheduler (every rank, the way requests do); their replies travel
 scheduler → detokenizer → engine unchanged (the entry rank's only). `TransferEvent`s (prefill/decode
 disaggregation) travel from the entry rank's transfer agent into its own scheduler inbox, then the path
-requests take to every rank, so all ranks act on them at the same iteration.
+requests take to every rank, so all ranks act on them at the same iteration. `GrammarDecision`s (TP, PP) are
+the entry rank's own: it appends them to the message list it shares, so every rank admits or refuses a request
+that waited for its grammar at the same iteration.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class TransferEvent:
     kind: str
     detail: str = ""
     data: Any = None  # "bootstrapped": the prefill server's layout (its bootstrap answer), the same for every rank
+
+
+@dataclass
+class GrammarDecision:
+    """Entry rank → every rank of a TP/PP server, in the shared message list (scheduler/grammar_sync.py): the
+    requests whose grammar compiled on the entry rank (`ready`: every rank admits them, each with its own
+    compile of the same grammar) and those refused (`failed`: (rid, reason), a failed compile or
+    --grammar-compile-timeout; a 400 on every rank)."""
+
+    ready: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

@@ -51,8 +51,9 @@ PORT_RETRIES = 3  # restarts of a server whose free port was taken before it bou
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, module: str = "tokenloom.launch_server") -> None:
-        self.flags, self.module = flags, module
+    def __init__(self, *flags: str, module: str = "tokenloom.launch_server", env: dict[str, str] | None = None) -> None:
+        """`env`: variables added to this process's environment for the server (test hooks)."""
+        self.flags, self.module, self.env = flags, module, env
         self.port_retries = PORT_RETRIES
         self._start()
 
@@ -68,7 +69,8 @@ class ServerProcess:
             cmd += ["--max-total-tokens", TEST_POOL_TOKENS]
         if "--log-level" not in self.flags:
             cmd += ["--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **self.env} if self.env else None)
 
     def _lost_its_port(self) -> bool:
         """The server exited because its HTTP port, free when picked, was bound by someone else meanwhile (many

@@ -1,5 +1,5 @@
 """Structured output, forced tool calls and reasoning under pipeline parallelism and in a prefill/decode pair,
-end to end with the real `openai` client:
+end to end with the real `openai` client (and a slow grammar under TP and PP):
 - `--pp-size 2`: the last stage samples under the grammar's mask and advances the matchers; stage 0 applies the
   outputs (a grammar's end included) it receives;
 - a PD pair (mooncake) behind SGLang's router: the prefill server samples the first token under the grammar,
@@ -12,7 +12,12 @@ choice of words, so a decode side that restarted its grammar (or ran without one
 token would fail the full match. Bad grammars are 400s naming the problem, and every pool ends full (each PP
 stage's; the prefill and the decode server's, with no queue or transfer record left).
 
-The three servers start together (module scope); the tool-calling template is test_tool_calls.py's
+A grammar slow to compile stalls no other request under `--tp-size 2` or `--pp-size 2` (issue 32: the entry
+rank decides when it is let in, scheduler/grammar_sync.py): the TP and PP servers run with the compiler's
+test hook (TOKENLOOM_TEST_SLOW_GRAMMAR, grammar/compiler.py) holding every compile of `SLOW_REGEX` for
+`SLOW_S` seconds on every rank, while an unconstrained stream's tokens must keep arriving.
+
+The four servers start together (module scope); the tool-calling template is test_tool_calls.py's
 (`--chat-template`).
 """
 
@@ -20,6 +25,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -35,25 +43,29 @@ jsonschema = pytest.importorskip("jsonschema")
 FLAGS = (*TINY_FLAGS, "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
 TARGETS = ["pp", "pd"]
 YES_NO = r"(yes|no): [a-z]{2,6}( [a-z]{2,6}){0,2}\."
+SLOW_S = 3.0  # how long each rank's compile of SLOW_REGEX sleeps (the test hook)
+SLOW_REGEX = r"(slowgrammar )?(yes|no): [a-z]{2,6}( [a-z]{2,6}){0,2}\."  # the hook matches "slowgrammar"
+SLOW_ENV = {"TOKENLOOM_TEST_SLOW_GRAMMAR": f"{SLOW_S}:slowgrammar"}
 REASONING = r"<think>\n[a-z]{2,6}( [a-z]{2,6}){1,3}\n</think>\n\n[A-Z][a-z]{2,6}( [a-z]{2,6}){0,3}\."
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_runtime_model, template_file, request):  # noqa: F811 (template_file: the fixture imported above)
-    """{"pp", "pd", "unified"}: base URLs, and the servers (pp, prefill, decode)."""
+    """{"pp", "pd", "tp", "unified"}: base URLs, and the servers (pp, prefill, decode, tp)."""
     bootstrap = free_port()
     flags = ("--model-path", tiny_runtime_model, "--chat-template", template_file, *FLAGS)
-    pp = ServerProcess(*flags, "--pp-size", "2")
+    pp = ServerProcess(*flags, "--pp-size", "2", env=SLOW_ENV)
+    tp = ServerProcess(*flags, "--tp-size", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", env=SLOW_ENV)
     prefill = ServerProcess(*flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                             str(bootstrap))
     decode = ServerProcess(*flags, "--disaggregation-mode", "decode")
-    servers, router = (pp, prefill, decode), None
+    servers, router = (pp, prefill, decode, tp), None
     try:
         unified = request.getfixturevalue("tiny_server")  # (while the three start)
         for server in servers:
             server.wait_healthy(timeout=900)
         router = Router(prefill, bootstrap, decode).wait_ready()
-        yield {"pp": pp.url, "pd": router.url, "unified": unified.url}, servers
+        yield {"pp": pp.url, "pd": router.url, "tp": tp.url, "unified": unified.url}, servers
     finally:
         if router is not None:
             router.stop()
@@ -141,7 +153,7 @@ def test_forced_tool_calls_and_reasoning(stack, target):
 def test_bad_grammars_are_400s_and_every_pool_ends_full(stack, target):
     import openai
 
-    urls, (pp, prefill, decode) = stack
+    urls, (pp, prefill, decode, _) = stack
     status, body = http("POST", urls[target] + "/generate", {"text": "x", "sampling_params": {"regex": "a("}})
     assert status == 400 and "invalid regex" in json.dumps(body), (status, body)
     with _client(urls[target]) as oai, pytest.raises(openai.BadRequestError, match="required must be an array"):
@@ -155,3 +167,54 @@ def test_bad_grammars_are_400s_and_every_pool_ends_full(stack, target):
     else:
         _assert_idle_and_full(prefill)
         _assert_idle_and_full(decode)
+
+
+def _stream_times(url: str, started: threading.Event, stop: threading.Event, times: list[float]) -> None:
+    """Stream a long unconstrained /generate, appending each event's arrival time, until `stop`; then drop the
+    connection (the server aborts the request)."""
+    body = {"text": "Once upon a time", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6000, "ignore_eos": True}}
+    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            if raw.startswith(b"data:") and raw.strip() != b"data: [DONE]":
+                times.append(time.monotonic())
+                started.set()
+            if stop.is_set():
+                break
+
+
+@pytest.mark.parametrize("target", ["tp", "pp"])
+def test_a_slow_grammar_compile_stalls_no_other_request(stack, target):
+    """While every rank's compile of SLOW_REGEX sleeps SLOW_S seconds, an unconstrained stream's tokens keep
+    arriving (its largest gap stays far below SLOW_S); then the constrained request is served, its greedy
+    answer the unified server's, every rank agreeing and every pool full."""
+    urls, (pp, _, _, tp) = stack
+    want = _generate(urls["unified"], "Answer:", regex=SLOW_REGEX, temperature=0, max_new_tokens=40)
+    times: list[float] = []
+    started, stop = threading.Event(), threading.Event()
+    streamer = threading.Thread(target=_stream_times, args=(urls[target], started, stop, times), daemon=True)
+    streamer.start()
+    try:
+        assert started.wait(60), "the stream never started"
+        start = time.monotonic()
+        got = _generate(urls[target], "Answer:", regex=SLOW_REGEX, temperature=0, max_new_tokens=40)
+        end = time.monotonic()
+    finally:
+        stop.set()
+        streamer.join(60)
+    assert end - start >= SLOW_S, "the grammar was not held in compilation (the test hook)"
+    during = [t for t in times if start <= t <= start + SLOW_S]
+    gaps = [b - a for a, b in zip([start, *during], [*during, start + SLOW_S], strict=True)]
+    print(f"{target}: {len(during)} stream events in the {SLOW_S:g} s compile, largest gap {max(gaps):.3f} s")
+    assert len(during) >= 10 and max(gaps) < SLOW_S / 3, (len(during), max(gaps))
+    assert got["text"] == want["text"] and re.fullmatch(SLOW_REGEX, got["text"]), (got["text"], want["text"])
+    assert got["meta_info"]["finish_reason"]["type"] == "stop", got["meta_info"]
+    server = tp if target == "tp" else pp
+    info = server.wait_idle_and_pool_full()
+    if target == "tp":
+        assert info["tp_ranks_agree"] is True
+    else:
+        assert all(s["available_kv_tokens"] + s["evictable_kv_tokens"] == s["max_total_num_tokens"]
+                   for s in info["pp_stages"]), info["pp_stages"]

@@ -251,7 +251,7 @@ def test_grammar_compile_timeout_ends_only_the_slow_request():
         failed += f
     release.set()
     assert [r.rid for r in ready] == ["fast"] and fast.grammar == "fast"
-    assert [(r.rid, "--grammar-compile-timeout" in why) for r, why in failed] == [("slow", True)]
+    assert [(r.rid, "--grammar-compile-timeout" in why, status) for r, why, status in failed] == [("slow", True, 400)]
 
 
 @pytest.mark.parametrize("backend, body, message", [

@@ -6,6 +6,9 @@
   so every rank schedules within the smallest pool). `world_cpu_group`, before the event loop starts.
 - `all_equal`: whether every rank holds the same small value (a step's batch composition): a cheap
   consistency check for tests and a debug flag.
+- `all_gather_pyobj`: every rank's Python object, on every rank of the world (the ranks that could not compile
+  a grammar the entry rank admitted, scheduler/grammar_sync.py). `world_cpu_group`, on the scheduling thread,
+  where every rank handles the same message.
 
 None of these touch the compute group (`tp_group`): with the overlap scheduler the forward thread's
 all-reduces run on it concurrently with these, and a group carries one ordered stream of collectives per
@@ -90,3 +93,14 @@ def all_equal(value: object, ctx: ParallelContext, *, across: Literal["tp", "wor
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     return all(int(g.item()) == int(mine.item()) for g in gathered)
+
+
+def all_gather_pyobj(obj: T, ctx: ParallelContext) -> list[T]:
+    """Every rank's `obj` (picklable), indexed by global rank, on every rank of the world; over
+    `world_cpu_group`. Called on the scheduling thread while handling a message every rank handles at the
+    same iteration (under PP that waits for every stage to reach it, as a state report does)."""
+    if ctx.world_size == 1:
+        return [obj]
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, obj, group=ctx.world_cpu_group)
+    return gathered

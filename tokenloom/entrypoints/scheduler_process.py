@@ -16,6 +16,8 @@ At tp_size > 1 (launched by `tokenloom/entrypoints/launcher.py`, one process per
 At pp_size > 1 each stage loads only its layers (`pp_partition.stage_layers`) and holds KV for them only;
 every stage runs a `PipelineLoop` (scheduler/pipeline_loop.py) with pp_size + --pp-async-batch-depth lanes;
 only stage 0 reads requests (its TP ranks through the broadcast inbox) and passes them down the stages.
+With either, the entry rank alone decides when a request waiting for its grammar is let in or refused, and
+its decisions join the messages it shares (scheduler/grammar_sync.py).
 
 A hung peer: collectives wait at most --dist-timeout (default 300 s); a rank whose collective failed names
 the peers whose heartbeat stopped (distributed/heartbeat.py) in its error. A hung forward on this rank (a
@@ -89,7 +91,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     import zmq
 
     from tokenloom.device import resolve_device
-    from tokenloom.distributed.comm import all_equal, min_reduce_ints
+    from tokenloom.distributed.comm import all_equal, all_gather_pyobj, min_reduce_ints
     from tokenloom.distributed.groups import init_distributed
     from tokenloom.distributed.heartbeat import Heartbeat, name_silent_peers
     from tokenloom.distributed.pp_partition import partition_from_env, stage_layers
@@ -98,6 +100,7 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
     from tokenloom.frontend.process_utils import child_process_setup, report_failure
     from tokenloom.ipc import Receiver, Sender
     from tokenloom.models.loader import resolve_model_source
+    from tokenloom.scheduler.grammar_sync import lockstep_grammar
     from tokenloom.scheduler.loops import make_event_loop
     from tokenloom.scheduler.profiler import TraceProfiler
     from tokenloom.scheduler.rank_report import rank_report
@@ -143,6 +146,8 @@ def run_scheduler_process(args: ServerArgs, addresses: Any, ready: Any, rank: in
                               ranks_agree=agree, num_lanes=lanes,
                               trace_profiler=TraceProfiler(parallel.tp_rank, parallel.pp_rank, parallel.pp_size))
         inbox: Any = Receiver(ctx, addresses.scheduler) if parallel.is_entry else None
+        if world > 1:  # the entry rank decides when a request with a grammar gets in; every rank follows
+            inbox = lockstep_grammar(scheduler, inbox, parallel.is_entry, lambda obj: all_gather_pyobj(obj, parallel))
         if parallel.tp_size > 1 and parallel.is_first_stage:  # later stages get requests from the previous one
             inbox = BroadcastInbox(inbox, parallel)
         if args.disaggregation_mode != "null":  # a prefill or decode server's rank (disaggregation/rank_setup.py)

@@ -9,10 +9,15 @@ the cache holds at most `max_entries` specs, least recently used evicted first.
 The scheduler polls the futures of the requests that wait for their grammar (scheduler/grammar_queue.py);
 a request whose grammar is not ready within the compile timeout is ended with an error, while its compile
 may go on in the background (its result then serves the next request with that grammar).
+
+Test hook (tests/e2e only; not reachable by clients, who cannot set a server's environment):
+`TOKENLOOM_TEST_SLOW_GRAMMAR="SECONDS:TEXT"` makes each compile of a grammar whose text contains TEXT sleep
+SECONDS first, so a test can hold one grammar in compilation while other requests run.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +27,23 @@ from typing import Any
 
 from tokenloom.grammar.backends import GrammarBackend, Matcher
 from tokenloom.grammar.spec import GrammarSpec
+
+SLOW_GRAMMAR_ENV = "TOKENLOOM_TEST_SLOW_GRAMMAR"
+
+
+def slow_grammar_hook(value: str | None) -> tuple[float, str] | None:
+    """(seconds, text) of `SLOW_GRAMMAR_ENV`'s "SECONDS:TEXT", or None when unset."""
+    if not value:
+        return None
+    seconds, sep, text = value.partition(":")
+    try:
+        delay = float(seconds)
+    except ValueError:
+        delay = -1.0
+    if not sep or not text or not delay >= 0:
+        raise ValueError(f"{SLOW_GRAMMAR_ENV} must be SECONDS:TEXT (a delay >= 0 and a non-empty text), "
+                         f"got {value!r}")
+    return delay, text
 
 
 class GrammarCompiler:
@@ -37,6 +59,7 @@ class GrammarCompiler:
         self.hits = 0
         self.misses = 0
         self.compile_s = 0.0  # seconds spent compiling (cold compiles only)
+        self._slow = slow_grammar_hook(os.environ.get(SLOW_GRAMMAR_ENV))  # the test hook (module docstring)
 
     def submit(self, spec: GrammarSpec) -> Future:
         with self._lock:
@@ -57,6 +80,8 @@ class GrammarCompiler:
             self.backend = self._make_backend()
         start = time.perf_counter()
         try:
+            if self._slow is not None and self._slow[1] in spec.text:
+                time.sleep(self._slow[0])
             return self.backend.compile(spec)
         finally:
             self.compile_s += time.perf_counter() - start

@@ -19,8 +19,8 @@ dropped: every request ends with a finish reason sent to the detokenizer.
 
 The KV memory (request table, allocator, prefix cache) is the rank's `KVMemory`, handed in by the rank's
 entry, which hands the same object to the model runner; the scheduler is the only one that allocates, frees,
-caches or evicts in it. The worker is reached only through `SchedulerWorker` (prepare, execute, its EOS
-ids, its device), so scheduling runs against a fake worker in unit tests
+caches or evicts in it. The worker is reached only through `SchedulerWorker` (scheduler/interfaces.py:
+prepare, execute, its EOS ids, its device), so scheduling runs against a fake worker in unit tests
 (tests/unit/test_scheduler_fake_runner.py).
 
 How requests enter and leave is the request port's (scheduler/request_port.py): `UnifiedPort` on a unified
@@ -42,9 +42,8 @@ sizes, queues and a running hash of its sampled tokens).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -57,6 +56,7 @@ from tokenloom.protocol import (
     FlushCacheReply,
     FlushCacheRequest,
     GetInternalStateRequest,
+    GrammarDecision,
     InternalStateReply,
     RequestAccepted,
     StartProfileRequest,
@@ -66,6 +66,7 @@ from tokenloom.protocol import (
 )
 from tokenloom.sampling.stopping import cap_new_tokens, new_token_room
 from tokenloom.scheduler.grammar_queue import GrammarQueue
+from tokenloom.scheduler.interfaces import NO_LOOP, LoopControl, PreparedStepLike, SchedulerWorker
 from tokenloom.scheduler.jump_forward import JumpForward
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.output_processor import OutputProcessor
@@ -75,65 +76,10 @@ from tokenloom.scheduler.profiler import TraceProfiler
 from tokenloom.scheduler.req import LONG_FACTOR_KEYS, Req
 from tokenloom.scheduler.request_port import RequestPort, UnifiedPort
 from tokenloom.scheduler.schedule_batch import BatchMemory, ScheduleBatch
+from tokenloom.scheduler.state_report import scheduler_state
 from tokenloom.scheduler.stats import NewTokenRatio, StepStats
 
 logger = logging.getLogger(__name__)
-
-
-class LoopControl(Protocol):
-    """What the scheduler may ask of the event loop driving it (loops.py), passed with each call."""
-
-    def settle(self, lane: Lane) -> None:
-        """Process every launched batch of `lane` whose result is pending (a no-op when none can be)."""
-
-    def settle_all(self) -> None:
-        """Process every launched batch whose result is pending (a no-op when none can be)."""
-
-    def info(self) -> dict[str, Any]:
-        """The loop's own state for `internal_state` (overlap mode, step profile, counters)."""
-
-
-class NoLoop:
-    """The control of a scheduler driven without a loop (tests stepping it by hand): nothing is in flight."""
-
-    def settle(self, lane: Lane) -> None:
-        pass
-
-    def settle_all(self) -> None:
-        pass
-
-    def info(self) -> dict[str, Any]:
-        return {}
-
-
-NO_LOOP = NoLoop()
-
-
-class PreparedStepLike(Protocol):
-    """What `prepare` returns and `execute` takes; opaque to the scheduler."""
-
-
-class SchedulerWorker(Protocol):
-    """What the scheduler and its event loops use of the worker (`executor.worker.ModelWorker`, or a fake).
-
-    `prepare(batch, lane_state)` runs on the scheduler's thread: it records the batch's KV slots in the request
-    table (`lane_state`: the lane's `new_lane_state()`, its sampling state); `execute(step)` runs on the forward
-    side, reads a decode step's inputs from its token table by request row and returns the sampled tokens.
-    Neither allocates or frees KV memory. `device` is where the forwards run (the overlap loop's forward thread
-    makes its stream for it). `write_tokens` (only for requests a request port starts: `start_running`) makes
-    tokens that came from elsewhere the newest of their rows, without a forward.
-    """
-
-    eos_token_ids: tuple[int, ...]
-    device: torch.device
-
-    def new_lane_state(self) -> Any: ...
-
-    def prepare(self, batch: ScheduleBatch, lane_state: Any) -> PreparedStepLike: ...
-
-    def execute(self, step: Any) -> ForwardOutput: ...
-
-    def write_tokens(self, rows: list[int], token_ids: list[int]) -> None: ...
 
 
 class Scheduler:
@@ -185,14 +131,13 @@ class Scheduler:
         self.num_retracted = 0  # requests retracted so far (reported in internal_state)
         self.token_digest = 0  # with ranks_agree: a running hash of every token sampled, compared across ranks
         self.trace_profiler = trace_profiler or TraceProfiler()
-        # Requests waiting for their grammar to compile (scheduler/grammar_queue.py). With several ranks
-        # (TP, PP) every rank must admit them at the same round, so there each round waits for the compiles
-        # of the requests that arrived (deterministic; a compile slower than the timeout is the exception).
+        # Requests waiting for their grammar to compile (scheduler/grammar_queue.py). With several ranks (TP,
+        # PP) the entry rank decides when each is admitted or refused and every rank follows its
+        # `GrammarDecision` messages (scheduler/grammar_sync.py); a single rank polls its own queue.
         vocab_size = getattr(worker, "vocab_size", None)
         self.grammar_queue = GrammarQueue(
             lambda: make_backend(args.grammar_backend, tokenizer, vocab_size, tuple(self.eos_token_ids)),
             args.grammar_compile_timeout)
-        self._grammar_in_lockstep = ranks_agree is not None or args.pp_size > 1
         # --enable-jump-forward (scheduler/jump_forward.py): the worker finds the forced tokens, lanes extend them
         self.jump = JumpForward(self.memory) if args.enable_jump_forward else None
         if self.jump is not None:
@@ -218,6 +163,8 @@ class Scheduler:
             self.abort_request(msg.rid, msg.message)
         elif isinstance(msg, TransferEvent):
             self.port.on_event(msg)
+        elif isinstance(msg, GrammarDecision):
+            self._admit_grammar_requests(msg)
         elif isinstance(msg, FlushCacheRequest):
             loop.settle_all()
             self.send(self.flush_cache())
@@ -325,7 +272,7 @@ class Scheduler:
         decode step of the lane's running requests."""
         lane = lane or self.lanes[0]
         self.port.before_schedule(lane)
-        if len(self.grammar_queue):
+        if len(self.grammar_queue) and not self.grammar_queue.lockstep:
             self._admit_grammar_requests()
         batch = self.jump.next_batch(lane, self._requeue) if self.jump is not None and lane.jumping else None
         if batch is None:
@@ -340,14 +287,21 @@ class Scheduler:
             return batch
         return None
 
-    def _admit_grammar_requests(self) -> None:
-        """Move requests whose grammar compiled to the waiting queue; end those whose compile failed."""
-        idle = not self.waiting_queue and self.chunked_req is None and all(not lane.running for lane in self.lanes)
-        ready, failed = self.grammar_queue.poll(idle=idle, block=self._grammar_in_lockstep)
+    def has_nothing_to_run(self) -> bool:
+        """No request waits, is chunked or runs (requests waiting for their grammar aside)."""
+        return not self.waiting_queue and self.chunked_req is None and all(not lane.running for lane in self.lanes)
+
+    def _admit_grammar_requests(self, decision: GrammarDecision | None = None) -> None:
+        """Let in requests whose grammar compiled (the port or the waiting queue); end those whose compile
+        failed. A single rank polls its queue; ranks in lockstep follow the entry rank's `decision`."""
+        if decision is None:
+            ready, failed = self.grammar_queue.poll(idle=self.has_nothing_to_run())
+        else:
+            ready, failed = self.grammar_queue.follow(decision)
         for req in ready:
             self._enter(req)
-        for req, reason in failed:
-            self._refuse(req, reason, 400)
+        for req, reason, status in failed:
+            self._refuse(req, reason, status)
 
     def _in_flight_prefills(self) -> list[Req]:
         """Requests of launched prefill batches that will start decoding when processed (not yet running)."""
@@ -621,34 +575,4 @@ class Scheduler:
 
     def internal_state(self, loop_info: dict[str, Any] | None = None) -> dict[str, Any]:
         """The scheduler's state (pools, queues, counters), with the driving loop's `loop_info` merged in."""
-        free = self.allocator.full_available_size()  # == available_size() but for a sliding-window pool
-        used = self.max_total_num_tokens - free - self.tree_cache.evictable_size()
-        agree = {}
-        if self.ranks_agree is not None:  # every rank's pools, queues and sampled tokens equal rank 0's
-            agree["tp_ranks_agree"] = self.ranks_agree(
-                (self.allocator.available_size(), self.tree_cache.evictable_size(),
-                 self.req_to_token_pool.available_size(), [r.rid for r in self.running],
-                 [r.rid for r in self.waiting_queue], self.token_digest))
-        return {
-            **agree,
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "max_req_input_len": self.max_req_input_len,
-            "max_running_requests": self.max_running_requests,
-            "available_kv_tokens": free,
-            "evictable_kv_tokens": self.tree_cache.evictable_size(),
-            "kv_tokens_in_use": used,
-            "free_request_slots": self.req_to_token_pool.available_size(),
-            **({"swa_max_total_num_tokens": self.allocator.swa_size,  # a sliding-window pool's sliding-layer slots
-                "swa_available_kv_tokens": self.allocator.swa_size - self.allocator.swa_in_use()}
-               if hasattr(self.allocator, "swa_size") else {}),
-            "num_running_reqs": len(self.running) + len(self._in_flight_prefills()),
-            "num_waiting_reqs": len(self.waiting_queue),
-            "num_retracted_reqs": self.num_retracted,
-            "last_gen_throughput": self.stats.last_gen_throughput,
-            "cache_hit_rate": self.stats.cache_hit_rate(),
-            **self.port.info(),
-            **self.grammar_queue.info(),
-            **(self.jump.info(self.output.forced_tokens, self.output.void_rows) if self.jump is not None else {}),
-            **(loop_info or {}),
-            "time": time.time(),
-        }
+        return scheduler_state(self, loop_info)
