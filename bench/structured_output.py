@@ -5,9 +5,9 @@
     .venv/bin/python bench/structured_output.py --jump-forward   # jump-forward on vs off (issue 32)
 
 One engine (the default SmolLM2, overlap on) serves both workloads alternately, round after round. The schema
-asks for a fixed-size array of short strings, so every constrained answer has about as many tokens as the
-unconstrained one (which runs to the same max_new_tokens with ignore_eos); both report output tokens per
-second of wall time and the mean decode-step period from the loop's counters, side by side (ratios: the
+asks for a fixed-size array of short strings; the unconstrained requests run (ignore_eos) to the constrained
+answers' mean length, measured at warm-up (`--output-len` overrides it), so both decode as many tokens;
+both report output tokens per second of wall time and the mean decode-step period from the loop's counters, side by side (ratios: the
 machine is shared).
 
 Also measured in this process, on the same vocabulary: the mask's cost per decode step at batch 64 (fill 64
@@ -194,7 +194,9 @@ def jump_forward(ns: argparse.Namespace, rounds: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64, help="unconstrained max_new_tokens (ignore_eos)")
+    p.add_argument("--output-len", type=int, default=0,
+                   help="unconstrained max_new_tokens (ignore_eos); 0: the constrained answers' mean length, "
+                        "measured at warm-up, so both workloads decode as many tokens")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--jump-forward", action="store_true", help="measure --enable-jump-forward off vs on instead")
@@ -217,9 +219,11 @@ def main() -> None:
     try:
         prompts = [f"List twelve short words about topic number {i}, as JSON." for i in range(ns.num_prompts)]
         constrained = {"json_schema": json.dumps(BENCH_SCHEMA), "temperature": 0, "max_new_tokens": 256}
-        free = {"temperature": 0, "max_new_tokens": ns.output_len, "ignore_eos": True}
-        engine.generate(prompts[:8], sampling_params={**free, "max_new_tokens": 8})  # warm-up
-        engine.generate(prompts[:8], sampling_params=constrained)  # warm-up + compile (cached after)
+        engine.generate(prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 8})  # warm-up
+        warm = run(engine, prompts, constrained)  # warm-up + compile (cached after) + the answers' length
+        output_len = ns.output_len or round(warm["tokens"] / ns.num_prompts)
+        report["unconstrained_output_len"] = output_len
+        free = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
         runs = {"json_schema": [], "unconstrained": []}
         for r in range(rounds):
             for name in (("json_schema", "unconstrained") if r % 2 == 0 else ("unconstrained", "json_schema")):
