@@ -7,8 +7,8 @@
 One engine (the default SmolLM2, overlap on) serves both workloads alternately, round after round. The schema
 asks for a fixed-size array of short strings; the unconstrained requests run (ignore_eos) to the constrained
 answers' mean length, measured at warm-up (`--output-len` overrides it), so both decode as many tokens;
-both report output tokens per second of wall time and the mean decode-step period from the loop's counters, side by side (ratios: the
-machine is shared).
+both report output tokens per second of wall time and the mean decode-step period from the loop's counters,
+side by side (ratios: the machine is shared).
 
 Also measured in this process, on the same vocabulary: the mask's cost per decode step at batch 64 (fill 64
 matchers mid-answer + apply the mask to [64, vocab] float32 logits + accept one token each), reported as a
