@@ -54,10 +54,11 @@ def make_hf_model(variant: str, folder: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0, **overrides: Any) -> str:
+def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0, chat_template: str | None = None,
+                                     **overrides: Any) -> str:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer saved beside it, so the full runtime
-    (tokenizer, detokenizer, stop strings) runs in seconds. `overrides`: LlamaConfig fields (e.g.
-    num_key_value_heads)."""
+    (tokenizer, detokenizer, stop strings) runs in seconds; `chat_template` replaces SmolLM2's in the saved
+    tokenizer. `overrides`: LlamaConfig fields (e.g. num_key_value_heads)."""
     import transformers
 
     from tokenloom.config import ServerArgs
@@ -72,5 +73,7 @@ def make_tiny_with_smollm2_tokenizer(folder: str, seed: int = 0, **overrides: An
     model = transformers.LlamaForCausalLM(config).eval()
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
+    if chat_template:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
     return folder

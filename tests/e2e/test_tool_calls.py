@@ -12,14 +12,12 @@ Reasoning is forced with a regex (SGLang's `regex` extra) in the shape `<think>.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from tests.e2e.server_process import ServerProcess
-
-jsonschema = pytest.importorskip("jsonschema")
+from tests.e2e.tool_checks import HISTORY, TOOLS, USER, assemble_stream, check_calls, template_messages
 
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{%- for t in tools %}\n"
@@ -32,18 +30,6 @@ TEMPLATE = (
     "</tool_call>{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
-                                         "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}},
-]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-USER = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 + 3?"}]
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +59,6 @@ def oai(server):
         yield c
 
 
-def _check_calls(calls, allowed: set[str]) -> None:
-    assert calls, "no tool call"
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in allowed, call.function.name
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-
-
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_required_always_yields_valid_calls(oai, seed):
     r = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required",
@@ -88,7 +66,7 @@ def test_required_always_yields_valid_calls(oai, seed):
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None
-    _check_calls(choice.message.tool_calls, {"get_weather", "add"})
+    check_calls(choice.message.tool_calls, {"get_weather", "add"})
 
 
 def test_named_function_and_single_call(oai):
@@ -96,7 +74,7 @@ def test_named_function_and_single_call(oai):
                                     tool_choice={"type": "function", "function": {"name": "add"}},
                                     parallel_tool_calls=False)
     calls = r.choices[0].message.tool_calls
-    _check_calls(calls, {"add"})
+    check_calls(calls, {"add"})
     assert len(calls) == 1
 
 
@@ -108,25 +86,10 @@ def test_streamed_calls_assemble_to_the_non_streamed_answer(oai, seed):
     kwargs = dict(model="m", messages=USER, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
                   max_tokens=120)
     whole = oai.chat.completions.create(**kwargs).choices[0]
-    calls: dict[int, list[str]] = {}
-    finish, name_before_args = None, True
-    for chunk in oai.chat.completions.create(stream=True, **kwargs):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        for d in delta.tool_calls or []:
-            if d.id is not None:
-                assert d.index == len(calls) and d.function.name and d.function.arguments == ""
-                calls[d.index] = [d.function.name, ""]
-            else:
-                name_before_args &= d.index in calls
-                calls[d.index][1] += d.function.arguments
-        finish = chunk.choices[0].finish_reason or finish
-    assert name_before_args
+    calls, finish, _, _ = assemble_stream(oai.chat.completions.create(stream=True, **kwargs))
     assert finish == whole.finish_reason and finish in ("tool_calls", "length")
     assert len(calls) >= 1 and (finish == "tool_calls" or len(calls) >= 2)
-    assert [tuple(c) for c in calls.values()] == [(c.function.name, c.function.arguments)
-                                                  for c in whole.message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
 def test_tools_and_tool_turns_render_through_the_template(oai, tiny_runtime_model):
@@ -136,15 +99,9 @@ def test_tools_and_tool_turns_render_through_the_template(oai, tiny_runtime_mode
 
     tok = AutoTokenizer.from_pretrained(tiny_runtime_model)
     tok.chat_template = TEMPLATE
-    history = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
-    for messages in (USER, history):
+    for messages in (USER, HISTORY):
         r = oai.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=1, temperature=0)
-        reference = [dict(m, tool_calls=[{**c, "function": {**c["function"], "arguments": json.loads(
-            c["function"]["arguments"])}} for c in m["tool_calls"]]) if m.get("tool_calls") else m
-            for m in messages]
+        reference = template_messages(messages)
         text = tok.apply_chat_template(reference, tools=TOOLS, tokenize=False, add_generation_prompt=True)
         assert "get_weather" in text and (messages is USER or "<tool_response>\n5" in text)
         assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids)
@@ -157,12 +114,7 @@ def test_reasoning_split_whole_and_streamed(oai):
     msg = whole.message
     assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,3}\n", msg.reasoning_content), msg
     assert re.fullmatch(r"[A-Z][a-z]{2,6}( [a-z]{2,6}){0,3}\.", msg.content), msg
-    reasoning = content = ""
-    for chunk in oai.chat.completions.create(stream=True, **kwargs):
-        if chunk.choices:
-            d = chunk.choices[0].delta
-            reasoning += getattr(d, "reasoning_content", None) or ""
-            content += d.content or ""
+    _, _, content, reasoning = assemble_stream(oai.chat.completions.create(stream=True, **kwargs))
     assert (reasoning, content) == (msg.reasoning_content, msg.content)
 
 
