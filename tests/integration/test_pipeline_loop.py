@@ -102,8 +102,8 @@ def reference(tiny4) -> dict:
     return _run(tiny4, 1, max_total_tokens=4096)
 
 
-@pytest.mark.parametrize("pp_size, depth, sends_off", [(2, 0, ()), (2, 2, ()), (3, 1, ()),
-                                                     (2, 0, ("EARLY_OUTPUT_SEND", "OVERLAP_SENDS")),
+@pytest.mark.parametrize("pp_size, depth, sends_off", [(2, 0, ()), (3, 1, ()),
+                                                     (2, 2, ("EARLY_OUTPUT_SEND", "OVERLAP_SENDS")),
                                                      (3, 2, ("OVERLAP_SENDS",))])
 def test_pipeline_equals_pp1(tiny4, reference, monkeypatch, pp_size, depth, sends_off):
     """`sends_off`: the send optimizations turned off, the early output send and/or overlapped sends (the
