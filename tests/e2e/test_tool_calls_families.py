@@ -10,7 +10,7 @@ user turn, `[TOOL_CALLS]`, `[TOOL_RESULTS]`). Judges, per family: the call the g
 template writes for an assistant call, and the parser reads it back; forced calls ("required", a named
 function) validate under `jsonschema`; a streamed answer assembles to the non-streamed one of the same seed;
 the prompt the server renders for tools and a tool turn has exactly the tokens of transformers' own
-`apply_chat_template` with the checkpoint's template. One server per family, alive one at a time.
+`apply_chat_template` with the checkpoint's template. One server per family, all launched at once.
 """
 
 from __future__ import annotations
@@ -121,21 +121,34 @@ def _make(name: str, folder: str) -> str:
     return make_tiny_with_smollm2_tokenizer(folder, chat_template=FAMILIES[name].template)
 
 
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """name -> (checkpoint folder, server), every family's server launched at once (startup is mostly imports
+    and waiting: the later ones start while the first is tested); each is checked for tracebacks when the
+    module ends."""
+    started: dict[str, tuple[str, ServerProcess]] = {}
+    try:
+        for name, fam in FAMILIES.items():
+            folder = _make(name, str(tmp_path_factory.mktemp(f"tools_{name}") / name))
+            started[name] = folder, ServerProcess("--model-path", folder, *fam.flags, "--context-length", "1024",
+                                                  "--max-total-tokens", "2048", "--num-threads", "1")
+        yield started
+    finally:
+        for _, srv in started.values():
+            srv.stop()
+    for name, (_, srv) in started.items():
+        assert "Traceback" not in srv.logs(), (name, srv.logs())
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    """(name, checkpoint folder, openai client); module-scoped params run one server at a time."""
+def family(request, servers):
+    """(name, checkpoint folder, openai client) of one family's server."""
     import openai
 
-    name = request.param
-    folder = _make(name, str(tmp_path_factory.mktemp(f"tools_{name}") / name))
-    srv = ServerProcess("--model-path", folder, *FAMILIES[name].flags, "--context-length", "1024",
-                        "--max-total-tokens", "2048", "--num-threads", "1").wait_healthy(timeout=900)
-    try:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
-            yield name, folder, client
-    finally:
-        srv.stop()
-    assert "Traceback" not in srv.logs(), srv.logs()
+    folder, srv = servers[request.param]
+    srv.wait_healthy(timeout=900)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
+        yield request.param, folder, client
 
 
 def _tokenizer(folder: str):
@@ -166,7 +179,7 @@ def test_forced_call_is_the_templates_call_and_the_parser_reads_it(name):
 
 
 def test_required_yields_valid_calls(family):
-    """(tests/e2e/test_tool_calls.py runs more seeds on the Hermes format.)"""
+    """tool_choice "required": a valid call (test_tool_calls.py runs more seeds on the Hermes format)."""
     _, _, oai = family
     r = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required",
                                     temperature=1.0, seed=1, max_tokens=120, parallel_tool_calls=False)
