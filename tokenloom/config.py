@@ -169,8 +169,8 @@ class ServerArgs:
     # Constrained decoding (tokenloom/grammar/)
     grammar_backend: str = _flag("xgrammar", "Backend compiling json_schema / regex / ebnf / structural_tag "
                                  "grammars into token masks: xgrammar (default: the fastest mask per step here), "
-                                 "llguidance, or none (grammars refused with a 400). outlines is accepted for "
-                                 "SGLang compatibility and refused at start.", GRAMMAR_BACKENDS)
+                                 "llguidance, outlines (outlines-core: JSON schemas and regexes only), or none "
+                                 "(grammars refused with a 400).", GRAMMAR_BACKENDS)
     grammar_compile_timeout: float = _flag(60.0, "Seconds a request waits for its grammar to compile before it "
                                            "ends with an error (other requests never wait for a compile).")
     enable_jump_forward: bool = _flag(False, "Jump-forward decoding for grammar requests: where the grammar "
@@ -312,9 +312,6 @@ class ServerArgs:
                               f"it conflicts with --ep-size {self.ep_size}")
         self._validate_topology()
         self._validate_disaggregation()
-        if self.grammar_backend == "outlines":
-            raise ConfigError("--grammar-backend outlines is not available in tokenloom: use xgrammar (default) or "
-                              "llguidance")
         if not self.grammar_compile_timeout > 0:
             raise ConfigError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         if self.enable_jump_forward:
@@ -392,7 +389,7 @@ class ServerArgs:
         """Jump-forward is implemented for one rank's scheduler on a unified server (scheduler/jump_forward.py)."""
         unsupported = [(self.pp_size > 1, f"--pp-size {self.pp_size}"), (self.tp_size > 1, f"--tp-size {self.tp_size}"),
                        (self.disaggregation_mode != "null", f"--disaggregation-mode {self.disaggregation_mode}"),
-                       (self.grammar_backend == "none", "--grammar-backend none")]
+                       (self.grammar_backend in ("none", "outlines"), f"--grammar-backend {self.grammar_backend}")]
         for bad, flag in unsupported:
             if bad:
                 raise ConfigError(f"--enable-jump-forward is not supported with {flag}: jump-forward runs on a "

@@ -4,7 +4,9 @@ schemas, Python's `re.fullmatch` for regexes, `json.loads` for json_object. The 
 but the grammar makes its answers valid; the schemas bound every string, number and array, so each answer
 must end (finish_reason "stop") well within max_tokens.
 
-Two servers: overlap scheduling on in bfloat16 (the default dtype) and overlap off in float32. Each serves the
+Three servers: overlap scheduling on in bfloat16 (the default dtype) and overlap off in float32 with the default
+xgrammar backend, and overlap on with `--grammar-backend outlines` (no EBNF, no structural tags: those are
+400s there, checked as such; its `json_object` grammar takes ~11 s to build, once). Each serves the
 schema corpus in greedy, sampled, top-k/top-p and penalised modes at once (one batch, mixed with
 unconstrained requests), so masks of rows with different grammars, and of rows with none, share steps.
 """
@@ -61,12 +63,14 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=[("on", "bfloat16"), ("off", "float32")],
-                ids=["overlap_bf16", "no_overlap_fp32"])
+@pytest.fixture(scope="module", params=[("on", "bfloat16", "xgrammar"), ("off", "float32", "xgrammar"),
+                                        ("on", "bfloat16", "outlines")],
+                ids=["overlap_bf16", "no_overlap_fp32", "outlines_overlap_bf16"])
 def server(request, tiny_runtime_model):
-    overlap, dtype = request.param
+    overlap, dtype, backend = request.param
     srv = ServerProcess("--model-path", tiny_runtime_model, "--overlap-schedule", overlap, "--dtype", dtype,
-                        *FLAGS).wait_healthy(timeout=900)  # a shared, loaded machine starts slowly
+                        "--grammar-backend", backend, *FLAGS).wait_healthy(timeout=900)  # a loaded machine is slow
+    srv.grammar_backend = backend
     yield srv
     srv.stop()
     assert "Traceback" not in srv.logs(), srv.logs()
@@ -159,6 +163,10 @@ def test_a_chunked_prompt_takes_its_first_token_from_the_grammar(server):
 
 def test_ebnf_grammar(server):
     ebnf = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
+    if server.grammar_backend == "outlines":  # outlines has no EBNF: refused before anything is queued
+        status, body = http("POST", server.url + "/generate", {"text": "List:", "sampling_params": {"ebnf": ebnf}})
+        assert status == 400 and "ebnf needs --grammar-backend xgrammar or llguidance" in str(body), body
+        return
     status, body = http("POST", server.url + "/generate", {
         "text": "List:", "sampling_params": {"ebnf": ebnf, "max_new_tokens": 60, "temperature": 1.0,
                                               "sampling_seed": 1}})
@@ -234,6 +242,9 @@ def test_structural_tag(server, oai):
     status, body = http("POST", server.url + "/generate", {
         "text": "Call:", "sampling_params": {"structural_tag": json.dumps(tag), "max_new_tokens": 60,
                                               "temperature": 0}})
+    if server.grammar_backend == "outlines":
+        assert status == 400 and "structural_tag needs --grammar-backend xgrammar" in str(body), body
+        return
     assert status == 200, body
     for inner in re.findall(r"<f>(.*?)</f>", body["text"], flags=re.S):
         jsonschema.validate(json.loads(inner), SCHEMAS["flat"])

@@ -187,7 +187,7 @@ def smollm2_tokenizer():
     return load_tokenizer(resolve_model_source(ServerArgs()))
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance", "outlines"])
 def test_backend_matcher_walk_matches_python_re(backend_name, smollm2_tokenizer):
     from tokenloom.grammar.backends import make_backend
 
@@ -214,7 +214,7 @@ def test_backend_matcher_walk_matches_python_re(backend_name, smollm2_tokenizer)
         assert matcher.accept(token)
     else:
         pytest.fail(f"no EOS after {text!r}")
-    if backend_name == "xgrammar":
+    if backend_name != "llguidance":
         with pytest.raises(GrammarError, match="invalid regex"):
             backend.compile(GrammarSpec("regex", "a("))
 
@@ -258,6 +258,7 @@ def test_grammar_compile_timeout_ends_only_the_slow_request():
     ("none", {"json_schema": '{"type": "object"}'}, "--grammar-backend none"),
     ("llguidance", {"structural_tag": '{"type": "structural_tag", "format": {"type": "const_string", '
                                       '"value": "x"}}'}, "structural_tag needs --grammar-backend xgrammar"),
+    ("outlines", {"ebnf": 'root ::= "a"'}, "ebnf needs --grammar-backend xgrammar or llguidance"),
 ])
 def test_grammar_backend_flag_decides_what_is_accepted(backend, body, message):
     from types import SimpleNamespace
@@ -270,3 +271,19 @@ def test_grammar_backend_flag_decides_what_is_accepted(backend, body, message):
     stub = SimpleNamespace(args=args, _valid_grammars={})
     with pytest.raises(ValueError, match=message):
         TokenizerManager._check_grammar(stub, SamplingParams(**body))
+
+
+def test_outlines_gets_bounded_integers_as_enums_and_refuses_bounds_it_cannot_spell():
+    from tokenloom.grammar.outlines_backend import bounded_integers_as_enums
+
+    schema = {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 4, "description": "kept"},
+        "odd": {"anyOf": [{"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 8, "multipleOf": 3}]}}}
+    out = bounded_integers_as_enums(schema)
+    assert out["properties"]["age"] == {"enum": [0, 1, 2, 3, 4], "description": "kept"}
+    assert out["properties"]["odd"]["anyOf"][0] == {"enum": [3, 6]}
+    for bad, where in (({"type": "number", "maximum": 1.5}, "schema"),
+                       ({"type": "integer", "minimum": 0}, "schema"),
+                       ({"items": {"type": "integer", "minimum": 0, "maximum": 10**6}}, r"schema\.items")):
+        with pytest.raises(GrammarError, match=f"outlines cannot enforce .* at {where}"):
+            bounded_integers_as_enums(bad)

@@ -328,7 +328,10 @@ class TokenizerManager:
         if spec in self._valid_grammars:
             self._valid_grammars.move_to_end(spec)
             return
-        validate_spec(spec)
+        validate_spec(spec)  # a grammar that does not parse is named as such, whatever the backend
+        if spec.kind == "ebnf" and self.args.grammar_backend == "outlines":
+            raise ValueError("ebnf needs --grammar-backend xgrammar or llguidance (outlines compiles JSON schemas "
+                             "and regexes)")
         self._valid_grammars[spec] = None
         if len(self._valid_grammars) > 1024:
             self._valid_grammars.popitem(last=False)

@@ -13,7 +13,7 @@ Forced tokens: both backends tokenize the forced text themselves (greedy longest
 never a stop or special token) and hold back a last token that is a strict prefix of a longer token (the
 model may still pick the longer one: mlc-ai/mlc-llm#2551), so the tokens may differ from what the tokenizer's
 own encoding or the model would have chosen; xgrammar: `find_jump_forward_tokens` (0.2.9), llguidance:
-`compute_ff_tokens`.
+`compute_ff_tokens`; outlines (grammar/outlines_backend.py) has no such query.
 
 The stop tokens are the server's EOS ids (the model's generation config, not only the tokenizer's): a
 grammar allows them exactly where its language may end, so EOS can only end a complete answer.
@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tokenloom.grammar.outlines_backend import OutlinesBackend
 from tokenloom.grammar.spec import GrammarError, GrammarSpec, first_line
 
 BACKENDS = ("xgrammar", "llguidance", "outlines", "none")
@@ -183,15 +184,12 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
     """The backend `--grammar-backend name` selects (None for "none": grammars are refused)."""
     if name == "none":
         return None
-    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}.get(name)
+    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend, "outlines": OutlinesBackend}.get(name)
     if cls is not None:
         try:
             return cls(tokenizer, vocab_size, eos_token_ids)
         except ImportError as e:
-            hint = " --no-deps xgrammar==0.2.9" if name == "xgrammar" else " llguidance"
+            hint = {"xgrammar": " --no-deps xgrammar==0.2.9", "outlines": " outlines-core"}.get(name, f" {name}")
             raise ValueError(f"--grammar-backend {name} needs the {name} package (pip install{hint}; "
                              f"scripts/setup.sh installs it): {e}") from None
-    if name == "outlines":
-        raise ValueError("--grammar-backend outlines is not available in tokenloom: use xgrammar (default) or "
-                         "llguidance")
     raise ValueError(f"--grammar-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
