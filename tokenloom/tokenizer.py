@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 from typing import Any
 
 from tokenloom.local_cache import cache_dir
@@ -43,6 +44,31 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     with contextlib.suppress(OSError):  # another process won the race; its copy is identical
         os.replace(tmp, cached)
     return tokenizer
+
+
+class TokenizerLoad:
+    """`load_tokenizer` on a thread of its own, started at construction (the server loads its tokenizer while its
+    scheduler and detokenizer processes start); `result()` waits and returns the tokenizer or raises what loading
+    raised."""
+
+    def __init__(self, source: ModelSource, tokenizer_path: str | None = None) -> None:
+        self._outcome: list[Any] = []
+        self._thread = threading.Thread(target=self._load, args=(source, tokenizer_path),
+                                        name="tokenloom-tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, source: ModelSource, tokenizer_path: str | None) -> None:
+        try:
+            self._outcome.append(load_tokenizer(source, tokenizer_path))
+        except BaseException as e:  # noqa: BLE001 - handed to result()'s caller
+            self._outcome.append(e)
+
+    def result(self) -> Any:
+        self._thread.join()
+        (outcome,) = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
 
 def generation_defaults(source: ModelSource) -> dict[str, Any]:

@@ -60,7 +60,7 @@ from tokenloom.protocol import (
 from tokenloom.sampling.sampling_params import SamplingParams
 from tokenloom.sampling.stopping import new_token_room
 from tokenloom.scheduler.profiler import start_profile_request
-from tokenloom.tokenizer import load_tokenizer, longest_token_chars, read_chat_template
+from tokenloom.tokenizer import TokenizerLoad, longest_token_chars, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -104,30 +104,6 @@ class RuntimeProcesses(Protocol):
         """Stop every process still running (`clean`: a deliberate shutdown, not a failure); idempotent."""
 
 
-class _TokenizerLoad:
-    """`load_tokenizer` on a thread of its own, started at construction; `result()` waits for it and returns the
-    tokenizer or raises what loading raised."""
-
-    def __init__(self, source: ModelSource, tokenizer_path: str | None) -> None:
-        self._outcome: list[Any] = []
-        self._thread = threading.Thread(target=self._load, args=(source, tokenizer_path),
-                                        name="tokenloom-tokenizer-load", daemon=True)
-        self._thread.start()
-
-    def _load(self, source: ModelSource, tokenizer_path: str | None) -> None:
-        try:
-            self._outcome.append(load_tokenizer(source, tokenizer_path))
-        except BaseException as e:  # noqa: BLE001 - handed to result()'s caller
-            self._outcome.append(e)
-
-    def result(self) -> Any:
-        self._thread.join()
-        (outcome,) = self._outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-
 class TokenizerManager:
     def __init__(self, args: ServerArgs, source: ModelSource, addresses: IpcAddresses,
                  runtime: RuntimeProcesses) -> None:
@@ -136,7 +112,7 @@ class TokenizerManager:
         self.args = args
         self.source = source
         # The tokenizer loads (seconds of CPU: transformers' imports) while the children start, not before them.
-        loading = _TokenizerLoad(source, args.tokenizer_path)
+        loading = TokenizerLoad(source, args.tokenizer_path)
         self.context_len = self.source.config.context_length
         self.vocab_size = self.source.config.vocab_size
         # tokenizing (and chat templates) run here, off the HTTP event loop (the tokenizer releases the GIL)
