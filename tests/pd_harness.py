@@ -50,6 +50,7 @@ class MemmoveEngine:
         # as a test needs)
         self.hold_when: Any = None
         self.gate = threading.Event()
+        self.holding = threading.Event()  # set once a write waits at the gate (it is running, not queued)
 
     def register(self, addr: int, nbytes: int) -> None:
         pass
@@ -62,6 +63,7 @@ class MemmoveEngine:
             self.fail_next -= 1
             raise TransferError("injected: the peer is gone")
         if self.hold_when is not None and self.hold_when(runs):
+            self.holding.set()
             self.gate.wait()
         if self.delay_s:
             time.sleep(self.delay_s)

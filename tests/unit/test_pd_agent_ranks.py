@@ -220,6 +220,9 @@ def test_a_rank_whose_write_failed_does_not_let_the_decode_side_free_slots_anoth
         agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
     event = ranks.next_event("prefill", 5)
     assert event is not None and event.kind == "failed", event
+    # rank 1's write is running (held at the gate), not still queued: a queued chunk would be dropped below and
+    # nothing would be left to wait for (a loaded machine starts rank 1's write late)
+    assert other_engine.holding.wait(5), "rank 1 never started its write"
     for agent in ranks.prefill:  # what every prefill rank's scheduler does with the "failed" event
         agent.drop_writes(room)
         agent.finished_failed(room, event.detail)
