@@ -36,7 +36,8 @@ from tests.e2e.conftest import TINY_FLAGS
 from tests.e2e.server_process import ServerProcess, free_port, http
 from tests.e2e.test_disaggregation import Router, _assert_idle_and_full
 from tests.e2e.test_structured_output import SCHEMAS
-from tests.e2e.test_tool_calls import TOOLS, USER, _check_calls, template_file  # noqa: F401 (a fixture)
+from tests.e2e.test_tool_calls import template_file  # noqa: F401 (a fixture)
+from tests.e2e.tool_checks import TOOLS, USER, check_calls
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -132,11 +133,11 @@ def test_forced_tool_calls_and_reasoning(stack, target):
                                                  temperature=1.0, seed=seed, max_tokens=200,
                                                  parallel_tool_calls=False).choices[0]
             assert choice.finish_reason == "tool_calls", choice
-            _check_calls(choice.message.tool_calls, {"get_weather", "add"})
+            check_calls(choice.message.tool_calls, {"get_weather", "add"})
         named = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, temperature=1.0, seed=9,
                                             max_tokens=200, parallel_tool_calls=False,
                                             tool_choice={"type": "function", "function": {"name": "add"}})
-        _check_calls(named.choices[0].message.tool_calls, {"add"})
+        check_calls(named.choices[0].message.tool_calls, {"add"})
         kwargs = dict(model="m", messages=USER, temperature=1.0, seed=3, max_tokens=80, extra_body={"regex": REASONING})
         msg = oai.chat.completions.create(**kwargs).choices[0].message
         assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,3}\n", msg.reasoning_content), msg
