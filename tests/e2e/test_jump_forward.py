@@ -18,20 +18,13 @@ import json
 import pytest
 
 from tests.e2e.server_process import ServerProcess, http
+from tests.jump_forward_cases import CONST_SCHEMA, CONST_VALUE, EOS, KEYS_SCHEMA
+from tests.jump_forward_cases import PROMPTS as ALL_PROMPTS
 from tests.scheduler_harness import Harness
 
 jsonschema = pytest.importorskip("jsonschema")
 
-EOS = 2
-KEYS_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6}, "city": {"enum": ["Paris", "Rome"]},
-    "age": {"type": "integer", "minimum": 0, "maximum": 99}, "verified": {"type": "boolean"}},
-    "required": ["name", "city", "age", "verified"], "additionalProperties": False}
-CONST_SCHEMA = {"type": "object", "properties": {
-    "kind": {"const": "point"}, "version": {"const": 2}, "tags": {"const": ["alpha", "beta"]}},
-    "required": ["kind", "version", "tags"], "additionalProperties": False}
-CONST_VALUE = {"kind": "point", "version": 2, "tags": ["alpha", "beta"]}
-PROMPTS = [[1, 422, 7542, 28], [1, 3070, 314, 253, 1142], [1, 1326, 15]]
+PROMPTS = ALL_PROMPTS[:3]
 FLAGS = ("--dtype", "float32", "--max-total-tokens", "4096", "--num-threads", "1", "--enable-jump-forward")
 
 

@@ -76,7 +76,6 @@ class BatchMemory:
             self.tree_cache.evict(short)
 
     def prepare_for_extend(self, reqs: list[Req]) -> ScheduleBatch:
-        device = self.device
         need_rows = [r for r in reqs if r.req_pool_idx is None]
         rows = self.req_to_token_pool.alloc(len(need_rows))
         if rows is None:
@@ -85,37 +84,31 @@ class BatchMemory:
             req.req_pool_idx = row
             if req.prefix_len:  # a fresh match: point the row at the tree's slots
                 self.req_to_token_pool.req_to_token[row, : req.prefix_len] = req.prefix_indices.to(torch.int32)
-        prefix = torch.tensor([r.prefix_len for r in reqs], dtype=torch.int64, device=device)
-        seq = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64, device=device)
-        row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
-        slots = self._alloc_extend(row_t, prefix, seq)
-        if slots is None:
-            raise KVCacheOOM(f"KV pool cannot hold an admitted prefill of {int((seq - prefix).sum())} tokens")
-        ids = [t for r in reqs for t in r.fill_ids[r.prefix_len:]]
-        for req in reqs:
-            req.kv_len = len(req.fill_ids)
-        return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND,
-                             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-                             req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
+        return self._extend_batch(reqs, [r.prefix_len for r in reqs], "an admitted prefill")
 
     def prepare_for_jump(self, reqs: list[Req]) -> ScheduleBatch:
         """An extend of requests that hold their row and the KV of their first `kv_len` tokens by the rest of
         their tokens (jump-forward, scheduler/jump_forward.py: the forced tokens, after the last sampled token
         when no decode step computed it), over their own KV as prefix (not a cache match)."""
-        device = self.device
         for req in reqs:
             req.fill_ids = req.all_ids()
             req.extend_input_len = len(req.fill_ids) - req.kv_len
-        prefix = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+        return self._extend_batch(list(reqs), [r.kv_len for r in reqs], "a jump-forward extend")
+
+    def _extend_batch(self, reqs: list[Req], prefix_lens: list[int], what: str) -> ScheduleBatch:
+        """The extend of `reqs` (each holding its row) by `fill_ids[prefix_len:]` over the KV of its first
+        `prefix_len` tokens: slots allocated for the new tokens, `kv_len` advanced to the whole of `fill_ids`."""
+        device = self.device
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
         seq = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64, device=device)
         row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
         slots = self._alloc_extend(row_t, prefix, seq)
         if slots is None:
-            raise KVCacheOOM(f"KV pool cannot hold a jump-forward extend of {int((seq - prefix).sum())} tokens")
-        ids = [t for r in reqs for t in r.fill_ids[r.kv_len:]]
+            raise KVCacheOOM(f"KV pool cannot hold {what} of {int((seq - prefix).sum())} tokens")
+        ids = [t for r, n in zip(reqs, prefix_lens, strict=True) for t in r.fill_ids[n:]]
         for req in reqs:
             req.kv_len = len(req.fill_ids)
-        return ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.EXTEND,
+        return ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND,
                              input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
                              req_pool_indices=row_t, prefix_lens=prefix, seq_lens=seq, out_cache_loc=slots)
 
