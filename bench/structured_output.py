@@ -14,7 +14,7 @@ side by side (ratios: the machine is shared).
 Also measured in this process, on the same vocabulary: the mask's cost per decode step at batch 64 (fill 64
 matchers mid-answer + apply the mask to [64, vocab] float32 logits + accept one token each), reported as a
 share of the unconstrained decode step; and the compile time of a schema corpus, cold (a new backend) and
-cached (the `GrammarCompiler` cache), for xgrammar and llguidance. CPU times (time.thread_time) for the
+cached (the `GrammarCompiler` cache), for xgrammar, llguidance and outlines. CPU times (time.thread_time) for the
 in-process figures. The last line is one JSON object.
 
 `--jump-forward`: two engines (SmolLM2 bf16, overlap on), `--enable-jump-forward` off and on, serve the same
@@ -67,6 +67,7 @@ CORPUS = [
      "required": ["address"]},
 ]
 VOCAB = 49152
+BACKENDS_MEASURED = ("xgrammar", "llguidance", "outlines")  # mask cost and compile times, in process
 JUMP_SCHEMA = {"type": "object", "properties": {
     "customer_name": {"type": "string", "maxLength": 16},
     "customer_email_address": {"type": "string", "maxLength": 24},
@@ -212,8 +213,8 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model_source(ServerArgs()))
     report: dict = {"bench": "structured_output", "num_prompts": ns.num_prompts, "rounds": rounds,
                     "threads": torch.get_num_threads()}
-    report["compile"] = {name: compile_times(name, tokenizer) for name in ("xgrammar", "llguidance")}
-    report["mask_cost_batch64"] = {name: mask_cost(name, tokenizer, 64) for name in ("xgrammar", "llguidance")}
+    report["compile"] = {name: compile_times(name, tokenizer) for name in BACKENDS_MEASURED}
+    report["mask_cost_batch64"] = {name: mask_cost(name, tokenizer, 64) for name in BACKENDS_MEASURED}
     print(json.dumps(report["compile"]), json.dumps(report["mask_cost_batch64"]), flush=True)
     engine = Engine(dtype="bfloat16", log_level="warning", max_running_requests=ns.num_prompts,
                     overlap_schedule="on")
