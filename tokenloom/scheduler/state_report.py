@@ -7,14 +7,12 @@ sampled tokens equal rank 0's; every rank computes it while handling the same st
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tokenloom.scheduler.scheduler import Scheduler
+from typing import Any
 
 
-def scheduler_state(sched: Scheduler, loop_info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`sched`'s state, with the driving loop's `loop_info` merged in."""
+def scheduler_state(sched: Any, loop_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`sched`'s state (a scheduler/scheduler.py `Scheduler`, which calls this: typed loosely so that this module
+    does not import the one importing it), with the driving loop's `loop_info` merged in."""
     free = sched.allocator.full_available_size()  # == available_size() but for a sliding-window pool
     used = sched.max_total_num_tokens - free - sched.tree_cache.evictable_size()
     agree = {}
