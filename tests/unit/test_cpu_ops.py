@@ -156,3 +156,30 @@ def test_greedy_sampling_uses_the_same_argmax():
     x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(10))
     assert torch.equal(greedy_argmax(x), torch.argmax(x, dim=-1))
     assert torch.equal(greedy_argmax(x.double()), torch.argmax(x.double(), dim=-1))  # torch fallback
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_qk_head_norm_in_transformers_order(rows):
+    """Qwen3's per-head q/k RMSNorm in place on packed bf16 qkv rows (strided, v heads after q and k): equal to
+    transformers' expression (normalize in float32, round to bf16, scale by the weight, round again) within a
+    bf16 ulp of the normalized value, and the v heads untouched."""
+    heads, kv_heads, d, eps = 4, 2, 32, 1e-6
+    width = (heads + 2 * kv_heads) * d
+    qkv = _randn(rows, width + 16, dtype=torch.bfloat16, seed=7)[:, :width]  # rows 16 elements apart
+    q_w, k_w = _randn(d, dtype=torch.bfloat16, seed=8), _randn(d, dtype=torch.bfloat16, seed=9)
+
+    def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+    q = reference(qkv[:, : heads * d].reshape(rows, heads, d), q_w)
+    k = reference(qkv[:, heads * d: (heads + kv_heads) * d].reshape(rows, kv_heads, d), k_w)
+    v = qkv[:, (heads + kv_heads) * d:].clone()
+    assert cpu_ops.qk_head_norm_(qkv, heads, kv_heads, d, q_w, k_w, eps)
+    for got, want in ((qkv[:, : heads * d].reshape(rows, heads, d), q),
+                      (qkv[:, heads * d: (heads + kv_heads) * d].reshape(rows, kv_heads, d), k)):
+        ulps = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+        assert ulps.max().item() <= 2 ** -7  # at most one bf16 rounding step apart
+        assert (got != want).float().mean().item() < 0.02  # nearly always the same bf16
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v)
+    assert not cpu_ops.qk_head_norm_(qkv.float(), heads, kv_heads, d, q_w, k_w, eps)  # float32: the torch path
