@@ -18,6 +18,9 @@
  *
  * Cascade: given a shared-prefix plan (plan_shared_prefixes), a prefix several requests share is attended
  * once for all their query rows, and merged with each request's own suffix like a chunk.
+ *
+ * Soft-cap (Gemma 2, `logit_cap` > 0): every path's scaled scores become cap * tanh(s / cap) in softmax_rows,
+ * the one place all of them pass before the softmax.
  */
 #include "amx_common.h"
 #include "bf16_common.h"
