@@ -8,6 +8,9 @@ fp8 pools (torch.float8_e4m3fn / float8_e5m2, `--kv-cache-dtype`): the kernels o
 take float32 or bf16 queries (the model's dtype; others are computed in float32) and return that dtype; the
 new K/V rows are cast to fp8 by the kernel as `KVPool.set_kv` casts them (round to nearest even, saturating).
 
+Soft-capped scores (Gemma 2's `attn_logit_softcapping`): `decode(..., logit_cap=c)` replaces every scaled score
+s = q.k * scale by c * tanh(s / c) before the softmax, in every path of the kernel (cascade prefixes included).
+
 `plan_shared_prefixes` finds, once per step, groups of requests whose index lists begin with the same slots
 (a radix-cache prefix they share); `decode(..., shared=plan)` then reads each such prefix once for all the
 group's queries and merges it with each request's own suffix (the flash-decoding merge): "cascade" decode.
@@ -127,13 +130,17 @@ def fp8_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indptr: torch.Tensor,
            kv_indices: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
            v_new: torch.Tensor | None = None, out_loc: torch.Tensor | None = None,
-           shared: SharedPrefixPlan | None = None) -> torch.Tensor:
+           shared: SharedPrefixPlan | None = None, logit_cap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, D]; k_pool/v_pool [Hkv, rows, D] (q is cast to `activation_dtype`) -> [B, Hq * D] in that dtype.
 
     With `k_new`/`v_new` [B, Hkv, D] and `out_loc` [B], those rows are first written into the pools at
     row `out_loc[b]` (which the indices of request b are expected to include). q, k_new and v_new may be
     views into a packed qkv tensor: only each token's heads need to be contiguous. `shared`: this step's
-    `plan_shared_prefixes` result for the same indices (None: each request reads all its own KV)."""
+    `plan_shared_prefixes` result for the same indices (None: each request reads all its own KV).
+    `logit_cap` > 0 soft-caps every scaled score, s -> cap * tanh(s / cap), before the softmax (Gemma 2's
+    `attn_logit_softcapping`); 0: none."""
+    if not logit_cap >= 0.0 or logit_cap == float("inf"):  # NaN fails the first test
+        raise ValueError(f"logit_cap must be a finite number >= 0 (0: no soft-cap), got {logit_cap}")
     lib = _lib()
     dtype = activation_dtype(q.dtype, k_pool.dtype)
     q = _rows_of_heads(q, dtype)
@@ -154,7 +161,7 @@ def decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indpt
     fn = getattr(lib, _FUNCS[dtype, k_pool.dtype])
     rc = fn(_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_pool), _ptr(v_pool), _ptr(indptr), _ptr(indices),
             _ptr(out), ctypes.c_int(batch), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads),
-            ctypes.c_int(head_dim), ctypes.c_int64(rows), ctypes.c_float(scale),
+            ctypes.c_int(head_dim), ctypes.c_int64(rows), ctypes.c_float(scale), ctypes.c_float(logit_cap),
             ctypes.c_int(torch.get_num_threads()), _ptr(k_new), ctypes.c_int64(k_stride), _ptr(v_new),
             ctypes.c_int64(v_stride), _ptr(out_loc), *plan_arguments(shared))
     if rc != 0:

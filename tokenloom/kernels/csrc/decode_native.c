@@ -93,15 +93,15 @@ static int step_attention(int kv_format, const uint16_t *q, int64_t q_stride, vo
                           const int *group_ptr, const int *members, int groups) {
     if (kv_format == 1)
         return paged_decode_attention_bf16_e4m3(q, q_stride, k, v, indptr, indices, out, m, heads, kv_heads, head_dim,
-                                                rows, scale, threads, k_new, kv_stride, v_new, kv_stride, out_loc,
+                                                rows, scale, 0.f, threads, k_new, kv_stride, v_new, kv_stride, out_loc,
                                                 share_len, group_ptr, members, groups);
     if (kv_format == 2)
         return paged_decode_attention_bf16_e5m2(q, q_stride, k, v, indptr, indices, out, m, heads, kv_heads, head_dim,
-                                                rows, scale, threads, k_new, kv_stride, v_new, kv_stride, out_loc,
+                                                rows, scale, 0.f, threads, k_new, kv_stride, v_new, kv_stride, out_loc,
                                                 share_len, group_ptr, members, groups);
     if (kv_format != 0) return -1;
     return paged_decode_attention_bf16(q, q_stride, k, v, indptr, indices, out, m, heads, kv_heads, head_dim, rows,
-                                       scale, threads, k_new, kv_stride, v_new, kv_stride, out_loc, share_len,
+                                       scale, 0.f, threads, k_new, kv_stride, v_new, kv_stride, out_loc, share_len,
                                        group_ptr, members, groups);
 }
 

@@ -18,6 +18,9 @@
  *
  * Cascade: given a shared-prefix plan (plan_shared_prefixes), a prefix several requests share is attended
  * once for all their query rows, and merged with each request's own suffix like a chunk.
+ *
+ * Soft-cap (Gemma 2, `logit_cap` > 0): every path's scaled scores become cap * tanh(s / cap) in softmax_rows,
+ * the one place all of them pass before the softmax.
  */
 #include "amx_common.h"
 #include "bf16_common.h"
@@ -50,17 +53,27 @@ static inline void store_f32(float *p, int d, float x) { p[d] = x; }
 static inline void store_bf16(uint16_t *p, int d, float x) { p[d] = f32_to_bf16(x); }
 
 /* Partial attention state of one (request, kv head, chunk): per query head of the group, the running max
- * score, the sum of exp(score - max) and the exp-weighted sum of V rows (not yet divided by the sum). */
+ * score, the sum of exp(score - max) and the exp-weighted sum of V rows (not yet divided by the sum).
+ * `cap` is an input the work item's caller sets: the soft-cap of its scores (0: none; see softmax_rows). */
 typedef struct {
     float max[MAX_GROUP];
     float sum[MAX_GROUP];
     float *acc; /* [group][head_dim] */
+    float cap;
 } Partial;
 
-/* Softmax over `scores` [group][n] in place (exp(s - max)), filling part->max / part->sum. */
+/* Softmax over `scores` [group][n] in place (exp(s - max)), filling part->max / part->sum. Every path's
+ * scaled scores (q.k * scale) pass through here before anything else reads them, so the soft-cap of Gemma 2
+ * (`attn_logit_softcapping`: s -> cap * tanh(s / cap), after the scaling and before the softmax, as
+ * transformers' Gemma2 eager attention does) is applied here once for all paths, cascade prefixes included.
+ * tanhf is glibc's, not an approximation of ours: under -ffast-math gcc vectorizes the loop with libmvec's
+ * tanhf (glibc >= 2.35; measured within 1.03 ulp of tanh over [-10, 10]), else it calls the scalar one. */
 static void softmax_rows(float *scores, int64_t n, int group, Partial *part) {
+    const float cap = part->cap;
     for (int g = 0; g < group; ++g) {
         float *s = scores + (int64_t)g * n;
+        if (cap > 0.f)
+            for (int64_t l = 0; l < n; ++l) s[l] = cap * tanhf(s[l] / cap);
         float mx = -INFINITY;
         for (int64_t l = 0; l < n; ++l) mx = s[l] > mx ? s[l] : mx;
         float sum = 0.f;
@@ -594,14 +607,15 @@ KERNEL_API int plan_shared_prefixes(const int64_t *indptr, const int64_t *indice
  * out_loc may be NULL (no KV write); otherwise request b's new K/V heads (contiguous, starting at
  * b * k_new_stride and b * v_new_stride) are stored at pool row out_loc[b] before any attention reads.
  * share_len/group_ptr/members/groups: a plan from plan_shared_prefixes for these indices, or NULL/0.
+ * logit_cap > 0 soft-caps every scaled score, s -> logit_cap * tanh(s / logit_cap) (Gemma 2); 0: none.
  * Work items: first (group, kv head) for each shared prefix, then (request, kv head, chunk of its suffix).
  * Returns 0, or -1 when a buffer cannot be allocated (the output is then not written). */
 #define DEFINE_KERNEL(NAME, T, TKV, RANGE, FINISH, STORE_KV)                                                  \
 KERNEL_API int NAME(const T *q, int64_t q_stride, TKV *k, TKV *v, const int64_t *indptr, const int64_t *indices, \
                     T *out,                                                                                    \
-         int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, int threads,      \
-         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride, const int64_t *out_loc,   \
-         const int64_t *share_len, const int *group_ptr, const int *members, int groups) {                     \
+         int batch, int num_heads, int num_kv_heads, int head_dim, int64_t rows, float scale, float logit_cap,  \
+         int threads, const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride,               \
+         const int64_t *out_loc, const int64_t *share_len, const int *group_ptr, const int *members, int groups) { \
     const int group = num_heads / num_kv_heads;                                                                \
     if (groups <= 0) { share_len = NULL; groups = 0; }                                                         \
     if (k_new != NULL) {                                                                                       \
@@ -643,6 +657,7 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, TKV *k, TKV *v, const int64_t 
                            sizeof(T) * (size_t)group * head_dim);                                              \
                 Partial part;                                                                                  \
                 part.acc = acc;                                                                                \
+                part.cap = logit_cap;                                                                          \
                 RANGE(qrows, k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,               \
                       indices + indptr[lead], n, count * group, head_dim, scale, scores, &part);               \
                 for (int j = 0; j < count; ++j) {                                                              \
@@ -664,6 +679,7 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, TKV *k, TKV *v, const int64_t 
             float *st = state + own * per_state;                                                               \
             Partial part;                                                                                      \
             part.acc = st + 2 * group;                                                                         \
+            part.cap = logit_cap;                                                                              \
             if (!reserve_scores(&scores, &cap, SCORES_FLOATS(hi - lo, group))) { failed = 1; continue; }       \
             RANGE(q + (int64_t)b * q_stride + (int64_t)h * group * head_dim,                                   \
                   k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,                          \

@@ -192,6 +192,7 @@ static int range_fp8_dpbf16(const uint16_t *q, const uint8_t *kh, const uint8_t 
         widen_rows(vh, idx + l0, m, dim, e4m3, vrows);
         Partial piece;
         piece.acc = l0 == 0 ? part->acc : piece_acc;
+        piece.cap = part->cap; /* every piece's scores soft-capped as the whole item's are */
         if (!range_dpbf16(q, krows, vrows, fp8_iota, m, group, dim, scale, scores, l0 == 0 ? part : &piece))
             return 0; /* cannot happen for dim 64/128 and group <= MAX_GROUP; the caller then takes another path */
         if (l0 > 0) merge_partial(part, &piece, group, dim);

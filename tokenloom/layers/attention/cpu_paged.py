@@ -13,8 +13,9 @@ Over a sliding-window pool those lists are built for every window (they must be 
 layers' slots even where the window does not bind) and mapped through `full_to_swa`, as are the new tokens'
 slots.
 
-Soft-capped scores (`logit_cap`, Gemma 2) are not in the native kernel: such a decode runs the torch path on
-the same step's indices (its padded metadata, windows included, built once per step on the first capped layer).
+Soft-capped scores (`logit_cap`, Gemma 2's `attn_logit_softcapping`) are applied by the native kernel too
+(`decode(..., logit_cap=...)`: every scaled score, cascade prefixes and windows included), so a capped layer's
+decode reads the same indices as any other. Extend (prefill, chunks) runs `torch_native`'s path, caps included.
 """
 
 from __future__ import annotations
@@ -28,11 +29,7 @@ from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
-from tokenloom.layers.attention.torch_native import (
-    TorchNativeBackend,
-    TorchNativeMetadata,
-    decode_metadata_from_indices,
-)
+from tokenloom.layers.attention.torch_native import TorchNativeBackend
 from tokenloom.layers.kv_indices import build_kv_indices
 
 
@@ -44,7 +41,6 @@ class CpuDecodeMetadata:
     # window -> (kv_indptr, kv_indices) over each request's last `window` positions; windows that bind only
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     swa_out_loc: torch.Tensor | None = None  # the new tokens' slots in the sliding layers' pool
-    torch_md: TorchNativeMetadata | None = None  # the torch decode's, for soft-capped layers (built on use)
 
 
 class CpuPagedBackend(TorchNativeBackend):
@@ -76,18 +72,13 @@ class CpuPagedBackend(TorchNativeBackend):
         if not batch.forward_mode.is_decode():
             return super().forward(q, k, v, layer_id, scaling, batch, logit_cap)
         md: CpuDecodeMetadata = batch.attn_metadata
-        if logit_cap:
-            if md.torch_md is None:
-                md.torch_md = self._map_swa(decode_metadata_from_indices(
-                    md.kv_indptr, md.kv_indices, batch.seq_lens, batch.max_seq_len, self.windows), batch)
-            return self._attend(q, k, v, layer_id, scaling, batch, md.torch_md, logit_cap)
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         window = md.windowed.get(self.window_of(layer_id))
         kv_indptr, kv_indices, shared = (md.kv_indptr, md.kv_indices, md.shared) if window is None \
             else (*window, None)
         out_loc = md.swa_out_loc if self.in_swa_pool(layer_id) else batch.out_cache_loc
         out = paged_attention.decode(q, k_buf, v_buf, kv_indptr, kv_indices, scaling, k_new=k, v_new=v,
-                                     out_loc=out_loc, shared=shared)  # stores k/v, then attends
+                                     out_loc=out_loc, shared=shared, logit_cap=logit_cap)  # stores k/v, then attends
         return out.to(q.dtype)
 
     @staticmethod

@@ -233,14 +233,6 @@ def _decode_metadata(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_slots
     return md
 
 
-def decode_metadata_from_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
-                                 max_len: int, windows: list[int]) -> TorchNativeMetadata:
-    """The torch decode metadata of a step whose ragged KV indices are already built."""
-    kv_slots, valid = padded_kv_indices(kv_indptr, kv_indices, seq_lens, max_len)
-    return _decode_metadata(kv_indptr, kv_indices, kv_slots, valid, seq_lens, max_len,
-                            [w for w in windows if w < max_len])
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
           is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False, softcap: float = 0.0
           ) -> torch.Tensor:
