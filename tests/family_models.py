@@ -11,6 +11,7 @@ be needed for K-quants). Other families add a line to `FAMILY_SPECS`.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@functools.cache
 def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer, read once per process (reading it from the default GGUF takes seconds); callers
+    that change it (a chat template) restore it."""
     from tokenloom.config import ServerArgs
     from tokenloom.models.loader import resolve_model_source
     from tokenloom.tokenizer import load_tokenizer
@@ -91,9 +95,13 @@ def make_family_model(family: str, folder: str, seed: int = 0, chat_template: st
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = smollm2_tokenizer()
-    if chat_template or spec.chat_template:
-        tokenizer.chat_template = chat_template or spec.chat_template
-    tokenizer.save_pretrained(folder)
+    own_template = tokenizer.chat_template
+    try:
+        if chat_template or spec.chat_template:
+            tokenizer.chat_template = chat_template or spec.chat_template
+        tokenizer.save_pretrained(folder)
+    finally:  # the cached tokenizer keeps SmolLM2's template for the next caller
+        tokenizer.chat_template = own_template
     return model
 
 
