@@ -2,9 +2,10 @@
 transformers float32 on the same tiny weights: a Gemma 3 (tests/gemma_models.py: window 12, sliding and global
 layers) with the default sliding-window KV pool on both servers, so the transfer carries the sliding layers' pool
 too, a Qwen3-MoE with a dense layer (tests/moe_factory.py), the dense Qwen3 (head_dim unlike hidden / heads, q/k
-norms) and SmolLM3 (its layer 3 without RoPE) of tests/family_models.py, and a Phi-4-mini-shaped Phi-3
-(tests/phi3_factory.py: fused qkv and gate_up, partial rotary, LongRoPE with original length 64). One pair per
-model (each start costs seconds).
+norms) and SmolLM3 (its layer 3 without RoPE) of tests/family_models.py, each with a 16-token window (Qwen3's
+layer 1, from max_window_layers; SmolLM3's NoPE layer 3), so their transfers carry a sliding pool too, and a
+Phi-4-mini-shaped Phi-3 (tests/phi3_factory.py: fused qkv and gate_up, partial rotary, LongRoPE with original
+length 64). One pair per model (each start costs seconds).
 
 8-token prefill chunks, so a prompt past the window streams its KV in chunks while the prefill server drops the
 sliding K/V of its oldest chunks; two prompts at once (one past the window, one that crosses it while decoding);
@@ -82,7 +83,7 @@ class Pair:
             server.stop()
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3_moe_mixed", "qwen3", "smollm3", "phi3_longrope"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3_moe_mixed", "qwen3_swa", "smollm3_swa", "phi3_longrope"])
 def pair(request, tmp_path_factory):
     kind = request.param
     folder = str(tmp_path_factory.mktemp(kind))
@@ -138,11 +139,12 @@ def test_pd_pair_matches_transformers(pair):
     for server in (pair.prefill, pair.decode):
         _assert_idle_and_full(server)
     decode = pair.decode.server_info()
-    assert ("swa_max_total_num_tokens" in decode) == (pair.kind == "gemma3"), decode
-    if pair.kind == "gemma3":  # the sliding-window pool is on for both servers, every slot free when idle
-        assert decode["swa_available_kv_tokens"] == decode["swa_max_total_num_tokens"] == int(2048 * DECODE_SWA)
+    sliding = pair.kind in ("gemma3", "qwen3_swa", "smollm3_swa")
+    assert ("swa_max_total_num_tokens" in decode) == sliding, decode
+    if sliding:  # the sliding-window pool is on for both servers, every slot free when idle
+        ratio = DECODE_SWA if pair.kind == "gemma3" else 0.8  # else the default --swa-full-tokens-ratio
+        assert decode["swa_available_kv_tokens"] == decode["swa_max_total_num_tokens"] == int(2048 * ratio)
         assert http("POST", pair.prefill.url + "/flush_cache")[0] == 200
         prefill = pair.prefill.server_info()
         assert prefill["swa_available_kv_tokens"] == prefill["swa_max_total_num_tokens"] == int(2048 * 0.8)
         assert prefill["available_kv_tokens"] == prefill["max_total_num_tokens"], prefill
-
