@@ -93,7 +93,7 @@ def pair(request, tmp_path_factory):
         hf = make_tiny_moe(kind, folder, tokenizer=False)
         smollm2_tokenizer().save_pretrained(folder)
         p = Pair(kind, folder, hf)
-    elif kind == "phi3_longrope":  # past the original length; the second crosses it at its 5th output token
+    elif kind == "phi3_longrope":  # past the original length; the second crosses it while decoding
         hf = make_tiny_phi3(folder, "phi4mini_longrope_partial", smollm2_tokenizer=True)
         p = Pair(kind, folder, hf, lengths=(ORIG + 6, ORIG - 4))
     else:
@@ -118,7 +118,7 @@ def _check_stepwise(hf: torch.nn.Module, prompt: list[int], out: dict) -> None:
 
 def test_pd_pair_matches_transformers(pair):
     gen = torch.Generator().manual_seed(0)
-    # the second prompt's window (Gemma) or original length (Phi-3) fills while decoding
+    # the second prompt crosses its window (original length for Phi-3) while decoding
     prompt, crossing = (torch.randint(3, 49152, (n,), generator=gen).tolist() for n in pair.lengths)
     outs = []
     for ids, (status, out) in zip((prompt, crossing), pair.generate([prompt, crossing]), strict=True):
