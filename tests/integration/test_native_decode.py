@@ -8,6 +8,8 @@ there the test bounds the difference by bf16 rounding instead. It steps aside wh
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -215,22 +217,61 @@ def test_quantized_weights_bit_identical_to_modular_path(quantized_files, varian
                                     max_running_requests=16))
     assert runner.native_decode is not None and runner.native_decode.quantized
     _compare_paths(runner, _tokens(40, 4, 256), prompt=17)
+    _compare_batch(runner, 16, 256)
+
+
+def _compare_batch(runner: ModelRunner, size: int, vocab: int) -> None:
+    """`size` requests of different prompt lengths decoded 4 steps at once, natively and through the modular
+    path: bit-identical logits, and the pool whole afterwards."""
     steps_native, steps_modular = [], []
     for out, native in ((steps_native, True), (steps_modular, False)):
         saved = runner.native_decode
         runner.native_decode = saved if native else None
         steps = ForwardSteps(runner)
-        seqs = [steps.start() for _ in range(16)]
+        seqs = [steps.start() for _ in range(size)]
         try:
-            steps.extend(seqs, [_tokens(3 + i, 60 + i, 256) for i in range(16)])
-            out += [steps.extend(seqs, [[(7 * i + s) % 256] for i in range(16)]) for s in range(4)]
+            steps.extend(seqs, [_tokens(3 + i, 60 + i, vocab) for i in range(size)])
+            out += [steps.extend(seqs, [[(7 * i + s) % vocab] for i in range(size)]) for s in range(4)]
         finally:
             runner.native_decode = saved
             for seq in seqs:
                 steps.release(seq)
     for step, (a, b) in enumerate(zip(steps_native, steps_modular, strict=True)):
-        assert torch.equal(a, b), f"batch-16 step {step}"
+        assert torch.equal(a, b), f"batch-{size} step {step}"
     assert runner.token_allocator.available_size() == runner.max_total_num_tokens
+
+
+def test_qwen3_bit_identical_to_modular_path(family_model_dir):
+    """Qwen3 (per-head q/k RMSNorm before RoPE, head_dim from the config) in one native call: the norms are the
+    modular path's kernel, so logits and KV are bit-identical, one request and a batch of 4."""
+    folder, _ = family_model_dir("qwen3")
+    runner = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=2048,
+                                    max_running_requests=4))
+    assert runner.native_decode is not None
+    _compare_paths(runner, _tokens(50, 5, 256), prompt=19)
+    _compare_batch(runner, min(4, runner.native_decode.max_batch), 256)
+
+
+def test_qwen3_moe_gguf_bit_identical_to_modular_path(tmp_path_factory):
+    """A Qwen3-MoE converted by llama.cpp (Q8_0: experts kept quantized) decodes in one native call: q/k norms,
+    the router (softmax, top-2 of 8, renormalized) and the grouped experts in C, with the modular path's
+    kernels (same router, same expert kernel), so logits and KV are bit-identical, one request and a batch of 6.
+    The same model from its bf16 safetensors (float experts) steps aside: the step runs quantized experts only."""
+    from tests.llama_cpp_convert import convert
+    from tests.moe_factory import make_tiny_moe
+
+    folder = str(tmp_path_factory.mktemp("qwen3_moe"))
+    make_tiny_moe("qwen3_moe", folder)
+    path = os.path.join(folder, "qwen3_moe.q8_0.gguf")
+    convert(folder, path, "q8_0")
+    runner = ModelRunner(ServerArgs(model_path=path, dtype="bfloat16", max_total_tokens=2048,
+                                    max_running_requests=6))
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _compare_paths(runner, _tokens(40, 6, 49152), prompt=13)
+    _compare_batch(runner, 6, 49152)
+    float_experts = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=512,
+                                           max_running_requests=2))
+    assert float_experts.native_decode is None
 
 
 def test_quantized_smollm2_matches_modular_path():

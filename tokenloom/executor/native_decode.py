@@ -44,9 +44,12 @@ from tokenloom.kernels.cpu_build import load_library
 from tokenloom.kernels.quant_gemm import QuantMatrix
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
 from tokenloom.layers.int_quant import IntQuantMatrix
+from tokenloom.layers.moe import FusedMoE
 from tokenloom.layers.quant_linear import QuantSegment, QuantWeight, quantized_weights
 from tokenloom.model_config import ModelConfig
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.moe_decoder import MoEBlock, MoEForCausalLM
+from tokenloom.models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +92,42 @@ def _quant_descriptor(weight: QuantWeight | None) -> torch.Tensor | None:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def _has_family_features(cfg: ModelConfig) -> bool:
-    """Whether the config sets any family field (window, caps, norms, experts, ...) away from its Llama
-    default: the one-call step computes plain Llama layers only."""
-    return cfg.hidden_act != "silu" or any(
-        getattr(cfg, f.name) != f.default for f in fields(ModelConfig) if f.name in _FAMILY_FIELDS)
+def _layer_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's linear layers in decode_native.c's field order: qkv, o, then (a dense MLP) gate_up,
+    down; an MoE layer's experts are not linear layers here (see `_moe_descriptor`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    dense = [] if isinstance(mlp, MoEBlock) else [mlp.gate_up_proj, mlp.down_proj]
+    return [attn.qkv_proj, attn.o_proj, *dense]
 
 
+def _moe_descriptor(lib: ctypes.CDLL, experts: FusedMoE) -> torch.Tensor:
+    """decode_native.c's MoE block descriptor (its MOE_* fields): router, sizes, and the addresses of the
+    per-expert type and data tables of `experts.native_tables` (kept alive by the layer)."""
+    gu_types, gu_data, down_types, down_data = experts.native_tables
+    values = [experts.router.data_ptr(), experts.num_experts, experts.top_k, int(experts.renormalize),
+              experts.inter_local, gu_types.data_ptr(), gu_data.data_ptr(), down_types.data_ptr(),
+              down_data.data_ptr()]
+    if len(values) != lib.decode_moe_fields():
+        raise RuntimeError(f"decode_native.c expects {lib.decode_moe_fields()} MoE descriptor fields")
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _unsupported_features(cfg: ModelConfig) -> list[str]:
+    """The config's family fields (window, caps, norms, ...) set away from their Llama default that the one-call
+    step does not compute: it computes Llama layers, Qwen3's per-head q/k norm, and routed experts."""
+    handled = _MOE_FIELDS | ({"qk_norm"} if cfg.qk_norm == "head" else set())
+    odd = [f.name for f in fields(ModelConfig)
+           if f.name in _FAMILY_FIELDS - handled and getattr(cfg, f.name) != f.default]
+    return odd + ([f"hidden_act={cfg.hidden_act}"] if cfg.hidden_act != "silu" else [])
+
+
+_MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "moe_layers"}
 _FAMILY_FIELDS = {"qk_norm", "attn_logit_softcap", "query_pre_attn_scalar", "sliding_window", "layer_types",
                   "rope_local_theta", "no_rope_layers", "partial_rotary_factor", "norm_weight_offset",
-                  "sandwich_norms", "embedding_multiplier", "final_logit_softcap", "num_experts",
-                  "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "shared_expert_intermediate_size", "moe_layers"}
+                  "sandwich_norms", "embedding_multiplier", "final_logit_softcap", "shared_expert_intermediate_size",
+                  *_MOE_FIELDS}
+# The model classes whose layers the one-call step computes (their forward is LlamaForCausalLM's).
+_NATIVE_MODELS = (LlamaForCausalLM, Qwen3ForCausalLM, MoEForCausalLM)
 
 
 def _has_int_weights(model: torch.nn.Module) -> bool:
@@ -123,8 +150,7 @@ class NativeDecode:
         cfg = model.cfg
         fields = lib.decode_layer_fields()
         rows = []
-        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                   for layer in model.layers]
+        linears = [_layer_linears(layer) for layer in model.layers]
         # The AMX kernel runs only when every linear layer has its tile-ordered copy (all or none: the
         # modular path then picks the same kernel at these row counts, and the two stay bit-identical).
         self.uses_amx = all(_amx_copy(lin) is not None for group in linears for lin in group) \
@@ -134,16 +160,24 @@ class NativeDecode:
         self._lm_head_q = _quant_head_descriptor(model)
         self.quantized = self._lm_head_q is not None
         self._quant_descriptors = [d for group in quant for d in group]  # kept alive: their addresses are passed
+        self._moe_descriptors = [_moe_descriptor(lib, layer.mlp.experts) if isinstance(layer.mlp, MoEBlock)
+                                 else None for layer in model.layers]
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             k_buf, v_buf = kv_pool.get_kv(model.start_layer + i)
             bias = attn.qkv_proj.bias
-            amx_ptrs = [_amx_copy(lin).data_ptr() if self.uses_amx else 0 for lin in linears[i]]
-            weights = [0 if lin.weight is None else lin.weight.data_ptr() for lin in linears[i]]
-            quant_ptrs = [0 if d is None else d.data_ptr() for d in quant[i]]
+            # a MoE layer has no MLP linears: its four MLP slots stay 0 (the C loop reads F_MOE instead)
+            group = linears[i] + [None] * (4 - len(linears[i]))
+            amx_ptrs = [_amx_copy(lin).data_ptr() if self.uses_amx and lin is not None else 0 for lin in group]
+            weights = [0 if lin is None or lin.weight is None else lin.weight.data_ptr() for lin in group]
+            quant_ptrs = [0 if d is None else d.data_ptr() for d in quant[i] + [None] * (4 - len(quant[i]))]
+            q_norm, k_norm = (getattr(attn, name, None) for name in ("q_norm", "k_norm"))
+            norm_ptrs = [0, 0] if q_norm is None else [q_norm.weight.data_ptr(), k_norm.weight.data_ptr()]
+            moe = self._moe_descriptors[i]
             rows.append([weights[0], 0 if bias is None else bias.data_ptr(), weights[1], weights[2], weights[3],
                          layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                         k_buf.data_ptr(), v_buf.data_ptr(), *amx_ptrs, *quant_ptrs])
+                         k_buf.data_ptr(), v_buf.data_ptr(), *amx_ptrs, *quant_ptrs, *norm_ptrs,
+                         0 if moe is None else moe.data_ptr()])
             if len(rows[-1]) != fields:
                 raise RuntimeError(f"decode_native.c expects {fields} fields per layer")
         # The tensors whose addresses are passed stay referenced by the model and the pool for its lifetime.
@@ -156,8 +190,11 @@ class NativeDecode:
         self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None or self.quantized \
             else head_packed.pair
         self._vocab = model.lm_head.vocab_size
-        self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim, mlp.down_proj.in_local)
+        dense = [layer.mlp for layer in model.layers if not isinstance(layer.mlp, MoEBlock)]
+        self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim,
+                      dense[0].down_proj.in_local if dense else 0)
         self._eps = cfg.rms_norm_eps
+        self._scale = attn.scaling  # the modular path's score scale, to the bit
         self.max_batch = QUANT_MAX_BATCH if self.quantized else AMX_MAX_BATCH if self.uses_amx else MAX_BATCH
 
     @classmethod
@@ -194,8 +231,16 @@ class NativeDecode:
         if parallel.tp_size > 1 and parallel.tp_comm is None:
             return ("at tp_size > 1 it needs the shared-memory all-reduce (TP ranks on one host, without "
                     "--disable-custom-all-reduce)")
-        if type(model) is not LlamaForCausalLM or _has_family_features(model.cfg):
-            return f"{type(model).__name__} ({model.cfg.architecture}) is not a plain Llama-architecture model"
+        odd = _unsupported_features(model.cfg)
+        if type(model) not in _NATIVE_MODELS or odd:
+            return (f"{type(model).__name__} ({model.cfg.architecture}) is not a Llama, Qwen3 or Qwen3-MoE-style "
+                    f"model" + (f" (it sets {', '.join(odd)})" if odd else ""))
+        moes = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+        if moes and parallel.tp_size > 1:
+            return "a mixture-of-experts model under tensor parallelism (its all-reduce is float32)"
+        if any(moe.native_tables is None for moe in moes):
+            return ("its experts are not all kept quantized in types the native kernels run (the one-call step "
+                    "runs GGUF-quantized experts only)")
         if _has_int_weights(model):
             return ("the weights are a Hugging Face checkpoint's integer weights (gptq, awq, w8a8_int8 or "
                     "--torchao-config), for which the native step has no kernel")
@@ -206,15 +251,15 @@ class NativeDecode:
         if model.rotary.long_after is not None:
             return "LongRoPE picks a table per request, which the native step does not"
         if quantized_weights(model)[1]:
-            linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            linears = [lin for layer in model.layers for lin in _layer_linears(layer)]
             if any(_quant_descriptor(lin.quant) is None for lin in linears) or _quant_head_descriptor(model) is None:
                 return ("some weights are kept quantized and others not (or a type has no native kernel here); "
                         "the native step takes all-quantized or all-bf16 models")
         elif model.lm_head.packed is None:
             return "the LM head has no float32-output kernel here (AMX or AVX512-BF16)"
         cfg, attn = model.cfg, model.layers[0].self_attn
-        widths = (cfg.hidden_size, attn.num_heads * cfg.head_dim, model.layers[0].mlp.down_proj.in_local)
+        widths = (cfg.hidden_size, attn.num_heads * cfg.head_dim,
+                  *(layer.mlp.down_proj.in_local for layer in model.layers if not isinstance(layer.mlp, MoEBlock)))
         if any(w % 32 for w in widths):
             return f"layer widths {widths} are not multiples of 32"
         return None
@@ -252,7 +297,7 @@ class NativeDecode:
             ptr(kv_indices.data_ptr()), ptr(out_loc.data_ptr()), ptr(logits.data_ptr()),
             ptr(None if trace is None else trace.data_ptr()), ctypes.c_int(torch.get_num_threads()),
             *paged_attention.plan_arguments(md.shared), ptr(None if self._comm is None else self._comm.handle),
-            ctypes.c_int(self._kv_format))
+            ctypes.c_int(self._kv_format), ctypes.c_float(self._scale))
         if rc == DECODE_COMM_FAILED:
             self._comm.raise_timeout("tensor-parallel all-reduce in the native decode step")
         if rc != 0:

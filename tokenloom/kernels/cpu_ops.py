@@ -1,10 +1,12 @@
 """Native row-wise kernels of the decoder layer on the CPU (csrc/cpu_ops.c): RMSNorm with the residual add,
-SiLU-and-mul and rotary embedding, one call each instead of a chain of small aten ops; and a row argmax
-(torch's CPU argmax over a vocabulary-wide row is ~10x slower than reading it); and a grammar bitmask applied
-to float32 logits in place (unpacking the bits with torch costs ~10x more than the one pass the kernel makes).
+SiLU-and-mul, rotary embedding and Qwen3's per-head q/k RMSNorm, one call each instead of a chain of small aten
+ops; and a row argmax (torch's CPU argmax over a vocabulary-wide row is ~10x slower than reading it); and a
+grammar bitmask applied to float32 logits in place (unpacking the bits with torch costs ~10x more than the one
+pass the kernel makes).
 
 `available(x)` says whether a tensor can take the native path (CPU, float32 or bfloat16, kernels built);
-callers keep their torch expression as the fallback. Every function computes in float32 and rounds once.
+callers keep their torch expression as the fallback. Every function computes in float32 and rounds once
+(the q/k norm twice, in transformers' order).
 """
 
 from __future__ import annotations
@@ -90,6 +92,23 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin
     _fn("rope_part", x.dtype)(_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(pos), _ptr(cos_table), _ptr(sin_table),
                               ctypes.c_int64(rows), ctypes.c_int(heads), ctypes.c_int(dim), ctypes.c_int(rot),
                               ctypes.c_int(torch.get_num_threads()))
+    return True
+
+
+def qk_head_norm_(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> bool:
+    """Per-head RMSNorm of the q and k heads of bf16 qkv rows [T, (q_heads + 2 * kv_heads) * head_dim] in place
+    (transformers' order: normalize in float32, round, scale by the weight, round); the v heads are untouched.
+    False, touching nothing, when the native path cannot take these tensors (the caller keeps its torch path)."""
+    if not (qkv.dim() == 2 and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1 and available(qkv)
+            and qkv.shape[1] >= (q_heads + kv_heads) * head_dim):
+        return False
+    qw, kw = (w.to(torch.bfloat16).contiguous() for w in (q_weight, k_weight))
+    if qw.numel() != head_dim or kw.numel() != head_dim:
+        raise ValueError(f"q/k norm weights of {qw.numel()} / {kw.numel()} for head_dim {head_dim}")
+    _lib().qk_head_norm_bf16(_ptr(qkv), ctypes.c_int64(qkv.stride(0)), ctypes.c_int64(qkv.shape[0]),
+                             ctypes.c_int(q_heads), ctypes.c_int(kv_heads), ctypes.c_int(head_dim), _ptr(qw), _ptr(kw),
+                             ctypes.c_float(eps), ctypes.c_int(torch.get_num_threads()))
     return True
 
 

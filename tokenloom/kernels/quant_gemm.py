@@ -170,6 +170,7 @@ def _native() -> ctypes.CDLL | None:
     lib.quant_repack.argtypes = [i32, ptr, i64, i64]
     lib.quant_path.argtypes = [i32, i64, i64, i32]
     lib.quant_moe.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.moe_route_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, i32, ptr, ptr, i32]
     return lib
 
 
@@ -280,6 +281,26 @@ def moe_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_weight: torch.Te
     if rc:
         _check(rc, f"moe experts (hidden {x.shape[1]}, inter {inter})")
     return out
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An MoE router in one native call (csrc/quant_moe.c's moe_route_bf16, the native decode step's router):
+    (weights float32 [T, k], expert ids int64 [T, k]) of each bf16 row of x [T, H] against the float32 router
+    [E, H]: softmax over the experts, top-k by descending weight (ties: the lower expert), renormalized to sum 1
+    when asked. None when the native library is not built or the tensors are not these dtypes (the caller then
+    routes with torch)."""
+    lib = _native()
+    if lib is None or x.dtype != torch.bfloat16 or router.dtype != torch.float32 or x.dim() != 2 \
+            or x.device.type != "cpu" or x.stride(1) != 1 or not router.is_contiguous():
+        return None
+    t, experts = x.shape[0], router.shape[0]
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    _check(lib.moe_route_bf16(_ptr(x), x.stride(0), t, x.shape[1], _ptr(router), experts, top_k, int(renormalize),
+                              _ptr(weights), _ptr(ids), torch.get_num_threads()),
+           f"moe router ({experts} experts, top {top_k}, hidden {x.shape[1]})")
+    return weights, ids
 
 
 def embedding(ids: torch.Tensor, qm: QuantMatrix, dtype: torch.dtype) -> torch.Tensor:

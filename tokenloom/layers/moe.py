@@ -1,7 +1,8 @@
 """Mixture-of-experts feed-forward: a router picks `top_k` of `num_experts` SwiGLU experts per token.
 
 Routing (`route`): router logits in float32, softmax over all experts, top-k, optionally renormalised to sum 1
-(`norm_topk_prob`; Mixtral and Qwen3-MoE checkpoints renormalise, OLMoE and Qwen2-MoE do not).
+(`norm_topk_prob`; Mixtral and Qwen3-MoE checkpoints renormalise, OLMoE and Qwen2-MoE do not); bf16 rows on the
+CPU in one native call (csrc/quant_moe.c's router, which the one-call native decode step also runs).
 
 Grouped execution (`FusedMoE.forward`): the step's (token, expert) pairs are sorted by expert, so each active
 expert runs its gate_up and down projections once on all of its rows: an expert's weights are read once per
@@ -44,7 +45,12 @@ class MoEWeightError(ValueError):
 
 def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64) of each token's top-k experts."""
+    """(weights [T, k] float32, expert ids [T, k] int64) of each token's top-k experts. bf16 rows on the CPU
+    route in one native call (the native decode step's router, so the two paths pick the same experts with
+    the same weights); otherwise torch."""
+    native = quant_gemm.moe_route(hidden, router, top_k, renormalize)
+    if native is not None:
+        return native
     logits = F.linear(hidden.float(), router.float())
     probs = torch.softmax(logits, dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)

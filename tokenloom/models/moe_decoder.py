@@ -25,6 +25,7 @@ from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.forward_batch import ForwardBatch
+from tokenloom.kernels import cpu_ops
 from tokenloom.layers.attention.base import AttentionBackend
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.linear import WeightShapeError, _copy_checked
@@ -98,8 +99,10 @@ class QKNormAttention(LlamaAttention):
         q = qkv[:, : h * d].view(t, h, d)
         k = qkv[:, h * d: (h + kv) * d].view(t, kv, d)
         if self.mode == "head":
-            q = self._norm(q, self.q_norm.weight, q.float().pow(2).sum(-1, keepdim=True), d)
-            k = self._norm(k, self.k_norm.weight, k.float().pow(2).sum(-1, keepdim=True), d)
+            # native: in place on qkv, so q and k (its views) hold the result (the native decode step's kernel)
+            if not cpu_ops.qk_head_norm_(qkv, h, kv, d, self.q_norm.weight, self.k_norm.weight, self.eps):
+                q = self._norm(q, self.q_norm.weight, q.float().pow(2).sum(-1, keepdim=True), d)
+                k = self._norm(k, self.k_norm.weight, k.float().pow(2).sum(-1, keepdim=True), d)
         else:
             # the whole projection's mean square: each rank's partial sums, all-reduced (a KV head replicated
             # on several ranks contributes once)

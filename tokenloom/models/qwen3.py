@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.forward_batch import ForwardBatch
+from tokenloom.kernels import cpu_ops
 from tokenloom.layers.attention.base import AttentionBackend
 from tokenloom.layers.linear import _copy_checked
 from tokenloom.layers.norm import RMSNorm
@@ -35,10 +36,14 @@ class Qwen3Attention(LlamaAttention):
                 rotary: RotaryStep) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         t, h, kv, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        # One row per head: the norm runs over head_dim (the slices are strided, so this copies once).
-        q = self.q_norm(qkv[:, : h * d].reshape(t * h, d)).view(t, h, d)
-        k = self.k_norm(qkv[:, h * d: (h + kv) * d].reshape(t * kv, d)).view(t, kv, d)
-        qk = RotaryEmbedding.apply(torch.cat((q, k), dim=1), rotary)  # q and k heads rotated in one pass
+        if cpu_ops.qk_head_norm_(qkv, h, kv, d, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps):
+            qk = qkv[:, : (h + kv) * d].view(t, h + kv, d)  # normalized in place (the native decode step's kernel)
+        else:
+            # One row per head: the norm runs over head_dim (the slices are strided, so this copies once).
+            q = self.q_norm(qkv[:, : h * d].reshape(t * h, d)).view(t, h, d)
+            k = self.k_norm(qkv[:, h * d: (h + kv) * d].reshape(t * kv, d)).view(t, kv, d)
+            qk = torch.cat((q, k), dim=1)
+        qk = RotaryEmbedding.apply(qk, rotary)  # q and k heads rotated in one pass
         v = qkv[:, (h + kv) * d:].view(t, kv, d)
         return self.o_proj(attn.forward(qk[:, :h], qk[:, h:], v, self.layer_id, self.scaling, batch))
 

@@ -8,6 +8,7 @@
  *   silu_and_mul:  out[:, i] = silu(x[:, i]) * x[:, inter + i]
  *   rope:          rotate-half rotary embedding of every head of x, in place, from float32 cos/sin tables
  *   rope_part:     the same on the first rot_dim elements of each head only (partial rotary, Phi-4-mini)
+ *   qk_head_norm:  per-head RMSNorm of the q and k heads of packed qkv rows, in place (Qwen3's q_norm/k_norm)
  *   argmax_rows:   index of each float32 row's maximum, as torch.argmax gives it (first maximum; a NaN wins)
  *   apply_token_bitmask: -inf into the float32 logits a packed grammar bitmask disallows (constrained decoding)
  *
@@ -120,6 +121,31 @@ KERNEL_API int rms_norm_bf16_res32(const uint16_t *x, int64_t x_stride, const fl
         const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
         uint16_t *o = out + r * hidden;
         for (int64_t i = 0; i < hidden; ++i) o[i] = f32_to_bf16(ro[i] * inv * bf16_to_f32(w[i]));
+    }
+    return 0;
+}
+
+/* Qwen3's q_norm / k_norm: in each row of qkv (row r at qkv + r * stride: q_heads heads then kv_heads heads of
+ * head_dim, contiguous), every q head is RMS-normalized and scaled by q_w, every k head by k_w (weights of
+ * head_dim), in place; the v heads after them are not touched. transformers' order and roundings: normalize in
+ * float32, round to bf16, multiply by the weight, round again (Qwen3RMSNorm). */
+KERNEL_API int qk_head_norm_bf16(uint16_t *qkv, int64_t stride, int64_t rows, int q_heads, int kv_heads,
+                                 int head_dim, const uint16_t *q_w, const uint16_t *k_w, float eps, int threads) {
+    const int heads = q_heads + kv_heads;
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * head_dim, threads))")
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int h = 0; h < heads; ++h) {
+            uint16_t *x = qkv + r * stride + (int64_t)h * head_dim;
+            const uint16_t *w = h < q_heads ? q_w : k_w;
+            float ss = 0.f;
+            for (int i = 0; i < head_dim; ++i) {
+                const float v = bf16_to_f32(x[i]);
+                ss += v * v;
+            }
+            const float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
+            for (int i = 0; i < head_dim; ++i)
+                x[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv)));
+        }
     }
     return 0;
 }

@@ -15,6 +15,12 @@
  * streams the plain weight through linear_small). A model whose weights are kept quantized (a GGUF's blocks)
  * sets the *_Q fields to its linears' segment descriptors (see step_quant_linear) and passes `lm_head_q`:
  * its matmuls are then csrc/quant_gemm.c's quant_linear, the very kernel the modular path calls.
+ *
+ * Qwen3-style layers: F_Q_NORM / F_K_NORM (per-head RMSNorm weights of q and k, applied before RoPE by
+ * qk_head_norm_bf16, the modular path's kernel). Mixture-of-experts layers: F_MOE points at the block's
+ * descriptor (MOE_* fields: router, top-k, renormalization, per expert the GGUF type and data of gate_up and
+ * down) and the MLP fields are unused; the block is csrc/quant_moe.c's moe_block_bf16, routed by the modular
+ * path's router kernel, and its float32 sum is rounded to bf16 as the modular path rounds it.
  */
 #include "bf16_common.h"
 #include <math.h>
@@ -24,8 +30,15 @@
 
 enum {
     F_QKV, F_QKV_BIAS, F_O, F_GATE_UP, F_DOWN, F_LN_IN, F_LN_POST, F_K_POOL, F_V_POOL,
-    F_QKV_AMX, F_O_AMX, F_GATE_UP_AMX, F_DOWN_AMX, F_QKV_Q, F_O_Q, F_GATE_UP_Q, F_DOWN_Q, LAYER_FIELDS
+    F_QKV_AMX, F_O_AMX, F_GATE_UP_AMX, F_DOWN_AMX, F_QKV_Q, F_O_Q, F_GATE_UP_Q, F_DOWN_Q, F_Q_NORM, F_K_NORM,
+    F_MOE, LAYER_FIELDS
 };
+
+/* An MoE block's descriptor (F_MOE; 0 for a dense MLP): its int64 fields, in this order. */
+enum { MOE_ROUTER, MOE_EXPERTS, MOE_TOP_K, MOE_RENORMALIZE, MOE_INTER, MOE_GU_TYPE, MOE_GU_DATA, MOE_DOWN_TYPE,
+       MOE_DOWN_DATA, MOE_FIELDS };
+
+KERNEL_API int decode_moe_fields(void) { return MOE_FIELDS; }
 
 KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
 
@@ -92,6 +105,21 @@ static int step_attention(int kv_format, const uint16_t *q, int64_t q_stride, vo
                                        group_ptr, members, groups);
 }
 
+/* A mixture-of-experts block (desc: MOE_* fields) on normed [m, hidden]: out (bf16 [m, hidden]) = the rounded
+ * routing-weighted sum of the routed experts' outputs; sum (float32 [m, hidden]) is scratch. */
+static int step_moe(const int64_t *desc, const uint16_t *normed, uint16_t *out, float *sum, int m, int64_t hidden,
+                    int threads) {
+    const int rc = moe_block_bf16(normed, m, hidden, (const float *)(intptr_t)desc[MOE_ROUTER], desc[MOE_EXPERTS],
+                                  (int)desc[MOE_TOP_K], (int)desc[MOE_RENORMALIZE], desc[MOE_INTER],
+                                  (const int32_t *)(intptr_t)desc[MOE_GU_TYPE],
+                                  (const int64_t *)(intptr_t)desc[MOE_GU_DATA],
+                                  (const int32_t *)(intptr_t)desc[MOE_DOWN_TYPE],
+                                  (const int64_t *)(intptr_t)desc[MOE_DOWN_DATA], sum, threads);
+    if (rc != 0) return -1;
+    for (int64_t i = 0; i < (int64_t)m * hidden; ++i) out[i] = f32_to_bf16(sum[i]);
+    return 0;
+}
+
 /* Returned when a tensor-parallel all-reduce failed (a peer did not arrive in time: shm_comm_missing_rank). */
 #define DECODE_COMM_FAILED (-3)
 
@@ -103,7 +131,8 @@ static int step_attention(int kv_format, const uint16_t *q, int64_t q_stride, vo
  * The residual stream is float32 (as in the modular path). `trace`, when not NULL, receives every layer's
  * output (bf16 [m, hidden]) then residual stream (float32 [m, hidden]), per layer (for tests). share_len ..
  * groups: the step's shared-prefix plan (see plan_shared_prefixes), or NULL/0. kv_format: the KV pool's
- * elements (see step_attention). Returns 0, -1
+ * elements (see step_attention). scale: the attention's score scale as the modular path passes it (computed
+ * here, -ffast-math would make 1/sqrtf an approximate reciprocal square root: not the same float). Returns 0, -1
  * when a shape is unsupported or memory runs out, or DECODE_COMM_FAILED (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
                                    const uint16_t *lm_head_amx, const uint16_t *lm_head_pair,
@@ -114,24 +143,24 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                    const int64_t *positions, const int64_t *kv_indptr, const int64_t *kv_indices,
                                    const int64_t *out_loc, float *logits, uint16_t *trace, int threads,
                                    const int64_t *share_len, const int *group_ptr, const int *members,
-                                   int groups, tl_shm_comm *tp_comm, int kv_format) {
+                                   int groups, tl_shm_comm *tp_comm, int kv_format, float scale) {
     const int64_t qkv_width = (int64_t)(heads + 2 * kv_heads) * head_dim, attn_width = (int64_t)heads * head_dim;
-    const float scale = 1.f / sqrtf((float)head_dim);
     /* scratch buffers start on 64-byte boundaries like torch's tensors: vectorized float reductions peel
      * to alignment, so their summation order (and rounding) depends on where a row starts */
 #define ALIGNED(n) (((n) + 31) / 32 * 32)
     /* (the residual stream is float32: it takes two bf16 slots per element) */
-    const int64_t sizes[7] = {ALIGNED((int64_t)m * hidden), ALIGNED(2 * (int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
+    const int64_t sizes[8] = {ALIGNED((int64_t)m * hidden), ALIGNED(2 * (int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
                               ALIGNED(m * qkv_width), ALIGNED(m * attn_width), ALIGNED(2 * (int64_t)m * inter),
-                              ALIGNED((int64_t)m * inter)};
+                              ALIGNED((int64_t)m * inter), ALIGNED(2 * (int64_t)m * hidden)};
 #undef ALIGNED
     int64_t total = 0;
-    for (int i = 0; i < 7; ++i) total += sizes[i];
+    for (int i = 0; i < 8; ++i) total += sizes[i];
     uint16_t *scratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)total);
     if (scratch == NULL) return -1;
     uint16_t *x = scratch, *normed = x + sizes[0] + sizes[1], *qkv = normed + sizes[2];
     float *residual = (float *)(x + sizes[0]);
     uint16_t *attn = qkv + sizes[3], *gate_up = attn + sizes[4], *act = gate_up + sizes[5];
+    float *moe_sum = (float *)(act + sizes[6]); /* an MoE block's float32 sum */
     int rc = 0, comm_failed = 0;
     memcpy(x, embedded, sizeof(uint16_t) * (size_t)m * hidden);
     for (int l = 0; l < layers && rc == 0 && !comm_failed; ++l) {
@@ -144,6 +173,9 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
         }
         rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), Q(l, F_QKV_Q), P(l, F_QKV_BIAS), qkv, m, qkv_width,
                           hidden, threads);
+        if (P(l, F_Q_NORM) != NULL)
+            qk_head_norm_bf16(qkv, qkv_width, m, heads, kv_heads, head_dim, P(l, F_Q_NORM), P(l, F_K_NORM), eps,
+                              threads);
         rope_bf16(qkv, qkv_width, positions, cos_table, sin_table, m, heads + kv_heads, head_dim, threads);
         rc |= step_attention(kv_format, qkv, qkv_width, P(l, F_K_POOL), P(l, F_V_POOL), kv_indptr, kv_indices,
                              attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads, qkv + attn_width,
@@ -153,12 +185,17 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
         if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
             comm_failed = 1;
         rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
-        rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), Q(l, F_GATE_UP_Q), NULL, gate_up, m,
-                          2 * (int64_t)inter, hidden, threads);
-        silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
-        rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), Q(l, F_DOWN_Q), NULL, x, m, hidden, inter, threads);
-        if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
-            comm_failed = 1;
+        if (Q(l, F_MOE) != NULL) { /* (the Python side refuses MoE under TP: its all-reduce is float32) */
+            rc |= tp_comm != NULL ? -1 : step_moe(Q(l, F_MOE), normed, x, moe_sum, m, hidden, threads);
+        } else {
+            rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), Q(l, F_GATE_UP_Q), NULL, gate_up, m,
+                              2 * (int64_t)inter, hidden, threads);
+            silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
+            rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), Q(l, F_DOWN_Q), NULL, x, m, hidden, inter,
+                              threads);
+            if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
+                comm_failed = 1;
+        }
         if (trace != NULL) { /* layer l's output and residual stream (float32), [layers][m][3][hidden] bf16 slots */
             uint16_t *at = trace + (int64_t)l * 3 * m * hidden;
             memcpy(at, x, sizeof(uint16_t) * (size_t)m * hidden);

@@ -21,6 +21,11 @@
  * groups: group_start[G + 1] (pair offsets), per group the expert's gate_up ([2 * inter, hidden], gate rows
  * then up rows) and down ([hidden, inter]) weights as (type, repacked data). out float32 [T, hidden], written
  * whole. Returns 0 or a negative QUANT_E* code.
+ *
+ * Also here: the router (`moe_route_bf16`: logits, softmax, top-k, renormalization, shared by the modular path
+ * and the native decode step so the two route identically) and `moe_block_bf16`, a whole MoE block for the
+ * native decode step (route, group the pairs by expert exactly as layers/moe.py's stable argsort does, run
+ * quant_moe).
  */
 #include <math.h>
 
@@ -145,4 +150,111 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
     (void)threads;
     return QUANT_E_TYPE;
 #endif
+}
+
+/* An MoE layer's router for rows of x (bf16 [m, hidden], rows x_stride apart): logits = x . router^T in float32
+ * (router float32 [experts, hidden]), softmax over the experts, the top_k largest probabilities (of equal ones,
+ * the lower expert first), divided by their sum when `renormalize`. weights [m, top_k] float32 and ids
+ * [m, top_k] int64, each row by descending weight (torch.topk's order). Returns 0 or QUANT_E_SHAPE /
+ * QUANT_E_MEMORY. */
+KERNEL_API int moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t hidden, const float *router,
+                              int64_t experts, int top_k, int renormalize, float *weights, int64_t *ids,
+                              int threads) {
+    if (m < 0 || hidden <= 0 || experts <= 0 || top_k <= 0 || top_k > experts) return QUANT_E_SHAPE;
+    int failed = 0;
+    const int team = m * experts * hidden >= (1 << 22) && threads > 1 ? threads : 1;
+    _Pragma("omp parallel num_threads(team)")
+    {
+        float *xf = malloc(sizeof(float) * (size_t)(hidden + experts)), *p = xf + hidden;
+        if (xf == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t r = 0; r < m; ++r) {
+            if (xf == NULL) continue;
+            const uint16_t *xr = x + r * x_stride;
+            for (int64_t i = 0; i < hidden; ++i) xf[i] = bf16_to_f32(xr[i]);
+            float top = -3.0e38f; /* below any finite logit (-ffast-math: no infinities) */
+            for (int64_t e = 0; e < experts; ++e) {
+                const float *w = router + e * hidden;
+                float acc = 0.f;
+                for (int64_t i = 0; i < hidden; ++i) acc += xf[i] * w[i];
+                p[e] = acc;
+                top = acc > top ? acc : top;
+            }
+            float sum = 0.f;
+            for (int64_t e = 0; e < experts; ++e) {
+                p[e] = expf(p[e] - top);
+                sum += p[e];
+            }
+            for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+            float *wr = weights + r * top_k, picked = 0.f;
+            int64_t *ir = ids + r * top_k;
+            for (int j = 0; j < top_k; ++j) {
+                int64_t best = -1;
+                for (int64_t e = 0; e < experts; ++e) /* taken experts hold -1, below every probability */
+                    if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+                wr[j] = p[best];
+                ir[j] = best;
+                picked += p[best];
+                p[best] = -1.f;
+            }
+            if (renormalize)
+                for (int j = 0; j < top_k; ++j) wr[j] /= picked;
+        }
+        free(xf);
+    }
+    return failed ? QUANT_E_MEMORY : QUANT_OK;
+}
+
+/* An MoE block of the native decode step (layers/moe.py's FusedMoE with every expert on this rank): route x
+ * (bf16 [m, hidden], contiguous), group the (token, expert) pairs by expert, tokens ascending within an expert
+ * (the order layers/moe.py's stable argsort of the flattened ids gives), run the active experts through quant_moe
+ * and leave the routing-weighted sum in out (float32 [m, hidden]). Per expert e: gate_up (gu_type[e],
+ * gu_data[e]) [2 * inter, hidden] and down (down_type[e], down_data[e]) [hidden, inter]. */
+static int moe_block_bf16(const uint16_t *x, int64_t m, int64_t hidden, const float *router, int64_t experts,
+                          int top_k, int renormalize, int64_t inter, const int32_t *gu_type, const int64_t *gu_data,
+                          const int32_t *down_type, const int64_t *down_data, float *out, int threads) {
+    const int64_t pairs = m * top_k;
+    float *weights = malloc(sizeof(float) * (size_t)(2 * pairs + 1));
+    float *pair_weight = weights + pairs;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(2 * pairs + 4 * experts + 2));
+    int32_t *types = malloc(sizeof(int32_t) * (size_t)(2 * experts + 1));
+    if (weights == NULL || ids == NULL || types == NULL) {
+        free(weights); free(ids); free(types);
+        return QUANT_E_MEMORY;
+    }
+    int64_t *pair_token = ids + pairs, *next = pair_token + pairs, *group_start = next + experts;
+    int64_t *data = group_start + experts + 1;
+    int rc = moe_route_bf16(x, hidden, m, hidden, router, experts, top_k, renormalize, weights, ids, threads);
+    if (rc == QUANT_OK) {
+        /* counting sort of the flattened pairs by expert: stable, so tokens stay ascending within an expert */
+        for (int64_t e = 0; e < experts; ++e) next[e] = 0;
+        for (int64_t p = 0; p < pairs; ++p) next[ids[p]] += 1;
+        int64_t groups = 0, at = 0;
+        for (int64_t e = 0; e < experts; ++e) {
+            const int64_t count = next[e];
+            next[e] = at;
+            if (count) {
+                group_start[groups] = at;
+                types[groups] = gu_type[e];
+                types[experts + groups] = down_type[e];
+                data[groups] = gu_data[e];
+                data[experts + groups] = down_data[e];
+                ++groups;
+            }
+            at += count;
+        }
+        group_start[groups] = pairs;
+        for (int64_t p = 0; p < pairs; ++p) {
+            const int64_t slot = next[ids[p]]++;
+            pair_token[slot] = p / top_k;
+            pair_weight[slot] = weights[p];
+        }
+        rc = quant_moe(m, hidden, inter, x, pairs, pair_token, pair_weight, groups, group_start, types,
+                       data, types + experts, data + experts, out, threads);
+    }
+    free(weights); free(ids); free(types);
+    return rc;
 }
