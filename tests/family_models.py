@@ -11,6 +11,8 @@ be needed for K-quants). Other families add a line to `FAMILY_SPECS`.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,10 +45,13 @@ class FamilySpec:
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields over BASE
     rope_theta: float = 10000.0
     chat_template: str | None = None  # saved with the tokenizer (else SmolLM2's)
+    # GGUF twins: the converter reads the saved tokenizer.json (tests/llama_cpp_convert.py says why)
+    saved_tokenizer: bool = False
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {
-    "qwen2": FamilySpec("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False), rope_theta=1e6),
+    "qwen2": FamilySpec("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False), rope_theta=1e6,
+                        saved_tokenizer=True),
     # head_dim 32 != 64 / 4: the q/k norms and attention must take it from the config
     "qwen3": FamilySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, use_sliding_window=False),
                         rope_theta=1e6, chat_template=QWEN3_STYLE_TEMPLATE),
@@ -64,7 +69,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@functools.cache
 def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer, read once per process (reading it from the default GGUF takes seconds); callers
+    that change it (a chat template) restore it."""
     from tokenloom.config import ServerArgs
     from tokenloom.models.loader import resolve_model_source
     from tokenloom.tokenizer import load_tokenizer
@@ -91,9 +99,13 @@ def make_family_model(family: str, folder: str, seed: int = 0, chat_template: st
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = smollm2_tokenizer()
-    if chat_template or spec.chat_template:
-        tokenizer.chat_template = chat_template or spec.chat_template
-    tokenizer.save_pretrained(folder)
+    own_template = tokenizer.chat_template
+    try:
+        if chat_template or spec.chat_template:
+            tokenizer.chat_template = chat_template or spec.chat_template
+        tokenizer.save_pretrained(folder)
+    finally:  # the cached tokenizer keeps SmolLM2's template for the next caller
+        tokenizer.chat_template = own_template
     return model
 
 
@@ -107,5 +119,7 @@ def gguf_twin(folder: str, outtype: str = "f32", out_dir: str | None = None) -> 
     out_dir = out_dir or os.path.dirname(os.path.abspath(folder))
     path = os.path.join(out_dir, f"{os.path.basename(os.path.abspath(folder))}-{outtype}.gguf")
     if not os.path.exists(path):
-        convert(folder, path, outtype)
+        with open(os.path.join(folder, "config.json")) as f:
+            spec = FAMILY_SPECS.get(json.load(f)["model_type"])
+        convert(folder, path, outtype, saved_tokenizer=spec is not None and spec.saved_tokenizer)
     return path

@@ -8,11 +8,12 @@ and global RoPE bases with linear scaling on the global layers.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
 import torch
+
+from tests.family_models import smollm2_tokenizer as _smollm2_tokenizer  # read once per process
 
 WINDOW = 12
 
@@ -36,16 +37,6 @@ def hf_config(kind: str, **overrides: Any):
 
     cls = {"gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[kind]
     return cls(**{**COMMON, "sliding_window": WINDOW, **KINDS[kind], **overrides})
-
-
-@functools.cache
-def _smollm2_tokenizer():
-    """SmolLM2's tokenizer, read once per process (reading it from the default GGUF takes seconds)."""
-    from tokenloom.config import ServerArgs
-    from tokenloom.models.loader import resolve_model_source
-    from tokenloom.tokenizer import load_tokenizer
-
-    return load_tokenizer(resolve_model_source(ServerArgs()))
 
 
 def make_tiny_gemma(kind: str, folder: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

@@ -56,11 +56,9 @@ def make_tiny_phi3(folder: str, variant: str, seed: int = 0, smollm2_tokenizer: 
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     if smollm2_tokenizer:
-        from tokenloom.config import ServerArgs
-        from tokenloom.models.loader import resolve_model_source
-        from tokenloom.tokenizer import load_tokenizer
+        from tests.family_models import smollm2_tokenizer  # read once per process
 
-        load_tokenizer(resolve_model_source(ServerArgs())).save_pretrained(folder)
+        smollm2_tokenizer().save_pretrained(folder)
     return model
 
 

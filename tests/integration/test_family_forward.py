@@ -11,9 +11,10 @@ converter.
 - GGUF f32: the same bound as HF float32 (Qwen3: not permuted, q/k norms as attn_q_norm/attn_k_norm; SmolLM3:
   Q/K un-permuted); GGUF q8_0 kept quantized (q/k/v, o, gate/up, down as quantized weights) within 0.03 of the
   same file dequantized, the tolerance of test_quantized_gguf.py (int8 activation blocks); the Qwen3 twin's
-  `tokenizer.chat_template` renders (thinking on and off) and tokenizes as the folder's. Qwen2 has no GGUF
-  twin: with SmolLM2's tokenizer under model_type qwen2, transformers builds Qwen2's pre-tokenizer, whose hash
-  llama.cpp's converter does not know.
+  `tokenizer.chat_template` renders (thinking on and off) and tokenizes as the folder's. Qwen2's twin (arch
+  qwen2: q/k/v biases as attn_{q,k,v}.bias) is converted with the folder's tokenizer.json read as saved: with
+  SmolLM2's tokenizer under model_type qwen2, transformers builds Qwen2's pre-tokenizer, whose hash on that
+  vocabulary llama.cpp's converter does not know (tests/llama_cpp_convert.py).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def test_bf16_default_is_as_close_to_fp32_as_transformers_bf16(family_model_dir,
     assert kl <= 2 * ref_kl and top1 >= ref_top1 - 0.03, summary
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "smollm3"])
+@pytest.mark.parametrize("variant", ["qwen3", "smollm3", "qwen2"])
 def test_gguf_twins_load_and_match(family_model_dir, variant):
     from tokenloom.layers.quant_linear import QuantWeight
     from tokenloom.models.gguf_file import GGUFFile
