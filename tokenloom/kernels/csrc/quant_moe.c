@@ -155,35 +155,36 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
 /* An MoE layer's router for rows of x (bf16 [m, hidden], rows x_stride apart): logits = x . router^T in float32
  * (router float32 [experts, hidden]), softmax over the experts, the top_k largest probabilities (of equal ones,
  * the lower expert first), divided by their sum when `renormalize`. weights [m, top_k] float32 and ids
- * [m, top_k] int64, each row by descending weight (torch.topk's order). Returns 0 or QUANT_E_SHAPE /
- * QUANT_E_MEMORY. */
+ * [m, top_k] int64, each row by descending weight (torch.topk's order). The logits are split over the threads
+ * by (row, expert): at decode the router matrix (experts x hidden floats, 0.5 MB for 128 x 1024) is the read,
+ * and one thread reading it alone leaves the other waiting past its spin (GOMP_SPINCOUNT) every layer. Each
+ * logit is one thread's sum in a fixed order, so the result does not depend on the thread count. Returns 0 or
+ * QUANT_E_SHAPE / QUANT_E_MEMORY. */
 KERNEL_API int moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t hidden, const float *router,
                               int64_t experts, int top_k, int renormalize, float *weights, int64_t *ids,
                               int threads) {
     if (m < 0 || hidden <= 0 || experts <= 0 || top_k <= 0 || top_k > experts) return QUANT_E_SHAPE;
-    int failed = 0;
-    const int team = m * experts * hidden >= (1 << 22) && threads > 1 ? threads : 1;
+    if (m == 0) return QUANT_OK;
+    float *xf = malloc(sizeof(float) * (size_t)(m * (hidden + experts)));
+    if (xf == NULL) return QUANT_E_MEMORY;
+    float *logits = xf + m * hidden;
+    const int team = m * experts * hidden >= (1 << 16) && threads > 1 ? threads : 1;
     _Pragma("omp parallel num_threads(team)")
     {
-        float *xf = malloc(sizeof(float) * (size_t)(hidden + experts)), *p = xf + hidden;
-        if (xf == NULL) {
-            _Pragma("omp atomic write")
-            failed = 1;
+        _Pragma("omp for schedule(static)")
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t i = 0; i < hidden; ++i) xf[r * hidden + i] = bf16_to_f32(x[r * x_stride + i]);
+        _Pragma("omp for schedule(static)")
+        for (int64_t re = 0; re < m * experts; ++re) {
+            const float *xr = xf + (re / experts) * hidden, *w = router + (re % experts) * hidden;
+            float acc = 0.f;
+            for (int64_t i = 0; i < hidden; ++i) acc += xr[i] * w[i];
+            logits[re] = acc;
         }
         _Pragma("omp for schedule(static)")
         for (int64_t r = 0; r < m; ++r) {
-            if (xf == NULL) continue;
-            const uint16_t *xr = x + r * x_stride;
-            for (int64_t i = 0; i < hidden; ++i) xf[i] = bf16_to_f32(xr[i]);
-            float top = -3.0e38f; /* below any finite logit (-ffast-math: no infinities) */
-            for (int64_t e = 0; e < experts; ++e) {
-                const float *w = router + e * hidden;
-                float acc = 0.f;
-                for (int64_t i = 0; i < hidden; ++i) acc += xf[i] * w[i];
-                p[e] = acc;
-                top = acc > top ? acc : top;
-            }
-            float sum = 0.f;
+            float *p = logits + r * experts, top = p[0], sum = 0.f;
+            for (int64_t e = 1; e < experts; ++e) top = p[e] > top ? p[e] : top;
             for (int64_t e = 0; e < experts; ++e) {
                 p[e] = expf(p[e] - top);
                 sum += p[e];
@@ -203,9 +204,9 @@ KERNEL_API int moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t m, in
             if (renormalize)
                 for (int j = 0; j < top_k; ++j) wr[j] /= picked;
         }
-        free(xf);
     }
-    return failed ? QUANT_E_MEMORY : QUANT_OK;
+    free(xf);
+    return QUANT_OK;
 }
 
 /* An MoE block of the native decode step (layers/moe.py's FusedMoE with every expert on this rank): route x
