@@ -3,8 +3,8 @@ counterpart of replaying a captured CUDA graph.
 
 At batch 1 a decode step makes ~300 small kernel calls; their Python and dispatch overhead cost about as
 much as streaming the weights. `NativeDecode.build` checks once, at load time, that the model and machine
-fit (CPU, bfloat16, one process holding every layer, a Llama-family model, the `cpu` attention backend, the
-native kernels built; the KV pool bf16 or fp8, whose attention calls the fp8 kernels of
+fit (CPU, bfloat16, one process holding every layer, a Llama, Qwen3 or Qwen3-MoE model, the `cpu` attention
+backend, the native kernels built; the KV pool bf16 or fp8, whose attention calls the fp8 kernels of
 csrc/paged_attention_fp8.c); `run(batch)` then replaces `model(batch, attn_backend)` for decode batches of at most
 `max_batch` requests. It runs the same kernels in the same order as the modular path. With AMX its matmuls
 are the AMX kernel (csrc/amx_gemm.c), which the modular path also picks up to `cpu_gemm.AMX_M_MAX` rows, so
@@ -19,6 +19,14 @@ path's `quant_gemm.linear` calls, with the same row-count rule, so the two paths
 batch size. Then the step takes up to `QUANT_MAX_BATCH` requests. A model that mixes quantized and float
 linears (or a quantized layer holding a float part) decodes through the modular path, as does a model with a
 Hugging Face checkpoint's integer weights (layers/int_quant.py: torch's kernels, no native descriptor).
+
+Qwen3 and mixture-of-experts models (Qwen3-MoE-style: routed experts, per-head q/k norms, dense layers among
+the sparse ones): the q/k norms are cpu_ops' in-place kernel and an MoE layer is csrc/quant_moe.c's block (the
+router kernel, then the grouped experts), the very kernels the modular path calls, so the two stay bit-identical.
+The experts must be GGUF-quantized in a type the native kernels run (a bf16 MoE decodes through the modular
+path), one process (no TP: the modular path all-reduces the experts' float32 sum), no shared expert. The
+attention's score scale is the modular path's own float (`scaling`), passed in: under -ffast-math a 1/sqrtf in
+C is an approximate reciprocal square root, not the same float.
 
 Tensor parallelism: each rank runs the step over its own shard (its heads, KV heads and MLP features; the
 layer widths passed are the shard's), and the C loop all-reduces the outputs of o_proj and down_proj through
