@@ -3,7 +3,7 @@ file's Q4_1/Q8_0 weights kept quantized (--quantization gguf, the default for a 
 decode step takes bf16 weights only, so decode runs through the modular model until it takes quantized ones),
 the `cpu` attention backend. The README's examples with their answers,
 over HTTP (`tokenloom serve`) and in-process (`tokenloom.Engine`); greedy output over HTTP equals the
-Engine's; a batch of more requests than the native step takes (its decode steps run through the modular
+Engine's (a batch of three: up to a near-tie, as below); a batch of more requests than the native step takes (its decode steps run through the modular
 model) gives the same greedy outputs as the same prompts sent one at a time, up to a near-tie (bf16 decode
 is not batch-invariant bit for bit; the batch test gives the measured reason).
 
@@ -56,7 +56,8 @@ def default_config():
                 "readme": engine.generate(PARIS_PROMPT, README_GREEDY),
                 "haiku_stream": list(engine.generate("Write a haiku", {"max_new_tokens": 32}, stream=True)),
                 "paris_stream": list(engine.generate(PARIS_PROMPT, README_GREEDY, stream=True)),
-                "prompts": engine.generate(PROMPTS, [dict(README_GREEDY)] * len(PROMPTS)),
+                "prompts": engine.generate(PROMPTS, [dict(README_GREEDY)] * len(PROMPTS), return_logprob=True,
+                                           top_logprobs_num=2),
                 "paris_prompt_tokens": len(tok(PARIS_PROMPT).input_ids),
                 "chat_prompt_tokens": len(chat_ids),
                 "server_args": engine.server_args,
@@ -137,14 +138,34 @@ def test_readme_openai_examples(default_config):
     assert whole.usage.completion_tokens <= 32
 
 
+def _assert_equal_up_to_a_near_tie(got: dict, want: dict, what: str) -> bool:
+    """Greedy outputs equal token for token, or equal up to where they first part, and there both runs at a
+    near-tie (the other run's token second, less than NEAR_TIE behind); True when wholly equal."""
+    k = _first_divergence(got["output_ids"][: len(want["output_ids"])], want["output_ids"][: len(got["output_ids"])])
+    if k is None:
+        return len(got["output_ids"]) == len(want["output_ids"])
+    for mine, other in ((got, want), (want, got)):
+        (top_lp, top_id, _), (second_lp, second_id, _) = mine["meta_info"]["output_top_logprobs"][k]
+        assert top_id == mine["output_ids"][k] and second_id == other["output_ids"][k], (what, k)
+        assert top_lp - second_lp < NEAR_TIE, (what, k, top_lp - second_lp, got["text"], want["text"])
+    return False
+
+
 def test_http_greedy_equals_engine(default_config):
+    """The same prompts as one batch over HTTP and through the Engine: equal greedy answers. Each side's batch
+    composition depends on when its requests reach the scheduler (the three may be admitted in one step or
+    two), and the quantized matmul's numerics depend on its rows per call (int8 activations for a few rows,
+    the dequantized weight for more); a full-suite run once parted at token 13 of one answer this way. So,
+    as in the batch test below, a divergence must be at a near-tie in both runs; a clear one (rows mixed,
+    stale KV) fails."""
     server, results = default_config
-    status, batch = http("POST", server.url + "/generate", {"text": PROMPTS, "sampling_params": README_GREEDY})
+    status, batch = http("POST", server.url + "/generate", {"text": PROMPTS, "sampling_params": README_GREEDY,
+                                                             "return_logprob": True, "top_logprobs_num": 2})
     assert status == 200, batch
-    for got, want in zip(batch, results["prompts"], strict=True):
-        assert got["output_ids"] == want["output_ids"]
-        assert got["text"] == want["text"]
-        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    for prompt, got, want in zip(PROMPTS, batch, results["prompts"], strict=True):
+        if _assert_equal_up_to_a_near_tie(got, want, prompt):
+            assert got["text"] == want["text"]
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
     assert "Paris" in batch[0]["text"]
 
 
