@@ -3,9 +3,10 @@ file's Q4_1/Q8_0 weights kept quantized (--quantization gguf, the default for a 
 decode step takes bf16 weights only, so decode runs through the modular model until it takes quantized ones),
 the `cpu` attention backend. The README's examples with their answers,
 over HTTP (`tokenloom serve`) and in-process (`tokenloom.Engine`); greedy output over HTTP equals the
-Engine's (a batch of three: up to a near-tie, as below); a batch of more requests than the native step takes (its decode steps run through the modular
-model) gives the same greedy outputs as the same prompts sent one at a time, up to a near-tie (bf16 decode
-is not batch-invariant bit for bit; the batch test gives the measured reason).
+Engine's (a batch of three: up to a near-tie, as below); a batch of more requests than the native step
+takes (its decode steps run through the modular model) gives the same greedy outputs as the same prompts
+sent one at a time, up to a near-tie (bf16 decode is not batch-invariant bit for bit; the batch test gives the
+measured reason).
 
 The server and the Engine get only a small KV pool (`max_total_tokens`) besides the README's own arguments
 and the server's log flags (info, a decode line per step: the batch test reads the decode batch sizes there).
