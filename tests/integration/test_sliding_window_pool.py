@@ -121,10 +121,16 @@ def test_pd_pair_transfers_both_pools(models, kind):
         prompts = {rid: torch.randint(0, 256, (n,), generator=gen).tolist() for rid, n in (("a", 45), ("b", 30),
                                                                                           ("c", 25))}
         greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
-        # "a" and "b" start decoding together (not one after the other, as a slow transfer could make them), so
-        # their growth overflows the decode pool and one retracts
-        side, prebuild = pair.decode.side, pair.decode.side._prebuild
-        side._prebuild = lambda: prebuild() if len(side.arrived) >= 2 or not (side.prealloc or side.transfer) else None
+        # "a" and "b" start decoding together (not one after the other, as a slow transfer or a late request
+        # message could make them), so their growth (135 positions) overflows the decode pool and one retracts
+        side, prebuild, first = pair.decode.side, pair.decode.side._prebuild, {"a", "b"}
+
+        def prebuild_a_and_b_together() -> None:
+            if first and not first <= {state.req.rid for state in side.arrived}:
+                return
+            first.clear()
+            prebuild()
+        side._prebuild = prebuild_a_and_b_together
         for rid, ids in prompts.items():
             pair.submit(rid, ids, greedy)
         results = pair.run(timeout_s=300)
