@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="override the rows from which the many-row int8 path runs (0: never)")
     p.add_argument("--tile", action="store_true",
                    help="also time the bf16 tile path (the many-row int8 path off) in the same rounds")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="the kernels' software prefetch distance in tiles (default: the library's; 0: off)")
+    p.add_argument("--prefetch-ab", action="store_true",
+                   help="also time the quantized kernel with its software prefetch off, in the same rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     lib = qg._native()
@@ -109,6 +113,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.batch_m is not None:
         lib.quant_batch_m(ctypes.c_int(args.batch_m))
     batch_m = lib.quant_batch_m(ctypes.c_int(-1))
+
+    if args.prefetch is not None:
+        lib.quant_prefetch(ctypes.c_int(args.prefetch))
+    prefetch = lib.quant_prefetch(ctypes.c_int(-1))
+
+    def unprefetched_linear(x: torch.Tensor, q: qg.QuantMatrix) -> torch.Tensor:
+        lib.quant_prefetch(ctypes.c_int(0))
+        try:
+            return qg.linear(x, q)
+        finally:
+            lib.quant_prefetch(ctypes.c_int(prefetch))
 
     def tile_linear(x: torch.Tensor, q: qg.QuantMatrix) -> torch.Tensor:
         lib.quant_batch_m(ctypes.c_int(0))
@@ -148,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 if args.tile:
                     fns["tile"] = lambda x=x, qms=qms: [tile_linear(x, q) for q in qms]
+                if args.prefetch_ab:
+                    fns["noprefetch"] = lambda x=x, qms=qms: [unprefetched_linear(x, q) for q in qms]
                 best = time_pair(fns, args.rounds, args.round_ms,
                                  time.process_time if args.clock == "cpu" else time.perf_counter)
                 tq, tb = best["quant"] / args.copies, best["bf16"] / args.copies
@@ -158,10 +175,14 @@ def main(argv: list[str] | None = None) -> None:
                        "bf16_gflops": flop / tb / 1e9}
                 if args.tile:
                     row["tile_gflops"] = flop / (best["tile"] / args.copies) / 1e9
+                if args.prefetch_ab:
+                    row["noprefetch_ms"] = best["noprefetch"] / args.copies * 1e3
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
                       f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
-                      f"{row.get('tile_gflops', float('nan')):.1f} |", flush=True)
+                      f"{row.get('tile_gflops', float('nan')):.1f} |"
+                      + (f" prefetch off {row['noprefetch_ms']:.3f} ms ({row['noprefetch_ms'] / row['quant_ms']:.2f}x)"
+                         if args.prefetch_ab else ""), flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}

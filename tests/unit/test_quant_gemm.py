@@ -242,3 +242,28 @@ def test_tile_path_without_amx():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_prefetch_distance_changes_no_result(name):
+    """The small-row kernels' software prefetch (csrc/quant_legacy.c, one tile ahead by default) only moves
+    bytes into cache: the results with it off, at one tile and at three are bit-identical, for 1 and 3 rows, over
+    a row count that ends in a partial tile, and the setter reads back what it set."""
+    n, k = 77, 1088  # 34 blocks: two full spans of 16 and a masked one
+    qm = qg.prepare(_matrix(name, n, k, 31))
+    lib = qg._native()
+    default = lib.quant_prefetch(ctypes.c_int(-1))
+    assert default == 1
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(31)).bfloat16()
+    got = {}
+    try:
+        for tiles in (0, 1, 3):
+            assert lib.quant_prefetch(ctypes.c_int(tiles)) == tiles
+            got[tiles] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)]
+    finally:
+        lib.quant_prefetch(ctypes.c_int(default))
+    for tiles in (1, 3):
+        for a, b in zip(got[0], got[tiles], strict=True):
+            assert torch.equal(a, b)
+    ref = x.float() @ qg.dequantize(qm).T
+    assert float((got[1][1] - ref).norm() / ref.norm()) < 0.01

@@ -57,4 +57,8 @@ typedef struct {
     tl_u8_row_fn u8_row; /* NULL: the type's blocks do not map onto 32-column scales (Q6_K's are 16) */
 } tl_quant_type;
 
+/* Software prefetch of the small-row dot kernels: how many tiles ahead (0: none) each tile asks for the weight
+ * bytes the next one reads (quant_prefetch() in quant_gemm.c sets it; benchmarks compare). */
+static int tl_quant_prefetch_tiles = 1;
+
 #endif

@@ -95,6 +95,12 @@ KERNEL_API int quant_act_residual(int value) {
     return quant_act_residual_on;
 }
 
+/* The small-row kernels' software prefetch distance in tiles: read (value < 0) or set it (0 off). */
+KERNEL_API int quant_prefetch(int value) {
+    if (value >= 0) tl_quant_prefetch_tiles = value;
+    return tl_quant_prefetch_tiles;
+}
+
 /* Re-lays out data [n rows of k columns] in place for the type's kernels (same size). */
 KERNEL_API int quant_repack(int type, uint8_t *data, int64_t n, int64_t k) {
     const tl_quant_type *t = tl_quant_lookup(type);

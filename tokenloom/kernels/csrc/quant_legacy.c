@@ -20,6 +20,11 @@
  * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s). A tile is 16 weight rows x 1
  * activation row or 8 x 2 (16 accumulators), ended by one batched horizontal sum (reduce16).
  *
+ * A tile reads its NR rows side by side (NR short streams, one row apart), which the hardware prefetchers
+ * follow poorly: each load also asks for the same bytes one tile further on (`tl_quant_prefetch_tiles`), the
+ * rows the next tile reads. Measured at one row of activations on weights in memory: 1.2-1.7x faster per call
+ * (bench/quant_gemm.py --prefetch-ab), a SmolLM2 Q8_0 decode step 9.5 -> 5.7 ms, the ~1B Q8_0 step 68 -> 47 ms.
+ *
  * Dequantize is exact: every product d * q (11-bit by <= 8-bit integer) is exact in float32, so the results
  * equal the gguf package's bit for bit (with or without FMA contraction).
  */
@@ -167,7 +172,7 @@ static void q8_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) {
 static inline __attribute__((always_inline)) void span_scales(const int kind, const uint8_t *w, int64_t row_bytes,
                                                               const int NR, const int MR, const tl_act_q8 *a,
                                                               int64_t r0, int64_t nb, int64_t b, __mmask16 mask,
-                                                              __m512 *acc, __m512 *p) {
+                                                              int64_t ahead, __m512 *acc, __m512 *p) {
     __m512 dx[4], tx[4];
     for (int j = 0; j < MR; ++j) {
         const int64_t o = (r0 + j) * nb + b;
@@ -178,6 +183,10 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
     }
     for (int r = 0; r < NR; ++r) {
         const uint8_t *row = w + r * row_bytes;
+        if (ahead) {
+            _mm_prefetch((const char *)row + 2 * b + ahead, _MM_HINT_T0);
+            if (kind == 1) _mm_prefetch((const char *)row + 2 * nb + 2 * b + ahead, _MM_HINT_T0);
+        }
         const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
         const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
         for (int j = 0; j < MR; ++j) {
@@ -191,11 +200,12 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
 /* One span (16 blocks, or the last `nblk` with masks when MASKED) of a Q4 tile. */
 static inline __attribute__((always_inline)) void q4_span(const int kind, const uint8_t *w, int64_t row_bytes,
                                                           const int NR, const int MR, const tl_act_q8 *a, int64_t r0,
-                                                          int64_t b, const int MASKED, int nblk, __m512 *acc) {
+                                                          int64_t b, const int MASKED, int nblk, int64_t ahead,
+                                                          __m512 *acc) {
     const int64_t k = a->k, nb = k / TL_QK, qs_off = (kind == 1 ? 4 : 2) * nb;
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     __m512 p[LEGACY_MAX_OUT];
-    span_scales(kind, w, row_bytes, NR, MR, a, r0, nb, b, mask, acc, p);
+    span_scales(kind, w, row_bytes, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
     const __m512i low = _mm512_set1_epi8(15);
     const int groups = MASKED ? (nblk + 3) / 4 : 4;
     for (int g = 0; g < groups; ++g) {
@@ -216,6 +226,7 @@ static inline __attribute__((always_inline)) void q4_span(const int kind, const 
         }
         for (int r = 0; r < NR; ++r) {
             const uint8_t *src = w + r * row_bytes + qs_off + 16 * (b + 4 * g);
+            if (ahead) _mm_prefetch((const char *)src + ahead, _MM_HINT_T0);
             const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mw, src) : _mm512_loadu_si512(src);
             const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
             for (int j = 0; j < MR; ++j) {
@@ -231,11 +242,11 @@ static inline __attribute__((always_inline)) void q4_span(const int kind, const 
 /* One span of a Q8_0 tile (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
 static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int64_t row_bytes, const int NR,
                                                           const int MR, const tl_act_q8 *a, int64_t r0, int64_t b,
-                                                          const int MASKED, int nblk, __m512 *acc) {
+                                                          const int MASKED, int nblk, int64_t ahead, __m512 *acc) {
     const int64_t k = a->k, nb = k / TL_QK, qs_off = 2 * nb;
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     __m512 p[LEGACY_MAX_OUT];
-    span_scales(2, w, row_bytes, NR, MR, a, r0, nb, b, mask, acc, p);
+    span_scales(2, w, row_bytes, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
     const int pairs = MASKED ? (nblk + 1) / 2 : 8;
     for (int v = 0; v < pairs; ++v) {
         const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -248,6 +259,7 @@ static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int6
         }
         for (int r = 0; r < NR; ++r) {
             const uint8_t *src = w + r * row_bytes + qs_off + 32 * (b + 2 * v);
+            if (ahead) _mm_prefetch((const char *)src + ahead, _MM_HINT_T0);
             const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
             for (int j = 0; j < MR; ++j) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x[j]);
@@ -265,18 +277,20 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
     const int64_t nb = a->k / TL_QK;
     __m512 acc[LEGACY_MAX_OUT];
     for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+    /* the next tile's rows follow this one's: ask for them while this one computes */
+    const int64_t ahead = NR > 1 ? tl_quant_prefetch_tiles * NR * row_bytes : 0;
     int64_t b = 0;
     for (; b + 16 <= nb; b += 16) {
         if (kind == 2)
-            q8_span(w, row_bytes, NR, MR, a, r0, b, 0, 16, acc);
+            q8_span(w, row_bytes, NR, MR, a, r0, b, 0, 16, ahead, acc);
         else
-            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 0, 16, acc);
+            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 0, 16, ahead, acc);
     }
     if (b < nb) {
         if (kind == 2)
-            q8_span(w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), acc);
+            q8_span(w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), ahead, acc);
         else
-            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), acc);
+            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), ahead, acc);
     }
     __m512 slots[16];
     for (int t = 0; t < 16; ++t) slots[REDUCE16_SLOT(t)] = t < NR * MR ? acc[t] : _mm512_setzero_ps();
