@@ -214,7 +214,8 @@ static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_de
 
 #if KQ_VNNI
 
-/* Software prefetch of the same super-block RB rows on: the next row group's, about one DRAM latency ahead at
+/* Software prefetch of the same super-block RB rows on (times tl_quant_prefetch_tiles; 1: measured best of
+ * 1 / 2 / 4 / 8): the next row group's, about one DRAM latency ahead at
  * k >= 2048. The hardware prefetchers alone left a single-thread stream at ~70% of this rate (microbenchmark,
  * a 75 MB weight read from memory). A prefetch never faults, so running past the matrix is harmless. */
 static inline __attribute__((always_inline)) void kq_prefetch(const uint8_t *p, int bytes) {
@@ -344,6 +345,7 @@ static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, i
                                                            int r0, float *out, int64_t out_stride) {
     (void)unused;
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
+    const int64_t ahead = tl_quant_prefetch_tiles * RB * row_bytes;
     const __m512i n32 = _mm512_set1_epi8(32);
     const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
     const __m512i odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
@@ -373,7 +375,7 @@ static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, i
         }
         for (int i = 0; i < RB; ++i) {
             const uint8_t *blk = w + (j + i) * row_bytes + b * KQ6_BYTES;
-            kq_prefetch(blk + RB * row_bytes, KQ6_BYTES);
+            if (ahead) kq_prefetch(blk + ahead, KQ6_BYTES);
             __m512i v[4];
             const __m512 wsc = kq6_decode(blk, v);
             for (int h = 0; h < 2; ++h) {
@@ -398,6 +400,7 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
                                                             int64_t row_bytes, int64_t j, const tl_act_q8 *a,
                                                             int r0, float *out, int64_t out_stride) {
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK, bytes = five ? KQ5_BYTES : KQ4_BYTES;
+    const int64_t ahead = tl_quant_prefetch_tiles * RB * row_bytes;
     const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     const __m512i lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
     __m512 acc[4][4];
@@ -426,7 +429,7 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
         for (int i = 0; i < RB; ++i) {
             __m512i v[4];
             const uint8_t *blk = w + (j + i) * row_bytes + b * bytes;
-            kq_prefetch(blk + RB * row_bytes, (int)bytes);
+            if (ahead) kq_prefetch(blk + ahead, (int)bytes);
             const __m512 wv = kq45_decode(five, blk, v);
             const __m512 wsA = _mm512_permutexvar_ps(lane4, wv), wsB = _mm512_permutexvar_ps(lane4b, wv);
             for (int r = 0; r < MB; ++r) {
