@@ -21,6 +21,11 @@ inherit it) or `--flag=value` / `--flag` (a server flag). Default: `before:GOMP_
 own spin, the fix off: a user's GOMP_SPINCOUNT wins over the launcher's), `after:` (tokenloom's defaults) and
 `adaptive:--cpu-threads-policy=adaptive` (tokenloom/executor/cpu_threads.py). Other load on the machine
 moves absolute numbers: compare the ratios. The last stdout line is one JSON object.
+
+`--llama-server [PATH]` adds llama.cpp's own server as one more mode, `llama.cpp`, measured the same way on the
+file tokenloom serves by default (the packaged Q4_1 GGUF, or `--model-path` when that is a .gguf): `-np
+concurrency` slots, 2 threads, its `/completion` endpoint with the same token ids, `n_predict` and
+`ignore_eos`, streamed tokens counted from each chunk's `tokens` (bench/llama_server.py builds the binary).
 """
 
 from __future__ import annotations
@@ -71,14 +76,21 @@ def parse_mode(spec: str) -> tuple[str, dict[str, str], list[str]]:
 
 
 class Server:
+    """A tokenloom server (SGLang's native `/generate`) of one mode."""
+
     def __init__(self, name: str, env: dict[str, str], flags: list[str], ns: argparse.Namespace,
                  log_dir: str) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = os.path.join(log_dir, f"server_{name}.log")
-        cmd = [sys.executable, "-m", "tokenloom.launch_server", "--port", self.url.rsplit(":", 1)[1],
-               "--max-total-tokens", "8192", "--max-running-requests", str(max(8, ns.concurrency)),
-               "--log-level", "warning", *(["--model-path", ns.model_path] if ns.model_path else []), *flags]
+        self._start(self._command(flags, ns), env)
+
+    def _command(self, flags: list[str], ns: argparse.Namespace) -> list[str]:
+        return [sys.executable, "-m", "tokenloom.launch_server", "--port", self.url.rsplit(":", 1)[1],
+                "--max-total-tokens", "8192", "--max-running-requests", str(max(8, ns.concurrency)),
+                "--log-level", "warning", *(["--model-path", ns.model_path] if ns.model_path else []), *flags]
+
+    def _start(self, cmd: list[str], env: dict[str, str]) -> None:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, cwd=REPO)
@@ -101,26 +113,77 @@ class Server:
     def stop(self) -> None:
         stop_process_group(self.proc, 30)
 
+    def generate(self, ids: list[int], max_new_tokens: int) -> int:
+        """Greedy, `ignore_eos`; the number of tokens generated."""
+        out = _post(self.url + "/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
+        return len(out["output_ids"])
 
-def _generate(url: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    def stream(self, ids: list[int], max_new_tokens: int) -> list[tuple[float, int]]:
+        """(arrival time, tokens so far) per streamed chunk."""
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+        return [(t, len(chunk["output_ids"])) for t, chunk in _sse(self.url + "/generate", body)]
+
+
+class LlamaServer(Server):
+    """llama.cpp's `llama-server` on a GGUF, with its own `/completion` endpoint."""
+
+    def __init__(self, exe: str, gguf: str, env: dict[str, str], ns: argparse.Namespace, log_dir: str) -> None:
+        self.exe, self.gguf = exe, gguf
+        super().__init__("llama.cpp", env, [], ns, log_dir)
+
+    def _command(self, flags: list[str], ns: argparse.Namespace) -> list[str]:
+        from bench.llama_server import server_cmd
+
+        fill = {"{np}": str(ns.concurrency), "{ctx}": "8192", "{port}": self.url.rsplit(":", 1)[1]}
+        return [fill.get(part, part) for part in server_cmd(self.exe, self.gguf)] + flags
+
+    def _body(self, ids: list[int], max_new_tokens: int, stream: bool) -> dict[str, Any]:
+        return {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0, "ignore_eos": True,
+                "cache_prompt": False, "stream": stream, "return_tokens": True}
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> int:
+        return int(_post(self.url + "/completion", self._body(ids, max_new_tokens, False))["tokens_predicted"])
+
+    def stream(self, ids: list[int], max_new_tokens: int) -> list[tuple[float, int]]:
+        got, total = [], 0
+        for t, chunk in _sse(self.url + "/completion", self._body(ids, max_new_tokens, True)):
+            if chunk.get("tokens"):
+                total += len(chunk["tokens"])
+                got.append((t, total))
+        return got
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
         return json.loads(resp.read())
+
+
+def _sse(url: str, body: dict[str, Any]) -> list[tuple[float, dict[str, Any]]]:
+    """(arrival time, parsed JSON) of each server-sent `data:` line but the closing `[DONE]`."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append((time.perf_counter(), json.loads(line[5:])))
+    return chunks
 
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(length)]
 
 
-def throughput(url: str, ns: argparse.Namespace, rng: random.Random) -> float:
+def throughput(server: Server, ns: argparse.Namespace, rng: random.Random) -> float:
     """Output tokens per second of `concurrency` requests sent at once."""
     prompts = [_prompt(rng, ns.input_len) for _ in range(ns.concurrency)]
     counts = [0] * len(prompts)
 
     def one(i: int) -> None:
-        out = _generate(url, {"input_ids": prompts[i], "sampling_params": {
-            "max_new_tokens": ns.output_len, "temperature": 0, "ignore_eos": True}})
-        counts[i] = len(out["output_ids"])
+        counts[i] = server.generate(prompts[i], ns.output_len)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -134,23 +197,13 @@ def throughput(url: str, ns: argparse.Namespace, rng: random.Random) -> float:
     return sum(counts) / wall
 
 
-def itl_ms(url: str, ns: argparse.Namespace, rng: random.Random) -> float:
-    """Mean inter-token latency of one streamed request, first chunk to last."""
-    body = {"input_ids": _prompt(rng, ns.input_len), "stream": True,
-            "sampling_params": {"max_new_tokens": ns.output_len, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    times: list[float] = []
-    tokens = 0
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            times.append(time.perf_counter())
-            tokens = len(json.loads(line[5:])["output_ids"])
-    if tokens != ns.output_len or len(times) < 2:
-        raise RuntimeError(f"streamed {tokens} tokens in {len(times)} chunks; expected {ns.output_len}")
-    return 1000 * (times[-1] - times[0]) / (tokens - 1)
+def itl_ms(server: Server, ns: argparse.Namespace, rng: random.Random) -> float:
+    """Mean inter-token latency of one streamed request: (last chunk - first chunk) / the tokens between."""
+    chunks = server.stream(_prompt(rng, ns.input_len), ns.output_len)
+    tokens = chunks[-1][1] if chunks else 0
+    if tokens != ns.output_len or len(chunks) < 2:
+        raise RuntimeError(f"streamed {tokens} tokens in {len(chunks)} chunks; expected {ns.output_len}")
+    return 1000 * (chunks[-1][0] - chunks[0][0]) / (tokens - chunks[0][1])
 
 
 def start_hog() -> subprocess.Popen:
@@ -162,7 +215,7 @@ def start_hog() -> subprocess.Popen:
 def measure(server: Server, hog_on: bool, ns: argparse.Namespace, rng: random.Random) -> dict[str, float]:
     hog = start_hog() if hog_on else None
     try:
-        return {"tok_s": throughput(server.url, ns, rng), "itl_ms": itl_ms(server.url, ns, rng)}
+        return {"tok_s": throughput(server, ns, rng), "itl_ms": itl_ms(server, ns, rng)}
     finally:
         if hog is not None:
             hog.kill()
@@ -181,6 +234,19 @@ def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     return out
 
 
+def _llama_server(ns: argparse.Namespace, log_dir: str) -> LlamaServer:
+    """llama-server on the GGUF tokenloom serves by default (or `--model-path` when it is a .gguf)."""
+    from bench.llama_server import find_llama_server
+    from tokenloom.models.default_model import default_model_file
+
+    exe = find_llama_server(ns.llama_server or None)
+    if exe is None:
+        raise SystemExit("--llama-server: no llama-server found (build it as bench/llama_server.py says)")
+    if ns.model_path and not ns.model_path.endswith(".gguf"):
+        raise SystemExit("--llama-server needs a .gguf --model-path (or none: the default model's file)")
+    return LlamaServer(exe, ns.model_path or default_model_file(), {}, ns, log_dir)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", action="append", default=None, help="NAME:SETTING,... (repeatable)")
@@ -190,19 +256,22 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="1 round, 32 new tokens")
+    ap.add_argument("--llama-server", nargs="?", const="", default=None, metavar="PATH",
+                    help="also measure llama-server (found as bench/llama_server.py says, or PATH)")
     ns = ap.parse_args()
     if ns.quick:
         ns.rounds, ns.output_len = 1, 32
     modes = [parse_mode(m) for m in (ns.mode or DEFAULT_MODES)]
     log_dir = tempfile.mkdtemp(prefix="tokenloom-bench-shared-")
     servers = [Server(name, env, flags, ns, log_dir) for name, env, flags in modes]
+    if ns.llama_server is not None:
+        servers.append(_llama_server(ns, log_dir))
     rng = random.Random(0)
     results: dict[str, list[dict[str, dict[str, float]]]] = {s.name: [] for s in servers}
     try:
         for server in servers:
             server.wait_healthy()
-            _generate(server.url, {"input_ids": _prompt(rng, ns.input_len),
-                                   "sampling_params": {"max_new_tokens": 4}})  # warm-up
+            server.generate(_prompt(rng, ns.input_len), 4)  # warm-up
         for r in range(ns.rounds):
             order = servers[r % len(servers):] + servers[: r % len(servers)]
             for server in order:
