@@ -363,6 +363,11 @@ def main() -> int:
     if args.llama_server:
         find_llama_server(args.llama_server)  # a bad path ends the run now, not after the roofline
     notes: list[str] = []
+    # tokenloom's servers inherit this environment: on a CPU with AMX its bf16 tiles run prefill and many-row
+    # steps unless TOKENLOOM_DISABLE_AMX=1 (issue 30's figures are for CPUs without AMX: say which was run)
+    amx_disabled = os.environ.get("TOKENLOOM_DISABLE_AMX") == "1"
+    print(f"tokenloom's AMX kernels: {'off (TOKENLOOM_DISABLE_AMX=1)' if amx_disabled else 'on where the CPU has AMX'}",
+          flush=True)
 
     bound_ms, roof = None, {}
     if BASE in names and "d" in args.workloads:
@@ -401,6 +406,7 @@ def main() -> int:
         print(f"note: {note}")
     summary = {
         "bench": "serve_vs_peers", "quick": args.quick, "scale": args.scale, "rounds": rounds,
+        "amx_disabled": amx_disabled,
         "background_load": args.background_load, "log_dir": log_dir, "wall_s": time.perf_counter() - t_start,
         "roofline": roof, "itl_bound_ms": bound_ms, "notes": notes,
         "workloads": {wl.key: wl.title for wl in workloads},

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,6 +172,9 @@ def _native() -> ctypes.CDLL | None:
     lib.quant_path.argtypes = [i32, i64, i64, i32]
     lib.quant_moe.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32]
     lib.moe_route_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i32, i32, ptr, ptr, i32]
+    prefetch = os.environ.get("TOKENLOOM_QUANT_PREFETCH")  # the small-row kernels' prefetch distance (A/B runs)
+    if prefetch is not None:
+        lib.quant_prefetch(ctypes.c_int(int(prefetch)))
     return lib
 
 
