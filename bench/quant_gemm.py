@@ -118,19 +118,18 @@ def main(argv: list[str] | None = None) -> None:
         lib.quant_prefetch(ctypes.c_int(args.prefetch))
     prefetch = lib.quant_prefetch(ctypes.c_int(-1))
 
-    def unprefetched_linear(x: torch.Tensor, q: qg.QuantMatrix) -> torch.Tensor:
-        lib.quant_prefetch(ctypes.c_int(0))
-        try:
-            return qg.linear(x, q)
-        finally:
-            lib.quant_prefetch(ctypes.c_int(prefetch))
+    def linear_with(setter: Callable[[ctypes.c_int], int], value: int, default: int) -> Callable:
+        """`qg.linear` with one of the library's settings at `value` for the call, then back to `default`."""
+        def run(x: torch.Tensor, q: qg.QuantMatrix) -> torch.Tensor:
+            setter(ctypes.c_int(value))
+            try:
+                return qg.linear(x, q)
+            finally:
+                setter(ctypes.c_int(default))
+        return run
 
-    def tile_linear(x: torch.Tensor, q: qg.QuantMatrix) -> torch.Tensor:
-        lib.quant_batch_m(ctypes.c_int(0))
-        try:
-            return qg.linear(x, q)
-        finally:
-            lib.quant_batch_m(ctypes.c_int(batch_m))
+    unprefetched_linear = linear_with(lib.quant_prefetch, 0, prefetch)  # the software prefetch off
+    tile_linear = linear_with(lib.quant_batch_m, 0, batch_m)  # the many-row int8 path off: the bf16 tile
 
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
