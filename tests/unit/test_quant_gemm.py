@@ -145,9 +145,9 @@ def test_int8_error_is_not_vacuous():
 def test_many_row_int8_path(name):
     """Past the small stream, bf16 x takes the many-row int8 path (csrc/quant_batch.c): a row's result does not
     depend on the rows beside it (the same numbers alone, in 13 rows or in 64), it differs from the bf16 tile
-    (so it is the path taken); by default its rows take one int8 term (within the int8 bound, llama.cpp's Q8
-    activations), and with the second term on (quant_batch_residual(1)) they come far closer still; the small
-    stream's own switch (quant_act_residual) does not touch this path."""
+    (so it is the path taken); by default its rows take both int8 terms, within the int8 bound and far closer
+    than with one term (quant_batch_residual(0), llama.cpp's Q8 activations, still within the bound); the
+    small stream's own switch (quant_act_residual) does not touch this path."""
     n, k = 77, 576
     qm = qg.prepare(_matrix(name, n, k, 21))
     w_ref = qg.dequantize(qm)
@@ -165,9 +165,9 @@ def test_many_row_int8_path(name):
         lib.quant_act_residual(ctypes.c_int(1 - small_residual))
         assert torch.equal(qg.linear(x, qm, out_dtype=torch.float32), got)
         lib.quant_act_residual(ctypes.c_int(small_residual))
-        lib.quant_batch_residual(ctypes.c_int(1))
-        two_terms = qg.linear(x, qm, out_dtype=torch.float32)
-        assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), two_terms[20:33])
+        lib.quant_batch_residual(ctypes.c_int(0))
+        one_term = qg.linear(x, qm, out_dtype=torch.float32)
+        assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), one_term[20:33])
         lib.quant_batch_residual(ctypes.c_int(residual))
         lib.quant_batch_m(ctypes.c_int(0))
         tile = qg.linear(x, qm, out_dtype=torch.float32)
@@ -175,11 +175,11 @@ def test_many_row_int8_path(name):
         lib.quant_batch_m(ctypes.c_int(batch))
         lib.quant_batch_residual(ctypes.c_int(residual))
         lib.quant_act_residual(ctypes.c_int(small_residual))
-    assert residual == 0 and not torch.equal(got, tile)
+    assert residual == 1 and not torch.equal(got, tile)
     assert bool(((got - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
-    assert bool(((two_terms - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
+    assert bool(((one_term - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
     rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
-    assert rel(tile) < 0.005 and 0 < rel(two_terms) < rel(got) / 30 and rel(got) < 0.02, (rel(got), rel(two_terms))
+    assert rel(tile) < 0.005 and 0 < rel(got) < rel(one_term) / 30 and rel(one_term) < 0.02, (rel(got), rel(one_term))
 
 
 @pytest.mark.parametrize("name", LEGACY)

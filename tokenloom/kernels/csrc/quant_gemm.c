@@ -10,9 +10,9 @@
  *    chunks of CHUNK_ROWS and each chunk goes through the type's vpdpbusd dot kernel. The rounding of x is the
  *    only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with d_x = max|x_block| / 127
  *    (d_x / 2 with the second term off, quant_act_residual(0)).
- *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, types with 32-column scales): x quantized
- *    the same way, in one int8 term by default (quant_batch_residual; bound d_x / 2, llama.cpp's Q8
- *    activations), against integer weight tiles, register-blocked over many rows (quant_batch.c).
+ *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, types with 32-column scales): the same two
+ *    int8 terms (quant_batch_residual(0): one) against integer weight tiles, register-blocked over many rows
+ *    (quant_batch.c), same bound.
  *  - the other many-row cases (prefill, batched decode) and every float32 x: per thread, a tile of up to 64
  *    weight rows is dequantized exactly (dequant_row) into a cache-resident scratch, transposed to 16-feature
  *    vectors, and
@@ -45,11 +45,12 @@ static int quant_small_m_max = -1;
  * one int8 term moved SmolLM2's greedy answers further from float32 than bf16 activations do (bench/accuracy.py);
  * quant_act_residual(0) turns it off for benchmarks. */
 static int quant_act_residual_on = 1;
-/* The many-row int8 path (quant_batch.c: prefill, batches of more than quant_small_m rows) takes one term by
- * default: the second doubles its integer work (prefill 1.66x slower, a 64-row SmolLM2 decode step 1.2x) while
- * prompt perplexity does not move (docs/benchmarks.md, bench/accuracy.py); the precision is then llama.cpp's
- * Q8 activations. quant_batch_residual(1) gives those rows the second term too. */
-static int quant_batch_residual_on = 0;
+/* The many-row int8 path (quant_batch.c: prefill, batches of more than quant_small_m rows) carries the second
+ * term too: one term would make prefill 1.66x faster (a 64-row SmolLM2 decode step 1.2x), but prompt
+ * perplexity moved (Q8_0 file +0.35% against +0.01% of float32) and greedy answers after a one-term prefill
+ * fell below transformers bf16's (bench/accuracy.py without AMX, docs/benchmarks.md);
+ * quant_batch_residual(0) gives those rows one term (llama.cpp's Q8 activations) for A/B runs. */
+static int quant_batch_residual_on = 1;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && HAVE_PAIR_GEMM
 #define HAVE_QUANT_GEMM 1
