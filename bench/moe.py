@@ -195,7 +195,8 @@ def run_pair(path: str, threads: int, new_tokens: int, repeats: int, concurrency
     and of the output throughput of `concurrency` requests at once."""
     from bench.peer_engines import free_port
 
-    env = {**os.environ, "TOKENLOOM_DISABLE_AMX": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    env = {**os.environ, "TOKENLOOM_DISABLE_AMX": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+           "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
     servers: dict[str, tuple[subprocess.Popen, object]] = {}
     try:
         for name in ("tokenloom", "llama.cpp"):

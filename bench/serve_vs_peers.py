@@ -330,6 +330,11 @@ def itl_bound() -> tuple[float | None, dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------------
 
 
+# Without AMX means the libraries torch calls too: oneDNN's ISA cap and MKL's (MKL_ENABLE_INSTRUCTIONS=AVX512
+# keeps its bf16 gemms, which torch's flash attention calls in prefill, off the AMX tiles).
+NO_AMX_LIBRARY_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small counts, 16 output tokens, 1 round (a smoke test)")
@@ -366,7 +371,11 @@ def main() -> int:
     # tokenloom's servers inherit this environment: on a CPU with AMX its bf16 tiles run prefill and many-row
     # steps unless TOKENLOOM_DISABLE_AMX=1 (issue 30's figures are for CPUs without AMX: say which was run)
     amx_disabled = os.environ.get("TOKENLOOM_DISABLE_AMX") == "1"
-    print(f"tokenloom's AMX kernels: {'off (TOKENLOOM_DISABLE_AMX=1)' if amx_disabled else 'on where the CPU has AMX'}",
+    if amx_disabled:  # and the libraries torch calls: oneDNN's matmuls, MKL's (flash attention's gemms)
+        for name, value in NO_AMX_LIBRARY_ENV.items():
+            os.environ.setdefault(name, value)
+    print(f"tokenloom's AMX kernels: {'off (TOKENLOOM_DISABLE_AMX=1)' if amx_disabled else 'on where the CPU has AMX'}"
+          + (f"; {', '.join(f'{n}={os.environ[n]}' for n in NO_AMX_LIBRARY_ENV)}" if amx_disabled else ""),
           flush=True)
 
     bound_ms, roof = None, {}
@@ -407,6 +416,7 @@ def main() -> int:
     summary = {
         "bench": "serve_vs_peers", "quick": args.quick, "scale": args.scale, "rounds": rounds,
         "amx_disabled": amx_disabled,
+        "library_isa": {n: os.environ.get(n) for n in NO_AMX_LIBRARY_ENV},
         "background_load": args.background_load, "log_dir": log_dir, "wall_s": time.perf_counter() - t_start,
         "roofline": roof, "itl_bound_ms": bound_ms, "notes": notes,
         "workloads": {wl.key: wl.title for wl in workloads},
