@@ -222,9 +222,9 @@ def test_public_linear(qtype, m, k, x_dtype):
     ref = xd @ w.T + bias.double()
     mag = xd.abs() @ w.abs().T
     path = qg._native().quant_path(ct.c_int(qtype), ct.c_int64(m), ct.c_int64(k), ct.c_int(x.dtype == torch.float32))
-    small = path in (1, 2)  # an int8 path: the small stream or the many-row tile (not Q6_K's 16-column scales)
+    small = path in (1, 2)  # an int8 path: the small stream or the many-row tile
     batch = qg._native().quant_batch_m(ct.c_int(-1)) > 0  # the many-row int8 path (off where AMX runs)
-    assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch and qtype != Q6_K else 0)
+    assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch else 0)
     if x.dtype == torch.float32:
         tol = k * 2.0 ** -24 * mag
     elif small:
@@ -234,6 +234,47 @@ def test_public_linear(qtype, m, k, x_dtype):
         tol = 2.0 ** -9 * mag + k * 2.0 ** -24 * mag
     assert got.shape == (m, n)
     assert torch.all((got - ref).abs() <= tol + 1e-6), float(((got - ref).abs() / (tol + 1e-6)).max())
+
+
+@public
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_many_row_int8_path(qtype):
+    """Many rows of bf16 x take the int8 path (csrc/quant_batch.c) for the k-quants too, Q6_K's 16-column
+    sub-blocks included: a row's result does not depend on the rows beside it, it is not the bf16 tile's, and
+    both int8 terms keep it within a tenth of the one-term bound sum_i |w_i| d(i) / 2 and far closer to the
+    exact product than one term."""
+    import ctypes as ct
+
+    import torch
+
+    from tokenloom.kernels import quant_gemm as qg
+
+    n, k = 45, 768
+    qm = qg.prepare(_quant_matrix(qtype, n, k, seed=9))
+    w = qg.dequantize(qm).double()
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    ref = x.double() @ w.T
+    lib = qg._native()
+    batch, residual = lib.quant_batch_m(ct.c_int(-1)), lib.quant_batch_residual(ct.c_int(-1))
+    try:
+        lib.quant_batch_m(ct.c_int(1))  # the default without AMX
+        assert lib.quant_path(qtype, 64, k, 0) == 2 and lib.quant_path(qtype, 13, k, 0) == 2
+        got = qg.linear(x, qm, out_dtype=torch.float32)
+        assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), got[20:33])
+        lib.quant_batch_residual(ct.c_int(0))
+        one_term = qg.linear(x, qm, out_dtype=torch.float32)
+        lib.quant_batch_m(ct.c_int(0))
+        tile = qg.linear(x, qm, out_dtype=torch.float32)
+    finally:
+        lib.quant_batch_m(ct.c_int(batch))
+        lib.quant_batch_residual(ct.c_int(residual))
+    d = x.double().abs().view(64, k // 32, 32).amax(-1) / 127
+    bound = (d.repeat_interleave(32, dim=1) / 2) @ w.abs().T + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert residual == 1 and not torch.equal(got, tile)
+    assert bool(((one_term.double() - ref).abs() <= bound).all())
+    assert bool(((got.double() - ref).abs() <= bound / 10).all())
+    rel = lambda a: float((a.double() - ref).norm() / ref.norm())  # noqa: E731
+    assert 0 < rel(got) < rel(one_term) / 30 and rel(one_term) < 0.02, (rel(got), rel(one_term))
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,19 @@
 /*
  * The many-row int8 path of the GGUF-quantized matmul (prefill, batched decode): out[m, n] = x[m, k] . W^T with
- * bf16 x quantized once per call to int8 per 32-column block (one term: d = max|x| / 127, q = round(x / d)) and
+ * bf16 x quantized once per call to int8 per 32-column block (d = max|x| / 127, q = round(x / d), and by
+ * default a second term for the remainder) and
  * the weight kept in integers, so the multiply is AVX512-VNNI's vpdpbusd: 64 byte products per instruction,
  * twice the multiply-adds of AVX512-BF16's vdpbf16ps (and of a float32 FMA) at the same instruction rate on
  * the CPUs measured (bench/quant_gemm.py's tables in docs/benchmarks.md).
  *
  * Per thread, a group of 64 output features is turned once into a tile (the type's u8_row, quant_common.h):
  * unsigned quants in natural column order, transposed so that one 64-byte vector holds 4 consecutive columns
- * of 16 features (vpdpbusd's operand order), plus per-feature, per-block float scales and minimums laid out
- * 16 features to a vector. A register band of up to BAND_I8 activation rows x 32 features keeps one int32 sum
- * per (row, feature) over a 32-column block and one float32 accumulator across blocks:
+ * of 16 features (vpdpbusd's operand order), plus per-feature float scales and minimums per block of the
+ * type's u8_cols columns (32, or Q6_K's 16: the 32-column block's int32 sums then close every 16 columns),
+ * laid out 16 features to a vector. A register band of up to BAND_I8 activation rows x 32 features keeps one
+ * int32 sum per (row, feature) over a weight scale block and one float32 accumulator across blocks:
  *     acc += float(sum_i q_w q_x) * (scale_w * d_x) + min_w * (d_x * sum_i q_x)
  * so the weight tile is read from L1/L2 once per band and the weight bytes from memory once per call.
- * Type families without 32-column scales (Q6_K) keep the bf16 tile path.
  *
  * Numerics: the weight term is exact up to the type's own dequantize rounding; the activation rounding is the
  * only error: |err| <= sum_i |w_i| * d_x(i) / 2 per output (the bound tests/unit/test_quant_gemm.py checks),
@@ -41,28 +42,31 @@ static inline __attribute__((always_inline)) __m512i dpbusd_inplace(__m512i acc,
     return acc;
 }
 
-/* Rows r0 .. r0 + NR - 1 times feature blocks j0, j0 + 1 of the tile (NR, T constants once inlined). Term t's
- * quants of row r are at xq + (t * m + r) * k, its block scales at xd + (t * m + r) * nb; xds [m, nb] is the
- * activation side of the minimum term, sum over terms of d_x * sum q_x. */
+/* Rows r0 .. r0 + NR - 1 times feature blocks j0, j0 + 1 of the tile (NR, T, GS constants once inlined). The
+ * weight's scales and minimums cover GS groups of 4 columns (GS 8: 32 columns, GS 4: 16), nbs = k / (4 GS) of
+ * them a row; activation blocks are 32 columns (nb = k / 32). Term t's quants of row r are at
+ * xq + (t * m + r) * k, its block scales at xd + (t * m + r) * nb; xds [m, nbs] is the activation side of the
+ * minimum term per weight scale block, sum over terms of d_x * sum q_x. */
 static inline __attribute__((always_inline)) void band_i8(const int8_t *xq, const float *xd, const float *xds,
                                                           int64_t m, int64_t k, int64_t r0, const int NR, const int T,
-                                                          const uint8_t *packed, const float *wsc, const float *wmn,
-                                                          int j0, float *buf, int64_t ld) {
-    const int64_t nb = k / TL_QK, units = k / 4;
+                                                          const int GS, const uint8_t *packed, const float *wsc,
+                                                          const float *wmn, int j0, float *buf, int64_t ld) {
+    const int64_t nb = k / TL_QK, nbs = k / (4 * GS), units = k / 4;
     __m512 acc[BAND_I8][BATCH_NJ];
     for (int r = 0; r < NR; ++r)
         for (int j = 0; j < BATCH_NJ; ++j) acc[r][j] = _mm512_setzero_ps();
     const uint8_t *p0 = packed + (int64_t)j0 * units * 64, *p1 = p0 + units * 64;
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < nbs; ++b) {
+        const int64_t bx = b * GS / 8; /* the activation block holding this weight scale block */
         __m512 sc[BATCH_NJ];
-        for (int j = 0; j < BATCH_NJ; ++j) sc[j] = _mm512_loadu_ps(wsc + ((int64_t)(j0 + j) * nb + b) * 16);
+        for (int j = 0; j < BATCH_NJ; ++j) sc[j] = _mm512_loadu_ps(wsc + ((int64_t)(j0 + j) * nbs + b) * 16);
         for (int t = 0; t < T; ++t) { /* the same registers per term: the weight block comes from L1 again */
             __m512i s[BAND_I8][BATCH_NJ];
             for (int r = 0; r < NR; ++r)
                 for (int j = 0; j < BATCH_NJ; ++j) s[r][j] = _mm512_setzero_si512();
             const int8_t *xt = xq + t * m * k;
-            for (int g = 0; g < 8; ++g) {
-                const int64_t u = 8 * b + g;
+            for (int g = 0; g < GS; ++g) {
+                const int64_t u = GS * b + g;
                 const __m512i w0 = _mm512_loadu_si512(p0 + u * 64), w1 = _mm512_loadu_si512(p1 + u * 64);
                 for (int r = 0; r < NR; ++r) {
                     int32_t xv;
@@ -73,15 +77,15 @@ static inline __attribute__((always_inline)) void band_i8(const int8_t *xq, cons
                 }
             }
             for (int r = 0; r < NR; ++r) {
-                const __m512 dx = _mm512_set1_ps(xd[(t * m + r0 + r) * nb + b]);
+                const __m512 dx = _mm512_set1_ps(xd[(t * m + r0 + r) * nb + bx]);
                 for (int j = 0; j < BATCH_NJ; ++j)
                     acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][j]), _mm512_mul_ps(sc[j], dx), acc[r][j]);
             }
         }
         for (int j = 0; j < BATCH_NJ; ++j) {
-            const __m512 mn = _mm512_loadu_ps(wmn + ((int64_t)(j0 + j) * nb + b) * 16);
+            const __m512 mn = _mm512_loadu_ps(wmn + ((int64_t)(j0 + j) * nbs + b) * 16);
             for (int r = 0; r < NR; ++r)
-                acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xds[(r0 + r) * nb + b]), acc[r][j]);
+                acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xds[(r0 + r) * nbs + b]), acc[r][j]);
         }
     }
     for (int r = 0; r < NR; ++r)
@@ -89,10 +93,10 @@ static inline __attribute__((always_inline)) void band_i8(const int8_t *xq, cons
 }
 
 static inline __attribute__((always_inline)) void rows_i8(const int8_t *xq, const float *xd, const float *xds,
-                                                          int64_t k, int64_t m, const int T, const uint8_t *packed,
-                                                          const float *wsc, const float *wmn, int blocks, float *buf,
-                                                          int64_t ld) {
-#define BAND(NR) band_i8(xq, xd, xds, m, k, r, NR, T, packed, wsc, wmn, j0, buf, ld)
+                                                          int64_t k, int64_t m, const int T, const int GS,
+                                                          const uint8_t *packed, const float *wsc, const float *wmn,
+                                                          int blocks, float *buf, int64_t ld) {
+#define BAND(NR) band_i8(xq, xd, xds, m, k, r, NR, T, GS, packed, wsc, wmn, j0, buf, ld)
     for (int j0 = 0; j0 < blocks; j0 += BATCH_NJ) {
         int64_t r = 0;
         for (; r + BAND_I8 <= m; r += BAND_I8) BAND(BAND_I8);
@@ -108,26 +112,48 @@ static inline __attribute__((always_inline)) void rows_i8(const int8_t *xq, cons
 #undef BAND
 }
 
+/* ds [m, nbs]: per row and weight scale block of `cols` columns (32 or 16), the sum over terms of the
+ * activation block's d_x times the sum of its quants over those columns (the minimum term's activation side). */
+static void minimum_sides(const int8_t *q, const float *d, const int32_t *s, int64_t m, int64_t k, int terms,
+                          int cols, float *ds) {
+    const int64_t nb = k / TL_QK, nbs = k / cols;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t b = 0; b < nbs; ++b) {
+            float v = 0.0f;
+            for (int t = 0; t < terms; ++t) {
+                const int64_t bx = b * cols / TL_QK, row = t * m + r;
+                int32_t sum = s[row * nb + bx];
+                if (cols != TL_QK) { /* a part of the 32-column block: sum its own quants */
+                    const int8_t *qq = q + row * k + b * cols;
+                    sum = 0;
+                    for (int i = 0; i < cols; ++i) sum += qq[i];
+                }
+                v += d[row * nb + bx] * (float)sum;
+            }
+            ds[r * nbs + b] = v;
+        }
+}
+
 static int batch_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
                       int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                       int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK, row_bytes = k / t->block * t->block_size, tile_rows = 16 * TILE_BLOCKS;
-    const int64_t groups = (n + tile_rows - 1) / tile_rows;
+    const int cols = t->u8_cols;
+    const int64_t nbs = k / cols, groups = (n + tile_rows - 1) / tile_rows;
     const int terms = quant_batch_residual_on ? 2 : 1;
     int8_t *q = malloc((size_t)(terms * m * k));
-    float *d = malloc(sizeof(float) * (size_t)(terms * m * nb)), *ds = malloc(sizeof(float) * (size_t)(m * nb));
+    float *d = malloc(sizeof(float) * (size_t)(terms * m * nb)), *ds = malloc(sizeof(float) * (size_t)(m * nbs));
     int32_t *s = malloc(sizeof(int32_t) * (size_t)(terms * m * nb));
     if (q == NULL || d == NULL || ds == NULL || s == NULL) {
         free(q); free(d); free(ds); free(s);
         return QUANT_E_MEMORY;
     }
     quantize_act(x, x_stride, 0, m, k, terms == 2, q, d, s);
-    for (int64_t i = 0; i < m * nb; ++i)
-        ds[i] = d[i] * (float)s[i] + (terms == 2 ? d[m * nb + i] * (float)s[m * nb + i] : 0.0f);
-    /* per thread: the row-major quants, their transposed copy, scales and minimums [blocks][nb][16], [m, 64] sums */
-    const size_t tile_bytes = (size_t)(tile_rows * k), side = sizeof(float) * (size_t)(tile_rows * nb);
+    minimum_sides(q, d, s, m, k, terms, cols, ds);
+    /* per thread: the row-major quants, their transposed copy, scales and minimums [blocks][nbs][16], [m, 64] sums */
+    const size_t tile_bytes = (size_t)(tile_rows * k), side = sizeof(float) * (size_t)(tile_rows * nbs);
     const size_t per_thread = 2 * tile_bytes + 2 * side + sizeof(float) * (size_t)(m * tile_rows) +
-                              2 * sizeof(float) * (size_t)nb;
+                              2 * sizeof(float) * (size_t)nbs;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
         char *scratch = aligned_alloc(64, (per_thread + 63) / 64 * 64);
@@ -135,8 +161,8 @@ static int batch_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
             _Pragma("omp atomic write") failed = 1;
         }
         uint8_t *tile = (uint8_t *)scratch, *packed = tile + tile_bytes;
-        float *wsc = (float *)(packed + tile_bytes), *wmn = wsc + tile_rows * nb, *buf = wmn + tile_rows * nb;
-        float *rsc = buf + m * tile_rows, *rmn = rsc + nb;
+        float *wsc = (float *)(packed + tile_bytes), *wmn = wsc + tile_rows * nbs, *buf = wmn + tile_rows * nbs;
+        float *rsc = buf + m * tile_rows, *rmn = rsc + nbs;
         _Pragma("omp for schedule(static)")
         for (int64_t g = 0; g < groups; ++g) {
             if (scratch == NULL) continue;
@@ -146,22 +172,26 @@ static int batch_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
                 uint8_t *row = tile + c * k;
                 if (c >= count) {
                     memset(row, 0, (size_t)k);
-                    memset(rsc, 0, sizeof(float) * (size_t)nb);
-                    memset(rmn, 0, sizeof(float) * (size_t)nb);
+                    memset(rsc, 0, sizeof(float) * (size_t)nbs);
+                    memset(rmn, 0, sizeof(float) * (size_t)nbs);
                 } else {
                     t->u8_row(w + (f0 + c) * row_bytes, k, row, rsc, rmn);
                 }
                 const int64_t j = c / 16, lane = c % 16;
-                for (int64_t b = 0; b < nb; ++b) {
-                    wsc[(j * nb + b) * 16 + lane] = rsc[b];
-                    wmn[(j * nb + b) * 16 + lane] = rmn[b];
+                for (int64_t b = 0; b < nbs; ++b) {
+                    wsc[(j * nbs + b) * 16 + lane] = rsc[b];
+                    wmn[(j * nbs + b) * 16 + lane] = rmn[b];
                 }
             }
             transpose_tile((const uint32_t *)tile, k / 4, blocks, (uint32_t *)packed);
-            if (terms == 2)
-                rows_i8(q, d, ds, k, m, 2, packed, wsc, wmn, blocks, buf, tile_rows);
+            if (terms == 2 && cols == 16)
+                rows_i8(q, d, ds, k, m, 2, 4, packed, wsc, wmn, blocks, buf, tile_rows);
+            else if (terms == 2)
+                rows_i8(q, d, ds, k, m, 2, 8, packed, wsc, wmn, blocks, buf, tile_rows);
+            else if (cols == 16)
+                rows_i8(q, d, ds, k, m, 1, 4, packed, wsc, wmn, blocks, buf, tile_rows);
             else
-                rows_i8(q, d, ds, k, m, 1, packed, wsc, wmn, blocks, buf, tile_rows);
+                rows_i8(q, d, ds, k, m, 1, 8, packed, wsc, wmn, blocks, buf, tile_rows);
             epilogue(buf, tile_rows, m, f0, count, bias, bias_is_f32, out, out_stride, out_is_f32);
         }
         free(scratch);

@@ -42,9 +42,10 @@ typedef void (*tl_dequant_row_fn)(const uint8_t *row, int64_t k, float *out);
  * the file layout. dequant_row must read the re-laid-out form. */
 typedef void (*tl_repack_row_fn)(uint8_t *row, int64_t k);
 
-/* One weight row (k columns) as unsigned quants q[k] in natural column order with, per 32-column block b, a
- * scale and a minimum such that the dequantized weight is scale[b] * q + min[b] (exact but for the one rounding
- * the type's own dequantize makes): the many-row int8 path's tile (quant_batch.c). */
+/* One weight row (k columns) as unsigned quants q[k] in natural column order with, per block b of the type's
+ * u8_cols (32 or 16) columns, a scale and a minimum such that the dequantized weight is scale[b] * q + min[b]
+ * (exact but for the one rounding the type's own dequantize makes): the many-row int8 path's tile
+ * (quant_batch.c). */
 typedef void (*tl_u8_row_fn)(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min);
 
 typedef struct {
@@ -54,7 +55,8 @@ typedef struct {
     tl_dot_rows_fn dot_rows;
     tl_dequant_row_fn dequant_row;
     tl_repack_row_fn repack_row;
-    tl_u8_row_fn u8_row; /* NULL: the type's blocks do not map onto 32-column scales (Q6_K's are 16) */
+    tl_u8_row_fn u8_row; /* NULL: no many-row int8 path for the type */
+    int u8_cols;         /* columns per scale and minimum of u8_row: 32, or 16 (Q6_K's sub-blocks) */
 } tl_quant_type;
 
 /* Software prefetch of the small-row dot kernels: how many tiles ahead (0: none) each tile asks for the weight

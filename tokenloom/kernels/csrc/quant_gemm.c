@@ -10,7 +10,7 @@
  *    chunks of CHUNK_ROWS and each chunk goes through the type's vpdpbusd dot kernel. The rounding of x is the
  *    only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with d_x = max|x_block| / 127
  *    (d_x / 2 with the second term off, quant_act_residual(0)).
- *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, types with 32-column scales): the same two
+ *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, every type with a u8_row): the same two
  *    int8 terms (quant_batch_residual(0): one) against integer weight tiles, register-blocked over many rows
  *    (quant_batch.c), same bound.
  *  - the other many-row cases (prefill, batched decode) and every float32 x: per thread, a tile of up to 64
@@ -74,7 +74,7 @@ KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != 
  * defaults are the crossovers measured with both int8 terms (SmolLM2 and 1B shapes, Q4_1 and Q8_0): 4-8 rows
  * where the next path is AMX's bf16 tile; 8 where it is quant_batch.c's many-row int8 path (one thread,
  * 576x1536 and 8192x2048, Q4_1/Q8_0/Q4_K: the small stream 1.1-1.6x faster at 2-4 rows, within +-15% at
- * 6-8, 1.05-1.5x slower at 12); 10-12 against the AVX512-BF16 tile (Q6_K, and with the int8 path off). */
+ * 6-8, 1.05-1.5x slower at 12); 10-12 against the AVX512-BF16 tile (with the int8 path off). */
 #define SMALL_M_AMX 6
 #define SMALL_M_NO_AMX 8
 KERNEL_API int quant_small_m(int value) {
@@ -448,7 +448,7 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
 
 #include "quant_batch.c" /* the many-row int8 path: uses quantize_act, transpose_tile, epilogue above */
 
-/* Rows from which bf16 x takes quant_batch.c's int8 path instead of the bf16 tile (types with 32-column scales,
+/* Rows from which bf16 x takes quant_batch.c's int8 path instead of the bf16 tile (every type with a u8_row,
  * k % 64 == 0; rows up to quant_small_m take the small stream first): read (value < 0) or set it (0: never).
  * By default every row count past the small stream where AMX does not run (bench/quant_gemm.py --tile, one
  * thread, AVX512-BF16 tile vs this path at 16-256 rows: 1.35-1.6x faster with both int8 terms), and never

@@ -336,6 +336,26 @@ static void kq6_dequant_row_avx(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
+/* Unsigned quants (0..63) in natural order with per-sub-block (16 columns) scale d*sc_j and minimum
+ * -32 * d*sc_j, both exact (tl_u8_row_fn, u8_cols 16): the lanes kq6_dequant_row_avx writes, as bytes. */
+static void kq6_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+    for (int64_t blk = 0; blk < k / KQ_K; ++blk, q += KQ_K, scale += 16, min += 16) {
+        __m512i v[4];
+        float sc[16];
+        _mm512_storeu_ps(sc, kq6_decode(row + blk * KQ6_BYTES, v));
+        for (int h = 0; h < 2; ++h) {
+            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
+            const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
+            for (int g = 0; g < 8; ++g) /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
+                _mm_storeu_si128((__m128i *)(q + 128 * h + 16 * g), kq_lane(g % 2 ? hi : lo, g / 2));
+        }
+        for (int j = 0; j < 16; ++j) {
+            scale[j] = sc[j];
+            min[j] = -32.0f * sc[j];
+        }
+    }
+}
+
 /* Q6_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per half
  * of a super-block and activation row, the natural chunks are regrouped by 8-byte runs into the P, Q order
  * (one vpermt2q each); the weights' -32 offset enters vpdpbusd's accumulator as -32 * (the activation bytes'
@@ -505,9 +525,9 @@ static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, c
 #define KQ_U8(name) NULL
 #endif
 static const tl_quant_type kq_types[3] = {
-    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row, KQ_U8(kq4_u8_row)},
-    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row, KQ_U8(kq5_u8_row)},
-    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row, NULL},
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row, KQ_U8(kq4_u8_row), 32},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row, KQ_U8(kq5_u8_row), 32},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row, KQ_U8(kq6_u8_row), 16},
 };
 
 static const tl_quant_type *tl_kquant_type(int type) {

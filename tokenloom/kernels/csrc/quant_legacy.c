@@ -368,9 +368,9 @@ static void q8_0_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, flo
 }
 
 static const tl_quant_type TL_LEGACY_TYPES[3] = {
-    {TL_Q4_0, 32, 18, q4_0_dot, q4_0_dequant, q4_0_repack, q4_0_u8},
-    {TL_Q4_1, 32, 20, q4_1_dot, q4_1_dequant, q4_1_repack, q4_1_u8},
-    {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack, q8_0_u8},
+    {TL_Q4_0, 32, 18, q4_0_dot, q4_0_dequant, q4_0_repack, q4_0_u8, 32},
+    {TL_Q4_1, 32, 20, q4_1_dot, q4_1_dequant, q4_1_repack, q4_1_u8, 32},
+    {TL_Q8_0, 32, 34, q8_0_dot, q8_0_dequant, q8_0_repack, q8_0_u8, 32},
 };
 #endif
 
