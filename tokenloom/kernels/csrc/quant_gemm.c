@@ -188,10 +188,10 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
  * the remainder x - d q (within +-d/2) is quantized the same way into rows m .. 2m - 1 of q, d, s, with scale
  * d / 127 (its quants lie in [-64, 64]): the two terms together carry x to within d / 254, max|x| / 32258 of the
  * block, where one int8 term is off by up to d / 2 (llama.cpp's Q8_0 activations). */
-static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int residual,
-                         int8_t *q, float *d, int32_t *s) {
+static void quantize_act_rows(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int residual,
+                              int8_t *q, float *d, int32_t *s, int64_t r0, int64_t r1) {
     const int64_t nb = k / TL_QK;
-    for (int64_t r = 0; r < m; ++r)
+    for (int64_t r = r0; r < r1; ++r)
         for (int64_t b = 0; b < nb; ++b) {
             __m512 v[2];
             for (int h = 0; h < 2; ++h) {
@@ -224,6 +224,12 @@ static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t 
                 s[(m + r) * nb + b] = _mm512_reduce_add_epi32(sum2);
             }
         }
+}
+
+/* All m rows (quantize_act_rows: rows r0 .. r1 - 1 of them, for callers that split the rows over threads). */
+static void quantize_act(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int residual,
+                         int8_t *q, float *d, int32_t *s) {
+    quantize_act_rows(x, x_stride, x_is_f32, m, k, residual, q, d, s, 0, m);
 }
 
 /* buf [rows, ld] float32 sums of features f0 .. f0 + count -> out (+ bias), one row per activation row. */
