@@ -182,6 +182,32 @@ def test_many_row_int8_path(name):
     assert rel(tile) < 0.005 and 0 < rel(got) < rel(one_term) / 30 and rel(one_term) < 0.02, (rel(got), rel(one_term))
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_many_row_path_in_passes(name, out_dtype):
+    """More rows than one pass of the many-row path holds (~384 KiB of activation quants, at least 288 rows) go
+    through in several passes, each quantized on its own: every row, in any pass, with a bias, from a strided
+    x, into either output dtype, equals that row computed alone (with the same bound as any int8 result)."""
+    n, k, m = 70, 576, 700  # 576 columns, two terms: passes of 336 rows -> 336 + 336 + 28
+    qm = qg.prepare(_matrix(name, n, k, 31))
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # row stride 2k
+    bias = torch.randn(n, generator=g)
+    lib = qg._native()
+    batch = lib.quant_batch_m(ctypes.c_int(-1))
+    try:
+        lib.quant_batch_m(ctypes.c_int(1))
+        assert lib.quant_path(qm.qtype, m, k, 0) == 2
+        got = qg.linear(x, qm, bias, out_dtype=out_dtype)
+        for rows in (slice(0, 13), slice(330, 343), slice(665, 700)):  # pass 1, across passes 1-2, pass 3
+            assert torch.equal(qg.linear(x[rows], qm, bias, out_dtype=out_dtype), got[rows])
+    finally:
+        lib.quant_batch_m(ctypes.c_int(batch))
+    w_ref = qg.dequantize(qm)
+    ref = x.float() @ w_ref.T + bias
+    assert bool(((got.float() - ref).abs() <= _expected_error(x, w_ref, True, ref, out_dtype)).all())
+
+
 @pytest.mark.parametrize("name", LEGACY)
 def test_batched_shapes_and_strides(name):
     qm = qg.prepare(_matrix(name, 33, 64, 5))

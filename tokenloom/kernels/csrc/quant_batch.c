@@ -148,10 +148,12 @@ static int64_t batch_tile_rows(int64_t n, int threads) {
  * they should stay in L2 (about 384 KiB of them; 192-768 KiB measured alike here, and AMD's L2 is 1 MiB); the
  * weight's tiles are rebuilt per pass. One pass over all rows ran SmolLM2's 3072x576 and 576x1536 at 16384
  * rows (a full prefill batch) at 288 and 209 GOP/s, against 470 and 368 at 256 rows; in passes of this size
- * (and the quantizing split over the threads) 380 and 410. */
+ * (and the quantizing split over the threads) 380 and 410. At least 288 rows a pass, so that rebuilding the
+ * tiles stays small beside the multiply (the ~1B's 2048x8192 at 4096 rows: 396 GOP/s in passes of 96, 419 in
+ * passes of 288). */
 static int64_t batch_chunk_rows(int64_t k, int terms) {
     const int64_t rows = (384 * 1024) / (k * terms) / BAND_I8 * BAND_I8;
-    return rows < 16 * BAND_I8 ? 16 * BAND_I8 : rows;
+    return rows < 48 * BAND_I8 ? 48 * BAND_I8 : rows;
 }
 
 static int batch_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
