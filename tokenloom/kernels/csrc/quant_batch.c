@@ -97,9 +97,14 @@ static inline __attribute__((always_inline)) void rows_i8(const int8_t *xq, cons
                                                           const uint8_t *packed, const float *wsc, const float *wmn,
                                                           int blocks, float *buf, int64_t ld) {
 #define BAND(NR) band_i8(xq, xd, xds, m, k, r, NR, T, GS, packed, wsc, wmn, j0, buf, ld)
+    /* 16-column scale blocks close the sums twice as often: 4-row bands keep that epilogue in registers */
+    const int band_rows = GS == 4 ? 4 : BAND_I8;
     for (int j0 = 0; j0 < blocks; j0 += BATCH_NJ) {
         int64_t r = 0;
-        for (; r + BAND_I8 <= m; r += BAND_I8) BAND(BAND_I8);
+        if (band_rows == 4)
+            for (; r + 4 <= m; r += 4) BAND(4);
+        else
+            for (; r + BAND_I8 <= m; r += BAND_I8) BAND(BAND_I8);
         switch (m - r) { /* the last band's rows, each a constant so the sums stay in registers */
         case 5: BAND(5); break;
         case 4: BAND(4); break;
