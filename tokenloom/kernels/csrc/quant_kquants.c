@@ -317,39 +317,41 @@ static void kq5_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, 
 }
 static void kq5_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq45_dequant_row_avx(row, k, out, 1); }
 
+/* A re-laid-out Q6_K super-block's 16 sub-blocks as 16 unsigned quants each, in natural order, and d * sc_j. */
+static inline __attribute__((always_inline)) void kq6_sub_blocks(const uint8_t *blk, __m128i sub[16], float sc[16]) {
+    __m512i v[4];
+    _mm512_storeu_ps(sc, kq6_decode(blk, v));
+    for (int h = 0; h < 2; ++h) {
+        /* per 128-bit lane: 8-byte runs of P and Q side by side are one 16-element sub-block */
+        const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
+        const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
+        for (int g = 0; g < 8; ++g) /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
+            sub[8 * h + g] = kq_lane(g % 2 ? hi : lo, g / 2);
+    }
+}
+
 static void kq6_dequant_row_avx(const uint8_t *row, int64_t k, float *out) {
     const __m512i n32 = _mm512_set1_epi32(32);
     for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
-        __m512i v[4];
+        __m128i sub[16];
         float sc[16];
-        _mm512_storeu_ps(sc, kq6_decode(row + blk * KQ6_BYTES, v));
-        for (int h = 0; h < 2; ++h) {
-            /* per 128-bit lane: 8-byte runs of P and Q side by side are one 16-element sub-block */
-            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
-            const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
-            for (int g = 0; g < 8; ++g) { /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
-                const __m512i src = g % 2 ? hi : lo;
-                const __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(kq_lane(src, g / 2)), n32));
-                _mm512_storeu_ps(out + 128 * h + 16 * g, _mm512_mul_ps(_mm512_set1_ps(sc[8 * h + g]), qf));
-            }
+        kq6_sub_blocks(row + blk * KQ6_BYTES, sub, sc);
+        for (int j = 0; j < 16; ++j) {
+            const __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(sub[j]), n32));
+            _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(_mm512_set1_ps(sc[j]), qf));
         }
     }
 }
 
 /* Unsigned quants (0..63) in natural order with per-sub-block (16 columns) scale d*sc_j and minimum
- * -32 * d*sc_j, both exact (tl_u8_row_fn, u8_cols 16): the lanes kq6_dequant_row_avx writes, as bytes. */
+ * -32 * d*sc_j, both exact (tl_u8_row_fn, u8_cols 16): the quants kq6_dequant_row_avx converts, as bytes. */
 static void kq6_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
     for (int64_t blk = 0; blk < k / KQ_K; ++blk, q += KQ_K, scale += 16, min += 16) {
-        __m512i v[4];
+        __m128i sub[16];
         float sc[16];
-        _mm512_storeu_ps(sc, kq6_decode(row + blk * KQ6_BYTES, v));
-        for (int h = 0; h < 2; ++h) {
-            const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
-            const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
-            for (int g = 0; g < 8; ++g) /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
-                _mm_storeu_si128((__m128i *)(q + 128 * h + 16 * g), kq_lane(g % 2 ? hi : lo, g / 2));
-        }
+        kq6_sub_blocks(row + blk * KQ6_BYTES, sub, sc);
         for (int j = 0; j < 16; ++j) {
+            _mm_storeu_si128((__m128i *)(q + 16 * j), sub[j]);
             scale[j] = sc[j];
             min[j] = -32.0f * sc[j];
         }
