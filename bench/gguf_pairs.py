@@ -82,6 +82,37 @@ def bound_rows(one: dict[str, dict], files: dict[str, str], step_bytes: dict[str
     return rows
 
 
+def e_target(engine: str) -> float:
+    """Issue 30's many-at-once target against llama-server's best file for the engine's model: 2x on the ~1B
+    model (`*-1b-*`), 3x on the default model."""
+    return 2.0 if "-1b-" in engine else 3.0
+
+
+def ceiling_rows(many: dict[str, dict], files: dict[str, str], flops: dict[str, float], output_tokens: int,
+                 gflops: float) -> list[dict[str, Any]]:
+    """Per tokenloom engine with a many-at-once result (`many`: engine -> median; `files`: engine -> path;
+    `flops`: path -> the workload's FLOPs, bench/gguf_ceiling.py): the arithmetic ceiling in output tok/s at
+    `gflops`, the share of it reached, llama-server's best tok/s on a file of the same model (same FLOPs), the
+    tok/s the target needs and whether the ceiling leaves room for it."""
+    from bench.gguf_ceiling import ceiling_tok_s
+
+    rows = []
+    for engine, path in files.items():
+        got = many.get(engine, {}).get("output_throughput")
+        if not engine.startswith("tokenloom-") or got is None:
+            continue
+        ceiling = ceiling_tok_s(flops[path], output_tokens, gflops)
+        peers = [many.get(e, {}).get("output_throughput") for e, p in files.items()
+                 if e.startswith("llama.cpp-") and flops[p] == flops[path]]
+        best = max((v for v in peers if v), default=None)
+        needed = e_target(engine) * best if best else None
+        rows.append({"engine": engine, "tflop": flops[path] / 1e12, "ceiling_tok_s": ceiling, "tok_s": got,
+                     "share_of_ceiling": got / ceiling, "peer_best_tok_s": best, "target": e_target(engine),
+                     "needed_tok_s": needed, "ceiling_over_peer": _ratio(ceiling, best),
+                     "reachable": None if needed is None else ceiling >= needed})
+    return rows
+
+
 def degradation(results: dict[str, dict], engines: list[str]) -> dict[str, dict[str, Any]]:
     """Per engine with both an unloaded (`name`) and a loaded (`name+load`) result in `results` (one workload's
     medians): how much the load slows its output tok/s and its ITL, and whether both stay within the target."""
@@ -133,10 +164,13 @@ def print_rows(title: str, rows: list[dict[str, Any]], columns: list[str]) -> No
 
 
 def issue30_report(results: dict[str, dict[str, dict]], engines: list[Any], read_gbps: float | None,
-                   kinds: list[str]) -> dict[str, Any]:
+                   kinds: list[str], e_shape: tuple[int, int, int] | None = None,
+                   bf16_gflops: float | None = None) -> dict[str, Any]:
     """Print and return the issue 30 figures from one run's medians (`results`: workload -> engine -> median):
     the same-file pairs ((d) one at a time, (e) many at once), each file engine's bound next to its (d) ITL and
-    its weight memory next to the file size, and the slowdown under background load ((d) and (f))."""
+    its weight memory next to the file size, the slowdown under background load ((d) and (f)), and (with
+    `e_shape` = (requests, prompt, output) of (e) and the bf16 matmul rate measured in the run) the
+    arithmetic ceiling of (e) against the throughput its target needs."""
     import os
 
     from bench.gguf_bound import gguf_step_bytes
@@ -161,6 +195,18 @@ def issue30_report(results: dict[str, dict[str, dict]], engines: list[Any], read
                     "weights_over_file"])
         out["read_gbps_2_threads"] = read_gbps
         out["bounds"] = rows
+    many = results.get("e", {})
+    if files and e_shape and bf16_gflops and any(n in many for n in files):
+        from bench.gguf_ceiling import gguf_token_work, workload_flops
+
+        requests, prompt_len, output_len = e_shape
+        flops = {p: workload_flops(gguf_token_work(p), requests, prompt_len, output_len) for p in set(files.values())}
+        rows = ceiling_rows(many, files, flops, requests * output_len, bf16_gflops)
+        print_rows(f"(e)'s arithmetic ceiling at {bf16_gflops:.0f} GFLOP/s (best bf16 matmul, measured in this run): "
+                   "the most output tok/s any server reaching that rate on every multiply-add can give",
+                   rows, ["engine", "tflop", "ceiling_tok_s", "tok_s", "share_of_ceiling", "peer_best_tok_s",
+                          "target", "needed_tok_s", "ceiling_over_peer", "reachable"])
+        out["e_ceiling"] = {"bf16_gflops": bf16_gflops, "rows": rows}
     names = [e.name for e in engines]
     loaded = {wl: degradation(per, names) for wl, per in results.items() if any(LOAD_TAG in n for n in per)}
     for wl, per in loaded.items():

@@ -10,10 +10,13 @@ bf16 / quant (above 1: the quantized kernel is faster), and the GFLOP/s of each 
 JSON also has the GB/s of weight bytes each moves). `--tile` times the dequantized bf16 tile path too (the
 many-row int8 path off) in the same rounds. `--copies N` cycles through N copies of every weight so that
 a call reads it from memory rather than cache (the m=1 bandwidth case).
-`--small-m N` overrides the kernel's small int8 stream's row limit (0: never) and `--batch-m N` the rows from
-which the many-row int8 path runs (0: never), to measure the crossovers. `--clock cpu` times this
-process's CPU time instead of wall time: on a machine shared with other work, at --threads 1, it leaves
-out the time other processes held the core. Timings are noisy on a shared machine: read the ratios.
+`--small-m N` overrides the kernel's small int8 stream's row limit (0: never), `--batch-m N` the rows from
+which the many-row int8 path runs (0: never) and `--tile-m N` the rows from which the bf16 tile takes over
+from it again (0: never; by default 16 on CPUs whose vdpbf16ps keeps pace with vpdpbusd), to measure the
+crossovers; `--int8` times the many-row int8 path at every row count past the small stream in the same
+rounds. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
+work, at --threads 1, it leaves out the time other processes held the core. Timings are noisy on a shared
+machine: read the ratios.
 The last line of stdout is one JSON object.
 
 Usage:
@@ -96,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--small-m", type=int, default=None, help="override the int8 path's row limit")
     p.add_argument("--batch-m", type=int, default=None,
                    help="override the rows from which the many-row int8 path runs (0: never)")
+    p.add_argument("--tile-m", type=int, default=None,
+                   help="override the rows from which the bf16 tile takes over from the int8 path (0: never)")
+    p.add_argument("--int8", action="store_true",
+                   help="also time the many-row int8 path (the tile never taking over) in the same rounds")
     p.add_argument("--tile", action="store_true",
                    help="also time the bf16 tile path (the many-row int8 path off) in the same rounds")
     p.add_argument("--prefetch", type=int, default=None,
@@ -113,6 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.batch_m is not None:
         lib.quant_batch_m(ctypes.c_int(args.batch_m))
     batch_m = lib.quant_batch_m(ctypes.c_int(-1))
+    if args.tile_m is not None:
+        lib.quant_tile_m(ctypes.c_int(args.tile_m))
+    tile_m = lib.quant_tile_m(ctypes.c_int(-1))
+    lib.quant_bf16_dot_cost.restype = ctypes.c_double
+    dot_cost = lib.quant_bf16_dot_cost()  # vdpbf16ps time over vpdpbusd's on this core
 
     if args.prefetch is not None:
         lib.quant_prefetch(ctypes.c_int(args.prefetch))
@@ -130,15 +142,19 @@ def main(argv: list[str] | None = None) -> None:
 
     unprefetched_linear = linear_with(lib.quant_prefetch, 0, prefetch)  # the software prefetch off
     tile_linear = linear_with(lib.quant_batch_m, 0, batch_m)  # the many-row int8 path off: the bf16 tile
+    int8_linear = linear_with(lib.quant_tile_m, 0, tile_m)  # the many-row int8 path wherever it applies
 
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; "
-          f"int8 path for M <= {small_m}, many-row int8 path from M = {batch_m} (0: off); {args.copies} weight "
+          f"int8 path for M <= {small_m}, many-row int8 path from M = {batch_m} (0: off), bf16 tile again from M = "
+          f"{tile_m} (0: never; a vdpbf16ps costs {dot_cost:.2f} vpdpbusd here); "
+          f"{args.copies} weight "
           f"copies; median of {args.rounds} alternating rounds, "
           f"{args.clock} clock")
-    print("| type | N x K | M | quant ms | bf16 ms | bf16 / quant | quant GFLOP/s | bf16 GFLOP/s | tile GFLOP/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| type | N x K | M | quant ms | bf16 ms | bf16 / quant | quant GFLOP/s | bf16 GFLOP/s | tile GFLOP/s "
+          "| int8 GFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     monitor = CpuMonitor()
     results = []
     for tname in args.types.split(","):
@@ -160,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                     "bf16": lambda x=x, ws=ws, packs=packs: [cpu_gemm.linear(x, w, pk)
                                                              for w, pk in zip(ws, packs, strict=True)],
                 }
+                if args.int8:
+                    fns["int8"] = lambda x=x, qms=qms: [int8_linear(x, q) for q in qms]
                 if args.tile:
                     fns["tile"] = lambda x=x, qms=qms: [tile_linear(x, q) for q in qms]
                 if args.prefetch_ab:
@@ -172,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                        "speedup": tb / tq, "quant_gbps": qms[0].nbytes / tq / 1e9,
                        "bf16_gbps": ws[0].numel() * 2 / tb / 1e9, "quant_gflops": flop / tq / 1e9,
                        "bf16_gflops": flop / tb / 1e9}
+                if args.int8:
+                    row["int8_gflops"] = flop / (best["int8"] / args.copies) / 1e9
                 if args.tile:
                     row["tile_gflops"] = flop / (best["tile"] / args.copies) / 1e9
                 if args.prefetch_ab:
@@ -179,14 +199,15 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
                       f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
-                      f"{row.get('tile_gflops', float('nan')):.1f} |"
+                      f"{row.get('tile_gflops', float('nan')):.1f} | {row.get('int8_gflops', float('nan')):.1f} |"
                       + (f" prefetch off {row['noprefetch_ms']:.3f} ms ({row['noprefetch_ms'] / row['quant_ms']:.2f}x)"
                          if args.prefetch_ab else ""), flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                                for r in results], "threads": args.threads, "small_m": small_m,
-                      "batch_m": batch_m, "copies": args.copies, "clock": args.clock,
+                      "batch_m": batch_m, "tile_m": tile_m,
+                      "bf16_dot_cost": round(dot_cost, 3), "copies": args.copies, "clock": args.clock,
                       "other_cpu_fraction": round(other, 3)}))
 
 

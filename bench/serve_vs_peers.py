@@ -410,7 +410,22 @@ def main() -> int:
     read_gbps = None
     if read_before is not None:
         read_gbps = statistics.median([read_before, measure_read_gbps()])  # the bandwidth before and after
-    issue30 = issue30_report(results, engines, read_gbps, [*FILE_KINDS, *(f"1b-{k}" for k in L1B_KINDS)])
+    e_shape, bf16_gflops = None, None
+    e_load = next((wl for wl in workloads if wl.key == "e"), None)
+    if e_load is not None and "e" in results and any(e.file for e in engines):
+        import torch
+
+        from bench.common import _best_matmul_gflops
+
+        e_shape = (e_load.concurrency, e_load.longest - e_load.output_len, e_load.output_len)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # a server's two threads: the best rate its (e) steps could reach
+        try:
+            bf16_gflops = _best_matmul_gflops(2048, 2048, 2048, torch.bfloat16, 20)
+        finally:
+            torch.set_num_threads(threads)
+    issue30 = issue30_report(results, engines, read_gbps, [*FILE_KINDS, *(f"1b-{k}" for k in L1B_KINDS)],
+                             e_shape, bf16_gflops)
     for note in notes:
         print(f"note: {note}")
     summary = {

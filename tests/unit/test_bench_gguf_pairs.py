@@ -115,3 +115,58 @@ def test_same_file_for_both_servers(tmp_path, monkeypatch):
     assert by_name["llama.cpp-q8_0"].cmd[by_name["llama.cpp-q8_0"].cmd.index("-c") + 1] == "{ctx}"
     assert by_name["tokenloom-bf16"].file is None and by_name["tokenloom-bf16"].model == "/hf"
     assert notes == []
+
+
+def test_token_work_and_workload_flops():
+    """Per-token multiply-adds from the tensor shapes (2-D block weights, the head once), attention's per
+    context position, and a request's FLOPs counted position by position."""
+    from bench import gguf_ceiling
+
+    shapes = {"token_embd.weight": (8, 100), "blk.0.attn_q.weight": (8, 8), "blk.0.ffn_down.weight": (16, 8),
+              "blk.0.attn_norm.weight": (8,), "blk.1.attn_q.weight": (8, 8), "output_norm.weight": (8,)}
+    work = gguf_ceiling.token_work(shapes, layers=2, heads=2, head_dim=4)
+    assert work == gguf_ceiling.TokenWork(block_macs=64 + 128 + 64, head_macs=800, attn_macs_per_ctx=2 * 2 * 2 * 4)
+    untied = gguf_ceiling.token_work({**shapes, "output.weight": (8, 50)}, layers=2, heads=2, head_dim=4)
+    assert untied.head_macs == 400
+    by_hand = 0  # 3 prompt + 2 output tokens: positions 1..4 through the blocks, 2 heads
+    for ctx in range(1, 5):
+        by_hand += work.block_macs + ctx * work.attn_macs_per_ctx
+    by_hand += 2 * work.head_macs
+    assert gguf_ceiling.workload_flops(work, 5, 3, 2) == 2.0 * 5 * by_hand
+    assert gguf_ceiling.ceiling_tok_s(2e9, 10, 4.0) == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="experts"):
+        gguf_ceiling.token_work({**shapes, "blk.0.ffn_up_exps.weight": (8, 16, 4)}, 2, 2, 4)
+    with pytest.raises(ValueError, match="no LM head"):
+        gguf_ceiling.token_work({"blk.0.attn_q.weight": (8, 8)}, 1, 1, 8)
+
+
+def test_token_work_of_the_default_gguf_matches_its_shape():
+    """SmolLM2's per-token work read from the packaged GGUF equals what its config shape gives."""
+    from bench import gguf_ceiling
+    from bench.common import ModelShape
+    from tokenloom.models.default_model import default_model_file
+
+    m = ModelShape.smollm2()
+    work = gguf_ceiling.gguf_token_work(default_model_file())
+    assert work.head_macs == m.vocab * m.hidden
+    assert work.block_macs == m.matmul_params - m.vocab * m.hidden
+    assert work.attn_macs_per_ctx == 2 * m.layers * m.heads * m.head_dim
+
+
+def test_ceiling_rows():
+    """The ceiling per tokenloom engine, llama-server's best on a file of the same model (same FLOPs) and the
+    target's need: 3x on the default model, 2x on the ~1B one."""
+    files = {"tokenloom-q4_1": "a.gguf", "llama.cpp-q4_1": "a.gguf", "llama.cpp-bf16": "b.gguf",
+             "tokenloom-1b-q8_0": "c.gguf", "llama.cpp-1b-q8_0": "c.gguf"}
+    flops = {"a.gguf": 8e12, "b.gguf": 8e12, "c.gguf": 80e12}
+    many = {"tokenloom-q4_1": {"output_throughput": 300.0}, "llama.cpp-q4_1": {"output_throughput": 100.0},
+            "llama.cpp-bf16": {"output_throughput": 180.0}, "tokenloom-1b-q8_0": {"output_throughput": 40.0},
+            "llama.cpp-1b-q8_0": {"output_throughput": 30.0}}
+    rows = {r["engine"]: r for r in gguf_pairs.ceiling_rows(many, files, flops, 8000, 400.0)}
+    assert set(rows) == {"tokenloom-q4_1", "tokenloom-1b-q8_0"}
+    small = rows["tokenloom-q4_1"]  # 8 TFLOP at 400 GFLOP/s: 20 s for 8000 tokens
+    assert small["ceiling_tok_s"] == pytest.approx(400.0) and small["share_of_ceiling"] == pytest.approx(0.75)
+    assert small["peer_best_tok_s"] == 180.0 and small["needed_tok_s"] == pytest.approx(540.0)
+    assert small["reachable"] is False and small["ceiling_over_peer"] == pytest.approx(400 / 180)
+    big = rows["tokenloom-1b-q8_0"]  # 200 s: 40 tok/s, the target needs 60
+    assert big["ceiling_tok_s"] == pytest.approx(40.0) and big["target"] == 2.0 and big["reachable"] is False

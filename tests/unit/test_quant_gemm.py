@@ -155,9 +155,10 @@ def test_many_row_int8_path(name):
     ref = x.float() @ w_ref.T
     lib = qg._native()
     batch, residual = lib.quant_batch_m(ctypes.c_int(-1)), lib.quant_batch_residual(ctypes.c_int(-1))
-    small_residual = lib.quant_act_residual(ctypes.c_int(-1))
+    small_residual, tile_from = lib.quant_act_residual(ctypes.c_int(-1)), lib.quant_tile_m(ctypes.c_int(-1))
     try:
         lib.quant_batch_m(ctypes.c_int(1))  # the default without AMX (test_tile_path_without_amx checks it)
+        lib.quant_tile_m(ctypes.c_int(0))  # at every row count (the default where vdpbf16ps lags vpdpbusd)
         assert lib.quant_path(qm.qtype, 64, k, 0) == 2 and lib.quant_path(qm.qtype, 13, k, 0) == 2
         got = qg.linear(x, qm, out_dtype=torch.float32)
         assert torch.equal(qg.linear(x[:13], qm, out_dtype=torch.float32), got[:13])
@@ -175,6 +176,7 @@ def test_many_row_int8_path(name):
         lib.quant_batch_m(ctypes.c_int(batch))
         lib.quant_batch_residual(ctypes.c_int(residual))
         lib.quant_act_residual(ctypes.c_int(small_residual))
+        lib.quant_tile_m(ctypes.c_int(tile_from))
     assert residual == 1 and not torch.equal(got, tile)
     assert bool(((got - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
     assert bool(((one_term - ref).abs() <= _expected_error(x, w_ref, True, ref, torch.float32)).all())
@@ -194,15 +196,17 @@ def test_many_row_path_in_passes(name, out_dtype):
     x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # row stride 2k
     bias = torch.randn(n, generator=g)
     lib = qg._native()
-    batch = lib.quant_batch_m(ctypes.c_int(-1))
+    batch, tile_from = lib.quant_batch_m(ctypes.c_int(-1)), lib.quant_tile_m(ctypes.c_int(-1))
     try:
         lib.quant_batch_m(ctypes.c_int(1))
+        lib.quant_tile_m(ctypes.c_int(0))
         assert lib.quant_path(qm.qtype, m, k, 0) == 2
         got = qg.linear(x, qm, bias, out_dtype=out_dtype)
         for rows in (slice(0, 13), slice(330, 343), slice(665, 700)):  # pass 1, across passes 1-2, pass 3
             assert torch.equal(qg.linear(x[rows], qm, bias, out_dtype=out_dtype), got[rows])
     finally:
         lib.quant_batch_m(ctypes.c_int(batch))
+        lib.quant_tile_m(ctypes.c_int(tile_from))
     w_ref = qg.dequantize(qm)
     ref = x.float() @ w_ref.T + bias
     assert bool(((got.float() - ref).abs() <= _expected_error(x, w_ref, True, ref, out_dtype)).all())
@@ -276,6 +280,36 @@ def test_tile_path_without_amx():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_tile_takes_rows_back_from_the_int8_path():
+    """Where vdpbf16ps keeps pace with vpdpbusd (a probe of the two instructions' issue rates, once per process),
+    the bf16 tile takes bf16 x back from the many-row int8 path from quant_tile_m rows on (16), else never (0):
+    quant_path follows the two settings, the default is one of those two values, and TOKENLOOM_QUANT_TILE_M
+    (A/B runs) sets it in a fresh process."""
+    lib = qg._native()
+    k, qtype = 576, qg.TYPE_IDS["Q4_1"]
+    batch, tile_from, small = lib.quant_batch_m(-1), lib.quant_tile_m(-1), lib.quant_small_m(-1)
+    assert tile_from in (0, 16)
+    try:
+        lib.quant_batch_m(1)
+        lib.quant_small_m(8)
+        lib.quant_tile_m(16)
+        assert [lib.quant_path(qtype, m, k, 0) for m in (8, 9, 15, 16, 64, 4096)] == [1, 2, 2, 0, 0, 0]
+        assert lib.quant_path(qtype, 64, k, 1) == 0  # float32 x: always the exact tile
+        lib.quant_tile_m(0)
+        assert [lib.quant_path(qtype, m, k, 0) for m in (9, 16, 4096)] == [2, 2, 2]
+        lib.quant_batch_m(0)
+        assert [lib.quant_path(qtype, m, k, 0) for m in (9, 4096)] == [0, 0]
+    finally:
+        lib.quant_batch_m(batch)
+        lib.quant_tile_m(tile_from)
+        lib.quant_small_m(small)
+    code = "from tokenloom.kernels import quant_gemm as qg\nprint(qg._native().quant_tile_m(-1))\n"
+    env = {**os.environ, "TOKENLOOM_QUANT_TILE_M": "24", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "24", proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", LEGACY)

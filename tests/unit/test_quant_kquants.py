@@ -223,7 +223,10 @@ def test_public_linear(qtype, m, k, x_dtype):
     mag = xd.abs() @ w.abs().T
     path = qg._native().quant_path(ct.c_int(qtype), ct.c_int64(m), ct.c_int64(k), ct.c_int(x.dtype == torch.float32))
     small = path in (1, 2)  # an int8 path: the small stream or the many-row tile
-    batch = qg._native().quant_batch_m(ct.c_int(-1)) > 0  # the many-row int8 path (off where AMX runs)
+    lib = qg._native()
+    batch_from, tile_from = lib.quant_batch_m(ct.c_int(-1)), lib.quant_tile_m(ct.c_int(-1))
+    # the many-row int8 path: off where AMX runs, and from tile_from rows on where vdpbf16ps keeps pace
+    batch = batch_from > 0 and m >= batch_from and (tile_from == 0 or m < tile_from)
     assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch else 0)
     if x.dtype == torch.float32:
         tol = k * 2.0 ** -24 * mag
@@ -256,8 +259,10 @@ def test_many_row_int8_path(qtype):
     ref = x.double() @ w.T
     lib = qg._native()
     batch, residual = lib.quant_batch_m(ct.c_int(-1)), lib.quant_batch_residual(ct.c_int(-1))
+    tile_from = lib.quant_tile_m(ct.c_int(-1))
     try:
         lib.quant_batch_m(ct.c_int(1))  # the default without AMX
+        lib.quant_tile_m(ct.c_int(0))  # at every row count
         assert lib.quant_path(qtype, 64, k, 0) == 2 and lib.quant_path(qtype, 13, k, 0) == 2
         got = qg.linear(x, qm, out_dtype=torch.float32)
         assert torch.equal(qg.linear(x[20:33], qm, out_dtype=torch.float32), got[20:33])
@@ -268,6 +273,7 @@ def test_many_row_int8_path(qtype):
     finally:
         lib.quant_batch_m(ct.c_int(batch))
         lib.quant_batch_residual(ct.c_int(residual))
+        lib.quant_tile_m(ct.c_int(tile_from))
     d = x.double().abs().view(64, k // 32, 32).amax(-1) / 127
     bound = (d.repeat_interleave(32, dim=1) / 2) @ w.abs().T + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
     assert residual == 1 and not torch.equal(got, tile)

@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* built inside kernels.c, after pair_gemm.c (group_rows) and the family files (quant_legacy.c, quant_kquants.c) */
 
@@ -456,9 +457,9 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
 
 /* Rows from which bf16 x takes quant_batch.c's int8 path instead of the bf16 tile (every type with a u8_row,
  * k % 64 == 0; rows up to quant_small_m take the small stream first): read (value < 0) or set it (0: never).
- * By default every row count past the small stream where AMX does not run (bench/quant_gemm.py --tile, one
- * thread, AVX512-BF16 tile vs this path at 16-256 rows: 1.35-1.6x faster with both int8 terms), and never
- * where it runs (AMX's bf16 tiles are 1.3-5x faster than this path at 16-256 rows). */
+ * By default every row count past the small stream where AMX does not run, and never where it runs (AMX's bf16
+ * tiles are 1.3-5x faster than this path at 16-256 rows). Where vdpbf16ps keeps pace with vpdpbusd, the tile
+ * takes the rows back from quant_tile_m on. */
 static int quant_batch_min_rows = -1;
 KERNEL_API int quant_batch_m(int value) {
     if (value >= 0)
@@ -472,6 +473,81 @@ KERNEL_API int quant_batch_m(int value) {
     return quant_batch_min_rows;
 }
 
+#if HAVE_QUANT_BATCH
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Seconds for `iters` x 12 independent register-only vpdpbusd (bf16 = 0) or vdpbf16ps (bf16 = 1): twelve
+ * chains cover either instruction's latency, so the time is the issue rate. */
+static double dot_rate_probe(int bf16, int iters) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+            a9 = a0, a10 = a0, a11 = a0;
+    const __m512i u = _mm512_set1_epi32(0x3f803f80), v = _mm512_set1_epi32(0x01010101);
+    const double t0 = seconds_now();
+    for (int i = 0; i < iters; ++i) {
+#define DOT12(OP)                                                                                                  \
+    __asm__ volatile(OP " %13, %12, %0\n\t" OP " %13, %12, %1\n\t" OP " %13, %12, %2\n\t" OP " %13, %12, %3\n\t"   \
+                     OP " %13, %12, %4\n\t" OP " %13, %12, %5\n\t" OP " %13, %12, %6\n\t" OP " %13, %12, %7\n\t"   \
+                     OP " %13, %12, %8\n\t" OP " %13, %12, %9\n\t" OP " %13, %12, %10\n\t" OP " %13, %12, %11"     \
+                     : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8),   \
+                       "+v"(a9), "+v"(a10), "+v"(a11)                                                             \
+                     : "v"(u), "v"(v))
+        if (bf16)
+            DOT12("vdpbf16ps");
+        else
+            DOT12("vpdpbusd");
+#undef DOT12
+    }
+    const double t = seconds_now() - t0;
+    volatile int sink = _mm512_reduce_add_epi32(_mm512_xor_si512(
+        _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)),
+        _mm512_xor_si512(_mm512_xor_si512(_mm512_xor_si512(a4, a5), _mm512_xor_si512(a6, a7)),
+                         _mm512_xor_si512(_mm512_xor_si512(a8, a9), _mm512_xor_si512(a10, a11)))));
+    (void)sink;
+    return t;
+}
+#endif
+
+/* Time of a vdpbf16ps over a vpdpbusd on this core (the issue-rate ratio; bench/quant_gemm.py prints it), or 0
+ * where the many-row int8 path is not built. */
+KERNEL_API double quant_bf16_dot_cost(void) {
+#if HAVE_QUANT_BATCH
+    double best_int8 = 1e9, best_bf16 = 1e9;
+    for (int tries = 0; tries < 7; ++tries) {
+        const double ti = dot_rate_probe(0, 2000), tb = dot_rate_probe(1, 2000);
+        if (ti < best_int8) best_int8 = ti;
+        if (tb < best_bf16) best_bf16 = tb;
+    }
+    return best_bf16 / best_int8;
+#else
+    return 0.0;
+#endif
+}
+
+/* Rows from which the dequantized bf16 tile takes over from the many-row int8 path again: read (value < 0) or
+ * set it (0: never). By default 16 where this core issues vdpbf16ps (32 multiply-adds) at least 2/3 as fast
+ * as vpdpbusd (64, or 32 a term with the two int8 terms): the tile then matches the int8 path's multiply rate
+ * without its activation quantizing and block epilogue (AMD Zen 4, two threads, bench/quant_gemm.py --int8:
+ * at 32-1024 rows the AVX512-BF16 tile is 1.1-1.7x faster than the two int8 terms on every type and shape of
+ * SmolLM2 and a 1B Llama, level at 16, 1.1-1.3x slower at 9 on the k-quants), else never (Intel's Sapphire
+ * Rapids with AMX off runs vdpbf16ps at a fraction of vpdpbusd's rate). Decided once per process by
+ * quant_bf16_dot_cost (the best of 7 interleaved tries of ~24k instructions each, ~0.2 ms in all). */
+#define TILE_M_BF16_PACE 16
+#define BF16_PACE_MAX_COST 1.5
+static int quant_tile_min_rows = -1;
+KERNEL_API int quant_tile_m(int value) {
+    if (value >= 0)
+        quant_tile_min_rows = value;
+    else if (quant_tile_min_rows < 0) { /* a benign race: every caller decides the same */
+        const double cost = quant_bf16_dot_cost();
+        quant_tile_min_rows = cost > 0.0 && cost < BF16_PACE_MAX_COST ? TILE_M_BF16_PACE : 0;
+    }
+    return quant_tile_min_rows;
+}
+
 /* The path quant_linear takes for these arguments: 1 the small int8 stream, 2 the many-row int8 path, 0 the
  * dequantized tile; -1 for a type this build lacks (tests pick each path's error bound with it). */
 KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
@@ -481,7 +557,10 @@ KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
     if (!x_is_f32 && m <= quant_small_m(-1)) return 1;
 #if HAVE_QUANT_BATCH
     const int batch_from = quant_batch_m(-1);
-    if (!x_is_f32 && batch_from > 0 && m >= batch_from && t->u8_row != NULL && k % 64 == 0) return 2;
+    const int tile_from = quant_tile_m(-1);
+    if (!x_is_f32 && batch_from > 0 && m >= batch_from && (tile_from == 0 || m < tile_from) && t->u8_row != NULL &&
+        k % 64 == 0)
+        return 2;
 #endif
     return 0;
 #else
