@@ -88,6 +88,21 @@ def _field(reader, key: str):
     return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value.tolist()[0]
 
 
+def best_bf16_gflops(threads: int = 2, reps: int = 20) -> float:
+    """The best GFLOP/s of `reps` 2048^3 bf16 matmuls (torch, oneDNN) on `threads` threads: the rate a
+    server's two threads reach at best. Best-of, since the ceiling is an upper bound."""
+    import torch
+
+    from bench.common import _best_matmul_gflops
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _best_matmul_gflops(2048, 2048, 2048, torch.bfloat16, reps)
+    finally:
+        torch.set_num_threads(before)
+
+
 def ceiling_tok_s(flops: float, output_tokens: int, gflops: float) -> float:
     """Output tokens/s if `flops` ran at `gflops` with nothing else taking time."""
     if gflops <= 0:

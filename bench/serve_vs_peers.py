@@ -32,7 +32,9 @@ Printed at the end: every run's medians and tokenloom-bf16's advantage over each
 runs' table) with its targets; then (`bench/gguf_pairs.py`) tokenloom against llama.cpp on each same file (ITL
 speedup and TTFT ratio from (d), throughput ratio from (e)); per file engine the weight-bandwidth bound
 (weight bytes a step reads / 2-thread read bandwidth measured before and after the runs) next to its (d) ITL,
-and the weight memory the server reports against the file's size; the slowdown under load. Last, one JSON line.
+and the weight memory the server reports against the file's size; (e)'s arithmetic ceiling (`bench/gguf_ceiling.py`:
+the workload's multiply-adds at the best 2-thread bf16 matmul rate, measured before and after the runs) against
+the tok/s its target needs; the slowdown under load. Last, one JSON line.
 
 `--variant NAME=FLAGS` adds tokenloom-bf16 started with extra server flags as one more engine (e.g. `--variant
 no-cascade=--disable-cascade-attention`), so a feature's effect is measured side by side like a peer's. Each
@@ -61,6 +63,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.gguf_bound import measure_read_gbps  # noqa: E402
+from bench.gguf_ceiling import best_bf16_gflops  # noqa: E402
 from bench.gguf_pairs import LOAD_TAG, busy_process, fmt, issue30_report, median_runs  # noqa: E402
 from bench.llama_server import find_llama_server  # noqa: E402
 from bench.peer_engines import (  # noqa: E402, F401 - LLAMA_ENGINES, Engine, free_port: this module's API before
@@ -389,6 +392,8 @@ def main() -> int:
     engines += [tokenloom_engine(name, hf, flags) for name, flags in args.variant]
     workloads = make_workloads(args.quick, args.scale, args.workloads)
     read_before = measure_read_gbps() if any(e.file for e in engines) else None
+    e_load = next((wl for wl in workloads if wl.key == "e"), None)
+    gflops_before = best_bf16_gflops() if e_load is not None and any(e.file for e in engines) else None
     runs: dict[str, dict[str, list[dict]]] = {}
     t_start = time.perf_counter()
     active = list(engines)
@@ -411,19 +416,9 @@ def main() -> int:
     if read_before is not None:
         read_gbps = statistics.median([read_before, measure_read_gbps()])  # the bandwidth before and after
     e_shape, bf16_gflops = None, None
-    e_load = next((wl for wl in workloads if wl.key == "e"), None)
-    if e_load is not None and "e" in results and any(e.file for e in engines):
-        import torch
-
-        from bench.common import _best_matmul_gflops
-
+    if e_load is not None and "e" in results and gflops_before is not None:
         e_shape = (e_load.concurrency, e_load.longest - e_load.output_len, e_load.output_len)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)  # a server's two threads: the best rate its (e) steps could reach
-        try:
-            bf16_gflops = _best_matmul_gflops(2048, 2048, 2048, torch.bfloat16, 20)
-        finally:
-            torch.set_num_threads(threads)
+        bf16_gflops = max(gflops_before, best_bf16_gflops())  # the ceiling's rate: the better of before and after
     issue30 = issue30_report(results, engines, read_gbps, [*FILE_KINDS, *(f"1b-{k}" for k in L1B_KINDS)],
                              e_shape, bf16_gflops)
     for note in notes:

@@ -532,8 +532,9 @@ KERNEL_API double quant_bf16_dot_cost(void) {
  * as vpdpbusd (64, or 32 a term with the two int8 terms): the tile then matches the int8 path's multiply rate
  * without its activation quantizing and block epilogue (AMD Zen 4, two threads, bench/quant_gemm.py --int8:
  * at 32-1024 rows the AVX512-BF16 tile is 1.1-1.7x faster than the two int8 terms on every type and shape of
- * SmolLM2 and a 1B Llama, level at 16, 1.1-1.3x slower at 9 on the k-quants), else never (Intel's Sapphire
- * Rapids with AMX off runs vdpbf16ps at a fraction of vpdpbusd's rate). Decided once per process by
+ * SmolLM2 and a 1B Llama, level at 16, 1.1-1.3x slower at 9 on the k-quants; the probe's cost there: 1.00),
+ * else never (an Intel Xeon with AMX off issues vdpbf16ps at a quarter of vpdpbusd's rate, where the int8 path
+ * is 1.35-1.6x faster than the tile at 16-256 rows). Decided once per process by
  * quant_bf16_dot_cost (the best of 7 interleaved tries of ~24k instructions each, ~0.2 ms in all). */
 #define TILE_M_BF16_PACE 16
 #define BF16_PACE_MAX_COST 1.5
