@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -41,18 +42,11 @@ def token_work(shapes: dict[str, tuple[int, ...]], layers: int, heads: int, head
     """TokenWork from tensor shapes (GGUF name -> dims) and the attention geometry."""
     if any("_exps" in name for name in shapes):
         raise ValueError("mixture-of-experts tensors: per-token work depends on routing")
-    block = sum(_elements(dims) for name, dims in shapes.items() if _BLOCK.match(name) and len(dims) == 2)
+    block = sum(math.prod(dims) for name, dims in shapes.items() if _BLOCK.match(name) and len(dims) == 2)
     head = shapes.get(_HEAD, shapes.get(_EMBED))
     if head is None:
         raise ValueError(f"no {_HEAD} or {_EMBED}: no LM head to count")
-    return TokenWork(block, _elements(head), 2 * layers * heads * head_dim)
-
-
-def _elements(dims: tuple[int, ...]) -> int:
-    out = 1
-    for d in dims:
-        out *= int(d)
-    return out
+    return TokenWork(block, math.prod(head), 2 * layers * heads * head_dim)
 
 
 def workload_flops(work: TokenWork, requests: int, prompt_len: int, output_len: int) -> float:
@@ -66,26 +60,16 @@ def workload_flops(work: TokenWork, requests: int, prompt_len: int, output_len: 
 
 
 def gguf_token_work(path: str) -> TokenWork:
-    """TokenWork of the GGUF file at `path` (its tensor shapes and attention metadata, read with gguf)."""
-    from gguf import GGUFReader
+    """TokenWork of the GGUF file at `path` (its tensor shapes and attention metadata, read as the loader
+    reads them)."""
+    from tokenloom.models.gguf_file import GGUFFile
 
-    reader = GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    layers = int(_field(reader, f"{arch}.block_count"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = _field(reader, f"{arch}.attention.key_length")
-    if head_dim is None:
-        head_dim = int(_field(reader, f"{arch}.embedding_length")) // heads
-    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
-    return token_work(shapes, layers, heads, int(head_dim))
-
-
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.parts[field.data[0]]
-    return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value.tolist()[0]
+    gguf = GGUFFile(path)
+    arch = gguf.arch
+    heads = int(gguf.field(f"{arch}.attention.head_count"))
+    head_dim = gguf.field(f"{arch}.attention.key_length") or int(gguf.field(f"{arch}.embedding_length")) // heads
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in gguf.reader.tensors}
+    return token_work(shapes, int(gguf.field(f"{arch}.block_count")), heads, int(head_dim))
 
 
 def best_bf16_gflops(threads: int = 2, reps: int = 20) -> float:
