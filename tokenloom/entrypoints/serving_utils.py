@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tokenloom.finish_reason import error_type_for
 from tokenloom.frontend.tokenizer_manager import ACCEPTED, EngineDeadError
 
 T = TypeVar("T")
@@ -147,8 +148,7 @@ def openai_error(message: str, status_code: int = 400, err_type: str | None = No
 def openai_error_body(message: str, status_code: int, err_type: str | None = None,
                       param: str | None = None) -> dict[str, Any]:
     if err_type is None:
-        err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                    503: "ServiceUnavailableError"}.get(status_code, "InternalServerError")
+        err_type = error_type_for(status_code)
     return {"object": "error", "message": message, "type": err_type, "param": param, "code": status_code}
 
 
