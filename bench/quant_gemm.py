@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="also time the bf16 tile path (the many-row int8 path off) in the same rounds")
     p.add_argument("--prefetch", type=int, default=None,
                    help="the kernels' software prefetch distance in tiles (default: the library's; 0: off)")
+    p.add_argument("--seq-m", type=int, default=None,
+                   help="override the activation rows (both int8 terms counted) up to which the small-row kernels "
+                        "read each weight row whole in turn (0: never, the row tiles)")
+    p.add_argument("--seq-ab", action="store_true",
+                   help="also time the small-row kernels with the row tiles instead of the row-sequential stream")
     p.add_argument("--prefetch-ab", action="store_true",
                    help="also time the quantized kernel with its software prefetch off, in the same rounds")
     args = p.parse_args(argv)
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefetch is not None:
         lib.quant_prefetch(ctypes.c_int(args.prefetch))
     prefetch = lib.quant_prefetch(ctypes.c_int(-1))
+    if args.seq_m is not None:
+        lib.quant_seq_m(ctypes.c_int(args.seq_m))
+    seq_m = lib.quant_seq_m(ctypes.c_int(-1))
 
     def linear_with(setter: Callable[[ctypes.c_int], int], value: int, default: int) -> Callable:
         """`qg.linear` with one of the library's settings at `value` for the call, then back to `default`."""
@@ -141,13 +149,15 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     unprefetched_linear = linear_with(lib.quant_prefetch, 0, prefetch)  # the software prefetch off
+    tiled_linear = linear_with(lib.quant_seq_m, 0, seq_m)  # the row tiles instead of the row-sequential stream
     tile_linear = linear_with(lib.quant_batch_m, 0, batch_m)  # the many-row int8 path off: the bf16 tile
     int8_linear = linear_with(lib.quant_tile_m, 0, tile_m)  # the many-row int8 path wherever it applies
 
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; "
-          f"int8 path for M <= {small_m}, many-row int8 path from M = {batch_m} (0: off), bf16 tile again from M = "
+          f"int8 path for M <= {small_m} (row-sequential stream to {seq_m} int8 rows), "
+          f"many-row int8 path from M = {batch_m} (0: off), bf16 tile again from M = "
           f"{tile_m} (0: never; a vdpbf16ps costs {dot_cost:.2f} vpdpbusd here); "
           f"{args.copies} weight "
           f"copies; median of {args.rounds} alternating rounds, "
@@ -180,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                     fns["int8"] = lambda x=x, qms=qms: [int8_linear(x, q) for q in qms]
                 if args.tile:
                     fns["tile"] = lambda x=x, qms=qms: [tile_linear(x, q) for q in qms]
+                if args.seq_ab:
+                    fns["rowtiles"] = lambda x=x, qms=qms: [tiled_linear(x, q) for q in qms]
                 if args.prefetch_ab:
                     fns["noprefetch"] = lambda x=x, qms=qms: [unprefetched_linear(x, q) for q in qms]
                 best = time_pair(fns, args.rounds, args.round_ms,
@@ -194,19 +206,23 @@ def main(argv: list[str] | None = None) -> None:
                     row["int8_gflops"] = flop / (best["int8"] / args.copies) / 1e9
                 if args.tile:
                     row["tile_gflops"] = flop / (best["tile"] / args.copies) / 1e9
+                if args.seq_ab:
+                    row["rowtiles_ms"] = best["rowtiles"] / args.copies * 1e3
                 if args.prefetch_ab:
                     row["noprefetch_ms"] = best["noprefetch"] / args.copies * 1e3
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
                       f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
                       f"{row.get('tile_gflops', float('nan')):.1f} | {row.get('int8_gflops', float('nan')):.1f} |"
+                      + (f" row tiles {row['rowtiles_ms']:.3f} ms ({row['rowtiles_ms'] / row['quant_ms']:.2f}x)"
+                         if args.seq_ab else "")
                       + (f" prefetch off {row['noprefetch_ms']:.3f} ms ({row['noprefetch_ms'] / row['quant_ms']:.2f}x)"
                          if args.prefetch_ab else ""), flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                                for r in results], "threads": args.threads, "small_m": small_m,
-                      "batch_m": batch_m, "tile_m": tile_m,
+                      "batch_m": batch_m, "tile_m": tile_m, "seq_m": seq_m,
                       "bf16_dot_cost": round(dot_cost, 3), "copies": args.copies, "clock": args.clock,
                       "other_cpu_fraction": round(other, 3)}))
 

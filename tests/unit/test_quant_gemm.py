@@ -335,3 +335,29 @@ def test_prefetch_distance_changes_no_result(name):
             assert torch.equal(a, b)
     ref = x.float() @ qg.dequantize(qm).T
     assert float((got[1][1] - ref).norm() / ref.norm()) < 0.01
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_row_stream_equals_the_row_tiles(name):
+    """The row-sequential stream (each weight row read whole in turn, for rows shorter than a page) does the
+    tiles' arithmetic in the tiles' order: bit-identical results at 1-3 rows (2-6 int8 rows: one pass of the
+    k-quants' stream and two), over a row count that ends in a partial tile and a masked span; the setter reads
+    back what it set and defaults to batch 1's two int8 rows (the k-quants: test_quant_kquants.py)."""
+    n, k = 77, 1088
+    qm = qg.prepare(_matrix(name, n, k, 41))
+    lib = qg._native()
+    default = lib.quant_seq_m(ctypes.c_int(-1))
+    assert default == 2
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(41)).bfloat16()
+    got = {}
+    try:
+        for rows in (0, 16):
+            assert lib.quant_seq_m(ctypes.c_int(rows)) == rows
+            got[rows] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 2, 3)]
+    finally:
+        lib.quant_seq_m(ctypes.c_int(default))
+    for a, b in zip(got[0], got[16], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(qg.linear(x[:1], qm, out_dtype=torch.float32), got[16][0])  # the default: the stream
+    ref = x.float() @ qg.dequantize(qm).T
+    assert float((got[16][2] - ref).norm() / ref.norm()) < 0.01

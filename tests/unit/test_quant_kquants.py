@@ -283,6 +283,36 @@ def test_many_row_int8_path(qtype):
     assert 0 < rel(got) < rel(one_term) / 30 and rel(one_term) < 0.02, (rel(got), rel(one_term))
 
 
+@public
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
+def test_row_stream_equals_the_row_tiles(qtype):
+    """The row-sequential stream (each weight row read whole in turn, rows shorter than a page) does the
+    tiles' arithmetic in the tiles' order: bit-identical at 1-3 rows (2-6 int8 rows: one pass of the stream
+    and two) over a row count that ends in a partial tile; rows of a page or more (k = 8192) keep the tiles."""
+    import ctypes as ct
+
+    import torch
+
+    from tokenloom.kernels import quant_gemm as qg
+
+    lib = qg._native()
+    default = lib.quant_seq_m(ct.c_int(-1))
+    for n, k in ((37, 1280), (9, 8192)):
+        qm = qg.prepare(_quant_matrix(qtype, n, k, seed=qtype + k))
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+        got = {}
+        try:
+            for rows in (0, 16):
+                assert lib.quant_seq_m(ct.c_int(rows)) == rows
+                got[rows] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 2, 3)]
+        finally:
+            lib.quant_seq_m(ct.c_int(default))
+        for a, b in zip(got[0], got[16], strict=True):
+            assert torch.equal(a, b)
+        ref = x.float() @ qg.dequantize(qm).T
+        assert float((got[16][2] - ref).norm() / ref.norm()) < 0.01
+
+
 @pytest.fixture(scope="module")
 def portable_lib(tmp_path_factory):
     """csrc/quant_kquants.c built alone for baseline x86-64 (no AVX-512): the fallback every CPU gets."""

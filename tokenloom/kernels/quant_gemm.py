@@ -178,6 +178,9 @@ def _native() -> ctypes.CDLL | None:
     batch_terms = os.environ.get("TOKENLOOM_QUANT_BATCH_TERMS")  # the many-row path's int8 terms, 1 or 2 (A/B runs)
     if batch_terms is not None:
         lib.quant_batch_residual(ctypes.c_int(int(batch_terms) == 2))
+    seq_m = os.environ.get("TOKENLOOM_QUANT_SEQ_M")  # rows up to which the row-sequential stream runs (A/B runs)
+    if seq_m is not None:
+        lib.quant_seq_m(ctypes.c_int(int(seq_m)))
     tile_m = os.environ.get("TOKENLOOM_QUANT_TILE_M")  # rows from which the bf16 tile replaces the int8 path (A/B runs)
     if tile_m is not None:
         lib.quant_tile_m(ctypes.c_int(int(tile_m)))

@@ -63,4 +63,9 @@ typedef struct {
  * bytes the next one reads (quant_prefetch() in quant_gemm.c sets it; benchmarks compare). */
 static int tl_quant_prefetch_tiles = 1;
 
+/* Activation rows (the kernel's a->m, both int8 terms counted) up to which the small-row dot kernels read each
+ * weight row whole in turn (the row-sequential stream) rather than in tiles of rows side by side
+ * (quant_seq_m() in quant_gemm.c sets it; benchmarks compare; 0: never). */
+static int tl_quant_seq_max_m = 2;
+
 #endif

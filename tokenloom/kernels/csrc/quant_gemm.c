@@ -115,6 +115,12 @@ KERNEL_API int quant_prefetch(int value) {
     return tl_quant_prefetch_tiles;
 }
 
+/* Activation rows up to which the small-row kernels use the row-sequential stream: read (value < 0) or set it. */
+KERNEL_API int quant_seq_m(int value) {
+    if (value >= 0) tl_quant_seq_max_m = value;
+    return tl_quant_seq_max_m;
+}
+
 /* Re-lays out data [n rows of k columns] in place for the type's kernels (same size). */
 KERNEL_API int quant_repack(int type, uint8_t *data, int64_t n, int64_t k) {
     const tl_quant_type *t = tl_quant_lookup(type);
