@@ -8,6 +8,8 @@ resuming (the servers' pair: tests/e2e/test_family_pd.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -131,8 +133,15 @@ def test_pd_pair_transfers_both_pools(models, kind):
             first.clear()
             prebuild()
         side._prebuild = prebuild_a_and_b_together
-        for rid, ids in prompts.items():
-            pair.submit(rid, ids, greedy)
+        for rid in ("a", "b"):
+            pair.submit(rid, prompts[rid], greedy)
+        # "c" only once "a" and "b" were built together: preallocated before "b", it would hold the room "b"
+        # needs while the hook holds "a" and "c" back for "b" (a deadlock of the hook's making)
+        deadline = time.monotonic() + 120
+        while first and time.monotonic() < deadline:
+            if not pair.step():
+                time.sleep(0.002)
+        pair.submit("c", prompts["c"], greedy)
         results = pair.run(timeout_s=300)
         assert pair.decode.side.offloaded > 0  # retracted to host memory (and resumed)
         prompts["d"] = prompts["a"] + results["a"].output_ids[:1] + torch.randint(0, 256, (6,), generator=gen).tolist()
