@@ -476,7 +476,8 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
  * moves 15 GB/s on the Zen 4 EPYC (23 with the tiles' software prefetch), one run per thread 28-30 (a read
  * microbenchmark, 512 MB, two threads). So for few activation rows each weight row is read whole, one after
  * another; what the tiles shared across RB rows (the activations regrouped to the weights' lane order and
- * their scales) is prepared once per call into a stack buffer and read back from L1/L2 by every row. */
+ * their scales) is prepared once per dot_rows call (a chunk of 16 weight rows) into a stack buffer and read
+ * back from L1/L2 by every row of it. */
 #define KQ_SEQ_VECS 1024 /* 64 KiB of prepared activations */
 #define KQ_SEQ_STRIDE 8  /* vectors per (activation row, super-block) */
 #define KQ_SEQ_MAX_MB 4  /* activation rows per pass over the weight rows */

@@ -307,7 +307,8 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
  * GB/s on the Zen 4 EPYC, one run per thread 28-30 (a read microbenchmark, 512 MB, two threads). So for rows
  * shorter than a page the tile walks its rows one after another instead (the same accumulators, the same
  * batched horizontal sum), and what its rows shared (the activations' scale vectors per span, the Q4 regroup
- * of their quants) is prepared once per call into a stack buffer and read back from L1 by every row. */
+ * of their quants) is prepared once per dot_rows call (a chunk of 16 weight rows) into a stack buffer and
+ * read back from L1 by every row of it. */
 #define LEGACY_SEQ_VECS 1024 /* 64 KiB of prepared activations */
 #define LEGACY_SEQ_PAGE 4096 /* the stream runs for rows shorter than this (bytes) */
 #define LEGACY_SEQ_AHEAD 4096 /* its software prefetch distance (x tl_quant_prefetch_tiles), bytes */
