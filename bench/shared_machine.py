@@ -1,7 +1,7 @@
 """A tokenloom server on a machine shared with a busy process: decode speed with a background CPU hog
 (`python -c "while True: pass"`, normal priority) on vs off, for several server settings side by side.
 
-    .venv/bin/python bench/shared_machine.py                      # before / after the fix / adaptive, 3 rounds
+    .venv/bin/python bench/shared_machine.py                      # before the fix / fixed threads / default
     .venv/bin/python bench/shared_machine.py --quick              # 1 round, 32 new tokens
     .venv/bin/python bench/shared_machine.py --mode spin:OMP_WAIT_POLICY=ACTIVE --mode one:--num-threads=1
 
@@ -14,12 +14,15 @@ and, per mode, the background hog off then on (on then off in odd rounds), each 
 Reported per mode: medians over rounds, and the median over rounds of loaded / unloaded (the slowdown the hog
 causes, measured back to back in the same round). The target (issue 30): a slowdown of at most 2.5x with one
 hog on two cores (it takes a third of the CPU if shared evenly), and the fix's unloaded speed within noise of
-the fix off.
+the fix off. `--hogs N` runs N busy processes while the load is on (an oversubscribed machine), each
+in its own session (its own autogroup: N shares of the CPU, as N independent jobs would take).
 
 Modes: `NAME:SETTING,SETTING...`, each setting `ENV=VALUE` (in the server's environment, so its rank processes
-inherit it) or `--flag=value` / `--flag` (a server flag). Default: `before:GOMP_SPINCOUNT=300000` (libgomp's
-own spin, the fix off: a user's GOMP_SPINCOUNT wins over the launcher's), `after:` (tokenloom's defaults) and
-`adaptive:--cpu-threads-policy=adaptive` (tokenloom/executor/cpu_threads.py). Other load on the machine
+inherit it) or `--flag=value` / `--flag` (a server flag). Default:
+`before:GOMP_SPINCOUNT=300000,--cpu-threads-policy=fixed` (libgomp's own spin and a fixed thread count: a
+user's GOMP_SPINCOUNT wins over the launcher's),
+`fixed:--cpu-threads-policy=fixed` (the short spin, fixed threads) and `default:` (tokenloom's defaults: the
+short spin and the adaptive thread count, tokenloom/executor/cpu_threads.py). Other load on the machine
 moves absolute numbers: compare the ratios. The last stdout line is one JSON object.
 
 `--llama-server [PATH]` adds llama.cpp's own server as one more mode, `llama.cpp`, measured the same way on the
@@ -52,9 +55,13 @@ from bench.serve_vs_peers import free_port  # noqa: E402
 STARTUP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 900
 HOG = "while True: pass"
-# before: libgomp's own default spin (what rank processes had before issue 30; a user's GOMP_SPINCOUNT wins over
-# the launcher's); after: tokenloom's defaults (the launcher's short spin); adaptive: the opt-in thread policy
-DEFAULT_MODES = ("before:GOMP_SPINCOUNT=300000", "after:", "adaptive:--cpu-threads-policy=adaptive")
+# after the hogs end, before the next measurement: a server that adapts to the load (cpu_threads.py measures
+# every 0.5 s) sees them gone; the bench measures each state's steady speed, not the transition
+SETTLE_S = 1.5
+# before: libgomp's own default spin and fixed threads (rank processes before issue 30; a user's GOMP_SPINCOUNT
+# wins over the launcher's); fixed: the launcher's short spin, fixed threads; default: tokenloom's defaults
+DEFAULT_MODES = ("before:GOMP_SPINCOUNT=300000,--cpu-threads-policy=fixed", "fixed:--cpu-threads-policy=fixed",
+                 "default:")
 
 
 def parse_mode(spec: str) -> tuple[str, dict[str, str], list[str]]:
@@ -206,20 +213,24 @@ def itl_ms(server: Server, ns: argparse.Namespace, rng: random.Random) -> float:
     return 1000 * (chunks[-1][0] - chunks[0][0]) / (tokens - chunks[0][1])
 
 
-def start_hog() -> subprocess.Popen:
-    hog = subprocess.Popen([sys.executable, "-c", HOG])
-    time.sleep(0.5)  # let it take its share before the measurement starts
-    return hog
+def start_hogs(count: int) -> list[subprocess.Popen]:
+    # each in its own session: Linux's autogroup scheduling shares the CPU between sessions first, so hogs of
+    # one session would together take one share, like one hog
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in range(count)]
+    time.sleep(0.5)  # let them take their share before the measurement starts
+    return hogs
 
 
 def measure(server: Server, hog_on: bool, ns: argparse.Namespace, rng: random.Random) -> dict[str, float]:
-    hog = start_hog() if hog_on else None
+    hogs = start_hogs(ns.hogs) if hog_on else []
     try:
         return {"tok_s": throughput(server, ns, rng), "itl_ms": itl_ms(server, ns, rng)}
     finally:
-        if hog is not None:
+        for hog in hogs:
             hog.kill()
             hog.wait()
+        if hogs:
+            time.sleep(SETTLE_S)
 
 
 def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
@@ -255,6 +266,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hogs", type=int, default=1, help="busy processes while the load is on (default 1)")
     ap.add_argument("--quick", action="store_true", help="1 round, 32 new tokens")
     ap.add_argument("--llama-server", nargs="?", const="", default=None, metavar="PATH",
                     help="also measure llama-server (found as bench/llama_server.py says, or PATH)")
@@ -285,7 +297,8 @@ def main() -> int:
         for server in servers:
             server.stop()
     report: dict[str, Any] = {"bench": "shared_machine", "cores": len(os.sched_getaffinity(0)),
-                              "rounds": ns.rounds, "concurrency": ns.concurrency, "output_len": ns.output_len,
+                              "hogs": ns.hogs, "rounds": ns.rounds, "concurrency": ns.concurrency,
+                              "output_len": ns.output_len,
                               "modes": {}}
     print(f"\n{'mode':>8s} {'tok/s off':>10s} {'tok/s on':>9s} {'slowdown':>9s} {'ITL off':>8s} {'ITL on':>7s} "
           f"{'slowdown':>9s}")

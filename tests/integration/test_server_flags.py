@@ -212,7 +212,8 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
             def others(self) -> float:
                 return 2.0
 
-        threads.share, threads._next = Busy(), 0.0
+        threads.share = Busy()
+        threads.measure()  # what the policy's sampler thread does every interval
         h.submit("r", [5, 6, 7], {"max_new_tokens": 3, "temperature": 0})
         assert len(h.run()["r"].output_ids) == 3
         assert threads.threads == 1 and torch.get_num_threads() == 1  # set on the thread that ran the step
@@ -233,6 +234,8 @@ def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypat
         monkeypatch.setenv(name, value)
     with Engine(tiny_runtime_model, dtype="float32", max_total_tokens=512, log_level="warning") as eng:
         assert eng.tokenizer_manager.scheduler_info["rank_omp_env"] == expected  # the rank environment
+        # the rank counts this process (the server's root) and its children as its own server's
+        assert eng.tokenizer_manager.scheduler_info["server_root_pid"] == os.getpid()
     assert "GOMP_SPINCOUNT" not in os.environ or user_env.get("GOMP_SPINCOUNT")  # this process: unchanged
 
 

@@ -5,6 +5,8 @@ share with fake clocks, the per-interval adaptation, and the rank environment's 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -69,29 +71,50 @@ def test_cpu_share_subtracts_this_process():
     assert share.others() == 2.0
 
 
-def test_adaptive_threads_per_interval():
-    class Share:
-        cores = {0, 1}
-        value = 0.0
+class Share:
+    cores = {0, 1}
+    value = 0.0
 
-        def others(self) -> float:
-            return self.value
+    def others(self) -> float:
+        return self.value
 
-    share, now, calls = Share(), [0.0], []
-    threads = AdaptiveThreads(2, share, interval_s=0.5, set_threads=calls.append, clock=lambda: now[0])
-    share.value = 1.0
-    threads.before_step()  # before the first interval: nothing measured, nothing set
+
+def test_adaptive_threads_measure_then_apply_on_the_step():
+    share, calls = Share(), []
+    threads = AdaptiveThreads(2, share, set_threads=calls.append)
+    threads.before_step()  # nothing measured: nothing set
     assert (threads.threads, calls) == (2, [])
-    now[0] = 0.6
+    share.value = 1.0
+    assert threads.measure() == 1 and (threads.threads, calls) == (2, [])  # chosen, not yet applied
     threads.before_step()
     assert (threads.threads, calls) == (1, [1])
+    threads.before_step()  # applied once
+    assert calls == [1]
+    share.value = 0.4  # 1.6 free: below the hysteresis' 1.7 to raise
+    threads.measure()
     share.value = 0.0
-    now[0] = 0.9
-    threads.before_step()  # within the interval: unchanged
-    assert threads.threads == 1
-    now[0] = 1.2
+    threads.measure()
     threads.before_step()
     assert (threads.threads, calls, threads.changes) == (2, [1, 2], 2)
+
+
+def test_adaptive_threads_measure_on_their_own_thread():
+    share, calls = Share(), []
+    share.value = 2.0
+    before = set(threading.enumerate())
+    threads = AdaptiveThreads(2, share, interval_s=0.01, set_threads=calls.append).start()
+    (sampler,) = [t for t in threading.enumerate() if t not in before and t.name == "tokenloom-cpu-share"]
+    try:
+        deadline = time.monotonic() + 10
+        while threads.target != 1 and time.monotonic() < deadline:  # no step needed to measure
+            time.sleep(0.01)
+        assert threads.target == 1 and calls == []
+        threads.before_step()
+        assert calls == [1]
+    finally:
+        threads.close()
+    sampler.join(timeout=5)
+    assert not sampler.is_alive()
 
 
 def test_adaptive_threads_off_where_nothing_adapts():

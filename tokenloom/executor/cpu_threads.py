@@ -1,6 +1,6 @@
 """A rank's forward on a shared machine: how long libgomp's threads spin before they sleep (set for every rank
-process), and optionally a thread count that follows the cores other processes leave free
-(`--cpu-threads-policy adaptive`; the default `fixed` keeps the configured count).
+process), and a thread count that follows the cores other processes leave free (`--cpu-threads-policy
+adaptive`, the default; `fixed` keeps the configured count).
 
 Why: every parallel region of a forward (torch's and our C kernels', all on torch's libgomp) ends in a barrier
 that waits for its slowest thread, and a decode step runs hundreds of regions. libgomp's default wait spins
@@ -15,18 +15,25 @@ unless the user set either variable. 1000 rounds (~0.1 ms) keep the waits betwee
 ended. bench/shared_machine.py measured, with the machine loaded by other work and one more busy process:
 libgomp's default 2 tok/s, 10k rounds 21-28, 1000 rounds 127-172, no spinning (PASSIVE) 56-198.
 
-The adaptive thread count (opt-in): before a step, at most every `INTERVAL_S`, `CpuShare` measures how much
-of this process's cores (its affinity mask) other processes kept busy since the last measure: the cores'
-busy time from /proc/stat (user, system, irq, softirq, steal) minus this process's own CPU time
-(`time.process_time`), over the wall time. Processes at a positive nice value are not counted (their time
-is /proc/stat's separate nice column): the scheduler gives them a small share against ours (nice 19: ~1.5%)
-(unless this process is itself niced; then they count). `choose_threads` turns the free cores into a thread
-count with hysteresis, so a measure near a boundary does not flip the count every interval; the count is set
-on the forward thread (`torch.set_num_threads`, which every C kernel reads per call; the default model's
-logits are bitwise the same at 1 and 2 threads). The other processes of this server (tokenizer, detokenizer,
-HTTP) count as others: they do take the cores. Not the default: with many busy processes (the shared
-machine above) one thread gets one share of the CPU where two get two, and decode was 2-3x slower than the
-fixed count with the short spin (47 vs 104-153 tok/s); it gives back a core to a single neighbour.
+The adaptive thread count (the default; `fixed` keeps the configured count): every `INTERVAL_S`, on a
+thread of its own, `CpuShare` measures how much of this process's cores (its affinity mask) other processes
+kept busy since the last measure: the cores' busy time from /proc/stat (user, system, irq, softirq, steal)
+minus the CPU time of this server's own processes allowed on those cores (process_tree.py: the server
+process, its ranks, its detokenizer), over the wall time. Processes at a positive nice value are not counted
+(their time is /proc/stat's separate nice column): the scheduler gives them a small share against ours (nice
+19: ~1.5%) (unless this process is itself niced; then they count). `choose_threads` turns the free cores into
+a thread count with hysteresis, so a measure near a boundary does not flip the count every interval; the
+count is set on the forward thread before its next step (`torch.set_num_threads`, which every C kernel reads
+per call; the default model's logits are bitwise the same at 1 and 2 threads).
+
+Why it is the default (bench/shared_machine.py, two cores, medians of 3 rounds, session 26): with one busy
+process beside the server, batch-1 ITL slowed 1.40x and 8-request throughput 1.52x, against 2.54x and 2.03x
+with the fixed count; with four busy processes (each its own session, so four shares of the CPU) ITL 1.36x
+against 2.45x and throughput 47 against 41 tok/s; unloaded, within the run's noise of the fixed count (243
+vs 257 tok/s, 8.1 vs 8.4 ms). Two threads on two shared cores stall at every barrier when one is preempted;
+one thread runs on. Until session 26 it was opt-in: it counted the server's own tokenizer, detokenizer and
+HTTP work as another process's and measured at the steps, over windows that spanned idle stretches, and
+dropped a thread on an idle machine.
 
 Invariants: the count stays within [1, the configured count]; without /proc/stat (not Linux) the policy is
 off; a rank with one configured thread has nothing to adapt and gets no policy.
@@ -36,10 +43,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from tokenloom.config import CPU_THREADS_POLICIES
+from tokenloom.executor.process_tree import ProcessTree, server_root_pid
 
 logger = logging.getLogger(__name__)
 
@@ -117,36 +127,64 @@ class CpuShare:
 
 
 class AdaptiveThreads:
-    """Called before every forward step on the thread that runs it (`StepGuard`): every `interval_s` it
-    measures the free cores and sets the intra-op thread count for the steps that follow."""
+    """The thread count of a rank's forward steps. `measure()` turns the cores other processes kept busy over
+    the last interval into a target count (every `interval_s`, on a daemon thread once `start()`ed);
+    `before_step()`, on the thread that runs the forward (`StepGuard`), applies it. Measured off the step
+    path, the window is always the last interval whether or not steps ran: measured at the steps, a window
+    spanning an idle stretch carried a busy process that had ended meanwhile into the next burst of steps
+    (one thread for its first interval: 0.8-0.9x unloaded throughput in bench/shared_machine.py)."""
 
     def __init__(self, max_threads: int, share: CpuShare, interval_s: float = INTERVAL_S,
-                 set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 set_threads: Callable[[int], None] | None = None) -> None:
         import torch
 
         self.max_threads = max_threads
-        self.threads = max_threads
+        self.threads = max_threads  # the count the forward thread runs with
+        self.target = max_threads   # the count the last measure chose
         self.share = share
         self.interval_s = interval_s
         self._set_threads = set_threads or torch.set_num_threads
-        self._clock = clock
-        self._next = clock() + interval_s
+        self._stop = threading.Event()
         self.changes = 0
 
-    def before_step(self) -> None:
-        now = self._clock()
-        if now < self._next:
-            return
-        self._next = now + self.interval_s
+    def measure(self) -> int:
+        """Choose the target count from the cores others kept busy since the last measure."""
         others = self.share.others()
-        threads = choose_threads(self.threads, self.max_threads, len(self.share.cores) - others)
-        if threads != self.threads:
+        target = choose_threads(self.target, self.max_threads, len(self.share.cores) - others)
+        if target != self.target:
             logger.info("other processes keep %.1f of this rank's %d cores busy: %d forward threads (was %d)",
-                        others, len(self.share.cores), threads, self.threads)
-            self._set_threads(threads)
-            self.threads = threads
+                        others, len(self.share.cores), target, self.target)
+        self.target = target
+        return target
+
+    def before_step(self) -> None:
+        target = self.target
+        if target != self.threads:
+            self._set_threads(target)
+            self.threads = target
             self.changes += 1
+
+    def start(self) -> AdaptiveThreads:
+        """Measure every interval on a daemon thread, until `close()` or this object is collected."""
+        threading.Thread(target=_measure_every_interval, args=(weakref.ref(self), self.interval_s, self._stop),
+                         name="tokenloom-cpu-share", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _measure_every_interval(ref: weakref.ref[AdaptiveThreads], interval_s: float, stop: threading.Event) -> None:
+    while not stop.wait(interval_s):
+        threads = ref()  # held only for the measure: the sampler never keeps its policy alive
+        if threads is None:
+            return
+        try:
+            threads.measure()
+        except (OSError, ValueError) as exc:  # /proc unreadable from now on: keep the last count
+            logger.warning("--cpu-threads-policy adaptive stops measuring: %s", exc)
+            return
+        del threads
 
 
 def adaptive_threads(policy: str, device_type: str, max_threads: int) -> AdaptiveThreads | None:
@@ -158,10 +196,10 @@ def adaptive_threads(policy: str, device_type: str, max_threads: int) -> Adaptiv
         return None
     try:
         cores = set(os.sched_getaffinity(0))
-        share = CpuShare(cores)
+        share = CpuShare(cores, own_cpu_s=ProcessTree(server_root_pid(), cores).seconds)
     except (AttributeError, OSError, ValueError):
         return None
-    return AdaptiveThreads(max_threads, share)
+    return AdaptiveThreads(max_threads, share).start()
 
 
 def rank_omp_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:

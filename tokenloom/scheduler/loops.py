@@ -19,7 +19,7 @@ run on the scheduling thread's control group, the forward's on the compute group
 
 Every loop's forwards run through one `StepGuard` (executor/forward_thread.py): the normal loop's inline, the
 others' in their executor; with a `watchdog` (the rank's `ForwardWatchdog`, `--watchdog-timeout`) the guard
-marks each step's start and end, and under `--cpu-threads-policy adaptive` (opt-in) it sets the step's
+marks each step's start and end, and under `--cpu-threads-policy adaptive` (the default) it sets the step's
 thread count to the cores other processes leave free (executor/cpu_threads.py). Every processed step
 (`_finish_step`) also steps the scheduler's `TraceProfiler` (/start_profile, scheduler/profiler.py).
 """

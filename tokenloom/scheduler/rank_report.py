@@ -2,7 +2,9 @@
 model dtype, this rank's parameters and weight bytes, how long its weights took to load, its KV pool's bytes, its
 torch threads, the cores it may run on (None where its affinity mask cannot be read), the CPU's native-kernel
 features, the libgomp wait settings its environment had when torch loaded (`rank_omp_env`, set by the
-launcher) and the quantized weight types kept (`weight_quantization`: "Q4_1 x 210, Q8_0 x 1", or None).
+launcher), the root of the server's processes it counts as its own (`server_root_pid`: the launcher's pid in a
+spawned rank, executor/process_tree.py) and the quantized weight types kept (`weight_quantization`: "Q4_1 x
+210, Q8_0 x 1", or None).
 The launcher keeps the entry rank's message (`TokenizerManager.scheduler_info`); the server's start-up
 summary (entrypoints/startup_summary.py) and `/get_server_info` show it. At TP/PP > 1 the numbers are the entry
 rank's (its shard, its layers).
@@ -20,6 +22,7 @@ import torch
 from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.distributed.cpu_binding import allowed_cores
 from tokenloom.executor.cpu_threads import OMP_WAIT_VARS
+from tokenloom.executor.process_tree import server_root_pid
 from tokenloom.kernels.cpu_build import cpu_features
 from tokenloom.layers.quant_linear import format_types, quantized_weights
 
@@ -33,4 +36,5 @@ def rank_report(model: torch.nn.Module, dtype: torch.dtype, kv_pool_bytes: int, 
             "weight_bytes": model_nbytes(model), "weight_load_s": round(load_seconds, 3),
             "kv_pool_bytes": kv_pool_bytes, "threads_per_rank": torch.get_num_threads(),
             "rank_cpu_cores": allowed_cores(), "cpu_features": cpu_features(),
-            "rank_omp_env": {name: os.environ.get(name) for name in OMP_WAIT_VARS}}
+            "rank_omp_env": {name: os.environ.get(name) for name in OMP_WAIT_VARS},
+            "server_root_pid": server_root_pid()}
