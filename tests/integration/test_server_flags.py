@@ -202,7 +202,7 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
         h = Harness(folder, cpu_threads_policy=policy, num_threads=2, max_total_tokens=256)
         threads = h.loop.guard.threads
         if policy == "fixed":
-            assert threads is None
+            assert threads is None and "forward_threads" not in h.scheduler.internal_state(h.loop.info())
             return
         assert threads.max_threads == 2 and threads.threads == 2
 
@@ -217,6 +217,8 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
         h.submit("r", [5, 6, 7], {"max_new_tokens": 3, "temperature": 0})
         assert len(h.run()["r"].output_ids) == 3
         assert threads.threads == 1 and torch.get_num_threads() == 1  # set on the thread that ran the step
+        state = h.scheduler.internal_state(h.loop.info())  # what /get_server_info reports
+        assert (state["forward_threads"], state["forward_thread_changes"]) == (1, 1)
     finally:
         torch.set_num_threads(old)
 

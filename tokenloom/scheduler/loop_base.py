@@ -2,8 +2,10 @@
 
 `EventLoop` is the protocol a scheduler process drives (`run_once`, `run_forever`); `Inbox` is where a loop
 receives its messages; `LoopBase` receives and schedules, processes a step's results and accounts its timing,
-and runs the scheduler's integrity check once per idle period; `serve_with_executor` runs a loop's
-scheduling side beside an executor that serves forwards on the calling thread.
+and runs the scheduler's integrity check once per idle period (its `info()`, /get_server_info's loop part,
+also gives the adaptive policy's current `forward_threads` and `forward_thread_changes`);
+`serve_with_executor` runs a loop's scheduling side beside an executor that serves forwards on the calling
+thread.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tokenloom.device import keep_this_thread_single_threaded
+from tokenloom.executor.cpu_threads import AdaptiveThreads
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.lane import Lane
@@ -50,6 +53,8 @@ class LoopBase:
         # the forward, and decode steps with their summed periods.
         self.totals = {"forward_busy_s": 0.0, "scheduler_cpu_s": 0.0, "decode_steps": 0, "decode_period_s": 0.0,
                        "decode_tokens": 0}
+        # the rank's adaptive thread count (`make_event_loop` sets it; None under the fixed policy)
+        self.cpu_threads: AdaptiveThreads | None = None
 
     def _receive_and_schedule(self, timeout_ms: int) -> tuple[ScheduleBatch | None, float]:
         messages = self.inbox.recv_all(timeout_ms)
@@ -102,7 +107,10 @@ class LoopBase:
         """`LoopControl`: nothing is in flight while this loop plans (each step runs to completion)."""
 
     def info(self) -> dict:
+        threads = self.cpu_threads
         return {"step_profile": self.profiler.summary(), "loop_wall_s": time.perf_counter() - self._started,
+                **({"forward_threads": threads.threads, "forward_thread_changes": threads.changes}
+                   if threads is not None else {}),
                 **self.totals}
 
     def run_forever(self) -> None:

@@ -149,11 +149,18 @@ def make_event_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, forwar
     if parallel.pp_size > 1:  # the pipeline overlaps by itself: --overlap-schedule does not apply
         executor = (ForwardOnCaller(scheduler.worker, guard) if forward_on_caller
                     else ForwardThread(scheduler.worker, args.num_threads, guard))
-        return PipelineLoop(scheduler, inbox, StageChannels.build(parallel), parallel, executor,
-                            args.pp_async_batch_depth, profiler=profiler, **send_options())
-    mode = overlap_mode(args)
-    if mode == "off":
-        return NormalLoop(scheduler, inbox, profiler, guard)
+        loop: LoopBase = PipelineLoop(scheduler, inbox, StageChannels.build(parallel), parallel, executor,
+                                      args.pp_async_batch_depth, profiler=profiler, **send_options())
+    elif (mode := overlap_mode(args)) == "off":
+        loop = NormalLoop(scheduler, inbox, profiler, guard)
+    else:
+        loop = _overlap_loop(args, scheduler, inbox, parallel, forward_on_caller, profiler, guard, mode)
+    loop.cpu_threads = threads
+    return loop
+
+
+def _overlap_loop(args: ServerArgs, scheduler: Scheduler, inbox: Inbox, parallel: ParallelContext,
+                  forward_on_caller: bool, profiler: StepProfiler, guard: StepGuard, mode: str) -> OverlapLoop:
     policy: FixedOverlap | AdaptiveOverlap | BroadcastOverlap = FixedOverlap(True) if mode == "on" \
         else AdaptiveOverlap()
     if mode == "auto" and parallel.tp_size > 1:
