@@ -534,15 +534,16 @@ KERNEL_API double quant_bf16_dot_cost(void) {
 }
 
 /* Rows from which the dequantized bf16 tile takes over from the many-row int8 path again: read (value < 0) or
- * set it (0: never). By default 16 where this core issues vdpbf16ps (32 multiply-adds) at least 2/3 as fast
+ * set it (0: never). By default 12 where this core issues vdpbf16ps (32 multiply-adds) at least 2/3 as fast
  * as vpdpbusd (64, or 32 a term with the two int8 terms): the tile then matches the int8 path's multiply rate
- * without its activation quantizing and block epilogue (AMD Zen 4, two threads, bench/quant_gemm.py --int8:
- * at 32-1024 rows the AVX512-BF16 tile is 1.1-1.7x faster than the two int8 terms on every type and shape of
- * SmolLM2 and a 1B Llama, level at 16, 1.1-1.3x slower at 9 on the k-quants; the probe's cost there: 1.00),
+ * without its activation quantizing and block epilogue (AMD Zen 4, two threads, bench/quant_gemm.py --int8
+ * --tile: at 32-1024 rows the AVX512-BF16 tile is 1.1-1.7x faster than the two int8 terms on every type and
+ * shape of SmolLM2 and a 1B Llama; at 12-14 rows 1.2-1.25x on Q6_K, 1.0-1.23x on Q4_1, level on Q4_K
+ * (0.95-1.03x); at 9 rows 0.8-0.9x on Q4_K, so not lower; the probe's cost there: 1.00),
  * else never (an Intel Xeon with AMX off issues vdpbf16ps at a quarter of vpdpbusd's rate, where the int8 path
  * is 1.35-1.6x faster than the tile at 16-256 rows). Decided once per process by
  * quant_bf16_dot_cost (the best of 7 interleaved tries of ~24k instructions each, ~0.2 ms in all). */
-#define TILE_M_BF16_PACE 16
+#define TILE_M_BF16_PACE 12
 #define BF16_PACE_MAX_COST 1.5
 static int quant_tile_min_rows = -1;
 KERNEL_API int quant_tile_m(int value) {
