@@ -31,9 +31,9 @@ process beside the server, batch-1 ITL slowed 1.40x and 8-request throughput 1.5
 with the fixed count; with four busy processes (each its own session, so four shares of the CPU) ITL 1.50x
 against 2.53x, throughput 45 against 51 tok/s (0.88x, inside the fixed count's 39-71 spread over rounds);
 unloaded, within the run's noise of the fixed count (243 vs 257 tok/s, 8.1 vs 8.4 ms). Two threads on two
-shared cores stall at every barrier when one is preempted; one thread runs on. Until session 26 it was opt-in: it counted the server's own tokenizer, detokenizer and
-HTTP work as another process's and measured at the steps, over windows that spanned idle stretches, and
-dropped a thread on an idle machine.
+shared cores stall at every barrier when one is preempted; one thread runs on. Until session 26 it was
+opt-in: it counted the server's own tokenizer, detokenizer and HTTP work as another process's and measured
+at the steps, over windows that spanned idle stretches, and dropped a thread on an idle machine.
 
 Invariants: the count stays within [1, the configured count]; without /proc/stat (not Linux) the policy is
 off; a rank with one configured thread has nothing to adapt and gets no policy.
