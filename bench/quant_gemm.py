@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also time the small-row kernels with the row tiles instead of the row-sequential stream")
     p.add_argument("--prefetch-ab", action="store_true",
                    help="also time the quantized kernel with its software prefetch off, in the same rounds")
+    p.add_argument("--prefetch-l1-ab", action="store_true",
+                   help="also time the quantized kernel with its software prefetch filling L1 instead of L2, "
+                        "in the same rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     lib = qg._native()
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     unprefetched_linear = linear_with(lib.quant_prefetch, 0, prefetch)  # the software prefetch off
+    prefetch_l2 = lib.quant_prefetch_l2(ctypes.c_int(-1))
+    l1_prefetch_linear = linear_with(lib.quant_prefetch_l2, 0, prefetch_l2)  # the prefetch filling L1
     tiled_linear = linear_with(lib.quant_seq_m, 0, seq_m)  # the row tiles instead of the row-sequential stream
     tile_linear = linear_with(lib.quant_batch_m, 0, batch_m)  # the many-row int8 path off: the bf16 tile
     int8_linear = linear_with(lib.quant_tile_m, 0, tile_m)  # the many-row int8 path wherever it applies
@@ -194,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
                     fns["rowtiles"] = lambda x=x, qms=qms: [tiled_linear(x, q) for q in qms]
                 if args.prefetch_ab:
                     fns["noprefetch"] = lambda x=x, qms=qms: [unprefetched_linear(x, q) for q in qms]
+                if args.prefetch_l1_ab:
+                    fns["l1prefetch"] = lambda x=x, qms=qms: [l1_prefetch_linear(x, q) for q in qms]
                 best = time_pair(fns, args.rounds, args.round_ms,
                                  time.process_time if args.clock == "cpu" else time.perf_counter)
                 tq, tb = best["quant"] / args.copies, best["bf16"] / args.copies
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["rowtiles_ms"] = best["rowtiles"] / args.copies * 1e3
                 if args.prefetch_ab:
                     row["noprefetch_ms"] = best["noprefetch"] / args.copies * 1e3
+                if args.prefetch_l1_ab:
+                    row["l1prefetch_ms"] = best["l1prefetch"] / args.copies * 1e3
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
                       f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
@@ -217,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
                       + (f" row tiles {row['rowtiles_ms']:.3f} ms ({row['rowtiles_ms'] / row['quant_ms']:.2f}x)"
                          if args.seq_ab else "")
                       + (f" prefetch off {row['noprefetch_ms']:.3f} ms ({row['noprefetch_ms'] / row['quant_ms']:.2f}x)"
-                         if args.prefetch_ab else ""), flush=True)
+                         if args.prefetch_ab else "")
+                      + (f" to L1 {row['l1prefetch_ms']:.3f} ms ({row['l1prefetch_ms'] / row['quant_ms']:.2f}x)"
+                         if args.prefetch_l1_ab else ""), flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}

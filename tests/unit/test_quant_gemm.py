@@ -314,23 +314,28 @@ def test_tile_takes_rows_back_from_the_int8_path():
 
 @pytest.mark.parametrize("name", LEGACY)
 def test_prefetch_distance_changes_no_result(name):
-    """The small-row kernels' software prefetch (csrc/quant_legacy.c, one tile ahead by default) only moves
-    bytes into cache: the results with it off, at one tile and at three are bit-identical, for 1 and 3 rows, over
-    a row count that ends in a partial tile, and the setter reads back what it set."""
+    """The small-row kernels' software prefetch (csrc/quant_legacy.c, one tile ahead by default, into L2) only
+    moves bytes into cache: the results with it off, at one tile and at three, and filling L1 instead of L2, are
+    bit-identical, for 1 and 3 rows, over a row count that ends in a partial tile, and the setters read back what
+    they set."""
     n, k = 77, 1088  # 34 blocks: two full spans of 16 and a masked one
     qm = qg.prepare(_matrix(name, n, k, 31))
     lib = qg._native()
     default = lib.quant_prefetch(ctypes.c_int(-1))
-    assert default == 1
+    default_level = lib.quant_prefetch_l2(ctypes.c_int(-1))
+    assert default == 1 and default_level == 1
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(31)).bfloat16()
     got = {}
     try:
         for tiles in (0, 1, 3):
             assert lib.quant_prefetch(ctypes.c_int(tiles)) == tiles
             got[tiles] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)]
+        assert lib.quant_prefetch(ctypes.c_int(1)) == 1 and lib.quant_prefetch_l2(ctypes.c_int(0)) == 0
+        got["l1"] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)]
     finally:
         lib.quant_prefetch(ctypes.c_int(default))
-    for tiles in (1, 3):
+        lib.quant_prefetch_l2(ctypes.c_int(default_level))
+    for tiles in (1, 3, "l1"):
         for a, b in zip(got[0], got[tiles], strict=True):
             assert torch.equal(a, b)
     ref = x.float() @ qg.dequantize(qm).T

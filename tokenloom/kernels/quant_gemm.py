@@ -175,6 +175,9 @@ def _native() -> ctypes.CDLL | None:
     prefetch = os.environ.get("TOKENLOOM_QUANT_PREFETCH")  # the small-row kernels' prefetch distance (A/B runs)
     if prefetch is not None:
         lib.quant_prefetch(ctypes.c_int(int(prefetch)))
+    prefetch_l2 = os.environ.get("TOKENLOOM_QUANT_PREFETCH_L2")  # 1: the prefetch fills L2, 0: L1 (A/B runs)
+    if prefetch_l2 is not None:
+        lib.quant_prefetch_l2(ctypes.c_int(int(prefetch_l2)))
     batch_terms = os.environ.get("TOKENLOOM_QUANT_BATCH_TERMS")  # the many-row path's int8 terms, 1 or 2 (A/B runs)
     if batch_terms is not None:
         lib.quant_batch_residual(ctypes.c_int(int(batch_terms) == 2))

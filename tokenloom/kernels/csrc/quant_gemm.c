@@ -115,6 +115,12 @@ KERNEL_API int quant_prefetch(int value) {
     return tl_quant_prefetch_tiles;
 }
 
+/* The cache level the small-row kernels' software prefetch fills: read (value < 0) or set it (1 L2, 0 L1). */
+KERNEL_API int quant_prefetch_l2(int value) {
+    if (value >= 0) tl_quant_prefetch_l2 = value;
+    return tl_quant_prefetch_l2;
+}
+
 /* Activation rows up to which the small-row kernels use the row-sequential stream: read (value < 0) or set it. */
 KERNEL_API int quant_seq_m(int value) {
     if (value >= 0) tl_quant_seq_max_m = value;

@@ -217,9 +217,10 @@ static void kq5_dequant_row(const uint8_t *row, int64_t k, float *out) { kq45_de
 /* Software prefetch of the same super-block RB rows on (times tl_quant_prefetch_tiles; 1: measured best of
  * 1 / 2 / 4 / 8): the next row group's, about one DRAM latency ahead at
  * k >= 2048. The hardware prefetchers alone left a single-thread stream at ~70% of this rate (microbenchmark,
- * a 75 MB weight read from memory). A prefetch never faults, so running past the matrix is harmless. */
+ * a 75 MB weight read from memory). A prefetch never faults, so running past the matrix is harmless. It fills
+ * L2 (`tl_quant_prefetch_l2`, quant_common.h). */
 static inline __attribute__((always_inline)) void kq_prefetch(const uint8_t *p, int bytes) {
-    for (int o = 0; o < bytes + 63; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+    for (int o = 0; o < bytes + 63; o += 64) TL_QUANT_PREFETCH(p + o);
 }
 
 /* 16-byte lane g (a compile-time constant after unrolling) of v. */

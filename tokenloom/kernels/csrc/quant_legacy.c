@@ -24,6 +24,7 @@
  * follow poorly: each load also asks for the same bytes one tile further on (`tl_quant_prefetch_tiles`), the
  * rows the next tile reads. Measured at one row of activations on weights in memory: 1.2-1.7x faster per call
  * (bench/quant_gemm.py --prefetch-ab), a SmolLM2 Q8_0 decode step 9.5 -> 5.7 ms, the ~1B Q8_0 step 68 -> 47 ms.
+ * The prefetches fill L2, not L1 (`tl_quant_prefetch_l2`, quant_common.h).
  *
  * Dequantize is exact: every product d * q (11-bit by <= 8-bit integer) is exact in float32, so the results
  * equal the gguf package's bit for bit (with or without FMA contraction).
@@ -184,8 +185,8 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
     for (int r = 0; r < NR; ++r) {
         const uint8_t *row = w + r * row_bytes;
         if (ahead) {
-            _mm_prefetch((const char *)row + 2 * b + ahead, _MM_HINT_T0);
-            if (kind == 1) _mm_prefetch((const char *)row + 2 * nb + 2 * b + ahead, _MM_HINT_T0);
+            TL_QUANT_PREFETCH(row + 2 * b + ahead);
+            if (kind == 1) TL_QUANT_PREFETCH(row + 2 * nb + 2 * b + ahead);
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
         const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
@@ -226,7 +227,7 @@ static inline __attribute__((always_inline)) void q4_span(const int kind, const 
         }
         for (int r = 0; r < NR; ++r) {
             const uint8_t *src = w + r * row_bytes + qs_off + 16 * (b + 4 * g);
-            if (ahead) _mm_prefetch((const char *)src + ahead, _MM_HINT_T0);
+            if (ahead) TL_QUANT_PREFETCH(src + ahead);
             const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mw, src) : _mm512_loadu_si512(src);
             const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
             for (int j = 0; j < MR; ++j) {
@@ -259,7 +260,7 @@ static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int6
         }
         for (int r = 0; r < NR; ++r) {
             const uint8_t *src = w + r * row_bytes + qs_off + 32 * (b + 2 * v);
-            if (ahead) _mm_prefetch((const char *)src + ahead, _MM_HINT_T0);
+            if (ahead) TL_QUANT_PREFETCH(src + ahead);
             const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
             for (int j = 0; j < MR; ++j) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x[j]);
@@ -357,8 +358,8 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
     const __m512 *pr[4];
     for (int j = 0; j < MR; ++j) pr[j] = prep + ((r0 + j) * spans + b / 16) * stride;
     if (ahead) {
-        _mm_prefetch((const char *)row + 2 * b + ahead, _MM_HINT_T0);
-        if (kind == 1) _mm_prefetch((const char *)row + 2 * nb + 2 * b + ahead, _MM_HINT_T0);
+        TL_QUANT_PREFETCH(row + 2 * b + ahead);
+        if (kind == 1) TL_QUANT_PREFETCH(row + 2 * nb + 2 * b + ahead);
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
     const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
@@ -374,7 +375,7 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
                                                  _mm512_set1_epi32(2 * v));
             const __mmask64 mq = !MASKED || nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
             const uint8_t *src = row + qs_off + 32 * (b + 2 * v);
-            if (ahead) _mm_prefetch((const char *)src + ahead, _MM_HINT_T0);
+            if (ahead) TL_QUANT_PREFETCH(src + ahead);
             const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
             for (int j = 0; j < MR; ++j) {
                 const int8_t *xq = a->q + (int64_t)(r0 + j) * k + 32 * (b + 2 * v);
@@ -393,7 +394,7 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
         const int left = MASKED ? nblk - 4 * g : 4;
         const __mmask64 mq = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
         const uint8_t *src = row + qs_off + 16 * (b + 4 * g);
-        if (ahead) _mm_prefetch((const char *)src + ahead, _MM_HINT_T0);
+        if (ahead) TL_QUANT_PREFETCH(src + ahead);
         const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
         const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
         for (int j = 0; j < MR; ++j) {
