@@ -65,8 +65,9 @@ static int tl_quant_prefetch_tiles = 1;
 
 /* Which cache level those prefetches fill: 1 (the default) asks for L2 (prefetcht1), 0 for L1 (prefetcht0;
  * quant_prefetch_l2() in quant_gemm.c sets it; benchmarks compare). On the Zen 4 EPYC, one row of activations
- * on weights in memory: prefetcht1 made the kernels 1.1-1.5x faster per call (Q4_1 / Q4_K / Q6_K / Q8_0,
- * 8192x2048 and 2048x8192), a SmolLM2 Q4_1 decode step 2.5% and a ~1B Q4_K_M / Q8_0 step 6-8% faster. An L1
+ * on weights in memory: prefetcht0 made the kernels 1.04-1.32x slower per call (Q4_1 / Q4_K / Q6_K / Q8_0,
+ * 8192x2048 and 2048x8192, bench/quant_gemm.py --prefetch-l1-ab), a SmolLM2 Q4_1 decode step 2.3% and a ~1B
+ * Q4_K_M / Q8_0 step 6-8% slower. An L1
  * fill holds one of the core's few L1 miss buffers until the line arrives, and a stream at ~20 GB/s a core
  * keeps them all busy; an L2 fill does not, and the line is one L2 hit away when the load comes. */
 static int tl_quant_prefetch_l2 = 1;
