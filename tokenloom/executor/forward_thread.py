@@ -124,13 +124,19 @@ class ForwardThread:
 
 
 class ForwardOnCaller:
-    """Executes submitted steps on the thread running `serve_forever()`, in submission order."""
+    """Executes submitted steps on the thread running `serve_forever()`, in submission order.
+
+    `call(fn)` hands that thread a whole stretch of work instead (the overlap loop's steps run to completion
+    while its policy says not to overlap: scheduling, the forward through `execute_here` and processing all
+    on the serving thread, with no hand-off between two threads per step); the submitting thread waits on
+    the future, so the two never touch the scheduler at once."""
 
     def __init__(self, worker: ModelWorker, guard: StepGuard | None = None) -> None:
         self.worker = worker
         self.guard = guard or StepGuard.from_env()
         self.stream = ForwardStream(worker.device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._serving_thread: int | None = None
         self.busy_s = 0.0
 
     def submit(self, step: PreparedStep, run: Callable[[PreparedStep], Any] | None = None) -> Future[ForwardOutput]:
@@ -139,8 +145,34 @@ class ForwardOnCaller:
         self._queue.put((step, self.stream.handoff(), future, run or self.worker.execute))
         return future
 
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Queue `fn()` for the serving thread, outside the step guard (the steps it runs go through
+        `execute_here`, which applies it); its result or error comes back in the future."""
+        future: Future = Future()
+        self._queue.put((None, None, future, fn))
+        return future
+
+    def execute_here(self, step: PreparedStep) -> ForwardOutput:
+        """Run `worker.execute(step)` now, on the serving thread (from inside a `call`): what a submitted
+        step gets, without the queue."""
+        if threading.get_ident() != self._serving_thread:
+            raise RuntimeError("execute_here runs only on the thread serving the forwards")
+        return self._execute(step, self.stream.handoff(), self.worker.execute)
+
+    def _execute(self, step: PreparedStep, mark: object | None, run: Callable[[PreparedStep], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            with self.stream.context(mark):
+                out = self.guard.run(run, step)
+            self.stream.finish()
+            return out
+        finally:
+            self.busy_s += time.perf_counter() - start
+
     def serve_forever(self) -> None:
-        """Run steps until `stop()`; a failing step fails its future (the scheduler sees the error)."""
+        """Run steps (and `call`ed work) until `stop()`; a failing one fails its future (the scheduler sees
+        the error)."""
+        self._serving_thread = threading.get_ident()
         while True:
             item = self._queue.get()
             if item is None:
@@ -148,17 +180,12 @@ class ForwardOnCaller:
             step, mark, future, run = item
             if not future.set_running_or_notify_cancel():
                 continue
-            start = time.perf_counter()
             try:
-                with self.stream.context(mark):
-                    out = self.guard.run(run, step)
-                self.stream.finish()
+                out = run() if step is None else self._execute(step, mark, run)
             except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
                 future.set_exception(e)
             else:
                 future.set_result(out)
-            finally:
-                self.busy_s += time.perf_counter() - start
 
     def stop(self) -> None:
         self._queue.put(None)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from tokenloom.device import keep_this_thread_single_threaded
 from tokenloom.executor.cpu_threads import AdaptiveThreads
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread
-from tokenloom.executor.worker import ForwardOutput
+from tokenloom.executor.worker import ForwardOutput, PreparedStep
 from tokenloom.scheduler.lane import Lane
 from tokenloom.scheduler.schedule_batch import ScheduleBatch
 from tokenloom.scheduler.scheduler import Scheduler
@@ -65,6 +65,20 @@ class LoopBase:
             self.scheduler.handle(msg, self)
         batch = self.scheduler.get_next_batch_to_run(self)
         return batch, time.perf_counter() - start
+
+    def _step_to_completion(self, timeout_ms: int, execute: Callable[[PreparedStep], ForwardOutput]) -> bool:
+        """One iteration that runs its step to completion: receive, schedule, launch, `execute`, process.
+        False when there was nothing to run."""
+        batch, schedule_s = self._receive_and_schedule(timeout_ms)
+        if batch is None:
+            self._went_idle()
+            return False
+        start = time.perf_counter()
+        step = self.scheduler.launch(batch)
+        timing = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start, batch_size=batch.batch_size,
+                            is_decode=batch.forward_mode.is_decode())
+        self._finish_step(batch, execute(step), timing)
+        return True
 
     def _finish_step(self, batch: ScheduleBatch, out: ForwardOutput, timing: StepTiming,
                      lane: Lane | None = None) -> None:

@@ -38,7 +38,7 @@ from tokenloom.executor.cpu_threads import adaptive_threads
 from tokenloom.executor.forward_thread import ForwardOnCaller, ForwardThread, StepGuard, StepMarks
 from tokenloom.executor.worker import ForwardOutput
 from tokenloom.scheduler.lane import Lane
-from tokenloom.scheduler.loop_base import EventLoop, Inbox, LoopBase, serve_with_executor
+from tokenloom.scheduler.loop_base import IDLE_POLL_MS, EventLoop, Inbox, LoopBase, serve_with_executor
 from tokenloom.scheduler.overlap_policy import AdaptiveOverlap, FixedOverlap
 from tokenloom.scheduler.pipeline_loop import PipelineLoop, StageChannels, send_options
 from tokenloom.scheduler.rank_sync import BroadcastOverlap
@@ -56,17 +56,7 @@ class NormalLoop(LoopBase):
         self.guard = guard or StepGuard.from_env()
 
     def run_once(self, timeout_ms: int = 0) -> bool:
-        batch, schedule_s = self._receive_and_schedule(timeout_ms)
-        if batch is None:
-            self._went_idle()
-            return False
-        start = time.perf_counter()
-        step = self.scheduler.launch(batch)
-        timing = StepTiming(schedule=schedule_s, prepare=time.perf_counter() - start, batch_size=batch.batch_size,
-                            is_decode=batch.forward_mode.is_decode())
-        out = self.guard.run(self.scheduler.worker.execute, step)
-        self._finish_step(batch, out, timing)
-        return True
+        return self._step_to_completion(timeout_ms, lambda step: self.guard.run(self.scheduler.worker.execute, step))
 
     def info(self) -> dict:
         return {"overlap_schedule": "off", "overlap_active": False, **super().info()}
@@ -121,7 +111,29 @@ class OverlapLoop(LoopBase):
         self.policy.record(timing)
 
     def run_forever(self) -> None:
-        serve_with_executor(self.forward_thread, super().run_forever)
+        serve_with_executor(self.forward_thread, self._schedule_forever)
+
+    def _schedule_forever(self) -> None:
+        """`run_once` over and over; with a `ForwardOnCaller`, each stretch in which the policy says not to
+        overlap runs on the serving thread itself (`_steps_to_completion`): the forward stays on the thread
+        that owns the OpenMP team, and the steps pay no hand-off between two threads (two thread wake-ups a
+        step, ~6% of a batch-1 step of the default model in bench/serve_vs_peers.py's (d) shape)."""
+        executor = self.forward_thread
+        busy = True
+        while True:
+            if isinstance(executor, ForwardOnCaller) and not self.inflight and not self.policy.overlap_now():
+                busy = executor.call(lambda busy=busy: self._steps_to_completion(busy)).result()
+            else:
+                busy = self.run_once(0 if busy else IDLE_POLL_MS)
+
+    def _steps_to_completion(self, busy: bool) -> bool:
+        """On the serving thread: steps run to completion, as the normal loop's, until the policy wants
+        overlap again; returns whether the last iteration did work."""
+        execute = self.forward_thread.execute_here
+        while True:
+            busy = self._step_to_completion(0 if busy else IDLE_POLL_MS, execute)
+            if self.policy.overlap_now():
+                return busy
 
     def info(self) -> dict:
         wall = time.perf_counter() - self._started
