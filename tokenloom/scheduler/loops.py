@@ -10,7 +10,8 @@ issues implement the same protocol around the same `Scheduler`.
   forward never waits for the scheduler. Batch k+1 is planned before k's tokens are known (its inputs are
   read from the worker's token table on the forward side, executor/token_table.py). Its policy decides,
   step by step, whether to keep one batch in flight (overlap) or to process each batch right after
-  launching it.
+  launching it; in the scheduler process (a `ForwardOnCaller`), a stretch of the latter runs entirely on
+  the forward's thread, as the normal loop's steps do.
 
 `make_event_loop(args, scheduler, inbox)` picks the loop for `--overlap-schedule on|off|auto`.
 At tp_size > 1 every rank runs the same loop in lockstep: the inbox is a `rank_sync.BroadcastInbox` (one
