@@ -97,22 +97,17 @@ class StepGuard:
             self.release_hang.wait()  # the step hangs with the GIL released, as a stuck kernel does
 
 
-class ForwardThread:
-    def __init__(self, worker: ModelWorker, num_threads: int | None = None, guard: StepGuard | None = None) -> None:
+class _GuardedSteps:
+    """What both executors share: a step runs on the forward stream, through the guard, with its time
+    added to `busy_s`."""
+
+    def __init__(self, worker: ModelWorker, guard: StepGuard | None) -> None:
         self.worker = worker
         self.guard = guard or StepGuard.from_env()
         self.stream = ForwardStream(worker.device)
-        threads = num_threads if num_threads is not None else torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-forward",
-                                        initializer=configure_threads, initargs=(threads,))
         self.busy_s = 0.0
 
-    def submit(self, step: PreparedStep, run: Callable[[PreparedStep], Any] | None = None) -> Future[ForwardOutput]:
-        """Queue `run(step)` (default `worker.execute`: forward and sample; a pipeline stage that does not
-        sample passes its forward)."""
-        return self._pool.submit(self._run, step, self.stream.handoff(), run or self.worker.execute)
-
-    def _run(self, step: PreparedStep, mark: object | None, run: Callable[[PreparedStep], Any]) -> ForwardOutput:
+    def _execute(self, step: PreparedStep, mark: object | None, run: Callable[[PreparedStep], Any]) -> Any:
         start = time.perf_counter()
         try:
             with self.stream.context(mark):
@@ -123,7 +118,20 @@ class ForwardThread:
             self.busy_s += time.perf_counter() - start
 
 
-class ForwardOnCaller:
+class ForwardThread(_GuardedSteps):
+    def __init__(self, worker: ModelWorker, num_threads: int | None = None, guard: StepGuard | None = None) -> None:
+        super().__init__(worker, guard)
+        threads = num_threads if num_threads is not None else torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-forward",
+                                        initializer=configure_threads, initargs=(threads,))
+
+    def submit(self, step: PreparedStep, run: Callable[[PreparedStep], Any] | None = None) -> Future[ForwardOutput]:
+        """Queue `run(step)` (default `worker.execute`: forward and sample; a pipeline stage that does not
+        sample passes its forward)."""
+        return self._pool.submit(self._execute, step, self.stream.handoff(), run or self.worker.execute)
+
+
+class ForwardOnCaller(_GuardedSteps):
     """Executes submitted steps on the thread running `serve_forever()`, in submission order.
 
     `call(fn)` hands that thread a whole stretch of work instead (the overlap loop's steps run to completion
@@ -132,12 +140,9 @@ class ForwardOnCaller:
     the future, so the two never touch the scheduler at once."""
 
     def __init__(self, worker: ModelWorker, guard: StepGuard | None = None) -> None:
-        self.worker = worker
-        self.guard = guard or StepGuard.from_env()
-        self.stream = ForwardStream(worker.device)
+        super().__init__(worker, guard)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._serving_thread: int | None = None
-        self.busy_s = 0.0
 
     def submit(self, step: PreparedStep, run: Callable[[PreparedStep], Any] | None = None) -> Future[ForwardOutput]:
         """Queue `run(step)` (default `worker.execute`) for the serving thread."""
@@ -158,16 +163,6 @@ class ForwardOnCaller:
         if threading.get_ident() != self._serving_thread:
             raise RuntimeError("execute_here runs only on the thread serving the forwards")
         return self._execute(step, self.stream.handoff(), self.worker.execute)
-
-    def _execute(self, step: PreparedStep, mark: object | None, run: Callable[[PreparedStep], Any]) -> Any:
-        start = time.perf_counter()
-        try:
-            with self.stream.context(mark):
-                out = self.guard.run(run, step)
-            self.stream.finish()
-            return out
-        finally:
-            self.busy_s += time.perf_counter() - start
 
     def serve_forever(self) -> None:
         """Run steps (and `call`ed work) until `stop()`; a failing one fails its future (the scheduler sees
