@@ -30,15 +30,18 @@
 #define LOAD_bf16(x) bf16_to_f32(x)
 #define STORE_bf16(x) f32_to_bf16(x)
 
-static inline int use_threads(int64_t elements, int threads) {
-    return elements >= PARALLEL_MIN_ELEMENTS && threads > 1 ? threads : 1;
+/* Threads for a loop over `rows` rows of `elements` in all: never more than rows (a thread with no row still
+ * costs the fork and the join: on a loaded machine, the wait for a preempted thread to be scheduled). */
+static inline int use_threads(int64_t rows, int64_t elements, int threads) {
+    if (elements < PARALLEL_MIN_ELEMENTS || threads <= 1 || rows <= 1) return 1;
+    return rows < threads ? (int)rows : threads;
 }
 
 #define DEFINE_OPS(SUFFIX, T)                                                                                  \
 KERNEL_API int rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *residual, int64_t residual_stride,    \
                                  const T *w, T *out, T *residual_out, int64_t rows, int64_t hidden, float eps, \
                                  int threads) {                                                                \
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * hidden, threads))")             \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows, rows * hidden, threads))")        \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
         const T *src = x + r * x_stride; /* the row that is normalized (after the residual add) */            \
         if (residual != NULL) {                                                                                \
@@ -65,7 +68,7 @@ KERNEL_API int rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *residual
                                                                                                                \
 KERNEL_API int silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inter,      \
                                      int threads) {                                                            \
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * inter, threads))")              \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows, rows * inter, threads))")         \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
         const T *gate = x + r * x_stride, *up = gate + inter;                                                  \
         T *o = out + r * inter;                                                                                \
@@ -82,7 +85,7 @@ KERNEL_API int rope_part_##SUFFIX(T *x, int64_t x_stride, const int64_t *positio
                                   int rot_dim, int threads) {                                                  \
     /* the first rot_dim elements of each head (head_stride apart) rotate; the rest pass (partial rotary) */  \
     const int half = rot_dim / 2;                                                                              \
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * rot_dim, threads))")    \
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows, rows * heads * rot_dim, threads))") \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
         /* cos_table rows are [cos | cos], sin_table rows [-sin | sin] (rotate-half layout) */                  \
         const float *c = cos_table + positions[r] * rot_dim, *s = sin_table + positions[r] * rot_dim + half;   \
@@ -110,7 +113,7 @@ DEFINE_OPS(bf16, uint16_t)
 KERNEL_API int rms_norm_bf16_res32(const uint16_t *x, int64_t x_stride, const float *residual,
                                    int64_t residual_stride, const uint16_t *w, uint16_t *out, float *residual_out,
                                    int64_t rows, int64_t hidden, float eps, int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * hidden, threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows, rows * hidden, threads))")
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *src = x + r * x_stride;
         const float *rr = residual + r * residual_stride;
@@ -132,7 +135,7 @@ KERNEL_API int rms_norm_bf16_res32(const uint16_t *x, int64_t x_stride, const fl
 KERNEL_API int qk_head_norm_bf16(uint16_t *qkv, int64_t stride, int64_t rows, int q_heads, int kv_heads,
                                  int head_dim, const uint16_t *q_w, const uint16_t *k_w, float eps, int threads) {
     const int heads = q_heads + kv_heads;
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * heads * head_dim, threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows, rows * heads * head_dim, threads))")
     for (int64_t r = 0; r < rows; ++r) {
         for (int h = 0; h < heads; ++h) {
             uint16_t *x = qkv + r * stride + (int64_t)h * head_dim;
@@ -155,7 +158,7 @@ KERNEL_API int qk_head_norm_bf16(uint16_t *qkv, int64_t stride, int64_t rows, in
  * argmax over a vocabulary-wide row is a scalar loop; this is a vectorized max then a search for it. */
 KERNEL_API int argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t *out,
                                int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows * cols, threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(use_threads(rows, rows * cols, threads))")
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * x_stride;
         const uint32_t *bits = (const uint32_t *)xr;

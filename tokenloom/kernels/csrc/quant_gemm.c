@@ -169,7 +169,8 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
     const tl_dequant_bf16_fn to_bf16 = out_dtype == 0 ? NULL : tl_legacy_dequant_bf16(type);
     const int via_f32 = out_dtype != 0 && to_bf16 == NULL; /* bf16 out: float32 first, then rounded */
     int failed = 0;
-    _Pragma("omp parallel num_threads(threads)") {
+    const int team = count < threads ? (int)(count > 1 ? count : 1) : threads; /* no thread without a row */
+    _Pragma("omp parallel num_threads(team)") {
         float *buf = via_f32 ? aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64)) : NULL;
         if (via_f32 && buf == NULL) {
             _Pragma("omp atomic write") failed = 1;
