@@ -16,7 +16,7 @@ import torch
 from tests.scheduler_harness import Harness
 from tokenloom.cache.memory_budget import MemoryBudgetError
 from tokenloom.config import ServerArgs
-from tokenloom.executor import model_runner
+from tokenloom.executor import huge_pages, model_runner
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.loader import resolve_model_source
@@ -223,19 +223,23 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("user_env, expected", [
-    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}),
-    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),
+@pytest.mark.parametrize("user_env, expected, thp", [
+    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}, "1"),
+    ({"OMP_WAIT_POLICY": "PASSIVE", "THP_MEM_ALLOC_ENABLE": "0"},
+     {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}, "0"),
 ])
-def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypatch, user_env, expected):
+def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypatch, user_env, expected, thp):
     from tokenloom import Engine
 
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in user_env.items():
         monkeypatch.setenv(name, value)
     with Engine(tiny_runtime_model, dtype="float32", max_total_tokens=512, log_level="warning") as eng:
-        assert eng.tokenizer_manager.scheduler_info["rank_omp_env"] == expected  # the rank environment
+        info = eng.tokenizer_manager.scheduler_info
+        assert info["rank_omp_env"] == expected  # the rank environment
+        assert info["thp_mem_alloc_enable"] == thp  # torch's huge-page allocation, unless the user said no
+        assert info["thp_mode"] == huge_pages.thp_mode()
         # the rank counts this process (the server's root) and its children as its own server's
         assert eng.tokenizer_manager.scheduler_info["server_root_pid"] == os.getpid()
     assert "GOMP_SPINCOUNT" not in os.environ or user_env.get("GOMP_SPINCOUNT")  # this process: unchanged

@@ -42,6 +42,16 @@ def test_startup_summary_names_the_quantized_types_kept():
     assert lines[1].startswith("Memory: weights 0.09 GiB,")
 
 
+def test_startup_summary_reports_huge_pages():
+    info = {**READY, "thp_mode": "madvise", "anon_huge_mib": 636.0}
+    lines = startup_summary(ServerArgs(), "/m.gguf", "LlamaForCausalLM", info)
+    assert lines[1] == ("Memory: weights 1.50 GiB, KV pool 5.00 GiB (123456 tokens), 64 request slots, huge pages "
+                        "0.62 GiB (THP madvise)")
+    lines = startup_summary(ServerArgs(), "/m.gguf", "LlamaForCausalLM", {**READY, "thp_mode": "never",
+                                                                          "anon_huge_mib": None})
+    assert lines[1].endswith("64 request slots, huge pages ? (THP never)")
+
+
 def test_startup_summary_says_whose_numbers_at_tp_and_missing_fields():
     lines = startup_summary(ServerArgs(tp_size=2, pp_size=2), "/m", "Qwen2ForCausalLM", {"status": "ready"})
     assert lines[0] == "Model: /m (Qwen2ForCausalLM), ?, ? parameters (rank 0's share), weights loaded in ? s"

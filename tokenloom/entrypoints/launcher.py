@@ -11,8 +11,9 @@ rank: `--num-threads` if given; else a bound rank runs one per core of its set, 
 machine cores / local ranks each (`topology.threads_per_rank`), set in each rank before its model is built, so
 ranks never oversubscribe the cores; one unbound rank alone keeps torch's default. Every child starts with
 libgomp's wait policy in its environment (`cpu_threads.rank_omp_env`: GOMP_SPINCOUNT unless the user set it or
-OMP_WAIT_POLICY), read once when the child imports torch, and this process's pid (`process_tree.SERVER_PID_ENV`:
-the adaptive thread policy counts this server's processes as its own).
+OMP_WAIT_POLICY), read once when the child imports torch; torch's huge-page allocation (`huge_pages.rank_memory_env`:
+THP_MEM_ALLOC_ENABLE=1 unless the user set it); and this process's pid (`process_tree.SERVER_PID_ENV`: the
+adaptive thread policy counts this server's processes as its own).
 
 Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
 -9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in
@@ -44,6 +45,7 @@ from tokenloom.distributed import cpu_binding, topology
 from tokenloom.distributed.world_board import BoardUnreachable, WorldBoard
 from tokenloom.entrypoints.scheduler_process import rank_label, run_scheduler_process
 from tokenloom.executor.cpu_threads import rank_omp_env
+from tokenloom.executor.huge_pages import rank_memory_env
 from tokenloom.executor.process_tree import SERVER_PID_ENV
 from tokenloom.frontend.detokenizer import run_detokenizer_process
 from tokenloom.ipc import IpcAddresses
@@ -139,7 +141,8 @@ class RuntimeLauncher:
             for key, label, target, args, extra in targets:
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=target, args=(*args, writer, *extra), name=f"tokenloom-{key}", daemon=True)
-                with child_environment({**rank_omp_env(os.environ), SERVER_PID_ENV: str(os.getpid())}):
+                with child_environment({**rank_omp_env(os.environ), **rank_memory_env(os.environ),
+                                        SERVER_PID_ENV: str(os.getpid())}):
                     proc.start()
                 writer.close()
                 self.processes[key], self.labels[key], pipes[key] = proc, label, reader

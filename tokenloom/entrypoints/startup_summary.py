@@ -2,7 +2,8 @@
 
     Model: /models/smollm2 (LlamaForCausalLM), bfloat16, 134.5M parameters (kept quantized: Q4_1 x 210,
         Q8_0 x 1), weights loaded in 2.1 s
-    Memory: weights 0.25 GiB, KV pool 1.50 GiB (2000000 tokens), 64 request slots
+    Memory: weights 0.25 GiB, KV pool 1.50 GiB (2000000 tokens), 64 request slots, huge pages 1.70 GiB
+        (THP madvise)
     Device: cpu (AVX512-BF16: yes, AMX: no), 2 threads per rank, TP 1 x PP 1 on 1 node
     Server args: model_path=None, ..., api_key='<redacted>', ...
 
@@ -35,7 +36,7 @@ def startup_summary(args: ServerArgs, model_path: str, architecture: str, info: 
         f"{_number(info.get('weight_load_s'), '.1f')} s",
         f"Memory{share}: weights {_gigabytes(info.get('weight_bytes'))}, KV pool "
         f"{_gigabytes(info.get('kv_pool_bytes'))} ({info.get('max_total_num_tokens', '?')} tokens), "
-        f"{info.get('max_running_requests', '?')} request slots",
+        f"{info.get('max_running_requests', '?')} request slots{_huge_pages(info)}",
         f"Device: {args.device} (AVX512-BF16: {_yes_no(features.get('avx512_bf16'))}, AMX: "
         f"{_yes_no(features.get('amx'))}), {info.get('threads_per_rank', '?')} threads per rank"
         f"{_cores(info.get('rank_cpu_cores'), world)}, "
@@ -51,6 +52,15 @@ def log_startup_summary(args: ServerArgs, model_path: str, architecture: str, in
 
 def _quantized(types: Any) -> str:
     return f" (kept quantized: {types})" if types else ""
+
+
+def _huge_pages(info: dict[str, Any]) -> str:
+    """', huge pages 0.62 GiB (THP madvise)' where the rank reported them (executor/huge_pages.py)."""
+    mib, mode = info.get("anon_huge_mib"), info.get("thp_mode")
+    if mib is None and mode is None:
+        return ""
+    amount = "?" if mib is None else _gigabytes(mib * 2**20)
+    return f", huge pages {amount} (THP {mode or '?'})"
 
 
 def _cores(cores: Any, world: int) -> str:
