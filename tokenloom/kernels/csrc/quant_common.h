@@ -21,13 +21,16 @@
 enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q8_0 = 8, TL_Q4_K = 12, TL_Q5_K = 13, TL_Q6_K = 14 };
 
 /* m rows of quantized activations, k columns (k % 32 == 0): row r's quants at q + r * k, its block scales at
- * d + r * (k / 32), its block sums at s + r * (k / 32). */
+ * d + r * (k / 32), its block sums at s + r * (k / 32). `lanes` (NULL when not made): the same quants with each
+ * full span of 16 blocks in the order the Q4 kernels' interleaved weights want (quant_legacy.c,
+ * `q4_lanes_order`), made once per call instead of once per chunk of rows. */
 typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *s;
     int m;
     int64_t k;
+    const int8_t *lanes;
 } tl_act_q8;
 
 /* out[r * out_stride + (j - n0)] = sum_i W[j][i] * A[r][i] for rows r < a->m and weight rows j in [n0, n1)

@@ -281,10 +281,14 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
         return QUANT_E_MEMORY;
     }
     quantize_act(x, x_stride, x_is_f32, m, k, residual, q, d, s);
+    /* the Q4 kernels' activation order, made once here rather than once per chunk of rows */
+    int8_t *lanes = NULL;
+    if ((t->type == TL_Q4_0 || t->type == TL_Q4_1) && nb >= 16 && (lanes = malloc((size_t)(terms * m * k))) != NULL)
+        q4_lanes_order(q, terms * m, k, lanes);
     /* Both terms in one pass over the weight when they fit the kernel's rows, else one pass each. */
     const int together = terms * m <= SMALL_M_LIMIT;
-    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k};
-    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k};
+    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes};
+    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k};
     const int64_t chunks = (n + CHUNK_ROWS - 1) / CHUNK_ROWS;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t c = 0; c < chunks; ++c) {
@@ -298,7 +302,7 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
                                                         _mm512_loadu_ps(buf + m * CHUNK_ROWS + i)));
         epilogue(buf, CHUNK_ROWS, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
     }
-    free(q); free(d); free(s);
+    free(q); free(d); free(s); free(lanes);
     return QUANT_OK;
 }
 
