@@ -42,11 +42,12 @@ static inline float tl_silu(float v) { return v / (1.0f + expf(-v)); }
  * int8 activation terms (stored from its first pair on, `terms` rows per pair, as quantize_act writes them);
  * the terms' sums go to dst [pairs, n] (float32) at the sub-batch's rows. */
 static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64_t chunk, tl_moe_sub s,
-                             const int8_t *q, const float *d, const int32_t *sums, int terms, float *dst) {
+                             const int8_t *q, const int8_t *lanes, const float *d, const int32_t *sums, int terms,
+                             float *dst) {
     const tl_quant_type *t = tl_quant_lookup(type);
     const int64_t nb = k / TL_QK, n0 = chunk * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < n ? n0 + CHUNK_ROWS : n;
     const tl_act_q8 a = {q + terms * s.first * k, d + terms * s.first * nb, sums + terms * s.first * nb,
-                         (int)(terms * s.rows), k};
+                         (int)(terms * s.rows), k, lanes == NULL ? NULL : lanes + terms * s.first * k};
     float buf[2 * SUB_ROWS * CHUNK_ROWS];
     t->dot_rows((const uint8_t *)(intptr_t)data, k / t->block * t->block_size, n0, n1, &a, buf, CHUNK_ROWS);
     for (int64_t r = 0; r < s.rows; ++r)
@@ -88,8 +89,15 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
     float *da = malloc(sizeof(float) * (size_t)(terms * pairs * nba));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(terms * pairs * nba));
     float *y = malloc(sizeof(float) * (size_t)(pairs * hidden));
-    if (!sub || !xg || !qx || !dx || !sx || !gate_up || !qa || !da || !sa || !y) {
+    /* the Q4 experts' activation order (quant_legacy.c's q4_lanes_order), made once per sub-batch */
+    int q4 = 0;
+    for (int64_t g = 0; g < groups; ++g)
+        q4 |= gu_type[g] == TL_Q4_0 || gu_type[g] == TL_Q4_1 || down_type[g] == TL_Q4_0 || down_type[g] == TL_Q4_1;
+    int8_t *lx = q4 ? malloc((size_t)(terms * pairs * hidden)) : NULL;
+    int8_t *la = q4 ? malloc((size_t)(terms * pairs * inter)) : NULL;
+    if (!sub || !xg || !qx || !dx || !sx || !gate_up || !qa || !da || !sa || !y || (q4 && (!lx || !la))) {
         free(sub); free(xg); free(qx); free(dx); free(sx); free(gate_up); free(qa); free(da); free(sa); free(y);
+        free(lx); free(la);
         return QUANT_E_MEMORY;
     }
     subs = 0;
@@ -113,11 +121,13 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
                 memcpy(xg + (s.first + r) * hidden, x + pair_token[s.first + r] * hidden, sizeof(uint16_t) * hidden);
             quantize_act(xg + s.first * hidden, hidden, 0, s.rows, hidden, residual, qx + terms * s.first * hidden,
                          dx + terms * s.first * nbx, sx + terms * s.first * nbx);
+            if (lx != NULL)
+                q4_lanes_order(qx + terms * s.first * hidden, terms * s.rows, hidden, lx + terms * s.first * hidden);
         }
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < subs * gu_chunks; ++i) /* B */
             tl_moe_dot_chunk(gu_type[sub[i / gu_chunks].group], gu_data[sub[i / gu_chunks].group], hidden, 2 * inter,
-                             i % gu_chunks, sub[i / gu_chunks], qx, dx, sx, terms, gate_up);
+                             i % gu_chunks, sub[i / gu_chunks], qx, lx, dx, sx, terms, gate_up);
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < subs; ++i) { /* C */
             const tl_moe_sub s = sub[i];
@@ -127,11 +137,13 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
             }
             quantize_act(gate_up + s.first * 2 * inter, 2 * inter, 1, s.rows, inter, residual,
                          qa + terms * s.first * inter, da + terms * s.first * nba, sa + terms * s.first * nba);
+            if (la != NULL)
+                q4_lanes_order(qa + terms * s.first * inter, terms * s.rows, inter, la + terms * s.first * inter);
         }
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < subs * dn_chunks; ++i) /* D */
             tl_moe_dot_chunk(down_type[sub[i / dn_chunks].group], down_data[sub[i / dn_chunks].group], inter, hidden,
-                             i % dn_chunks, sub[i / dn_chunks], qa, da, sa, terms, y);
+                             i % dn_chunks, sub[i / dn_chunks], qa, la, da, sa, terms, y);
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < col_chunks; ++c) { /* E */
             const int64_t c0 = c * 16, c1 = c0 + 16 < hidden ? c0 + 16 : hidden;
@@ -143,6 +155,7 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
         }
     }
     free(sub); free(xg); free(qx); free(dx); free(sx); free(gate_up); free(qa); free(da); free(sa); free(y);
+    free(lx); free(la);
     return QUANT_OK;
 #else
     (void)t_rows; (void)hidden; (void)inter; (void)x; (void)pairs; (void)pair_token; (void)pair_weight;
