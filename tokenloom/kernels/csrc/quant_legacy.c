@@ -14,13 +14,13 @@
  * blocks after the last full span keep the file's order (`q4_block_bytes` reads either).
  *
  * Dot product, full spans: lane i of the four 64-byte quant vectors of a span belongs to block i, so vpdpbusd
- * over the low nibbles (elements 4 L .. 4 L + 3 of each block) and the high ones (16 + 4 L ..) against
- * activations gathered the same way (once per call, or once per span of a tile) leaves block i's whole
- * integer dot product in lane i: one conversion and one multiply-add with the span's scale vector d_w * d_x
- * per span, no permutes (against the four groups of the file order: decode step 0.977x at batch 1 and ~0.9x
- * at batch 4 on SmolLM2 Q4_1, `bench/ab_decode.py`; many rows unchanged). The activations' side of it is
- * reordered once per call (tl_act_q8.lanes). The blocks after the last full span (k = 576: two) take the file order in
- * groups of four blocks: one 64-byte load gives the low and high nibbles of four blocks, the activations are
+ * over the low nibbles (elements 4 L .. 4 L + 3 of each block) and the high ones (16 + 4 L ..) against the
+ * activations in the same order leaves block i's whole integer dot product in lane i: one conversion and one
+ * multiply-add with the span's scale vector d_w * d_x per span, no permutes (against the four groups of the
+ * file order: decode step 0.977x at batch 1 and ~0.9x at batch 4 on SmolLM2 Q4_1, `bench/ab_decode.py`; many
+ * rows unchanged). The caller reorders the activations once per call (tl_act_q8.lanes, q4_lanes_order); without
+ * that order the kernels gather it per span (q4_lanes_act). The blocks after the last full span (k = 576:
+ * two) take the file order in groups of four blocks: one 64-byte load gives the low and high nibbles of four blocks, the activations are
  * regrouped with two 128-bit lane shuffles so that each 32-bit lane belongs to one block, and each group takes
  * its lanes' scales from the span's scale vector with one vpermps. Integer sums are exact, so the order of
  * the vpdpbusd chains does not change a result.
