@@ -76,7 +76,7 @@ def _int8_path(qm: qg.QuantMatrix, m: int, x_dtype: torch.dtype) -> bool:
 
 
 @pytest.mark.parametrize("name", LEGACY)
-@pytest.mark.parametrize("k", [32 * 3, 576])
+@pytest.mark.parametrize("k", [32 * 3, 576, 32 * 12, 32 * 31])
 def test_dequantize_bit_exact(name, k):
     qm = _matrix(name, 77, k, 1)
     ref = qg.dequantize(qm)  # the gguf package, file layout
@@ -91,7 +91,7 @@ def test_dequantize_bit_exact(name, k):
 
 @pytest.mark.parametrize("name", LEGACY)
 @pytest.mark.parametrize("m", [1, 3, 4, 64, 130])
-@pytest.mark.parametrize("k", [32 * 3, 576])
+@pytest.mark.parametrize("k", [32 * 3, 576, 32 * 12, 32 * 31])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_linear_within_bound(name, m, k, x_dtype):
     n = 77
@@ -343,12 +343,14 @@ def test_prefetch_distance_changes_no_result(name):
 
 
 @pytest.mark.parametrize("name", LEGACY)
-def test_row_stream_equals_the_row_tiles(name):
+@pytest.mark.parametrize("k", [1088, 32 * 31])
+def test_row_stream_equals_the_row_tiles(name, k):
     """The row-sequential stream (each weight row read whole in turn, for rows shorter than a page) does the
     tiles' arithmetic in the tiles' order: bit-identical results at 1-3 rows (2-6 int8 rows: one pass of the
-    k-quants' stream and two), over a row count that ends in a partial tile and a masked span; the setter reads
-    back what it set and defaults to batch 1's two int8 rows (the k-quants: test_quant_kquants.py)."""
-    n, k = 77, 1088
+    k-quants' stream and two), over a row count that ends in a partial tile and a masked span (Q4: one group of
+    two blocks after the full spans, or one each of 8, 4, 2 and 1); the setter reads back what it set and defaults
+    to batch 1's two int8 rows (the k-quants: test_quant_kquants.py)."""
+    n = 77
     qm = qg.prepare(_matrix(name, n, k, 41))
     lib = qg._native()
     default = lib.quant_seq_m(ctypes.c_int(-1))

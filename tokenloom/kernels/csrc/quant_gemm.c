@@ -281,10 +281,15 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
         return QUANT_E_MEMORY;
     }
     quantize_act(x, x_stride, x_is_f32, m, k, residual, q, d, s);
-    /* the Q4 kernels' activation order, made once here rather than once per chunk of rows */
+    /* the Q4 kernels' activation order (they read no other), made once here rather than once per chunk of rows */
     int8_t *lanes = NULL;
-    if ((t->type == TL_Q4_0 || t->type == TL_Q4_1) && nb >= 16 && (lanes = malloc((size_t)(terms * m * k))) != NULL)
+    if (t->type == TL_Q4_0 || t->type == TL_Q4_1) {
+        if ((lanes = aligned_alloc(64, (size_t)((terms * m * k + 63) / 64 * 64))) == NULL) {
+            free(q); free(d); free(s);
+            return QUANT_E_MEMORY;
+        }
         q4_lanes_order(q, terms * m, k, lanes);
+    }
     /* Both terms in one pass over the weight when they fit the kernel's rows, else one pass each. */
     const int together = terms * m <= SMALL_M_LIMIT;
     const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes};

@@ -9,21 +9,23 @@
  *     Q4_0: d[nb] (f16) | qs[nb][16]            (qs: see below)
  *     Q4_1: d[nb] (f16) | m[nb] (f16) | qs[nb][16]
  *     Q8_0: d[nb] (f16) | u[nb][32]             (u = q + 128: vpdpbusd wants unsigned weight bytes)
- * Q4 quants of each full span of 16 blocks (256 bytes) are interleaved so that a 64-byte vector holds one
- * 32-bit lane per block: byte 64 L + 4 i + t of the span is byte 4 L + t of its block i (L, t = 0..3); the
- * blocks after the last full span keep the file's order (`q4_block_bytes` reads either).
+ * Q4 quants are interleaved by groups of blocks: every full span of 16 blocks, then at most one group each of
+ * 8, 4, 2 and 1 blocks (the binary digits of the rest; k = 576: one span and a group of 2). In a group of g
+ * blocks, byte 4 g L + 4 i + t is byte 4 L + t of its block i (L, t = 0..3), so that a 64-byte vector of a span
+ * holds one 32-bit lane per block (`q4_block_bytes` reads any group).
  *
  * Dot product, full spans: lane i of the four 64-byte quant vectors of a span belongs to block i, so vpdpbusd
  * over the low nibbles (elements 4 L .. 4 L + 3 of each block) and the high ones (16 + 4 L ..) against the
  * activations in the same order leaves block i's whole integer dot product in lane i: one conversion and one
  * multiply-add with the span's scale vector d_w * d_x per span, no permutes (against the four groups of the
  * file order: decode step 0.977x at batch 1 and ~0.9x at batch 4 on SmolLM2 Q4_1, `bench/ab_decode.py`; many
- * rows unchanged). The caller reorders the activations once per call (tl_act_q8.lanes, q4_lanes_order); without
- * that order the kernels gather it per span (q4_lanes_act). The blocks after the last full span (k = 576:
- * two) take the file order in groups of four blocks: one 64-byte load gives the low and high nibbles of four blocks, the activations are
- * regrouped with two 128-bit lane shuffles so that each 32-bit lane belongs to one block, and each group takes
- * its lanes' scales from the span's scale vector with one vpermps. Integer sums are exact, so the order of
- * the vpdpbusd chains does not change a result.
+ * rows unchanged). The caller reorders the activations once per call (tl_act_q8.lanes, q4_lanes_order; the
+ * kernels read no other order). The smaller groups after the last span (q4_group_dot) work alike: each lane
+ * belongs to one block, and the scale vector repeats the group's g scales across the 16 lanes (broadcast
+ * loads); a group of 2 or 1 puts its low and high nibbles in one vector, so k = 576's tail is one vpdpbusd per
+ * activation row (it was two 64-byte vpdpbusd on half-empty vectors and a vpermps per group: decode step
+ * 0.973x at batch 1, 0.965x at batch 4, `bench/ab_decode.py`). Integer sums are exact, so the order of the
+ * vpdpbusd chains does not change a result.
  * The weight offset goes through the activation block sums s, on the same span vectors: Q4_0 adds
  * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s). A tile is 16 weight rows x 1
  * activation row or 8 x 2 (16 accumulators), ended by one batched horizontal sum (reduce16).
@@ -78,15 +80,35 @@ static void legacy_repack(uint8_t *row, int64_t k, int block_size, int fields, i
     }
 }
 
-/* Interleaves the quants of each full span of 16 Q4 blocks (qs: the row's quants, file order): block i's bytes
- * 4 L .. 4 L + 3 go to span bytes 64 L + 4 i .. (the header comment). */
+/* The interleave group of block b in a Q4 row of nb blocks: its first block (returned) and its size *g. The
+ * groups are every full span of 16 blocks, then at most one group each of 8, 4, 2 and 1 blocks, largest first
+ * (the binary digits of the blocks left after the spans). */
+static inline int64_t q4_group_of(int64_t nb, int64_t b, int *g) {
+    const int64_t full = nb / 16 * 16;
+    *g = 16;
+    if (b < full) return b - b % 16;
+    int64_t b0 = full;
+    for (int size = 8; size >= 1; size /= 2)
+        if ((nb - full) & size) {
+            *g = size;
+            if (b < b0 + size) break;
+            b0 += size;
+        }
+    return b0;
+}
+
+/* Interleaves the quants of every group of g Q4 blocks (qs: the row's quants, file order): block i's bytes
+ * 4 L .. 4 L + 3 go to the group's bytes 4 g L + 4 i .. (the header comment). */
 static void q4_interleave(uint8_t *qs, int64_t nb) {
-    uint8_t span[256];
-    for (int64_t s = 0; s + 16 <= nb; s += 16) {
-        uint8_t *at = qs + 16 * s;
-        for (int i = 0; i < 16; ++i)
-            for (int L = 0; L < 4; ++L) memcpy(span + 64 * L + 4 * i, at + 16 * i + 4 * L, 4);
-        memcpy(at, span, sizeof span);
+    uint8_t group[256];
+    for (int64_t b0 = 0; b0 < nb;) {
+        int g;
+        q4_group_of(nb, b0, &g);
+        uint8_t *at = qs + 16 * b0;
+        for (int i = 0; i < g; ++i)
+            for (int L = 0; L < 4; ++L) memcpy(group + 4 * g * L + 4 * i, at + 16 * i + 4 * L, 4);
+        memcpy(at, group, (size_t)(16 * g));
+        b0 += g;
     }
 }
 
@@ -104,10 +126,11 @@ static void q8_0_repack(uint8_t *row, int64_t k) { legacy_repack(row, k, 34, 1, 
 
 /* Block b's 16 quant bytes in the file's order, from a re-laid-out Q4 row's quants `qs` (nb blocks). */
 static inline __m128i q4_block_bytes(const uint8_t *qs, int64_t nb, int64_t b) {
-    if (b >= nb / 16 * 16) return _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-    const uint8_t *at = qs + 16 * (b - b % 16) + 4 * (b % 16);
+    int g;
+    const int64_t b0 = q4_group_of(nb, b, &g);
+    const uint8_t *at = qs + 16 * b0 + 4 * (b - b0);
     int32_t w[4];
-    for (int L = 0; L < 4; ++L) memcpy(w + L, at + 64 * L, 4);
+    for (int L = 0; L < 4; ++L) memcpy(w + L, at + 4 * g * L, 4);
     return _mm_loadu_si128((const __m128i *)w);
 }
 
@@ -235,46 +258,57 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
     }
 }
 
-/* An activation row's vectors for a full span of the interleaved layout (xq: the span's first int8): xv[2 L]
- * lane i = elements 4 L .. 4 L + 3 of block i, xv[2 L + 1] elements 16 + 4 L .. 16 + 4 L + 3. */
-static inline __attribute__((always_inline)) void q4_lanes_act(const int8_t *xq, __m512i *xv) {
-    const __m512i block = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
-    for (int L = 0; L < 4; ++L) {
-        xv[2 * L] = _mm512_i32gather_epi32(_mm512_add_epi32(block, _mm512_set1_epi32(L)), xq, 4);
-        xv[2 * L + 1] = _mm512_i32gather_epi32(_mm512_add_epi32(block, _mm512_set1_epi32(4 + L)), xq, 4);
+/* The activation bytes of 4-byte unit u of a group of g interleaved Q4 blocks, in the order its kernel reads them
+ * (q4_lanes_dot, q4_group_dot): block *i, elements *e .. *e + 3. g >= 4: 64-byte vector v = 2 V + h pairs quant
+ * vector V's low (h = 0) or high (h = 1) nibbles, lane by lane; g <= 2: the group's low nibbles, then its high
+ * ones, in one vector. */
+static inline void q4_act_unit(int g, int u, int *i, int *e) {
+    int h, unit; /* unit: the 4-byte quant unit the activations meet */
+    if (g >= 4) {
+        h = (u / 16) % 2;
+        unit = 16 * (u / 32) + u % 16;
+    } else {
+        h = u / (4 * g);
+        unit = u % (4 * g);
     }
+    *i = unit % g;
+    *e = 16 * h + 4 * (unit / g);
 }
 
-/* Activation rows [rows][k] in the interleaved order (tl_act_q8.lanes): in each full span of 16 blocks, 64-byte
- * vector 2 L + h holds, in lane i, elements 16 h + 4 L .. 16 h + 4 L + 3 of block i (q4_lanes_act's vectors);
- * the blocks after the last full span keep their order. */
+/* Activation rows [rows][k] in the interleaved order (tl_act_q8.lanes), group by group (q4_group_of): a full
+ * span's 64-byte vector 2 L + h holds, in lane i, elements 16 h + 4 L .. 16 h + 4 L + 3 of block i; the smaller
+ * groups as q4_act_unit says. Every Q4 caller of the dot kernels makes it (once per call). */
 static void q4_lanes_order(const int8_t *q, int64_t rows, int64_t k, int8_t *out) {
-    const int64_t nb = k / TL_QK, full = nb / 16 * 16;
+    const int64_t nb = k / TL_QK;
     for (int64_t r = 0; r < rows; ++r) {
         const int8_t *src = q + r * k;
         int8_t *dst = out + r * k;
-        for (int64_t b = 0; b < full; b += 16)
+        int64_t b0 = 0;
+        for (; b0 + 16 <= nb; b0 += 16) /* full spans: vector v = 2 L + h, lane i */
             for (int i = 0; i < 16; ++i)
-                for (int v = 0; v < 8; ++v) /* v = 2 L + h */
-                    memcpy(dst + 32 * b + 64 * v + 4 * i, src + 32 * (b + i) + 16 * (v & 1) + 4 * (v >> 1), 4);
-        memcpy(dst + 32 * full, src + 32 * full, (size_t)(k - 32 * full));
+                for (int v = 0; v < 8; ++v)
+                    memcpy(dst + 32 * b0 + 64 * v + 4 * i, src + 32 * (b0 + i) + 16 * (v & 1) + 4 * (v >> 1), 4);
+        while (b0 < nb) {
+            int g, i, e;
+            q4_group_of(nb, b0, &g);
+            for (int u = 0; u < 8 * g; ++u) {
+                q4_act_unit(g, u, &i, &e);
+                memcpy(dst + 32 * b0 + 4 * u, src + 32 * (b0 + i) + e, 4);
+            }
+            b0 += g;
+        }
     }
 }
 
-/* The span's activation vectors of row r (as q4_lanes_act lays them out): from `lanes` when made, else
- * gathered. */
+/* The span's activation vectors of row r (from `lanes`). */
 static inline __attribute__((always_inline)) void q4_lanes_row(const tl_act_q8 *a, int64_t r, int64_t b,
                                                               __m512i *xv) {
-    if (a->lanes != NULL) {
-        const int8_t *at = a->lanes + r * a->k + 32 * b;
-        for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(at + 64 * v);
-    } else {
-        q4_lanes_act(a->q + r * a->k + 32 * b, xv);
-    }
+    const int8_t *at = a->lanes + r * a->k + 32 * b;
+    for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(at + 64 * v);
 }
 
 /* Lane i: block i's integer dot product over a full span of interleaved quants (src) against MR activation
- * rows' vectors (xv[j], as q4_lanes_act lays them out), into dot[j]; four vpdpbusd chains per activation row
+ * rows' vectors (xv[j], as q4_lanes_order lays them out), into dot[j]; four vpdpbusd chains per activation row
  * keep the unit busy. */
 static inline __attribute__((always_inline)) void q4_lanes_dot(const uint8_t *src, const int MR,
                                                               const __m512i *const *xv, int64_t ahead, __m512i *dot) {
@@ -293,6 +327,99 @@ static inline __attribute__((always_inline)) void q4_lanes_dot(const uint8_t *sr
     }
     for (int j = 0; j < MR; ++j)
         dot[j] = _mm512_add_epi32(_mm512_add_epi32(c[j][0], c[j][1]), _mm512_add_epi32(c[j][2], c[j][3]));
+}
+
+/* One group of g = 8, 4, 2 or 1 interleaved Q4 blocks (the blocks after the last full span) of one weight row
+ * (src: the group's quants, dw: its f16 scales) against MR activation rows (xa[j]: the group's activations in
+ * q4_lanes_order's order, dx[j]: their block scales): lane l's integer dot product belongs to one block, whose
+ * d_w d_x scales it into acc[j]. The scale vectors repeat the group's g scales across the 16 lanes (broadcasts,
+ * no permutes); g <= 2 puts the low and the high nibbles in one vector (one vpdpbusd per activation row). */
+static inline __attribute__((always_inline)) void q4_group_dot(const int g, const uint8_t *src, const uint8_t *dw,
+                                                              const int MR, const int8_t *const *xa,
+                                                              const float *const *dx, int64_t ahead, __m512 *acc) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512i wq[4];
+    __m512 dwv;
+    if (ahead) TL_QUANT_PREFETCH(src + ahead);
+    if (g == 8) {
+        if (ahead) TL_QUANT_PREFETCH(src + 64 + ahead);
+        for (int V = 0; V < 2; ++V) {
+            const __m512i q = _mm512_loadu_si512(src + 64 * V);
+            wq[2 * V] = _mm512_and_si512(q, low);
+            wq[2 * V + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        }
+        dwv = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dw)));
+    } else if (g == 4) {
+        const __m512i q = _mm512_loadu_si512(src);
+        wq[0] = _mm512_and_si512(q, low);
+        wq[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        int64_t d4;
+        memcpy(&d4, dw, 8);
+        dwv = _mm512_cvtph_ps(_mm256_set1_epi64x(d4));
+    } else if (g == 2) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)src), low8 = _mm256_set1_epi8(15);
+        wq[0] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low8)),
+                                   _mm256_and_si256(_mm256_srli_epi16(q, 4), low8), 1);
+        int32_t d2;
+        memcpy(&d2, dw, 4);
+        dwv = _mm512_cvtph_ps(_mm256_set1_epi32(d2));
+    } else {
+        const __m128i q = _mm_loadu_si128((const __m128i *)src), low4 = _mm_set1_epi8(15);
+        wq[0] = _mm512_zextsi256_si512(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4)));
+        dwv = _mm512_set1_ps(h2f(dw));
+    }
+    for (int j = 0; j < MR; ++j) {
+        __m512i dot;
+        __m512 dxv;
+        if (g == 8) {
+            const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0],
+                                                                       _mm512_loadu_si512(xa[j])),
+                                                   wq[2], _mm512_loadu_si512(xa[j] + 128));
+            const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[1],
+                                                                       _mm512_loadu_si512(xa[j] + 64)),
+                                                   wq[3], _mm512_loadu_si512(xa[j] + 192));
+            dot = _mm512_add_epi32(d0, d1);
+            dxv = _mm512_broadcast_f32x8(_mm256_loadu_ps(dx[j]));
+        } else if (g == 4) {
+            dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_loadu_si512(xa[j])),
+                                      wq[1], _mm512_loadu_si512(xa[j] + 64));
+            dxv = _mm512_broadcast_f32x4(_mm_loadu_ps(dx[j]));
+        } else if (g == 2) {
+            dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_loadu_si512(xa[j]));
+            double d2;
+            memcpy(&d2, dx[j], 8);
+            dxv = _mm512_castpd_ps(_mm512_set1_pd(d2));
+        } else {
+            dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0],
+                                      _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xa[j])));
+            dxv = _mm512_set1_ps(dx[j][0]);
+        }
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, dxv), acc[j]);
+    }
+}
+
+/* The groups after the last full span (nblk < 16 blocks from block b, q4_group_of) of one weight row (qs: its
+ * quants, ds: its f16 scales) against MR activation rows from r0: q4_group_dot, group by group. */
+static inline __attribute__((always_inline)) void q4_tail_groups(const uint8_t *qs, const uint8_t *ds, int64_t b,
+                                                                int nblk, const int MR, const tl_act_q8 *a, int64_t r0,
+                                                                int64_t ahead, __m512 *acc) {
+    const int64_t nb = a->k / TL_QK;
+    const int8_t *xa[4];
+    const float *dx[4];
+#define Q4_TAIL_GROUP(G)                                                                                        \
+    if (nblk & (G)) {                                                                                           \
+        for (int j = 0; j < MR; ++j) {                                                                          \
+            xa[j] = a->lanes + (r0 + j) * a->k + 32 * b;                                                        \
+            dx[j] = a->d + (r0 + j) * nb + b;                                                                   \
+        }                                                                                                       \
+        q4_group_dot((G), qs + 16 * b, ds + 2 * b, MR, xa, dx, ahead, acc);                                     \
+        b += (G);                                                                                               \
+    }
+    Q4_TAIL_GROUP(8)
+    Q4_TAIL_GROUP(4)
+    Q4_TAIL_GROUP(2)
+    Q4_TAIL_GROUP(1)
+#undef Q4_TAIL_GROUP
 }
 
 /* One span (16 blocks, or the last `nblk` with masks when MASKED) of a Q4 tile. */
@@ -319,37 +446,8 @@ static inline __attribute__((always_inline)) void q4_span(const int kind, const 
         }
         return;
     }
-    const __m512i low = _mm512_set1_epi8(15);
-    const int groups = MASKED ? (nblk + 3) / 4 : 4;
-    for (int g = 0; g < groups; ++g) {
-        /* lanes 4i..4i+3 of a group belong to its block i: scale lane 4g + i of the span */
-        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                             _mm512_set1_epi32(4 * g));
-        const int left = MASKED ? nblk - 4 * g : 4; /* blocks in this group */
-        const __mmask64 mw = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
-        const __mmask64 ma = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << (32 * left)) - 1);
-        const __mmask64 mb = left >= 4 ? ~(__mmask64)0 : left == 3 ? (((__mmask64)1 << 32) - 1) : 0;
-        __m512i xlo[4], xhi[4];
-        for (int j = 0; j < MR; ++j) {
-            const int8_t *xq = a->q + (r0 + j) * k + 32 * (b + 4 * g);
-            const __m512i A = MASKED ? _mm512_maskz_loadu_epi8(ma, xq) : _mm512_loadu_si512(xq);
-            const __m512i B = MASKED ? _mm512_maskz_loadu_epi8(mb, xq + 64) : _mm512_loadu_si512(xq + 64);
-            xlo[j] = _mm512_shuffle_i64x2(A, B, 0x88); /* x[0..15], x[32..47], x[64..79], x[96..111] */
-            xhi[j] = _mm512_shuffle_i64x2(A, B, 0xDD); /* the 16..31 halves of the same blocks */
-        }
-        for (int r = 0; r < NR; ++r) {
-            const uint8_t *src = w + r * row_bytes + qs_off + 16 * (b + 4 * g);
-            if (ahead) TL_QUANT_PREFETCH(src + ahead);
-            const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mw, src) : _mm512_loadu_si512(src);
-            const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-            for (int j = 0; j < MR; ++j) {
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[j]);
-                dot = _mm512_dpbusd_epi32(dot, hi, xhi[j]);
-                acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[r * MR + j]),
-                                                  acc[r * MR + j]);
-            }
-        }
-    }
+    for (int r = 0; r < NR; ++r) /* the blocks after the last full span: their interleave groups */
+        q4_tail_groups(w + r * row_bytes + qs_off, w + r * row_bytes, b, nblk, MR, a, r0, ahead, acc + r * MR);
 }
 
 /* One span of a Q8_0 tile (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
@@ -426,8 +524,9 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
 #define LEGACY_SEQ_PAGE 4096 /* the stream runs for rows shorter than this (bytes) */
 #define LEGACY_SEQ_AHEAD 4096 /* its software prefetch distance (x tl_quant_prefetch_tiles), bytes */
 
-/* Vectors per (activation row, span): d_x and the offset term's vector, then (Q4) the four groups' regrouped
- * low and high halves; Q8_0 reads its activations in natural order straight from a->q. */
+/* Vectors per (activation row, span): d_x and the offset term's vector, then (Q4, a full span) its eight
+ * activation vectors; Q8_0 reads its activations in natural order straight from a->q, and the Q4 groups after
+ * the last full span from a->lanes. */
 static inline int legacy_seq_stride(int kind) { return kind == 2 ? 2 : 10; }
 
 /* Activation row r, span s at prep[(r * spans + s) * stride]: everything span_scales and q4_span compute per
@@ -447,19 +546,8 @@ static void legacy_seq_prep(const int kind, const tl_act_q8 *a, __m512 *prep) {
             p[0] = dx;
             p[1] = kind == 1 ? _mm512_mul_ps(dx, sum) : _mm512_mul_ps(sum, _mm512_set1_ps(kind == 0 ? -8.0f : -128.0f));
             if (kind == 2) continue;
-            if (nblk == 16) { /* a full span: the interleaved layout's vectors (q4_lanes_act) */
+            if (nblk == 16) /* a full span: the interleaved layout's vectors (the rest read a->lanes) */
                 q4_lanes_row(a, r, b, (__m512i *)(p + 2));
-                continue;
-            }
-            for (int g = 0; g < 4; ++g) {
-                const int left = nblk - 4 * g;
-                const __mmask64 ma = left >= 2 ? ~(__mmask64)0 : left == 1 ? (((__mmask64)1 << 32) - 1) : 0;
-                const __mmask64 mb = left >= 4 ? ~(__mmask64)0 : left == 3 ? (((__mmask64)1 << 32) - 1) : 0;
-                const int8_t *xq = a->q + (int64_t)r * k + 32 * (b + 4 * g);
-                const __m512i A = _mm512_maskz_loadu_epi8(ma, xq), B = _mm512_maskz_loadu_epi8(mb, xq + 64);
-                p[2 + 2 * g] = _mm512_castsi512_ps(_mm512_shuffle_i64x2(A, B, 0x88));
-                p[3 + 2 * g] = _mm512_castsi512_ps(_mm512_shuffle_i64x2(A, B, 0xDD));
-            }
         }
 }
 
@@ -510,23 +598,7 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
         for (int j = 0; j < MR; ++j) acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), p[j], acc[j]);
         return;
     }
-    const __m512i low = _mm512_set1_epi8(15);
-    const int groups = MASKED ? (nblk + 3) / 4 : 4;
-    for (int g = 0; g < groups; ++g) {
-        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                             _mm512_set1_epi32(4 * g));
-        const int left = MASKED ? nblk - 4 * g : 4;
-        const __mmask64 mq = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
-        const uint8_t *src = row + qs_off + 16 * (b + 4 * g);
-        if (ahead) TL_QUANT_PREFETCH(src + ahead);
-        const __m512i q = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
-        const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-        for (int j = 0; j < MR; ++j) {
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_castps_si512(pr[j][2 + 2 * g]));
-            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_castps_si512(pr[j][3 + 2 * g]));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[j]), acc[j]);
-        }
-    }
+    q4_tail_groups(row + qs_off, row, b, nblk, MR, a, r0, ahead, acc); /* the blocks after the last full span */
 }
 
 /* legacy_tile's outputs with its NR rows read one after another. */
@@ -538,6 +610,9 @@ static inline __attribute__((always_inline)) void legacy_seq_tile(const int kind
     const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * LEGACY_SEQ_AHEAD;
     __m512 acc[LEGACY_MAX_OUT];
     for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+    /* unrolled, so that the accumulators stay in registers: with the Q4 tail groups' code in it the loop
+     * outgrew GCC's own unrolling, and the accumulators went to the stack (0.87x per call in cache) */
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < NR; ++r) {
         const uint8_t *row = w + r * row_bytes;
         int64_t b = 0;
