@@ -164,7 +164,7 @@ static int64_t batch_chunk_rows(int64_t k, int terms) {
 static int batch_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
                       int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                       int out_is_f32, int threads) {
-    const int64_t nb = k / TL_QK, row_bytes = k / t->block * t->block_size, tile_rows = batch_tile_rows(n, threads);
+    const int64_t nb = k / TL_QK, tile_rows = batch_tile_rows(n, threads);
     const int cols = t->u8_cols;
     const int64_t nbs = k / cols, groups = (n + tile_rows - 1) / tile_rows;
     const int terms = quant_batch_residual_on ? 2 : 1;
@@ -213,7 +213,7 @@ static int batch_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
                     memset(rsc, 0, sizeof(float) * (size_t)nbs);
                     memset(rmn, 0, sizeof(float) * (size_t)nbs);
                 } else {
-                    t->u8_row(w + (f0 + c) * row_bytes, k, row, rsc, rmn);
+                    t->u8_row(w, n, f0 + c, k, row, rsc, rmn);
                 }
                 const int64_t j = c / 16, lane = c % 16;
                 for (int64_t b = 0; b < nbs; ++b) {

@@ -2,8 +2,9 @@
  * What the GGUF-quantized matmul kernels share (csrc/quant_gemm.c drives them; one file per type family
  * supplies the per-type functions).
  *
- * A weight is a [n, k] matrix whose every row is a run of GGUF blocks (file layout, or the type's own
- * same-size re-layout made once at load by its `repack` function); row r starts at w + r * row_bytes.
+ * A weight is a [n, k] matrix whose every row is a run of GGUF blocks: n * row_bytes bytes in the file layout
+ * (row r at w + r * row_bytes), or the type's own same-size re-layout made once at load by its `repack`
+ * function (the K types keep rows whole; the legacy types gather all quants, then all scales: quant_legacy.c).
  *
  * Activations for the small-row (decode) path are quantized once per call, per 32-element block, to int8
  * (symmetric: d = max|x| / 127, q = round(x / d)), in the activations' natural column order; each block also
@@ -33,23 +34,26 @@ typedef struct {
     const int8_t *lanes;
 } tl_act_q8;
 
-/* out[r * out_stride + (j - n0)] = sum_i W[j][i] * A[r][i] for rows r < a->m and weight rows j in [n0, n1)
- * (float32, before any bias). Called from inside an OpenMP region: single-threaded, no allocation. */
-typedef void (*tl_dot_rows_fn)(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
-                               float *out, int64_t out_stride);
+/* out[r * out_stride + (j - n0)] = sum_i W[j][i] * A[r][i] for rows r < a->m and weight rows j in [n0, n1) of
+ * the re-laid-out weight w [n rows, row_bytes each] (float32, before any bias). Called from inside an OpenMP
+ * region: single-threaded, no allocation. */
+typedef void (*tl_dot_rows_fn)(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1,
+                               const tl_act_q8 *a, float *out, int64_t out_stride);
 
-/* One weight row (k columns) dequantized to float32: exactly the gguf package's dequantize. */
-typedef void (*tl_dequant_row_fn)(const uint8_t *row, int64_t k, float *out);
+/* Row r (k columns) of the re-laid-out weight w [n rows] dequantized to float32: exactly the gguf package's
+ * dequantize. (A type's re-layout may spread a row over the matrix: the functions take the matrix and a row.) */
+typedef void (*tl_dequant_row_fn)(const uint8_t *w, int64_t n, int64_t r, int64_t k, float *out);
 
-/* Re-lays out one row's blocks in place for the type's dot kernel (same size), or NULL when the type keeps
- * the file layout. dequant_row must read the re-laid-out form. */
-typedef void (*tl_repack_row_fn)(uint8_t *row, int64_t k);
+/* Re-lays out the n rows of data (k columns each) in place for the type's kernels (same size), or NULL when
+ * the type keeps the file layout. Returns 0, or -1 when memory runs out. dequant_row must read the result. */
+typedef int (*tl_repack_fn)(uint8_t *data, int64_t n, int64_t k);
 
-/* One weight row (k columns) as unsigned quants q[k] in natural column order with, per block b of the type's
- * u8_cols (32 or 16) columns, a scale and a minimum such that the dequantized weight is scale[b] * q + min[b]
- * (exact but for the one rounding the type's own dequantize makes): the many-row int8 path's tile
- * (quant_batch.c). */
-typedef void (*tl_u8_row_fn)(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min);
+/* Row r (k columns) of the re-laid-out weight w [n rows] as unsigned quants q[k] in natural column order with,
+ * per block b of the type's u8_cols (32 or 16) columns, a scale and a minimum such that the dequantized weight
+ * is scale[b] * q + min[b] (exact but for the one rounding the type's own dequantize makes): the many-row int8
+ * path's tile (quant_batch.c). */
+typedef void (*tl_u8_row_fn)(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *q, float *scale,
+                             float *min);
 
 typedef struct {
     int type;
@@ -57,7 +61,7 @@ typedef struct {
     int block_size; /* bytes per block */
     tl_dot_rows_fn dot_rows;
     tl_dequant_row_fn dequant_row;
-    tl_repack_row_fn repack_row;
+    tl_repack_fn repack;
     tl_u8_row_fn u8_row; /* NULL: no many-row int8 path for the type */
     int u8_cols;         /* columns per scale and minimum of u8_row: 32, or 16 (Q6_K's sub-blocks) */
 } tl_quant_type;

@@ -132,10 +132,8 @@ KERNEL_API int quant_repack(int type, uint8_t *data, int64_t n, int64_t k) {
     const tl_quant_type *t = tl_quant_lookup(type);
     const int rc = check_shape(t, n, k);
     if (rc != QUANT_OK) return rc;
-    if (t->repack_row == NULL) return QUANT_OK;
-    const int64_t row_bytes = k / t->block * t->block_size;
-    for (int64_t r = 0; r < n; ++r) t->repack_row(data + r * row_bytes, k);
-    return QUANT_OK;
+    if (t->repack == NULL) return QUANT_OK;
+    return t->repack(data, n, k) == 0 ? QUANT_OK : QUANT_E_MEMORY;
 }
 
 #if HAVE_QUANT_GEMM
@@ -164,7 +162,6 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
     if (ids == NULL) count = n;
     for (int64_t i = 0; ids != NULL && i < count; ++i)
         if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
-    const int64_t row_bytes = k / t->block * t->block_size;
     const size_t elem = out_dtype == 0 ? 4 : 2;
     const tl_dequant_bf16_fn to_bf16 = out_dtype == 0 ? NULL : tl_legacy_dequant_bf16(type);
     const int via_f32 = out_dtype != 0 && to_bf16 == NULL; /* bf16 out: float32 first, then rounded */
@@ -177,14 +174,14 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
         }
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < count; ++i) {
-            const uint8_t *row = w + (ids == NULL ? i : ids[i]) * row_bytes;
+            const int64_t row = ids == NULL ? i : ids[i];
             char *dst = (char *)out + (size_t)i * (size_t)k * elem;
             if (out_dtype == 0) {
-                t->dequant_row(row, k, (float *)dst);
+                t->dequant_row(w, n, row, k, (float *)dst);
             } else if (to_bf16 != NULL) {
-                to_bf16(row, k, (uint16_t *)dst);
+                to_bf16(w, n, row, k, (uint16_t *)dst);
             } else if (buf != NULL) {
-                t->dequant_row(row, k, buf);
+                t->dequant_row(w, n, row, k, buf);
                 store_row(buf, k, dst, 0);
             }
         }
@@ -299,8 +296,8 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
     for (int64_t c = 0; c < chunks; ++c) {
         float buf[2 * SMALL_M_LIMIT * CHUNK_ROWS];
         const int64_t n0 = c * CHUNK_ROWS, n1 = n - n0 < CHUNK_ROWS ? n : n0 + CHUNK_ROWS;
-        t->dot_rows(w, row_bytes, n0, n1, &all, buf, CHUNK_ROWS);
-        if (residual && !together) t->dot_rows(w, row_bytes, n0, n1, &rest, buf + m * CHUNK_ROWS, CHUNK_ROWS);
+        t->dot_rows(w, n, row_bytes, n0, n1, &all, buf, CHUNK_ROWS);
+        if (residual && !together) t->dot_rows(w, n, row_bytes, n0, n1, &rest, buf + m * CHUNK_ROWS, CHUNK_ROWS);
         if (residual) /* row r's two terms: buf rows r and m + r */
             for (int64_t i = 0; i < m * CHUNK_ROWS; i += 16)
                 _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_loadu_ps(buf + i),
@@ -384,7 +381,7 @@ static inline __attribute__((always_inline)) void rows_f32(const float *x, int64
 static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                      int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                      int out_is_f32, int threads) {
-    const int64_t row_bytes = k / t->block * t->block_size, tile_rows = 16 * TILE_BLOCKS;
+    const int64_t tile_rows = 16 * TILE_BLOCKS;
     const int64_t groups = (n + tile_rows - 1) / tile_rows;
 #if HAVE_AMX
     /* With AMX, bf16 x goes through amx_gemm.c's tiles: its weight layout per 16 features is the same
@@ -424,11 +421,11 @@ static int tile_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_
                 if (c >= count) {
                     memset(dst, 0, (size_t)(k * elem));
                 } else if (x_is_f32) {
-                    t->dequant_row(w + (f0 + c) * row_bytes, k, (float *)dst);
+                    t->dequant_row(w, n, f0 + c, k, (float *)dst);
                 } else if (to_bf16 != NULL) {
-                    to_bf16(w + (f0 + c) * row_bytes, k, (uint16_t *)dst);
+                    to_bf16(w, n, f0 + c, k, (uint16_t *)dst);
                 } else {
-                    t->dequant_row(w + (f0 + c) * row_bytes, k, rowf);
+                    t->dequant_row(w, n, f0 + c, k, rowf);
                     store_row(rowf, k, dst, 0);
                 }
             }

@@ -601,8 +601,9 @@ static inline __attribute__((always_inline)) int kq_seq_dot(int type, const uint
 }
 
 #define KQ_TILES(TILE, T, SEQ, NAME)                                                                             \
-    static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out, \
-                     int64_t out_stride) {                                                                       \
+    static void NAME(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, \
+                     float *out, int64_t out_stride) {                                                           \
+        (void)n; /* rows stay whole */                                                                           \
         if (a->m <= tl_quant_seq_max_m && kq_seq_dot(SEQ, w, row_bytes, n0, n1, a, out, out_stride)) return;        \
         int64_t j = n0;                                                                                          \
         for (; j + 4 <= n1; j += 4) {                                                                            \
@@ -643,12 +644,21 @@ static void kq_dot_rows_scalar(void (*deq)(const uint8_t *, int64_t, float *), i
             out[(int64_t)r * out_stride + (j - n0)] = sum;
         }
 }
-static void kq4_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
-                         int64_t os) { kq_dot_rows_scalar(kq4_dequant_row, KQ4_BYTES, w, rb, n0, n1, a, o, os); }
-static void kq5_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
-                         int64_t os) { kq_dot_rows_scalar(kq5_dequant_row, KQ5_BYTES, w, rb, n0, n1, a, o, os); }
-static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a, float *o,
-                         int64_t os) { kq_dot_rows_scalar(kq6_dequant_row, KQ6_BYTES, w, rb, n0, n1, a, o, os); }
+static void kq4_dot_rows(const uint8_t *w, int64_t n, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                         float *o, int64_t os) {
+    (void)n;
+    kq_dot_rows_scalar(kq4_dequant_row, KQ4_BYTES, w, rb, n0, n1, a, o, os);
+}
+static void kq5_dot_rows(const uint8_t *w, int64_t n, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                         float *o, int64_t os) {
+    (void)n;
+    kq_dot_rows_scalar(kq5_dequant_row, KQ5_BYTES, w, rb, n0, n1, a, o, os);
+}
+static void kq6_dot_rows(const uint8_t *w, int64_t n, int64_t rb, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                         float *o, int64_t os) {
+    (void)n;
+    kq_dot_rows_scalar(kq6_dequant_row, KQ6_BYTES, w, rb, n0, n1, a, o, os);
+}
 #endif
 
 #if KQ_VNNI
@@ -658,10 +668,36 @@ static void kq6_dot_rows(const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, c
 #define KQ_DEQ(name) name
 #define KQ_U8(name) NULL
 #endif
+/* The table's matrix-level forms of the per-row functions (a K type's row stays whole at w + r * row bytes). */
+#define KQ_MATRIX_FNS(T, BYTES)                                                                                 \
+    static void T##_dequant_at(const uint8_t *w, int64_t n, int64_t r, int64_t k, float *out) {                 \
+        (void)n;                                                                                                \
+        KQ_DEQ(T##_dequant_row)(w + r * (k / KQ_K * (BYTES)), k, out);                                          \
+    }                                                                                                           \
+    static int T##_repack(uint8_t *data, int64_t n, int64_t k) {                                                \
+        for (int64_t r = 0; r < n; ++r) T##_repack_row(data + r * (k / KQ_K * (BYTES)), k);                     \
+        return 0;                                                                                               \
+    }
+KQ_MATRIX_FNS(kq4, KQ4_BYTES)
+KQ_MATRIX_FNS(kq5, KQ5_BYTES)
+KQ_MATRIX_FNS(kq6, KQ6_BYTES)
+#undef KQ_MATRIX_FNS
+#if KQ_VNNI
+#define KQ_U8_AT(T, BYTES)                                                                                      \
+    static void T##_u8_at(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *q, float *scale,          \
+                          float *min) {                                                                         \
+        (void)n;                                                                                                \
+        T##_u8_row(w + r * (k / KQ_K * (BYTES)), k, q, scale, min);                                             \
+    }
+KQ_U8_AT(kq4, KQ4_BYTES)
+KQ_U8_AT(kq5, KQ5_BYTES)
+KQ_U8_AT(kq6, KQ6_BYTES)
+#undef KQ_U8_AT
+#endif
 static const tl_quant_type kq_types[3] = {
-    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, KQ_DEQ(kq4_dequant_row), kq4_repack_row, KQ_U8(kq4_u8_row), 32},
-    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, KQ_DEQ(kq5_dequant_row), kq5_repack_row, KQ_U8(kq5_u8_row), 32},
-    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, KQ_DEQ(kq6_dequant_row), kq6_repack_row, KQ_U8(kq6_u8_row), 16},
+    {TL_Q4_K, KQ_K, KQ4_BYTES, kq4_dot_rows, kq4_dequant_at, kq4_repack, KQ_U8(kq4_u8_at), 32},
+    {TL_Q5_K, KQ_K, KQ5_BYTES, kq5_dot_rows, kq5_dequant_at, kq5_repack, KQ_U8(kq5_u8_at), 32},
+    {TL_Q6_K, KQ_K, KQ6_BYTES, kq6_dot_rows, kq6_dequant_at, kq6_repack, KQ_U8(kq6_u8_at), 16},
 };
 
 static const tl_quant_type *tl_kquant_type(int type) {
@@ -675,10 +711,15 @@ static const tl_quant_type *tl_kquant_type(int type) {
 /* One re-laid-out row (k columns) of `type` dequantized, by the table's function or (portable != 0) by the
  * portable C one that builds without AVX-512; -1 for a type not of this family or k not whole super-blocks. */
 KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float *out, int portable) {
-    static const tl_dequant_row_fn scalar[3] = {kq4_dequant_row, kq5_dequant_row, kq6_dequant_row};
     const tl_quant_type *t = tl_kquant_type(type);
     if (t == NULL || k % KQ_K) return -1;
-    (portable ? scalar[t - kq_types] : t->dequant_row)(row, k, out);
+    if (portable) {
+        static void (*const scalar[3])(const uint8_t *, int64_t, float *) = {kq4_dequant_row, kq5_dequant_row,
+                                                                              kq6_dequant_row};
+        scalar[t - kq_types](row, k, out);
+    } else {
+        t->dequant_row(row, 1, 0, k, out);
+    }
     return 0;
 }
 
@@ -686,7 +727,7 @@ KERNEL_API int kquant_dequant_row(int type, const uint8_t *row, int64_t k, float
 KERNEL_API int kquant_repack_row(int type, uint8_t *row, int64_t k) {
     const tl_quant_type *t = tl_kquant_type(type);
     if (t == NULL || k % KQ_K) return -1;
-    if (t->repack_row) t->repack_row(row, k);
+    t->repack(row, 1, k);
     return 0;
 }
 
@@ -702,7 +743,7 @@ KERNEL_API int kquant_dot_rows(int type, const uint8_t *w, int64_t row_bytes, in
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t n0 = units * id / nt * 4, n1 = units * (id + 1) / nt * 4 < n ? units * (id + 1) / nt * 4 : n;
-        if (n0 < n1) t->dot_rows(w, row_bytes, n0, n1, &a, out + n0, n);
+        if (n0 < n1) t->dot_rows(w, n, row_bytes, n0, n1, &a, out + n0, n);
     }
     return 0;
 }

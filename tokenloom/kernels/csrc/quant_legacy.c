@@ -5,10 +5,17 @@
  * File blocks: Q4_0 {f16 d; u8 qs[16]} (qs[j] low nibble = element j, high nibble = element j + 16;
  * w = d * (q - 8)); Q4_1 {f16 d; f16 m; u8 qs[16]} (w = d * q + m); Q8_0 {f16 d; i8 qs[32]} (w = d * q).
  *
- * Re-laid-out row (nb = k / 32 blocks, same byte count), so that vector loads see only quants or only scales:
- *     Q4_0: d[nb] (f16) | qs[nb][16]            (qs: see below)
- *     Q4_1: d[nb] (f16) | m[nb] (f16) | qs[nb][16]
- *     Q8_0: d[nb] (f16) | u[nb][32]             (u = q + 128: vpdpbusd wants unsigned weight bytes)
+ * Re-laid-out matrix of n rows (nb = k / 32 blocks a row, same byte count), quants and scales apart, so that
+ * vector loads see only quants or only scales (legacy_view):
+ *     Q4_0: qs[n][nb][16] | d[n][nb] (f16)                  (qs: see below)
+ *     Q4_1: qs[n][nb][16] | d[n][nb] (f16) | m[n][nb] (f16)
+ *     Q8_0: u[n][nb][32]  | d[n][nb] (f16)                  (u = q + 128: vpdpbusd wants unsigned weight bytes)
+ * With all quants first, a row's quants start on a 32-byte boundary whenever nb is even (the tensor itself on
+ * a 64-byte one): with each row's scales in front of its quants, SmolLM2's k = 576 Q4_1 rows (360 bytes) began
+ * their quants at 8-byte offsets, and every 64-byte load split across two cache lines (a load whose halves
+ * each stay inside a line costs nothing extra on Zen 4; at an 8-byte offset the same stream ran 1.18x slower).
+ * Decode step 0.962x at batch 1 (twice) and 0.982x at batch 64 against the row-by-row layout
+ * (`bench/ab_decode.py`, SmolLM2 Q4_1).
  * Q4 quants are interleaved by groups of blocks: every full span of 16 blocks, then at most one group each of
  * 8, 4, 2 and 1 blocks (the binary digits of the rest; k = 576: one span and a group of 2). In a group of g
  * blocks, byte 4 g L + 4 i + t is byte 4 L + t of its block i (L, t = 0..3), so that a 64-byte vector of a span
@@ -42,6 +49,7 @@
 #include "quant_common.h"
 #include "bf16_common.h"
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
@@ -57,6 +65,29 @@ static inline float h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+
+/* ---- the matrix layout ---- */
+
+/* A re-laid-out legacy matrix of n rows (or a view of it from some row on): row r's quants at q + r * q_stride,
+ * its d scales at d + r * s_stride and (Q4_1) its m scales at m + r * s_stride (the header comment). */
+typedef struct {
+    const uint8_t *q, *d, *m;
+    int64_t q_stride, s_stride;
+} legacy_mat;
+
+/* The matrix w [n rows of k columns] of kind 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0), viewed from row r. */
+static inline legacy_mat legacy_view(const int kind, const uint8_t *w, int64_t n, int64_t k, int64_t r) {
+    const int64_t nb = k / TL_QK, qs = (kind == 2 ? 32 : 16) * nb, ss = 2 * nb;
+    const legacy_mat v = {w + r * qs, w + n * qs + r * ss, w + n * qs + n * ss + r * ss, qs, ss};
+    return v;
+}
+
+/* The same matrix from `rows` rows further on. */
+static inline legacy_mat legacy_advance(const legacy_mat *v, int64_t rows) {
+    const legacy_mat u = {v->q + rows * v->q_stride, v->d + rows * v->s_stride, v->m + rows * v->s_stride,
+                          v->q_stride, v->s_stride};
+    return u;
 }
 
 /* ---- re-layout (load time) ---- */
@@ -112,15 +143,32 @@ static void q4_interleave(uint8_t *qs, int64_t nb) {
     }
 }
 
-static void q4_0_repack(uint8_t *row, int64_t k) {
-    legacy_repack(row, k, 18, 1, 0);
-    q4_interleave(row + 2 * (k / TL_QK), k / TL_QK);
+/* The whole matrix data [n rows of k columns]: each row re-laid out (legacy_repack; Q4: its quants interleaved),
+ * then every row's quants gathered at the front and every row's scale fields after them, field by field
+ * (legacy_view). -1 when the copy cannot be allocated. */
+static int legacy_repack_matrix(uint8_t *data, int64_t n, int64_t k, int block_size, int fields, const int q4) {
+    const int64_t nb = k / TL_QK, row_bytes = nb * block_size, scale_bytes = 2 * fields * nb;
+    const int64_t quant_bytes = row_bytes - scale_bytes;
+    uint8_t *copy = malloc((size_t)(n * row_bytes));
+    if (copy == NULL) return -1;
+    for (int64_t r = 0; r < n; ++r) {
+        uint8_t *row = data + r * row_bytes;
+        legacy_repack(row, k, block_size, fields, !q4);
+        if (q4) q4_interleave(row + scale_bytes, nb);
+    }
+    memcpy(copy, data, (size_t)(n * row_bytes));
+    for (int64_t r = 0; r < n; ++r) {
+        memcpy(data + r * quant_bytes, copy + r * row_bytes + scale_bytes, (size_t)quant_bytes);
+        for (int f = 0; f < fields; ++f)
+            memcpy(data + n * quant_bytes + (f * n + r) * 2 * nb, copy + r * row_bytes + f * 2 * nb, (size_t)(2 * nb));
+    }
+    free(copy);
+    return 0;
 }
-static void q4_1_repack(uint8_t *row, int64_t k) {
-    legacy_repack(row, k, 20, 2, 0);
-    q4_interleave(row + 4 * (k / TL_QK), k / TL_QK);
-}
-static void q8_0_repack(uint8_t *row, int64_t k) { legacy_repack(row, k, 34, 1, 1); }
+
+static int q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return legacy_repack_matrix(data, n, k, 18, 1, 1); }
+static int q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return legacy_repack_matrix(data, n, k, 20, 2, 1); }
+static int q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return legacy_repack_matrix(data, n, k, 34, 1, 0); }
 
 /* ---- exact dequantize of a re-laid-out row ---- */
 
@@ -140,12 +188,13 @@ static inline __m512 q4_half(__m128i bytes, int shift) {
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15)));
 }
 
-static void q4_0_dequant(const uint8_t *row, int64_t k, float *out) {
+static void q4_0_dequant(const uint8_t *w, int64_t n, int64_t r, int64_t k, float *out) {
     const int64_t nb = k / TL_QK;
-    const uint8_t *qs = row + 2 * nb;
+    const legacy_mat R = legacy_view(0, w, n, k, r);
+    const uint8_t *qs = R.q;
     const __m512 eight = _mm512_set1_ps(8.0f);
     for (int64_t b = 0; b < nb; ++b) {
-        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b));
         /* d * (q - 8): q - 8 is exact, the product exact in float32 */
         const __m128i bytes = q4_block_bytes(qs, nb, b);
         _mm512_storeu_ps(out + 32 * b, _mm512_mul_ps(d, _mm512_sub_ps(q4_half(bytes, 0), eight)));
@@ -153,11 +202,12 @@ static void q4_0_dequant(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
-static void q4_1_dequant(const uint8_t *row, int64_t k, float *out) {
+static void q4_1_dequant(const uint8_t *w, int64_t n, int64_t r, int64_t k, float *out) {
     const int64_t nb = k / TL_QK;
-    const uint8_t *qs = row + 4 * nb;
+    const legacy_mat R = legacy_view(1, w, n, k, r);
+    const uint8_t *qs = R.q;
     for (int64_t b = 0; b < nb; ++b) {
-        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b)), m = _mm512_set1_ps(h2f(row + 2 * nb + 2 * b));
+        const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b)), m = _mm512_set1_ps(h2f(R.m + 2 * b));
         /* d * q is exact, so a fused multiply-add rounds the same as gguf's (d * q) + m */
         const __m128i bytes = q4_block_bytes(qs, nb, b);
         _mm512_storeu_ps(out + 32 * b, _mm512_add_ps(_mm512_mul_ps(d, q4_half(bytes, 0)), m));
@@ -165,12 +215,13 @@ static void q4_1_dequant(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
-static void q8_0_dequant(const uint8_t *row, int64_t k, float *out) {
+static void q8_0_dequant(const uint8_t *w, int64_t n, int64_t r, int64_t k, float *out) {
     const int64_t nb = k / TL_QK;
-    const uint8_t *qs = row + 2 * nb;
+    const legacy_mat R = legacy_view(2, w, n, k, r);
+    const uint8_t *qs = R.q;
     const __m512i flip = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < nb; ++b) {
-        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b));
         for (int h = 0; h < 2; ++h) {
             const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
             _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip))));
@@ -183,16 +234,17 @@ static void q8_0_dequant(const uint8_t *row, int64_t k, float *out) {
 /* bf16 of each weight, as rounding the float32 dequantize would give (round to nearest even). Q4: the
  * block's 16 possible values d * q (+ m) go into a table (exact products, one rounding for + m, as in the
  * float32 path), and one vpermw looks all 32 nibbles up. */
-static inline __attribute__((always_inline)) void q4_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out,
-                                                                  const int is_q4_1) {
+static inline __attribute__((always_inline)) void q4_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k,
+                                                                  uint16_t *out, const int is_q4_1) {
     const int64_t nb = k / TL_QK;
-    const uint8_t *qs = row + (is_q4_1 ? 4 : 2) * nb;
+    const legacy_mat R = legacy_view(is_q4_1, w, n, k, r);
+    const uint8_t *qs = R.q;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 q_off = is_q4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
     const __m256i low = _mm256_set1_epi16(15);
     for (int64_t b = 0; b < nb; ++b) {
-        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
-        const __m512 vals = is_q4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q_off), _mm512_set1_ps(h2f(row + 2 * nb + 2 * b)))
+        const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b));
+        const __m512 vals = is_q4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q_off), _mm512_set1_ps(h2f(R.m + 2 * b)))
                                     : _mm512_mul_ps(d, q_off);
         const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
         const __m256i w16 = _mm256_cvtepu8_epi16(q4_block_bytes(qs, nb, b));
@@ -202,15 +254,20 @@ static inline __attribute__((always_inline)) void q4_dequant_bf16(const uint8_t 
     }
 }
 
-static void q4_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) { q4_dequant_bf16(row, k, out, 0); }
-static void q4_1_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) { q4_dequant_bf16(row, k, out, 1); }
+static void q4_0_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint16_t *out) {
+    q4_dequant_bf16(w, n, r, k, out, 0);
+}
+static void q4_1_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint16_t *out) {
+    q4_dequant_bf16(w, n, r, k, out, 1);
+}
 
-static void q8_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) {
+static void q8_0_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint16_t *out) {
     const int64_t nb = k / TL_QK;
-    const uint8_t *qs = row + 2 * nb;
+    const legacy_mat R = legacy_view(2, w, n, k, r);
+    const uint8_t *qs = R.q;
     const __m512i flip = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < nb; ++b) {
-        const __m512 d = _mm512_set1_ps(h2f(row + 2 * b));
+        const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b));
         __m512 v[2];
         for (int h = 0; h < 2; ++h) {
             const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
@@ -230,7 +287,7 @@ static void q8_0_dequant_bf16(const uint8_t *row, int64_t k, uint16_t *out) {
 #define LEGACY_MAX_OUT 16
 
 /* Per-block scales of a span for every output, and the offset term. kind 0: Q4_0, 1: Q4_1, 2: Q8_0. */
-static inline __attribute__((always_inline)) void span_scales(const int kind, const uint8_t *w, int64_t row_bytes,
+static inline __attribute__((always_inline)) void span_scales(const int kind, const legacy_mat *T,
                                                               const int NR, const int MR, const tl_act_q8 *a,
                                                               int64_t r0, int64_t nb, int64_t b, __mmask16 mask,
                                                               int64_t ahead, __m512 *acc, __m512 *p) {
@@ -242,14 +299,15 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
         /* Q4_1: m_w * (d_x s); Q4_0 / Q8_0: (d_w d_x) * (-8 s or -128 s) */
         tx[j] = kind == 1 ? _mm512_mul_ps(dx[j], s) : _mm512_mul_ps(s, _mm512_set1_ps(kind == 0 ? -8.0f : -128.0f));
     }
+    const int64_t ahead_s = ahead / T->q_stride * T->s_stride; /* the same rows ahead in the scales */
     for (int r = 0; r < NR; ++r) {
-        const uint8_t *row = w + r * row_bytes;
+        const uint8_t *d = T->d + r * T->s_stride, *m = T->m + r * T->s_stride;
         if (ahead) {
-            TL_QUANT_PREFETCH(row + 2 * b + ahead);
-            if (kind == 1) TL_QUANT_PREFETCH(row + 2 * nb + 2 * b + ahead);
+            TL_QUANT_PREFETCH(d + 2 * b + ahead_s);
+            if (kind == 1) TL_QUANT_PREFETCH(m + 2 * b + ahead_s);
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
-        const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + 2 * b));
+        const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + 2 * b)) : dw;
         for (int j = 0; j < MR; ++j) {
             const __m512 pj = _mm512_mul_ps(dw, dx[j]);
             p[r * MR + j] = pj;
@@ -423,14 +481,13 @@ static inline __attribute__((always_inline)) void q4_tail_groups(const uint8_t *
 }
 
 /* One span (16 blocks, or the last `nblk` with masks when MASKED) of a Q4 tile. */
-static inline __attribute__((always_inline)) void q4_span(const int kind, const uint8_t *w, int64_t row_bytes,
-                                                          const int NR, const int MR, const tl_act_q8 *a, int64_t r0,
-                                                          int64_t b, const int MASKED, int nblk, int64_t ahead,
-                                                          __m512 *acc) {
-    const int64_t k = a->k, nb = k / TL_QK, qs_off = (kind == 1 ? 4 : 2) * nb;
+static inline __attribute__((always_inline)) void q4_span(const int kind, const legacy_mat *T, const int NR,
+                                                          const int MR, const tl_act_q8 *a, int64_t r0, int64_t b,
+                                                          const int MASKED, int nblk, int64_t ahead, __m512 *acc) {
+    const int64_t nb = a->k / TL_QK;
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     __m512 p[LEGACY_MAX_OUT];
-    span_scales(kind, w, row_bytes, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
+    span_scales(kind, T, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
     if (!MASKED) { /* a full span: the interleaved layout */
         __m512i xa[4][8];
         const __m512i *xv[4];
@@ -440,24 +497,24 @@ static inline __attribute__((always_inline)) void q4_span(const int kind, const 
         }
         for (int r = 0; r < NR; ++r) {
             __m512i dot[4];
-            q4_lanes_dot(w + r * row_bytes + qs_off + 16 * b, MR, xv, ahead, dot);
+            q4_lanes_dot(T->q + r * T->q_stride + 16 * b, MR, xv, ahead, dot);
             for (int j = 0; j < MR; ++j)
                 acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), p[r * MR + j], acc[r * MR + j]);
         }
         return;
     }
     for (int r = 0; r < NR; ++r) /* the blocks after the last full span: their interleave groups */
-        q4_tail_groups(w + r * row_bytes + qs_off, w + r * row_bytes, b, nblk, MR, a, r0, ahead, acc + r * MR);
+        q4_tail_groups(T->q + r * T->q_stride, T->d + r * T->s_stride, b, nblk, MR, a, r0, ahead, acc + r * MR);
 }
 
 /* One span of a Q8_0 tile (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
-static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int64_t row_bytes, const int NR,
-                                                          const int MR, const tl_act_q8 *a, int64_t r0, int64_t b,
-                                                          const int MASKED, int nblk, int64_t ahead, __m512 *acc) {
-    const int64_t k = a->k, nb = k / TL_QK, qs_off = 2 * nb;
+static inline __attribute__((always_inline)) void q8_span(const legacy_mat *T, const int NR, const int MR,
+                                                          const tl_act_q8 *a, int64_t r0, int64_t b, const int MASKED,
+                                                          int nblk, int64_t ahead, __m512 *acc) {
+    const int64_t k = a->k, nb = k / TL_QK;
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     __m512 p[LEGACY_MAX_OUT];
-    span_scales(2, w, row_bytes, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
+    span_scales(2, T, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
     const int pairs = MASKED ? (nblk + 1) / 2 : 8;
     for (int v = 0; v < pairs; ++v) {
         const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -469,7 +526,7 @@ static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int6
             x[j] = MASKED ? _mm512_maskz_loadu_epi8(mq, xq) : _mm512_loadu_si512(xq);
         }
         for (int r = 0; r < NR; ++r) {
-            const uint8_t *src = w + r * row_bytes + qs_off + 32 * (b + 2 * v);
+            const uint8_t *src = T->q + r * T->q_stride + 32 * (b + 2 * v);
             if (ahead) TL_QUANT_PREFETCH(src + ahead);
             const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
             for (int j = 0; j < MR; ++j) {
@@ -482,26 +539,26 @@ static inline __attribute__((always_inline)) void q8_span(const uint8_t *w, int6
 }
 
 /* NR weight rows (from w) x MR activation rows (from r0): out[j * out_stride + r]. */
-static inline __attribute__((always_inline)) void legacy_tile(const int kind, const uint8_t *w, int64_t row_bytes,
-                                                              const int NR, const int MR, const tl_act_q8 *a,
-                                                              int64_t r0, float *out, int64_t out_stride) {
+static inline __attribute__((always_inline)) void legacy_tile(const int kind, const legacy_mat *T, const int NR,
+                                                              const int MR, const tl_act_q8 *a, int64_t r0, float *out,
+                                                              int64_t out_stride) {
     const int64_t nb = a->k / TL_QK;
     __m512 acc[LEGACY_MAX_OUT];
     for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
-    /* the next tile's rows follow this one's: ask for them while this one computes */
-    const int64_t ahead = NR > 1 ? tl_quant_prefetch_tiles * NR * row_bytes : 0;
+    /* the next tile's rows follow this one's: ask for them while this one computes (quant bytes ahead) */
+    const int64_t ahead = NR > 1 ? tl_quant_prefetch_tiles * NR * T->q_stride : 0;
     int64_t b = 0;
     for (; b + 16 <= nb; b += 16) {
         if (kind == 2)
-            q8_span(w, row_bytes, NR, MR, a, r0, b, 0, 16, ahead, acc);
+            q8_span(T, NR, MR, a, r0, b, 0, 16, ahead, acc);
         else
-            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 0, 16, ahead, acc);
+            q4_span(kind, T, NR, MR, a, r0, b, 0, 16, ahead, acc);
     }
     if (b < nb) {
         if (kind == 2)
-            q8_span(w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), ahead, acc);
+            q8_span(T, NR, MR, a, r0, b, 1, (int)(nb - b), ahead, acc);
         else
-            q4_span(kind, w, row_bytes, NR, MR, a, r0, b, 1, (int)(nb - b), ahead, acc);
+            q4_span(kind, T, NR, MR, a, r0, b, 1, (int)(nb - b), ahead, acc);
     }
     __m512 slots[16];
     for (int t = 0; t < 16; ++t) slots[REDUCE16_SLOT(t)] = t < NR * MR ? acc[t] : _mm512_setzero_ps();
@@ -552,21 +609,22 @@ static void legacy_seq_prep(const int kind, const tl_act_q8 *a, __m512 *prep) {
 }
 
 /* One span of one weight row against MR prepared activation rows (from r0): q4_span / q8_span's arithmetic. */
-static inline __attribute__((always_inline)) void legacy_seq_span(const int kind, const uint8_t *row, const int MR,
+static inline __attribute__((always_inline)) void legacy_seq_span(const int kind, const legacy_mat *R, const int MR,
                                                                   const tl_act_q8 *a, const __m512 *prep,
                                                                   int64_t spans, int r0, int64_t b, const int MASKED,
-                                                                  int nblk, int64_t ahead, __m512 *acc) {
-    const int64_t k = a->k, nb = k / TL_QK, qs_off = (kind == 1 ? 4 : 2) * nb;
+                                                                  int nblk, int64_t ahead, int64_t ahead_s,
+                                                                  __m512 *acc) {
+    const int64_t k = a->k;
     const int stride = legacy_seq_stride(kind);
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     const __m512 *pr[4];
     for (int j = 0; j < MR; ++j) pr[j] = prep + ((r0 + j) * spans + b / 16) * stride;
     if (ahead) {
-        TL_QUANT_PREFETCH(row + 2 * b + ahead);
-        if (kind == 1) TL_QUANT_PREFETCH(row + 2 * nb + 2 * b + ahead);
+        TL_QUANT_PREFETCH(R->d + 2 * b + ahead_s);
+        if (kind == 1) TL_QUANT_PREFETCH(R->m + 2 * b + ahead_s);
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b));
-    const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * nb + 2 * b)) : dw;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, R->d + 2 * b));
+    const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, R->m + 2 * b)) : dw;
     __m512 p[4];
     for (int j = 0; j < MR; ++j) {
         p[j] = _mm512_mul_ps(dw, pr[j][0]);
@@ -578,7 +636,7 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
             const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                                  _mm512_set1_epi32(2 * v));
             const __mmask64 mq = !MASKED || nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
-            const uint8_t *src = row + qs_off + 32 * (b + 2 * v);
+            const uint8_t *src = R->q + 32 * (b + 2 * v);
             if (ahead) TL_QUANT_PREFETCH(src + ahead);
             const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
             for (int j = 0; j < MR; ++j) {
@@ -594,30 +652,32 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
         __m512i dot[4];
         const __m512i *xv[4];
         for (int j = 0; j < MR; ++j) xv[j] = (const __m512i *)(pr[j] + 2);
-        q4_lanes_dot(row + qs_off + 16 * b, MR, xv, ahead, dot);
+        q4_lanes_dot(R->q + 16 * b, MR, xv, ahead, dot);
         for (int j = 0; j < MR; ++j) acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), p[j], acc[j]);
         return;
     }
-    q4_tail_groups(row + qs_off, row, b, nblk, MR, a, r0, ahead, acc); /* the blocks after the last full span */
+    q4_tail_groups(R->q, R->d, b, nblk, MR, a, r0, ahead, acc); /* the blocks after the last full span */
 }
 
 /* legacy_tile's outputs with its NR rows read one after another. */
-static inline __attribute__((always_inline)) void legacy_seq_tile(const int kind, const uint8_t *w, int64_t row_bytes,
-                                                                  const int NR, const int MR, const tl_act_q8 *a,
+static inline __attribute__((always_inline)) void legacy_seq_tile(const int kind, const legacy_mat *T, const int NR,
+                                                                  const int MR, const tl_act_q8 *a,
                                                                   const __m512 *prep, int r0, float *out,
                                                                   int64_t out_stride) {
     const int64_t nb = a->k / TL_QK, spans = (nb + 15) / 16;
-    const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * LEGACY_SEQ_AHEAD;
+    const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * LEGACY_SEQ_AHEAD; /* quant bytes */
+    const int64_t ahead_s = ahead / T->q_stride * T->s_stride;                  /* the same rows in the scales */
     __m512 acc[LEGACY_MAX_OUT];
     for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
     /* unrolled, so that the accumulators stay in registers: with the Q4 tail groups' code in it the loop
      * outgrew GCC's own unrolling, and the accumulators went to the stack (0.87x per call in cache) */
     _Pragma("GCC unroll 16")
     for (int r = 0; r < NR; ++r) {
-        const uint8_t *row = w + r * row_bytes;
+        const legacy_mat R = legacy_advance(T, r);
         int64_t b = 0;
-        for (; b + 16 <= nb; b += 16) legacy_seq_span(kind, row, MR, a, prep, spans, r0, b, 0, 16, ahead, acc + r * MR);
-        if (b < nb) legacy_seq_span(kind, row, MR, a, prep, spans, r0, b, 1, (int)(nb - b), ahead, acc + r * MR);
+        for (; b + 16 <= nb; b += 16)
+            legacy_seq_span(kind, &R, MR, a, prep, spans, r0, b, 0, 16, ahead, ahead_s, acc + r * MR);
+        if (b < nb) legacy_seq_span(kind, &R, MR, a, prep, spans, r0, b, 1, (int)(nb - b), ahead, ahead_s, acc + r * MR);
     }
     __m512 slots[16];
     for (int t = 0; t < 16; ++t) slots[REDUCE16_SLOT(t)] = t < NR * MR ? acc[t] : _mm512_setzero_ps();
@@ -629,7 +689,7 @@ static inline __attribute__((always_inline)) void legacy_seq_tile(const int kind
 
 /* legacy_dot's bands over the stream; 0 when it does not apply (rows of a page or more: the tiles' runs then
  * lie in pages of their own; or prepared activations beyond the buffer). */
-static inline __attribute__((always_inline)) int legacy_seq_dot(const int kind, const uint8_t *w, int64_t row_bytes,
+static inline __attribute__((always_inline)) int legacy_seq_dot(const int kind, const legacy_mat *M, int64_t row_bytes,
                                                                 int64_t n0, int64_t n1, const tl_act_q8 *a,
                                                                 float *out, int64_t out_stride) {
     const int64_t spans = (a->k / TL_QK + 15) / 16;
@@ -640,90 +700,98 @@ static inline __attribute__((always_inline)) int legacy_seq_dot(const int kind, 
     legacy_seq_prep(kind, a, prep);
     int64_t j = n0;
     if (a->m == 1) {
-        for (; j + 16 <= n1; j += 16)
-            legacy_seq_tile(kind, w + j * row_bytes, row_bytes, 16, 1, a, prep, 0, out + (j - n0), 0);
+        for (; j + 16 <= n1; j += 16) {
+            const legacy_mat T = legacy_advance(M, j);
+            legacy_seq_tile(kind, &T, 16, 1, a, prep, 0, out + (j - n0), 0);
+        }
     } else {
         for (; j + 8 <= n1; j += 8) {
+            const legacy_mat T = legacy_advance(M, j);
             int r = 0;
             for (; r + 2 <= a->m; r += 2)
-                legacy_seq_tile(kind, w + j * row_bytes, row_bytes, 8, 2, a, prep, r, out + r * out_stride + (j - n0),
-                                out_stride);
-            if (r < a->m)
-                legacy_seq_tile(kind, w + j * row_bytes, row_bytes, 8, 1, a, prep, r, out + r * out_stride + (j - n0),
-                                out_stride);
+                legacy_seq_tile(kind, &T, 8, 2, a, prep, r, out + r * out_stride + (j - n0), out_stride);
+            if (r < a->m) legacy_seq_tile(kind, &T, 8, 1, a, prep, r, out + r * out_stride + (j - n0), out_stride);
         }
     }
-    for (; j < n1; ++j) /* the last few rows: one row, every activation row */
+    for (; j < n1; ++j) { /* the last few rows: one row, every activation row */
+        const legacy_mat T = legacy_advance(M, j);
         for (int r = 0; r < a->m; ++r)
-            legacy_seq_tile(kind, w + j * row_bytes, row_bytes, 1, 1, a, prep, r, out + r * out_stride + (j - n0),
-                            out_stride);
+            legacy_seq_tile(kind, &T, 1, 1, a, prep, r, out + r * out_stride + (j - n0), out_stride);
+    }
     return 1;
 }
 
 /* Every activation row against NR weight rows: one band when m == 1 (NR = 16), else bands of 2 (NR = 8). */
-static inline __attribute__((always_inline)) void legacy_dot(const int kind, const uint8_t *w, int64_t row_bytes,
-                                                             int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
-                                                             int64_t out_stride) {
-    if (legacy_seq_dot(kind, w, row_bytes, n0, n1, a, out, out_stride)) return;
+static inline __attribute__((always_inline)) void legacy_dot(const int kind, const uint8_t *w, int64_t n,
+                                                             int64_t row_bytes, int64_t n0, int64_t n1,
+                                                             const tl_act_q8 *a, float *out, int64_t out_stride) {
+    const legacy_mat M = legacy_view(kind, w, n, a->k, 0);
+    if (legacy_seq_dot(kind, &M, row_bytes, n0, n1, a, out, out_stride)) return;
     int64_t j = n0;
     if (a->m == 1) {
-        for (; j + 16 <= n1; j += 16) legacy_tile(kind, w + j * row_bytes, row_bytes, 16, 1, a, 0, out + (j - n0), 0);
+        for (; j + 16 <= n1; j += 16) {
+            const legacy_mat T = legacy_advance(&M, j);
+            legacy_tile(kind, &T, 16, 1, a, 0, out + (j - n0), 0);
+        }
     } else {
         for (; j + 8 <= n1; j += 8) {
+            const legacy_mat T = legacy_advance(&M, j);
             int64_t r = 0;
             for (; r + 2 <= a->m; r += 2)
-                legacy_tile(kind, w + j * row_bytes, row_bytes, 8, 2, a, r, out + r * out_stride + (j - n0), out_stride);
-            if (r < a->m)
-                legacy_tile(kind, w + j * row_bytes, row_bytes, 8, 1, a, r, out + r * out_stride + (j - n0), out_stride);
+                legacy_tile(kind, &T, 8, 2, a, r, out + r * out_stride + (j - n0), out_stride);
+            if (r < a->m) legacy_tile(kind, &T, 8, 1, a, r, out + r * out_stride + (j - n0), out_stride);
         }
     }
-    for (; j < n1; ++j) /* the last few rows one by one */
-        for (int64_t r = 0; r < a->m; ++r)
-            legacy_tile(kind, w + j * row_bytes, row_bytes, 1, 1, a, r, out + r * out_stride + (j - n0), out_stride);
+    for (; j < n1; ++j) { /* the last few rows one by one */
+        const legacy_mat T = legacy_advance(&M, j);
+        for (int64_t r = 0; r < a->m; ++r) legacy_tile(kind, &T, 1, 1, a, r, out + r * out_stride + (j - n0), out_stride);
+    }
 }
 
-static void q4_0_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
-                     int64_t out_stride) {
-    legacy_dot(0, w, row_bytes, n0, n1, a, out, out_stride);
+static void q4_0_dot(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                     float *out, int64_t out_stride) {
+    legacy_dot(0, w, n, row_bytes, n0, n1, a, out, out_stride);
 }
-static void q4_1_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
-                     int64_t out_stride) {
-    legacy_dot(1, w, row_bytes, n0, n1, a, out, out_stride);
+static void q4_1_dot(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                     float *out, int64_t out_stride) {
+    legacy_dot(1, w, n, row_bytes, n0, n1, a, out, out_stride);
 }
-static void q8_0_dot(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
-                     int64_t out_stride) {
-    legacy_dot(2, w, row_bytes, n0, n1, a, out, out_stride);
+static void q8_0_dot(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
+                     float *out, int64_t out_stride) {
+    legacy_dot(2, w, n, row_bytes, n0, n1, a, out, out_stride);
 }
 
 /* ---- unsigned quants with per-block scale and minimum (quant_common.h's tl_u8_row_fn) ---- */
 
 /* Q4: nibbles to bytes (low nibbles are a block's elements 0..15, high ones 16..31). Q4_0: w = d q - 8 d;
  * Q4_1: w = d q + m; Q8_0: w = d u - 128 d with the re-laid-out u = q + 128. */
-static inline __attribute__((always_inline)) void q4_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale,
-                                                        float *min, const int is_q4_1) {
+static inline __attribute__((always_inline)) void q4_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k,
+                                                        uint8_t *q, float *scale, float *min, const int is_q4_1) {
     const int64_t nb = k / TL_QK;
-    const uint8_t *qs = row + (is_q4_1 ? 4 : 2) * nb;
+    const legacy_mat R = legacy_view(is_q4_1, w, n, k, r);
+    const uint8_t *qs = R.q;
     const __m128i low = _mm_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
         const __m128i v = q4_block_bytes(qs, nb, b);
         _mm_storeu_si128((__m128i *)(q + 32 * b), _mm_and_si128(v, low));
         _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
-        const float d = h2f(row + 2 * b);
+        const float d = h2f(R.d + 2 * b);
         scale[b] = d;
-        min[b] = is_q4_1 ? h2f(row + 2 * nb + 2 * b) : -8.0f * d;
+        min[b] = is_q4_1 ? h2f(R.m + 2 * b) : -8.0f * d;
     }
 }
-static void q4_0_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
-    q4_u8(row, k, q, scale, min, 0);
+static void q4_0_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *q, float *scale, float *min) {
+    q4_u8(w, n, r, k, q, scale, min, 0);
 }
-static void q4_1_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
-    q4_u8(row, k, q, scale, min, 1);
+static void q4_1_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *q, float *scale, float *min) {
+    q4_u8(w, n, r, k, q, scale, min, 1);
 }
-static void q8_0_u8(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min) {
+static void q8_0_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *q, float *scale, float *min) {
     const int64_t nb = k / TL_QK;
-    memcpy(q, row + 2 * nb, (size_t)k);
+    const legacy_mat R = legacy_view(2, w, n, k, r);
+    memcpy(q, R.q, (size_t)k);
     for (int64_t b = 0; b < nb; ++b) {
-        scale[b] = h2f(row + 2 * b);
+        scale[b] = h2f(R.d + 2 * b);
         min[b] = -128.0f * scale[b];
     }
 }
@@ -736,7 +804,7 @@ static const tl_quant_type TL_LEGACY_TYPES[3] = {
 #endif
 
 /* The family's bf16 dequantize of one re-laid-out row (the driver's bf16 matmul tile), or NULL. */
-typedef void (*tl_dequant_bf16_fn)(const uint8_t *row, int64_t k, uint16_t *out);
+typedef void (*tl_dequant_bf16_fn)(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint16_t *out);
 
 static tl_dequant_bf16_fn tl_legacy_dequant_bf16(int type) {
 #if HAVE_QUANT_LEGACY && defined(__AVX512BF16__)

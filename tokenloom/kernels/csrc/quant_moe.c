@@ -49,7 +49,7 @@ static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64
     const tl_act_q8 a = {q + terms * s.first * k, d + terms * s.first * nb, sums + terms * s.first * nb,
                          (int)(terms * s.rows), k, lanes == NULL ? NULL : lanes + terms * s.first * k};
     float buf[2 * SUB_ROWS * CHUNK_ROWS];
-    t->dot_rows((const uint8_t *)(intptr_t)data, k / t->block * t->block_size, n0, n1, &a, buf, CHUNK_ROWS);
+    t->dot_rows((const uint8_t *)(intptr_t)data, n, k / t->block * t->block_size, n0, n1, &a, buf, CHUNK_ROWS);
     for (int64_t r = 0; r < s.rows; ++r)
         for (int64_t j = 0; j < n1 - n0; ++j)
             dst[(s.first + r) * n + n0 + j] = buf[r * CHUNK_ROWS + j] + (terms > 1 ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
