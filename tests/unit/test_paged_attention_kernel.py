@@ -4,6 +4,8 @@ into chunks, strided (packed qkv) inputs and the fused write of the step's new K
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -122,3 +124,31 @@ def test_dot_product_path_without_amx():
     env = dict(os.environ, TOKENLOOM_DISABLE_AMX="1", PYTHONPATH=root)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bulk_kv_prefetch_changes_no_result(dtype):
+    """A call whose K/V is small asks for all of it at its start (`attn_bulk_prefetch`, bytes): results are
+    bit-identical with it off and on, over ragged requests (an empty one, one split into chunks) on two
+    threads; the setter reads back what it set."""
+    from tokenloom.kernels.paged_attention import _lib
+
+    lib = _lib()
+    lib.attn_bulk_prefetch.restype = ctypes.c_int64
+    lib.attn_bulk_prefetch.argtypes = [ctypes.c_int64]
+    default = lib.attn_bulk_prefetch(-1)
+    assert default > 0
+    q, k, v, indptr, indices = _case(dtype, 9, 3, 64, [0, 7, 600, 33], 21)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(2, previous))
+    got = {}
+    try:
+        for limit in (0, 1 << 40):
+            assert lib.attn_bulk_prefetch(limit) == limit
+            got[limit] = paged_attention.decode(q, k, v, indptr, indices, 0.125)
+    finally:
+        lib.attn_bulk_prefetch(default)
+        torch.set_num_threads(previous)
+    assert torch.equal(got[0], got[1 << 40])
+    ref = _reference(q, k, v, indptr, indices, 0.125)
+    assert (got[0].float() - ref).abs().max().item() < TOL[dtype]

@@ -25,6 +25,7 @@
 #include "amx_common.h"
 #include "bf16_common.h"
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +46,49 @@
 #define PREFETCH_BLOCKS 2 /* 16-row blocks prefetched ahead in the bf16 dot-product path */
 #endif
 #define MAX_CHUNKS 64 /* parts a long request's own slots are split into */
+
+/* A call whose requests' K and V rows come to at most this many bytes asks for all of them at its start, each
+ * thread for its share of every request's tokens, into its L2 (0: never; attn_bulk_prefetch() sets it for
+ * benchmarks). At batch 1 a decode step's weight stream has evicted the layer's K/V by the time attention
+ * runs, and the per-row prefetch a few rows ahead leaves the kernel waiting on memory latency row by row
+ * (SmolLM2, context ~300: ~28 us a layer against ~12 with the K/V already in L2); asked for all at once, the
+ * rows arrive in parallel. SmolLM2 Q4_1 decode step at batch 1 (`bench/ab_decode.py`, lockstep): context 256
+ * 0.993x, 300 0.966x, 400 0.953x, 480 0.950x; with a 1 MiB limit, 600 (460 KiB) 0.978x and 1000 (768 KiB)
+ * 0.999x, and a harness at 1000 ran 1.04x slower: past a few hundred KiB the rows push each other (and the
+ * next weights) out of L2. */
+static int64_t attn_bulk_bytes = 512 * 1024;
+
+KERNEL_API int64_t attn_bulk_prefetch(int64_t bytes) {
+    if (bytes >= 0) attn_bulk_bytes = bytes;
+    return attn_bulk_bytes;
+}
+
+/* prefetcht1 of every 64-byte line of one K or V row (asm: see prefetch_row below) */
+static inline void bulk_prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+#if defined(__x86_64__)
+        __asm__ volatile("prefetcht1 %0" : : "m"(*((const char *)row + o)));
+#else
+        __builtin_prefetch((const char *)row + o, 0, 2);
+#endif
+    }
+}
+
+/* This thread's share (thread `id` of `nt`: the same fraction of every request's tokens, as the chunks split
+ * them) of the call's K and V rows, prefetched into L2. */
+static void bulk_prefetch_kv(const char *k, const char *v, int64_t head_bytes, int64_t row_bytes,
+                             const int64_t *indptr, const int64_t *indices, int batch, int num_kv_heads, int id,
+                             int nt) {
+    for (int b = 0; b < batch; ++b) {
+        const int64_t *ix = indices + indptr[b], len = indptr[b + 1] - indptr[b];
+        const int64_t lo = len * id / nt, hi = len * (id + 1) / nt;
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (int64_t i = lo; i < hi; ++i) {
+                bulk_prefetch_row(k + h * head_bytes + ix[i] * row_bytes, row_bytes);
+                bulk_prefetch_row(v + h * head_bytes + ix[i] * row_bytes, row_bytes);
+            }
+    }
+}
 
 
 static inline float load_f32(const float *p, int d) { return p[d]; }
@@ -639,10 +683,16 @@ KERNEL_API int NAME(const T *q, int64_t q_stride, TKV *k, TKV *v, const int64_t 
     float *shared_state = state + own_items * per_state;                                                       \
     int failed = 0;                                                                                            \
     const int use_amx = amx_usable((int)sizeof(TKV), head_dim);                                                 \
+    const int64_t kv_row_bytes = (int64_t)head_dim * (int64_t)sizeof(TKV);                                     \
+    const int bulk = attn_bulk_bytes > 0 &&                                                                    \
+                     (indptr[batch] - indptr[0]) * num_kv_heads * 2 * kv_row_bytes <= attn_bulk_bytes;        \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
         int64_t cap = 0;                                                                                       \
         float *scores = NULL;                                                                                  \
+        if (bulk)                                                                                              \
+            bulk_prefetch_kv((const char *)k, (const char *)v, rows * kv_row_bytes, kv_row_bytes, indptr,      \
+                             indices, batch, num_kv_heads, omp_get_thread_num(), omp_get_num_threads());       \
         if (use_amx) amx_begin();                                                                              \
         _Pragma("omp for schedule(dynamic, 1)")                                                                \
         for (int64_t item = 0; item < shared_items + own_items; ++item) {                                      \
