@@ -76,10 +76,12 @@ typedef struct {
     int64_t q_stride, s_stride;
 } legacy_mat;
 
-/* The matrix w [n rows of k columns] of kind 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0), viewed from row r. */
+/* The matrix w [n rows of k columns] of kind 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0), viewed from row r (m: the d
+ * scales again where the type has no m, so that no pointer leaves the matrix). */
 static inline legacy_mat legacy_view(const int kind, const uint8_t *w, int64_t n, int64_t k, int64_t r) {
     const int64_t nb = k / TL_QK, qs = (kind == 2 ? 32 : 16) * nb, ss = 2 * nb;
-    const legacy_mat v = {w + r * qs, w + n * qs + r * ss, w + n * qs + n * ss + r * ss, qs, ss};
+    const uint8_t *d = w + n * qs + r * ss;
+    const legacy_mat v = {w + r * qs, d, kind == 1 ? d + n * ss : d, qs, ss};
     return v;
 }
 
