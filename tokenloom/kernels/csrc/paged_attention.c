@@ -267,14 +267,18 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q, c
 
 /* acc[g] = sum_l p[g][l] * v_l with the probabilities rounded to bf16 (pairs of slots per instruction: two
  * V rows are interleaved word by word, so lane i of the low/high halves holds a permuted dim, undone at the
- * end). pb: bf16 probabilities [G][stride], zero past n. */
+ * end). pb: bf16 probabilities [G][stride], zero past n. G * 2 * NC <= PV_MAX_ACC: one flat array of
+ * accumulators indexed by compile-time constants after inlining, so that gcc keeps them in registers. With
+ * an [8][8] array gcc stored every accumulator to the stack on every pair of slots: a work item (320 slots,
+ * one thread) took 1.4-2.1x longer across G = 1..16 at head_dim 64 and 128, and SmolLM2's whole attention
+ * call at batch 1, context 320 1.6x longer (the same sums in the same order: results bit-identical). */
+#define PV_MAX_ACC 24
 static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, const int64_t *idx, int64_t n,
                                                             const int G, const int NC, const uint16_t *pb,
                                                             int64_t stride, float *out) {
-    const int dim = 32 * NC;
-    __m512 acc[8][8]; /* G <= 8 */
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 2 * NC; ++c) acc[g][c] = _mm512_setzero_ps();
+    const int dim = 32 * NC, per_row = 2 * NC;
+    __m512 acc[PV_MAX_ACC];
+    for (int i = 0; i < G * per_row; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l += 2) {
         for (int t = 0; t < 2 && l + 16 * PREFETCH_BLOCKS + t < n; ++t)
             prefetch_row(vh + idx[l + 16 * PREFETCH_BLOCKS + t] * dim, dim * 2);
@@ -290,8 +294,9 @@ static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, 
             memcpy(&pair, pb + (int64_t)g * stride + l, sizeof pair);
             const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
             for (int c = 0; c < NC; ++c) {
-                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], (__m512bh)lo[c], p);
-                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], (__m512bh)hi[c], p);
+                const int i = g * per_row + 2 * c;
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)lo[c], p);
+                acc[i + 1] = _mm512_dpbf16_ps(acc[i + 1], (__m512bh)hi[c], p);
             }
         }
     }
@@ -300,9 +305,10 @@ static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, 
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) {
+            const int i = g * per_row + 2 * c;
             float *o = out + (int64_t)g * dim + 32 * c;
-            _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]));
-            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]));
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[i], first, acc[i + 1]));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(acc[i], second, acc[i + 1]));
         }
 }
 
@@ -329,14 +335,13 @@ static inline __attribute__((always_inline)) void range_dpbf16_g(const uint16_t 
     const int64_t stride = (n + 31) / 32 * 32;
     uint16_t *pb = (uint16_t *)(scores + (int64_t)G * n + 16 - ((int64_t)G * n) % 16);
     probs_to_bf16(scores, n, G, pb, stride);
-    /* at most 8 rows of accumulators per pass over V (more would not fit in registers); a row's sum does
-     * not depend on the pass it is in */
-    if (G <= 8) {
-        pv_dpbf16(vh, idx, n, G, NC, pb, stride, part->acc);
-    } else {
-        pv_dpbf16(vh, idx, n, 8, NC, pb, stride, part->acc);
-        pv_dpbf16(vh, idx, n, G - 8, NC, pb + 8 * stride, stride, part->acc + 8 * 32 * NC);
-    }
+    /* as many query rows per pass over V as fit PV_MAX_ACC accumulators (6 at head_dim 64, 3 at 128); a row's
+     * sum does not depend on the pass it is in. Written as one loop over passes: gcc 12 put the accumulators
+     * back on the stack when the full passes and the rest were two separate calls. */
+    const int per = PV_MAX_ACC / (2 * NC);
+    for (int g0 = 0; g0 < G; g0 += per)
+        pv_dpbf16(vh, idx, n, G - g0 < per ? G - g0 : per, NC, pb + (int64_t)g0 * stride, stride,
+                  part->acc + g0 * 32 * NC);
 }
 
 #if HAVE_AMX
