@@ -14,9 +14,14 @@ from tokenloom.executor import huge_pages
 
 
 def test_rank_memory_env_leaves_the_users_setting():
-    assert huge_pages.rank_memory_env({}) == {"THP_MEM_ALLOC_ENABLE": "1"}
-    assert huge_pages.rank_memory_env({"THP_MEM_ALLOC_ENABLE": "0"}) == {}
-    assert huge_pages.rank_memory_env({"GOMP_SPINCOUNT": "5"}) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    heap = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert huge_pages.rank_memory_env({}) == {"THP_MEM_ALLOC_ENABLE": "1", **heap}
+    assert huge_pages.rank_memory_env({"THP_MEM_ALLOC_ENABLE": "0"}) == heap
+    assert huge_pages.rank_memory_env({"GOMP_SPINCOUNT": "5"}) == {"THP_MEM_ALLOC_ENABLE": "1", **heap}
+    # the user's other tunables are kept; their own hugetlb choice wins
+    assert huge_pages.rank_memory_env({"THP_MEM_ALLOC_ENABLE": "1", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    assert huge_pages.rank_memory_env({"THP_MEM_ALLOC_ENABLE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
 
 
 @pytest.mark.parametrize("text, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
@@ -66,3 +71,41 @@ def test_torch_backs_large_tensors_with_huge_pages_when_the_rank_variable_is_set
     assert _huge_mib_of_a_64_mib_tensor("1") >= 32
     if mode == "madvise":  # without the variable torch does not ask: what the launcher's default changes
         assert _huge_mib_of_a_64_mib_tensor(None) < 8
+
+
+_MALLOC_HEAP = """
+import ctypes, json
+from tokenloom.executor.huge_pages import anon_huge_mib
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+before = anon_huge_mib()
+blocks = []
+for _ in range(1024):  # 64 MiB in 64 KiB blocks: below malloc's mmap threshold, so from its heap
+    block = libc.malloc(64 * 1024)
+    ctypes.memset(block, 1, 64 * 1024)
+    blocks.append(block)
+print(json.dumps({"before": before, "after": anon_huge_mib()}))
+"""
+
+
+def _huge_mib_of_a_64_mib_heap(tunables: str | None) -> float:
+    import os
+    env = {k: v for k, v in os.environ.items() if k != huge_pages.TUNABLES_ENV}
+    if tunables is not None:
+        env[huge_pages.TUNABLES_ENV] = tunables
+    out = subprocess.run([sys.executable, "-c", _MALLOC_HEAP], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return report["after"] - report["before"]
+
+
+def test_glibc_backs_the_malloc_heap_with_huge_pages_under_the_rank_tunable():
+    import platform
+    mode = huge_pages.thp_mode()
+    libc, version = platform.libc_ver()
+    if mode != "madvise" or huge_pages.anon_huge_mib() is None:
+        pytest.skip(f"transparent huge pages not in madvise mode here (mode {mode})")
+    if libc != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
+        pytest.skip(f"glibc.malloc.hugetlb needs glibc >= 2.35 (here {libc} {version})")
+    assert _huge_mib_of_a_64_mib_heap(huge_pages.rank_memory_env({})[huge_pages.TUNABLES_ENV]) >= 32
+    assert _huge_mib_of_a_64_mib_heap(None) < 8  # without it the heap stays in 4 KiB pages

@@ -11,9 +11,10 @@ rank: `--num-threads` if given; else a bound rank runs one per core of its set, 
 machine cores / local ranks each (`topology.threads_per_rank`), set in each rank before its model is built, so
 ranks never oversubscribe the cores; one unbound rank alone keeps torch's default. Every child starts with
 libgomp's wait policy in its environment (`cpu_threads.rank_omp_env`: GOMP_SPINCOUNT unless the user set it or
-OMP_WAIT_POLICY), read once when the child imports torch; torch's huge-page allocation (`huge_pages.rank_memory_env`:
-THP_MEM_ALLOC_ENABLE=1 unless the user set it); and this process's pid (`process_tree.SERVER_PID_ENV`: the
-adaptive thread policy counts this server's processes as its own).
+OMP_WAIT_POLICY), read once when the child imports torch; torch's and glibc's huge-page allocation
+(`huge_pages.rank_memory_env`: THP_MEM_ALLOC_ENABLE=1 and glibc.malloc.hugetlb=1 in GLIBC_TUNABLES unless the user
+set them); and this process's pid (`process_tree.SERVER_PID_ENV`: the adaptive thread policy counts this server's
+processes as its own).
 
 Supervision: `dead()` names the first child that exited ("scheduler rank 1 (tp 1, pp 0) died (exit code
 -9)"); the tokenizer manager polls it and marks the engine dead. One dead rank leaves the others blocked in

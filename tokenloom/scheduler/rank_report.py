@@ -1,11 +1,11 @@
 """What a scheduler rank measured while starting, added to its ready message (entrypoints/scheduler_process.py): the
 model dtype, this rank's parameters and weight bytes, how long its weights took to load, its KV pool's bytes, its
 torch threads, the cores it may run on (None where its affinity mask cannot be read), the CPU's native-kernel
-features, the libgomp wait settings its environment had when torch loaded (`rank_omp_env`, set by the
-launcher), its huge pages (`huge_page_report`: the THP mode, THP_MEM_ALLOC_ENABLE, the MiB huge pages back once
-its weights and KV pool are allocated), the root of the server's processes it counts as its own
-(`server_root_pid`: the launcher's pid in a spawned rank, executor/process_tree.py) and the quantized weight
-types kept (`weight_quantization`: "Q4_1 x 210, Q8_0 x 1", or None).
+features, the libgomp wait settings its environment had when torch loaded (`rank_omp_env`, set by the launcher),
+its huge pages (`huge_page_report`: the THP mode, THP_MEM_ALLOC_ENABLE, GLIBC_TUNABLES, the MiB huge pages back
+once its weights and KV pool are allocated), the root of the server's processes it counts as its own
+(`server_root_pid`: the launcher's pid in a spawned rank, executor/process_tree.py) and the quantized weight types
+kept (`weight_quantization`: "Q4_1 x 210, Q8_0 x 1", or None).
 The launcher keeps the entry rank's message (`TokenizerManager.scheduler_info`); the server's start-up
 summary (entrypoints/startup_summary.py) and `/get_server_info` show it. At TP/PP > 1 the numbers are the entry
 rank's (its shard, its layers).
