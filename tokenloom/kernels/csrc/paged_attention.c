@@ -270,8 +270,9 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q, c
  * end). pb: bf16 probabilities [G][stride], zero past n. G * 2 * NC <= PV_MAX_ACC: one flat array of
  * accumulators indexed by compile-time constants after inlining, so that gcc keeps them in registers. With
  * an [8][8] array gcc stored every accumulator to the stack on every pair of slots: a work item (320 slots,
- * one thread) took 1.4-2.1x longer across G = 1..16 at head_dim 64 and 128, and SmolLM2's whole attention
- * call at batch 1, context 320 1.6x longer (the same sums in the same order: results bit-identical). */
+ * one thread) took up to 2.2x longer (head_dim 64: G = 3 1.7x, G = 4 2.2x, G = 1-2 level; head_dim 128:
+ * 1.6-2.2x), and SmolLM2's whole attention call at batch 1, context 320 1.6x longer (the same sums in the
+ * same order: results bit-identical). */
 #define PV_MAX_ACC 24
 static inline __attribute__((always_inline)) void pv_dpbf16(const uint16_t *vh, const int64_t *idx, int64_t n,
                                                             const int G, const int NC, const uint16_t *pb,
