@@ -51,14 +51,20 @@ print(json.dumps({"before": before, "after": anon_huge_mib(), "sum": int(t[::409
 """
 
 
-def _huge_mib_of_a_64_mib_tensor(env_value: str | None) -> float:
+def _run_fresh(script: str, name: str, value: str | None) -> dict:
+    """`script`'s last printed JSON line, run in a fresh interpreter with variable `name` set to `value` (or
+    removed): the allocators read their variables once, at start-up."""
     import os
-    env = {k: v for k, v in os.environ.items() if k != huge_pages.THP_ENV}
-    if env_value is not None:
-        env[huge_pages.THP_ENV] = env_value
-    out = subprocess.run([sys.executable, "-c", _ALLOCATE], env=env, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != name}
+    if value is not None:
+        env[name] = value
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _huge_mib_of_a_64_mib_tensor(env_value: str | None) -> float:
+    report = _run_fresh(_ALLOCATE, huge_pages.THP_ENV, env_value)
     assert report["sum"] == 64 * 2**20 // 4096
     return report["after"] - report["before"]
 
@@ -89,13 +95,7 @@ print(json.dumps({"before": before, "after": anon_huge_mib()}))
 
 
 def _huge_mib_of_a_64_mib_heap(tunables: str | None) -> float:
-    import os
-    env = {k: v for k, v in os.environ.items() if k != huge_pages.TUNABLES_ENV}
-    if tunables is not None:
-        env[huge_pages.TUNABLES_ENV] = tunables
-    out = subprocess.run([sys.executable, "-c", _MALLOC_HEAP], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _run_fresh(_MALLOC_HEAP, huge_pages.TUNABLES_ENV, tunables)
     return report["after"] - report["before"]
 
 
