@@ -62,6 +62,24 @@ class ForwardBatch:
         return int(self.req_pool_indices.numel())
 
     @classmethod
+    def build_decode(cls, input_ids: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                     seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, max_seq_len: int,
+                     prompt_lens: torch.Tensor) -> ForwardBatch:
+        """A decode step's batch from int64 per-request tensors (`prefix_lens` = `seq_lens` - 1) and the longest
+        `seq_lens` entry, which the caller knows: the same fields as `build` gives, with no tensor computed but
+        the per-size constants (ones, and 0..B-1, cached per batch size and device; nobody writes to them).
+        `positions` is `prefix_lens` itself."""
+        batch_size = int(seq_lens.numel())
+        if input_ids.numel() != batch_size:
+            raise ValueError("decode batches carry exactly one token per request")
+        ones, index = _decode_constants(batch_size, input_ids.device)
+        return cls(forward_mode=ForwardMode.DECODE, input_ids=input_ids, positions=prefix_lens,
+                   req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
+                   extend_prefix_lens=prefix_lens, extend_seq_lens=ones, extend_start_loc=index,
+                   token_req_index=index, max_seq_len=max_seq_len, max_extend_len=1 if batch_size else 0,
+                   prompt_lens=prompt_lens)
+
+    @classmethod
     def build(cls, mode: ForwardMode, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
               prefix_lens: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
               return_all_logits: bool = False, prompt_lens: torch.Tensor | None = None) -> ForwardBatch:
@@ -97,3 +115,17 @@ class ForwardBatch:
             return_all_logits=return_all_logits,
             prompt_lens=None if prompt_lens is None else prompt_lens.to(device=device, dtype=torch.int64),
         )
+
+
+_DECODE_CONSTANTS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _decode_constants(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ones, arange) of `batch_size` int64 entries on `device`, made once per size: read-only by contract."""
+    key = (batch_size, device)
+    found = _DECODE_CONSTANTS.get(key)
+    if found is None:
+        found = (torch.ones(batch_size, dtype=torch.int64, device=device),
+                 torch.arange(batch_size, dtype=torch.int64, device=device))
+        _DECODE_CONSTANTS[key] = found
+    return found

@@ -299,3 +299,35 @@ def test_token_allocator_shared_last_slot_takes_its_successor_once():
     run_first = a.alloc_decode(t([2]), start)  # slot r, with r+1.. reserved
     got = a.alloc_decode(t([3, 3]), torch.cat([run_first, run_first]))
     assert got[0] == run_first[0] + 1 and got[1] != got[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_token_allocator_few_request_decode_path_matches_the_tensor_path(seed, monkeypatch):
+    """Decode steps of up to FEW_DECODE_REQUESTS requests allocate with Python ints; the same sequence of steps
+    on a twin allocator forced onto the tensor path hands out the same slots and ends in the same state
+    (reserved successors, shared last slots, misses that take fresh runs, slot 0 and the pool's end)."""
+    from tokenloom.cache import allocator as allocator_module
+
+    rng = random.Random(seed)
+    few, tensor = TokenAllocator(120, CPU, decode_run=5), TokenAllocator(120, CPU, decode_run=5)
+    assert few._reserved_flags is not None
+    prompt = few.alloc(4)
+    assert torch.equal(prompt, tensor.alloc(4))
+    last = prompt.tolist()
+    for _ in range(30):
+        n = rng.randint(1, allocator_module.FEW_DECODE_REQUESTS)
+        lasts = [rng.choice([*last, 0, 120, rng.randint(1, 120)]) for _ in range(n)]
+        if n > 1 and rng.random() < 0.3:
+            lasts[1] = lasts[0]  # two rows ending at one shared slot: only the first takes its successor
+        lens = t([5] * n)
+        got_few = few.alloc_decode(lens, t(lasts))
+        monkeypatch.setattr(allocator_module, "FEW_DECODE_REQUESTS", 0)
+        got_tensor = tensor.alloc_decode(lens, t(lasts))
+        monkeypatch.setattr(allocator_module, "FEW_DECODE_REQUESTS", 8)
+        if got_few is None or got_tensor is None:
+            assert got_few is None and got_tensor is None
+            break
+        assert got_few.dtype == torch.int64 and got_few.tolist() == got_tensor.tolist()
+        assert few._num_reserved == tensor._num_reserved and torch.equal(few._reserved, tensor._reserved)
+        assert torch.equal(few._free, tensor._free)
+        last = got_few.tolist()

@@ -15,6 +15,8 @@ import torch
 # Decode slots a request takes at once as one contiguous run (page size 1; `--decode-slot-run`): its next
 # DECODE_RUN - 1 tokens' slots are reserved right after the one it uses now.
 DECODE_RUN = 16
+# Decode steps of up to this many requests allocate with Python ints (`TokenAllocator._alloc_decode_few`).
+FEW_DECODE_REQUESTS = 8
 
 
 class TokenAllocator:
@@ -42,6 +44,8 @@ class TokenAllocator:
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
         self._reserved = torch.zeros(self.size + 2, dtype=torch.bool, device=self.device)  # by slot id
+        # the same flags as a NumPy view (CPU): `alloc_decode`'s few-request path reads and clears them by index
+        self._reserved_flags = self._reserved.numpy() if self._reserved.device.type == "cpu" else None
         self._num_reserved = 0
 
     def available_size(self) -> int:
@@ -74,6 +78,8 @@ class TokenAllocator:
         n = int(seq_lens.numel())
         if n > self.available_size():
             return None
+        if n <= FEW_DECODE_REQUESTS and self._reserved_flags is not None:
+            return self._alloc_decode_few(last_slots.tolist())
         nxt = last_slots.to(torch.int64) + 1
         hit = (last_slots > 0) & self._reserved[nxt.clamp(max=self.size + 1)]
         taken = nxt[hit]
@@ -93,6 +99,28 @@ class TokenAllocator:
         if miss:
             out[~hit] = self._take_runs(miss)
         return out
+
+    def _alloc_decode_few(self, last_slots: list[int]) -> torch.Tensor:
+        """`alloc_decode` for a few requests on the CPU, with Python ints (the same choices as the tensor path:
+        a reserved successor goes to the first request that follows it). A decode step's bookkeeping runs right
+        after the step has streamed the weights through every cache level, when each small torch op costs
+        10-40x its warm time; this path makes one tensor."""
+        flags, end = self._reserved_flags, self.size + 1
+        out: list[int] = []
+        missing = 0
+        for last in last_slots:
+            nxt = last + 1
+            if last > 0 and flags[min(nxt, end)]:
+                flags[nxt] = False  # taken: a later request following the same slot misses
+                self._num_reserved -= 1
+                out.append(nxt)
+            else:
+                out.append(0)
+                missing += 1
+        if missing:
+            fresh = iter(self._take_runs(missing).tolist())
+            out = [slot or next(fresh) for slot in out]
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def _take_runs(self, count: int) -> torch.Tensor:
         """First slots of `count` fresh runs; the contiguous rest of each run is reserved."""

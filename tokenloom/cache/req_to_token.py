@@ -34,7 +34,10 @@ class ReqToTokenPool:
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor) -> None:
         """req_to_token[rows[i], positions[i]] = kv_slots[i] for every i, in one indexed store."""
-        self.req_to_token[rows.long(), positions.long()] = kv_slots.to(torch.int32)
+        long = torch.int64  # (a no-op conversion still costs a dispatch: skipped, like every one on the decode path)
+        rows = rows if rows.dtype == long else rows.long()
+        positions = positions if positions.dtype == long else positions.long()
+        self.req_to_token[rows, positions] = kv_slots.to(torch.int32)
 
     def clear(self) -> None:
         self._free_rows = list(range(self.size))

@@ -30,6 +30,7 @@ from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.config import ServerArgs
 from tokenloom.device import available_memory_bytes, configure_threads, resolve_device
 from tokenloom.distributed.parallel_state import SINGLE_PROCESS, ParallelContext
+from tokenloom.executor.inference import inference
 from tokenloom.executor.native_decode import NativeDecode
 from tokenloom.forward_batch import ForwardBatch
 from tokenloom.layers.attention.registry import create_attention_backend
@@ -132,16 +133,17 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    @torch.inference_mode()
+    @inference
     def prepare(self, batch: ForwardBatch) -> None:
         """Record the new tokens' slots in `req_to_token` and build the attention metadata (which snapshots
         the KV indices). The overlap scheduler calls this on its own thread, so the forward thread never
         reads `req_to_token` while the scheduler edits it."""
-        rows = batch.req_pool_indices[batch.token_req_index]
+        rows = batch.req_pool_indices if batch.forward_mode.is_decode() \
+            else batch.req_pool_indices[batch.token_req_index]  # decode: one token per request, in order
         self.memory.req_to_token_pool.write(rows, batch.positions, batch.out_cache_loc)
         self.attn_backend.init_forward_metadata(batch)
 
-    @torch.inference_mode()
+    @inference
     def forward(self, batch: ForwardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         if batch.attn_metadata is None:
             self.prepare(batch)
@@ -149,6 +151,6 @@ class ModelRunner:
             return self.native_decode.run(batch)
         return self.model(batch, self.attn_backend)
 
-    @torch.inference_mode()
+    @inference
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         return self.sampler(logits, info)

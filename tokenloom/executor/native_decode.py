@@ -284,12 +284,11 @@ class NativeDecode:
         model = self._model
         embedded = model.embed_tokens(batch.input_ids).contiguous()
         m = embedded.shape[0]
-        positions = batch.positions.to(torch.int64).contiguous()
+        positions = _int64(batch.positions)
         rotary = model.rotary
         rotary.lookup(positions, model.dtype)  # raises on positions outside the rotary table
         md: CpuDecodeMetadata = batch.attn_metadata
-        kv_indptr, kv_indices = (t.to(torch.int64).contiguous() for t in (md.kv_indptr, md.kv_indices))
-        out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        kv_indptr, kv_indices, out_loc = _int64(md.kv_indptr), _int64(md.kv_indices), _int64(batch.out_cache_loc)
         logits = torch.empty(m, self._vocab_rows, dtype=torch.float32)
         hidden, heads, kv_heads, head_dim, inter = self._dims
         ptr = ctypes.c_void_p
@@ -311,3 +310,9 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError("native decode step failed (unsupported shape or out of memory)")
         return self._parallel.all_gather_last_dim(logits)[:, : self._vocab]
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous int64 tensor, itself when it is one: this runs after the previous step's weight
+    stream, when even a no-op conversion's dispatch costs tens of microseconds."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()

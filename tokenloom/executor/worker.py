@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenloom.executor.inference import inference
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.executor.prompt_logprobs import (
     InputLogprobChunk,
@@ -51,6 +52,10 @@ from tokenloom.forward_batch import ForwardBatch
 from tokenloom.grammar.mask import allocate_bitmask
 from tokenloom.sampling.sampling_batch import SamplingBatchInfo
 from tokenloom.sampling.sampling_rows import SamplingRows
+
+# Decode steps of at most this many rows skip `SamplingBatchInfo.finish_candidates`: the scheduler runs the stop
+# rule on every row (a few Python comparisons each).
+CHECK_EVERY_ROW_UP_TO = 8
 
 
 @dataclass
@@ -167,13 +172,13 @@ class ModelWorker:
         return PreparedStep(fb, info, pending_rows, top_k, want_logprob, plan, token_ids, grammars, rooms)
 
     # --- forward side --------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def execute(self, step: PreparedStep) -> ForwardOutput:
         """Forward then sample: the whole step of a rank that holds the last layers (every rank but a
         non-last pipeline stage, which calls `forward` alone and sends its hidden states on)."""
         return self.sample(step, self.forward(step))
 
-    @torch.inference_mode()
+    @inference
     def forward(self, step: PreparedStep, proxy: dict[str, torch.Tensor] | None = None) -> ForwardResult:
         """The model forward of a prepared step: logits (the last stage) or the stage's hidden states and
         residual (`ForwardResult.proxy`, for the next stage). `proxy`: the previous stage's output (every
@@ -196,7 +201,7 @@ class ModelWorker:
             out, input_logprobs = read_logits(step.logit_plan, out)
         return ForwardResult(logits=out, input_logprobs=input_logprobs, forward_s=time.perf_counter() - start)
 
-    @torch.inference_mode()
+    @inference
     def record_tokens(self, step: PreparedStep, next_token_ids: list[int]) -> None:
         """Write the tokens another stage sampled for `step` into the token table (pipeline stage 0, the one
         that embeds, when the step's output arrives back around the ring): the lane's next decode reads
@@ -205,7 +210,7 @@ class ModelWorker:
         ids = torch.tensor(next_token_ids, dtype=torch.int64, device=self.device)
         self.token_table.write(step.forward_batch.req_pool_indices, ids)
 
-    @torch.inference_mode()
+    @inference
     def write_tokens(self, rows: list[int], token_ids: list[int]) -> None:
         """Make `token_ids` the newest tokens of request `rows` without a forward (a disaggregated decode
         server's request that arrives with its first token, or one resumed from host memory): its next decode
@@ -272,7 +277,7 @@ class ModelWorker:
         out.forced = forced or None
         out.forced_finished = forced_done or None
 
-    @torch.inference_mode()
+    @inference
     def sample(self, step: PreparedStep, forwarded: ForwardResult) -> ForwardOutput:
         """Sample the next tokens from a forward's logits and hand back plain Python results; stores the
         tokens for batches scheduled behind this one."""
@@ -290,7 +295,9 @@ class ModelWorker:
         out = ForwardOutput(next_token_ids=sample.next_token_ids.tolist(), input_logprobs=forwarded.input_logprobs)
         if step.token_ids is not None:
             out.token_ids_logprobs = token_ids_logprobs(logits, step.token_ids)
-        if fb.forward_mode.is_decode():  # extend results check every row (chunks discard their token)
+        # extend results check every row (chunks discard their token), and so do decode steps of a few rows: the
+        # stop rule on each costs less than the tensor filter's ops right after the step's weight stream
+        if fb.forward_mode.is_decode() and len(out.next_token_ids) > CHECK_EVERY_ROW_UP_TO:
             out.finish_candidates = info.finish_candidates(sample.next_token_ids, self.eos_ids)
         if step.grammars is not None:
             self._accept_grammar_tokens(step.grammars, out.next_token_ids, step.jump_rooms, out)

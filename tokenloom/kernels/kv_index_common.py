@@ -8,7 +8,7 @@ import torch
 
 def kv_indptr_from_lens(kv_lens: torch.Tensor, total: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(kv_lens as int64, kv_indptr [B+1] int64, total): the part both implementations share."""
-    lens = kv_lens.to(torch.int64)
+    lens = kv_lens if kv_lens.dtype == torch.int64 else kv_lens.to(torch.int64)
     kv_indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=kv_indptr[1:])
     if total is None:

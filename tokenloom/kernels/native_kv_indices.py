@@ -31,7 +31,8 @@ def build_kv_indices_native(req_to_token: torch.Tensor, req_pool_indices: torch.
     if total is not None and total != counted:
         raise ValueError(f"total={total} but the kv_lens sum to {counted}")
     table = req_to_token if req_to_token.stride(1) == 1 else req_to_token.contiguous()
-    rows = req_pool_indices.to(torch.int64).contiguous()
+    rows = req_pool_indices if req_pool_indices.dtype == torch.int64 and req_pool_indices.is_contiguous() \
+        else req_pool_indices.to(torch.int64).contiguous()
     starts = None if kv_start is None else kv_start.to(torch.int64).contiguous()
     kv_indices = torch.empty(max(counted, 0), dtype=torch.int64)  # negative lens: rejected below
     n_rows, width = table.shape

@@ -64,7 +64,7 @@ class Sampler:
                 logits = logits.float()
             apply_grammar_mask(logits, info.grammar_bitmask, info.grammar_rows)
         raw = logits
-        logits = apply_logit_processors(logits.float(), info)
+        logits = apply_logit_processors(logits if logits.dtype == torch.float32 else logits.float(), info)
         next_ids = greedy_argmax(logits) if info.all_greedy else self._sample(logits, info)
         out = SampleOutput(next_token_ids=next_ids)
         if info.return_logprob or info.top_logprobs_num:

@@ -43,6 +43,10 @@ class ScheduleBatch:
     launched: bool = False
     # Decode batch of exactly the previous (launched) step's decode requests, in order: the vectorized path.
     same_reqs_as_last_decode: bool = False
+    # Decode batches: the requests' prompt lengths (carried from one step of the same requests to the next) and
+    # the longest `kv_len` after this step, so `to_forward_batch` builds no tensor it can reuse.
+    prompt_lens: torch.Tensor | None = None
+    max_seq_len: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -52,6 +56,9 @@ class ScheduleBatch:
         return not self.reqs
 
     def to_forward_batch(self, return_all_logits: bool = False) -> ForwardBatch:
+        if self.forward_mode.is_decode() and self.prompt_lens is not None and not return_all_logits:
+            return ForwardBatch.build_decode(self.input_ids, self.req_pool_indices, self.prefix_lens, self.seq_lens,
+                                             self.out_cache_loc, self.max_seq_len, self.prompt_lens)
         prompt_lens = torch.tensor([len(r.origin_input_ids) for r in self.reqs], dtype=torch.int64)
         return ForwardBatch.build(self.forward_mode, self.input_ids, self.req_pool_indices, self.prefix_lens,
                                   self.seq_lens, self.out_cache_loc, return_all_logits, prompt_lens)
@@ -167,27 +174,37 @@ class BatchMemory:
 
     def prepare_for_decode(self, reqs: list[Req], last: ScheduleBatch | None = None) -> ScheduleBatch:
         """One new slot per request. When the requests are exactly those of `last` (the lane's previous decode
-        batch, launched: the steady state), rows and lengths are its tensors advanced by one: no Python loop
-        builds them. The input ids are not built here at all (the worker gathers them from its token table);
-        `input_ids` is a placeholder of the right shape."""
+        batch, launched: the steady state), rows, lengths, prompt lengths and the input-id placeholder are its
+        tensors (lengths advanced by one), and the slot each request's new one follows is the one `last`
+        allocated: no Python loop or table read builds them. The input ids are not built here at all (the
+        worker gathers them from its token table); `input_ids` is a placeholder of the right shape.
+
+        Why so few tensor ops: this runs right after a decode step has streamed the weights through every cache
+        level, when each small torch op costs 10-40x its warm time (dispatch code and data come back from
+        memory); the per-step bookkeeping was ~10% of a batch-1 served token."""
         device = self.device
         self._ensure(self.decode_tokens_needed(reqs))
-        same = last is not None and last.launched and last.reqs == reqs
+        same = last is not None and last.launched and last.reqs == reqs and last.prompt_lens is not None
         if same:
-            row_t, kv = last.req_pool_indices, last.seq_lens
+            row_t, kv, prompt_lens, ids = last.req_pool_indices, last.seq_lens, last.prompt_lens, last.input_ids
+            last_slots = last.out_cache_loc  # the slot of position kv - 1: what `last` allocated
         else:
             row_t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
             kv = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+            prompt_lens = torch.tensor([len(r.origin_input_ids) for r in reqs], dtype=torch.int64, device=device)
+            ids = torch.zeros(len(reqs), dtype=torch.int64, device=device)  # read from the token table later
+            last_slots = self._last_slots(row_t, kv)
         seq = kv + 1
-        slots = self.allocator.alloc_decode(seq, self._last_slots(row_t, kv))
+        slots = self.allocator.alloc_decode(seq, last_slots)
         if slots is None:
             raise KVCacheOOM("KV pool cannot hold a decode step (retraction should have prevented this)")
-        ids = torch.zeros(len(reqs), dtype=torch.int64, device=device)  # read from the token table later
+        longest = 0
         for req in reqs:
             req.kv_len += 1
+            longest = max(longest, req.kv_len)
         batch = ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids,
                               req_pool_indices=row_t, prefix_lens=kv, seq_lens=seq, out_cache_loc=slots,
-                              same_reqs_as_last_decode=same)
+                              same_reqs_as_last_decode=same, prompt_lens=prompt_lens, max_seq_len=longest)
         return batch
 
     def _last_slots(self, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
