@@ -19,13 +19,16 @@ import zmq
 @dataclass(frozen=True)
 class IpcAddresses:
     scheduler: str  # engine -> scheduler
-    detokenizer: str  # scheduler -> detokenizer
+    detokenizer: str  # scheduler -> detokenizer (the engine's own address when the engine detokenizes)
     engine: str  # detokenizer -> engine
 
     @classmethod
-    def fresh(cls) -> IpcAddresses:
+    def fresh(cls, detokenizer_process: bool = True) -> IpcAddresses:
+        """New addresses in a new folder; without `detokenizer_process` the scheduler sends to the engine."""
         folder = tempfile.mkdtemp(prefix="tokenloom-ipc-")
-        return cls(*(f"ipc://{os.path.join(folder, name)}" for name in ("scheduler", "detokenizer", "engine")))
+        scheduler, detokenizer, engine = (f"ipc://{os.path.join(folder, name)}"
+                                          for name in ("scheduler", "detokenizer", "engine"))
+        return cls(scheduler, detokenizer if detokenizer_process else engine, engine)
 
 
 class Receiver:

@@ -101,6 +101,8 @@ def test_server_runs_the_default_configuration(default_config):
     info = server.server_info()
     assert info["dtype"] == "auto" and info["attention_backend"] == "auto" and not info["disable_native_decode"]
     assert info["quantization"] is None and info["weight_quantization"] == "Q4_1 x 210, Q8_0 x 1"
+    # the server process detokenizes (no --detokenizer-process): its children are the scheduler alone
+    assert not info["detokenizer_process"] and sorted(info["process_ids"]) == ["scheduler"]
     if cpu_gemm._small_gemm() is not None:  # AVX512-BF16 and a C compiler: the native step, or why not
         assert re.search(r"native decode step used for decode batches of up to \d+ request", server.logs()) \
             or "native decode step not used: the weights are kept quantized" in server.logs()

@@ -69,3 +69,39 @@ def test_stop_token_is_trimmed_from_text(tokenizer):
     out = DetokenizerManager(tokenizer).handle(_step("t", ids, finish_stop(ids[-1])))
     assert out.texts[0] == tokenizer.decode(ids[:-1])
     assert out.output_ids[0] == ids
+
+
+def test_the_server_process_detokenizes_and_a_failing_batch_fails_only_its_requests(tokenizer):
+    """Without --detokenizer-process the TokenizerManager's receive thread turns token outputs into text; a
+    batch whose detokenization raises ends its requests with a DetokenizeError (HTTP 500), aborts those still
+    running, and the next batch is served."""
+    import asyncio
+
+    from tokenloom.frontend.tokenizer_manager import DetokenizeError, ReqState, TokenizerManager
+    from tokenloom.protocol import AbortRequest
+
+    manager = TokenizerManager.__new__(TokenizerManager)  # the receive side only: no runtime behind it
+    manager.detokenizer, manager.rid_to_state, manager.dead_error = DetokenizerManager(tokenizer), {}, None
+    manager.last_output_time = 0.0
+    sent = []
+    manager._send = sent.append
+    loop = asyncio.new_event_loop()
+    try:
+        states = {rid: ReqState(rid, loop, asyncio.Queue()) for rid in ("good", "bad")}
+        manager.rid_to_state.update(states)
+        ids = tokenizer("Hello there", add_special_tokens=False).input_ids
+        manager._dispatch(_step("good", ids))
+        broken = _step("bad", [1, 2])
+        broken.new_token_ids = [None]  # `handle` extends the request's ids with it: TypeError
+        manager._dispatch(broken)
+        manager._dispatch(_step("good", [], finish_length(len(ids))))
+        loop.run_until_complete(asyncio.sleep(0))  # the queued call_soon_threadsafe callbacks run
+        good = [states["good"].queue.get_nowait() for _ in range(2)]
+        assert [g["text"] for g in good] == ["Hello there", "Hello there"]
+        assert good[1]["meta_info"]["finish_reason"]["type"] == "length"
+        err = states["bad"].queue.get_nowait()
+        assert isinstance(err, DetokenizeError) and "detokenizing the output failed" in str(err)
+        assert [type(m) for m in sent] == [AbortRequest] and sent[0].rid == "bad"
+        assert not manager.rid_to_state and "bad" not in manager.detokenizer.states
+    finally:
+        loop.close()

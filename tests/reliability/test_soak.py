@@ -166,7 +166,9 @@ def kill_under_load(url: str, victim_pid: int, servers_that_exit: list[ServerPro
 
 
 def test_unified_soak_then_a_killed_detokenizer(tiny_runtime_model, started):
-    server = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--num-threads", "1")).wait_healthy()
+    """With --detokenizer-process (by default the server process detokenizes: nothing to kill)."""
+    server = started(ServerProcess("--model-path", tiny_runtime_model, *LIMITS, "--num-threads", "1",
+                                   "--detokenizer-process")).wait_healthy()
     soak(server.url, [server], "unified")
     server.wait_idle_and_pool_full()
     detokenizer = server.server_info()["process_ids"]["detokenizer"]

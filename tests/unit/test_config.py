@@ -384,6 +384,7 @@ EFFECT_TESTS = {
     "max_queued_requests": "tests/integration/test_scheduler_abort_stop.py",
     "max_logprobs": "tests/e2e/test_bad_input.py",
     "stream_interval": "tests/integration/test_server_flags.py",
+    "detokenizer_process": "tests/reliability/test_soak.py",
     "decode_log_interval": "tests/integration/test_scheduler_abort_stop.py",
     "log_level": "tests/integration/test_engine.py",
     "host": "tests/e2e/test_launch_cli.py",

@@ -1,5 +1,6 @@
 """`RuntimeLauncher`: owns the process topology of one engine — spawns this node's scheduler ranks (tp × pp,
-`topology.node_ranks`) and, on node 0, the detokenizer; waits for every one to be ready under one deadline;
+`topology.node_ranks`) and, on node 0 with --detokenizer-process, the detokenizer (by default the tokenizer
+manager detokenizes); waits for every one to be ready under one deadline;
 supervises them; stops them.
 
 Ranks: each scheduler rank is a spawned process running `scheduler.process.run_scheduler_process` with its
@@ -22,7 +23,7 @@ their collectives, so `stop_all()` ends the rest. Start-up fails with the name o
 an error, exited, or did not report ready in time. Children exit on their own when this process goes
 (their parent watchdog, frontend/process_utils.py).
 
-Several nodes (`--nnodes`): each node's launcher starts only its own ranks (node 0 also the detokenizer; the
+Several nodes (`--nnodes`): each node's launcher starts only its own ranks (node 0 also the detokenizer, if any; the
 other nodes have no IPC addresses: their ranks talk to node 0 only through torch.distributed). Once its ranks
 are up it joins the `WorldBoard` (distributed/world_board.py) on the rendezvous store: a launcher publishes
 the death of one of its ranks there, and `dead()` / `dead_besides()` also report the deaths other nodes
@@ -134,7 +135,7 @@ class RuntimeLauncher:
             self.rank_of[key] = rank
             targets.append((key, "scheduler process" if self.world == 1 else label, run_scheduler_process,
                             (self.rank_args(index), self.addresses), (rank, self.dist_init_addr, cores)))
-        if self.args.node_rank == 0:
+        if self.args.node_rank == 0 and self.args.detokenizer_process:
             targets.append(("detokenizer", "detokenizer process", run_detokenizer_process,
                             (dataclasses.replace(self.source, gguf=None), self.args.tokenizer_path, self.addresses),
                             (self.args.log_level,)))

@@ -52,5 +52,5 @@ class EngineRuntime:
 def start_tokenizer_manager(args: ServerArgs) -> TokenizerManager:
     """A running engine's tokenizer manager (raises when the model or a child process fails to start)."""
     source = resolve_model_source(args)
-    addresses = IpcAddresses.fresh()
+    addresses = IpcAddresses.fresh(args.detokenizer_process)
     return TokenizerManager(args, source, addresses, EngineRuntime(args, source, addresses))

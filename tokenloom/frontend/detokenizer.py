@@ -7,6 +7,9 @@ finishes, its text is the full decode of its output (minus a matched stop string
 minus a matched stop token).
 
 Per-request state lives from the first output until the finish message, then is dropped.
+
+Where it runs: on the TokenizerManager's receiver thread by default; in a process of its own
+(`run_detokenizer_process`) with --detokenizer-process.
 """
 
 from __future__ import annotations

@@ -1,8 +1,15 @@
 """`TokenizerManager`: the engine/server side of the runtime. It is handed the processes behind it (a
-`RuntimeProcesses`: the scheduler ranks and the detokenizer, and on a prefill server the bootstrap service; the
-entry points build them, entrypoints/runtime.py) and starts them; it validates and tokenizes requests, sends
-them to the scheduler's entry rank, and routes outputs coming back from the detokenizer to the waiting caller
-(one `ReqState` per request id).
+`RuntimeProcesses`: the scheduler ranks, the detokenizer with --detokenizer-process, and on a prefill server
+the bootstrap service; the entry points build them, entrypoints/runtime.py) and starts them; it validates and
+tokenizes requests, sends them to the scheduler's entry rank, and routes outputs coming back to the waiting
+caller (one `ReqState` per request id).
+
+Detokenizing: by default the scheduler's token outputs come straight here and the receiver thread turns them
+into text (`DetokenizerManager`, frontend/detokenizer.py); with --detokenizer-process a process of its own
+does that (SGLang's layout) and text arrives. On a CPU the server's processes share the cores the forward
+runs on, and every process hop of a streamed token costs wake-ups and cold caches there: the hop saved made a
+batch-1 token ~4% faster on two cores (bench/ab_serve.py). A batch whose detokenization raises fails its own
+requests (`DetokenizeError`, HTTP 500) and aborts them; the thread goes on.
 
 Threads: a receiver thread owns the incoming socket and hands each output to the caller's asyncio loop
 (`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user or
@@ -38,6 +45,7 @@ import zmq
 
 from tokenloom.config import ServerArgs
 from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
+from tokenloom.frontend.detokenizer import DetokenizerManager
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
 from tokenloom.frontend.request_metrics import ServingMetrics
@@ -47,6 +55,7 @@ from tokenloom.models.loader import ModelSource
 from tokenloom.protocol import (
     AbortRequest,
     BatchStrOutput,
+    BatchTokenOutput,
     FlushCacheReply,
     FlushCacheRequest,
     GetInternalStateRequest,
@@ -69,6 +78,10 @@ DEAD_PEER_WAIT_S = 1.0
 MAX_N = 128  # OpenAI's bound on n
 ACCEPTED: Any = {"accepted": True}  # `generate_request`'s marker: the scheduler queued the streaming request
 MAX_TOKEN_IDS_LOGPROB = 256  # each id adds a logprob per scored position to the answer
+
+
+class DetokenizeError(RuntimeError):
+    """A request's output could not be turned into text (a bug, not the client's fault: HTTP 500)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -142,6 +155,9 @@ class TokenizerManager:
             self.shutdown()
             raise
         self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
+        # without --detokenizer-process the scheduler's token outputs come here and the receive thread
+        # detokenizes them: one process hop and its wake-ups fewer per streamed token
+        self.detokenizer = None if args.detokenizer_process else DetokenizerManager(self.tokenizer)
         self._thread = threading.Thread(target=self._receive_loop, name="tokenloom-receiver", daemon=True)
         self._thread.start()
 
@@ -185,6 +201,8 @@ class TokenizerManager:
                     self._mark_dead(f"the {reason}")
 
     def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenOutput):
+            msg = self._detokenize(msg)
         if isinstance(msg, BatchStrOutput):
             self.last_output_time = time.monotonic()
             for i, rid in enumerate(msg.rids):
@@ -207,6 +225,25 @@ class TokenizerManager:
             if waiters:
                 loop, future = waiters.pop(0)
                 loop.call_soon_threadsafe(_resolve, future, msg)
+
+    def _detokenize(self, msg: BatchTokenOutput) -> BatchStrOutput | None:
+        """The text of the scheduler's token outputs (no --detokenizer-process). A batch whose detokenization
+        raises fails its own requests with the error; the thread and every other request go on."""
+        try:
+            return self.detokenizer.handle(msg)
+        except Exception as e:  # noqa: BLE001 - reported to the requests it belongs to
+            logger.exception("detokenizing outputs of %d request(s) failed", len(msg.rids))
+            for rid, finished in zip(msg.rids, msg.finished_reasons, strict=True):
+                self.detokenizer.states.pop(rid, None)
+                state = self.rid_to_state.pop(rid, None)
+                if state is None:
+                    continue
+                state.finished = True
+                state.loop.call_soon_threadsafe(state.queue.put_nowait,
+                                                DetokenizeError(f"detokenizing the output failed: {e}"))
+                if finished is None and self.dead_error is None:  # still running: free its KV
+                    self._send(AbortRequest(rid, "detokenizing the output failed"))
+            return None
 
     def _failure_reason(self, msg: ProcessFailed) -> str:
         """With several ranks, a rank that died makes its peers fail in their next collective; name the
