@@ -56,6 +56,8 @@ class ForwardBatch:
     # [B] int64, each request's prompt length (its original input, without generated tokens); None where the
     # builder does not know it. LongRoPE picks its factor set from it as transformers.generate does (rotary.py).
     prompt_lens: torch.Tensor | None = None
+    # Decode batches built by `build_decode`: sum(seq_lens), known to the caller (None where not given).
+    kv_total: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,11 +66,11 @@ class ForwardBatch:
     @classmethod
     def build_decode(cls, input_ids: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, max_seq_len: int,
-                     prompt_lens: torch.Tensor) -> ForwardBatch:
-        """A decode step's batch from int64 per-request tensors (`prefix_lens` = `seq_lens` - 1) and the longest
-        `seq_lens` entry, which the caller knows: the same fields as `build` gives, with no tensor computed but
-        the per-size constants (ones, and 0..B-1, cached per batch size and device; nobody writes to them).
-        `positions` is `prefix_lens` itself."""
+                     prompt_lens: torch.Tensor, kv_total: int | None = None) -> ForwardBatch:
+        """A decode step's batch from int64 per-request tensors (`prefix_lens` = `seq_lens` - 1), the longest
+        `seq_lens` entry and their sum (`kv_total`), which the caller knows: the same fields as `build` gives,
+        with no tensor computed but the per-size constants (ones, and 0..B-1, cached per batch size and device;
+        nobody writes to them). `positions` is `prefix_lens` itself."""
         batch_size = int(seq_lens.numel())
         if input_ids.numel() != batch_size:
             raise ValueError("decode batches carry exactly one token per request")
@@ -77,7 +79,7 @@ class ForwardBatch:
                    req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
                    extend_prefix_lens=prefix_lens, extend_seq_lens=ones, extend_start_loc=index,
                    token_req_index=index, max_seq_len=max_seq_len, max_extend_len=1 if batch_size else 0,
-                   prompt_lens=prompt_lens)
+                   prompt_lens=prompt_lens, kv_total=kv_total)
 
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,

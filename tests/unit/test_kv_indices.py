@@ -239,3 +239,73 @@ def test_forward_batch_decode_matches_loop(seed):
 def test_forward_batch_decode_rejects_wrong_token_count():
     with pytest.raises(ValueError, match="one token per request"):
         ForwardBatch.build(ForwardMode.DECODE, t([1, 2, 3]), t([0, 1]), t([3, 4]), t([4, 5]), t([1, 2, 3]))
+
+
+NATIVE = pytest.mark.skipif(kv_indices_module.native_kv_index_builder() is None, reason="native kernels unavailable")
+
+
+@NATIVE
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_store_and_build_equals_a_store_then_a_build(seed):
+    """One native call for a decode step's table work: the same table and index lists as
+    `req_to_token[rows, seq - 1] = slots` followed by the torch builder (distinct rows, lengths up to the row)."""
+    from tokenloom.kernels.native_kv_indices import store_decode_slots_and_build_indices
+
+    gen = torch.Generator().manual_seed(seed)
+    n_rows, width = 10, 64
+    table = torch.randint(1, 2**31 - 1, (n_rows, width), dtype=torch.int32, generator=gen)
+    b = 1 + seed % 6
+    rows = torch.randperm(n_rows, generator=gen)[:b]
+    seq = torch.randint(1, width + 1, (b,), generator=gen)
+    slots = torch.randint(0, 2**31 - 1, (b,), generator=gen)
+    want_table = table.clone()
+    want_table[rows, seq - 1] = slots.to(torch.int32)
+    want = build_kv_indices(want_table, rows, seq, backend="torch")
+    got = store_decode_slots_and_build_indices(table, rows, seq, slots, int(seq.sum()))
+    assert torch.equal(table, want_table)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@NATIVE
+@pytest.mark.parametrize("rows, seq, slots, total, error", [
+    ([0, 9], [3, 2], [5, 6], 5, "request 1: row 9"),  # row outside the table
+    ([0, 1], [3, 0], [5, 6], 3, "request 1: row 1, length 0"),  # a decode token needs length >= 1
+    ([0, 1], [3, 9], [5, 6], 12, "request 1: row 1, length 9"),  # longer than a row
+    ([0, 1], [3, 2], [5, 2**31], 5, "request 1: row 1, length 2, new slot 2147483648"),  # not an int32 slot
+    ([0, 1], [3, 2], [5, 6], 6, "total=6 but the kv_lens sum to 5"),
+])
+def test_decode_store_and_build_refuses_bad_input_and_writes_nothing(rows, seq, slots, total, error):
+    from tokenloom.kernels.native_kv_indices import store_decode_slots_and_build_indices
+
+    table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
+    before = table.clone()
+    with pytest.raises((IndexError, ValueError), match=error):
+        store_decode_slots_and_build_indices(table, t(rows), t(seq), t(slots), total)
+    assert torch.equal(table, before)
+
+
+@NATIVE
+def test_the_cpu_backend_stores_a_steady_decode_batchs_slots_with_its_metadata():
+    """A decode batch that knows its KV total: `stores_new_slots` holds and `init_forward_metadata` leaves the
+    table and index lists a store-then-build gives; without the total, the runner's store is needed."""
+    from tokenloom.cache.kv_pool import KVPool
+    from tokenloom.cache.req_to_token import ReqToTokenPool
+    from tokenloom.layers.attention.cpu_paged import CpuPagedBackend
+
+    pool = ReqToTokenPool(4, 32, torch.device("cpu"))
+    pool.req_to_token.copy_(torch.arange(4 * 32, dtype=torch.int32).view(4, 32))
+    kv = KVPool(200, 1, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"),
+                start_layer=0, end_layer=1)
+    backend = CpuPagedBackend(pool, kv, num_heads=3)
+    rows, seq, slots = t([2, 0]), t([5, 9]), t([150, 151])
+    steady = ForwardBatch.build_decode(torch.zeros(2, dtype=torch.int64), rows, seq - 1, seq, slots, 9, t([3, 4]),
+                                       kv_total=14)
+    plain = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(2, dtype=torch.int64), rows, seq - 1, seq, slots)
+    assert backend.stores_new_slots(steady) and not backend.stores_new_slots(plain)
+    want_table = pool.req_to_token.clone()
+    want_table[rows, seq - 1] = slots.to(torch.int32)
+    backend.init_forward_metadata(steady)
+    assert torch.equal(pool.req_to_token, want_table)
+    want = build_kv_indices(want_table, rows, seq, backend="torch")
+    md = steady.attn_metadata
+    assert torch.equal(md.kv_indptr, want[0]) and torch.equal(md.kv_indices, want[1])

@@ -138,9 +138,10 @@ class ModelRunner:
         """Record the new tokens' slots in `req_to_token` and build the attention metadata (which snapshots
         the KV indices). The overlap scheduler calls this on its own thread, so the forward thread never
         reads `req_to_token` while the scheduler edits it."""
-        rows = batch.req_pool_indices if batch.forward_mode.is_decode() \
-            else batch.req_pool_indices[batch.token_req_index]  # decode: one token per request, in order
-        self.memory.req_to_token_pool.write(rows, batch.positions, batch.out_cache_loc)
+        if not self.attn_backend.stores_new_slots(batch):  # else the backend writes them with its metadata
+            rows = batch.req_pool_indices if batch.forward_mode.is_decode() \
+                else batch.req_pool_indices[batch.token_req_index]  # decode: one token per request, in order
+            self.memory.req_to_token_pool.write(rows, batch.positions, batch.out_cache_loc)
         self.attn_backend.init_forward_metadata(batch)
 
     @inference

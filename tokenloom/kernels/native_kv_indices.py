@@ -48,3 +48,27 @@ def build_kv_indices_native(req_to_token: torch.Tensor, req_pool_indices: torch.
 def native_kv_index_builder():
     """`build_kv_indices_native`, or None when the native kernels are unavailable on this machine."""
     return None if load_library("kernels") is None else build_kv_indices_native
+
+
+def store_decode_slots_and_build_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                                         seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, total: int
+                                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's `req_to_token[rows, seq_lens - 1] = out_cache_loc` and its (kv_indptr, kv_indices) over
+    each request's whole KV, in one native call (CPU int32 table, contiguous int64 rows, lengths and slots;
+    `total` = sum(seq_lens)). Raises IndexError naming a request outside the table (nothing written then) and
+    ValueError when `total` is not the lengths' sum. Needs the kernel library (`native_kv_index_builder()`)."""
+    batch = int(seq_lens.numel())
+    kv_indptr = torch.empty(batch + 1, dtype=torch.int64)
+    kv_indices = torch.empty(total, dtype=torch.int64)
+    n_rows, width = req_to_token.shape
+    status = load_library("kernels").decode_store_and_build_i32(
+        _ptr(req_to_token), ctypes.c_int64(n_rows), ctypes.c_int64(width), ctypes.c_int64(req_to_token.stride(0)),
+        _ptr(req_pool_indices), _ptr(seq_lens), _ptr(out_cache_loc), ctypes.c_int64(batch), ctypes.c_int64(total),
+        _ptr(kv_indptr), _ptr(kv_indices), ctypes.c_int(torch.get_num_threads()))
+    if status == -(batch + 1):
+        raise ValueError(f"total={total} but the kv_lens sum to {int(seq_lens.sum())}")
+    if status < 0:
+        i = -status - 1
+        raise IndexError(f"request {i}: row {int(req_pool_indices[i])}, length {int(seq_lens[i])}, new slot "
+                         f"{int(out_cache_loc[i])} outside req_to_token of shape {tuple(req_to_token.shape)}")
+    return kv_indptr, kv_indices

@@ -47,6 +47,7 @@ class ScheduleBatch:
     # the longest `kv_len` after this step, so `to_forward_batch` builds no tensor it can reuse.
     prompt_lens: torch.Tensor | None = None
     max_seq_len: int = 0
+    kv_total: int = 0  # decode batches: the sum of the requests' `kv_len` after this step
 
     @property
     def batch_size(self) -> int:
@@ -58,7 +59,7 @@ class ScheduleBatch:
     def to_forward_batch(self, return_all_logits: bool = False) -> ForwardBatch:
         if self.forward_mode.is_decode() and self.prompt_lens is not None and not return_all_logits:
             return ForwardBatch.build_decode(self.input_ids, self.req_pool_indices, self.prefix_lens, self.seq_lens,
-                                             self.out_cache_loc, self.max_seq_len, self.prompt_lens)
+                                             self.out_cache_loc, self.max_seq_len, self.prompt_lens, self.kv_total)
         prompt_lens = torch.tensor([len(r.origin_input_ids) for r in self.reqs], dtype=torch.int64)
         return ForwardBatch.build(self.forward_mode, self.input_ids, self.req_pool_indices, self.prefix_lens,
                                   self.seq_lens, self.out_cache_loc, return_all_logits, prompt_lens)
@@ -198,13 +199,15 @@ class BatchMemory:
         slots = self.allocator.alloc_decode(seq, last_slots)
         if slots is None:
             raise KVCacheOOM("KV pool cannot hold a decode step (retraction should have prevented this)")
-        longest = 0
+        longest = total = 0
         for req in reqs:
             req.kv_len += 1
             longest = max(longest, req.kv_len)
+            total += req.kv_len
         batch = ScheduleBatch(reqs=list(reqs), forward_mode=ForwardMode.DECODE, input_ids=ids,
                               req_pool_indices=row_t, prefix_lens=kv, seq_lens=seq, out_cache_loc=slots,
-                              same_reqs_as_last_decode=same, prompt_lens=prompt_lens, max_seq_len=longest)
+                              same_reqs_as_last_decode=same, prompt_lens=prompt_lens, max_seq_len=longest,
+                              kv_total=total)
         return batch
 
     def _last_slots(self, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

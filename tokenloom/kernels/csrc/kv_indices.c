@@ -53,3 +53,35 @@ KERNEL_API int build_kv_indices_i32(const int32_t *table, int64_t n_rows, int64_
     }
     return 0;
 }
+
+/*
+ * A decode step's table work in one call (one token per request, at position seq_lens[i] - 1):
+ *
+ *   table[rows[i] * stride + seq_lens[i] - 1] = (int32) out_loc[i]      the new token's slot, stored
+ *   indptr[0] = 0, indptr[i + 1] = indptr[i] + seq_lens[i]              each request's whole KV
+ *   out[indptr[i] + j] = (int64) table[rows[i] * stride + j]            for j < seq_lens[i]
+ *
+ * which is `req_to_token[rows, seq_lens - 1] = out_loc` followed by `build_kv_indices_i32`, without the
+ * tensor ops that build the index and offsets in between. Every request is checked first (row in
+ * [0, n_rows), 1 <= seq_len <= width, 0 <= out_loc < 2^31) and the lengths must sum to `total` (the size of
+ * `out`): a bad request returns -(its index + 1), a wrong total -(batch + 1); nothing is written then.
+ */
+KERNEL_API int decode_store_and_build_i32(int32_t *table, int64_t n_rows, int64_t width, int64_t stride,
+                                          const int64_t *rows, const int64_t *seq_lens, const int64_t *out_loc,
+                                          int64_t batch, int64_t total, int64_t *indptr, int64_t *out,
+                                          int threads) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < batch; ++i) {
+        int64_t len = seq_lens[i];
+        if (rows[i] < 0 || rows[i] >= n_rows || len < 1 || len > width || out_loc[i] < 0 || out_loc[i] > INT32_MAX)
+            return (int)-(i + 1);
+        sum += len;
+    }
+    if (sum != total) return (int)-(batch + 1);
+    indptr[0] = 0;
+    for (int64_t i = 0; i < batch; ++i) {
+        table[rows[i] * stride + seq_lens[i] - 1] = (int32_t)out_loc[i];
+        indptr[i + 1] = indptr[i] + seq_lens[i];
+    }
+    return build_kv_indices_i32(table, n_rows, width, stride, rows, NULL, indptr, batch, out, threads);
+}

@@ -49,6 +49,11 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Precompute what every layer of this step needs; store it on `batch.attn_metadata`."""
 
+    def stores_new_slots(self, batch: ForwardBatch) -> bool:
+        """Whether `init_forward_metadata(batch)` also writes the batch's new tokens' slots into `req_to_token`
+        (the runner then does not write them first). The same answer every time for the same batch."""
+        return False
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:

@@ -29,6 +29,7 @@ from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention
+from tokenloom.kernels.native_kv_indices import native_kv_index_builder, store_decode_slots_and_build_indices
 from tokenloom.layers.attention.torch_native import TorchNativeBackend
 from tokenloom.layers.kv_indices import build_kv_indices
 
@@ -51,12 +52,28 @@ class CpuPagedBackend(TorchNativeBackend):
         self.group = max(1, (num_heads or kv_heads) // kv_heads)
         self.cascade = cascade
 
+    def stores_new_slots(self, batch: ForwardBatch) -> bool:
+        """A decode batch that knows its KV total (the scheduler's steady state, `ForwardBatch.build_decode`),
+        with no sliding windows, over a CPU int32 table: one native call stores the new slots and builds the
+        index lists (`store_decode_slots_and_build_indices`), instead of a store and a build with the tensor ops
+        between them, each costing tens of microseconds right after a step's weight stream."""
+        table = self.req_to_token_pool.req_to_token
+        return (batch.forward_mode.is_decode() and batch.kv_total is not None and not self.windows
+                and self.full_to_swa is None and table.device.type == "cpu" and table.dtype == torch.int32
+                and table.stride(1) == 1 and native_kv_index_builder() is not None
+                and all(t.dtype == torch.int64 and t.is_contiguous()
+                        for t in (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc)))
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.forward_mode.is_decode():
             super().init_forward_metadata(batch)
             return
         table, rows, seq_lens = self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens
-        kv_indptr, kv_indices = build_kv_indices(table, rows, seq_lens)
+        if self.stores_new_slots(batch):
+            kv_indptr, kv_indices = store_decode_slots_and_build_indices(table, rows, seq_lens, batch.out_cache_loc,
+                                                                         batch.kv_total)
+        else:
+            kv_indptr, kv_indices = build_kv_indices(table, rows, seq_lens)
         shared = paged_attention.plan_shared_prefixes(kv_indptr, kv_indices, self.group) if self.cascade else None
         windowed = {}
         swa = self.full_to_swa
