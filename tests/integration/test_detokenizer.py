@@ -105,3 +105,26 @@ def test_the_server_process_detokenizes_and_a_failing_batch_fails_only_its_reque
         assert not manager.rid_to_state and "bad" not in manager.detokenizer.states
     finally:
         loop.close()
+
+
+def test_the_text_decoder_equals_the_tokenizers_decode(tokenizer):
+    """SmolLM2's fast tokenizer does no clean-up, so the detokenizer decodes with the Rust backend directly:
+    the same text as `tokenizer.decode` for ordinary, multi-byte, partial and special-token ids, either skip."""
+    from tokenloom.frontend.detokenizer import text_decoder
+
+    assert tokenizer.clean_up_tokenization_spaces is False
+    decode = text_decoder(tokenizer)
+    ids = tokenizer("Hi there ☕ 日本 , . !", add_special_tokens=False).input_ids
+    special = [tokenizer.eos_token_id, *ids[:3], tokenizer.eos_token_id]
+    for case in (ids, ids[:-1], ids[1:2], special, []):
+        for skip in (True, False):
+            assert decode(case, skip) == tokenizer.decode(case, skip_special_tokens=skip), (case, skip)
+
+    class Plain:  # no Rust backend, or clean-up wanted: the tokenizer's own decode
+        clean_up_tokenization_spaces = True
+        _tokenizer = None
+
+        def decode(self, ids, skip_special_tokens):
+            return f"{ids}/{skip_special_tokens}"
+
+    assert text_decoder(Plain())([1, 2], False) == "[1, 2]/False"

@@ -14,6 +14,7 @@ Where it runs: on the TokenizerManager's receiver thread by default; in a proces
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ class DecodeState:
 class DetokenizerManager:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer)
         self.states: dict[str, DecodeState] = {}
 
     def handle(self, batch: BatchTokenOutput) -> BatchStrOutput:
@@ -63,9 +65,9 @@ class DetokenizerManager:
         return out
 
     def _advance(self, state: DecodeState, skip: bool) -> None:
-        decode = self.tokenizer.decode
-        prefix = decode(state.ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
-        full = decode(state.ids[state.prefix_offset:], skip_special_tokens=skip)
+        decode = self.decode
+        prefix = decode(state.ids[state.prefix_offset:state.read_offset], skip)
+        full = decode(state.ids[state.prefix_offset:], skip)
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
             state.text += full[len(prefix):]
             state.prefix_offset = state.read_offset
@@ -75,12 +77,23 @@ class DetokenizerManager:
         matched = finished.get("matched")
         if finished.get("type") == "stop" and isinstance(matched, int) and not no_trim and ids and ids[-1] == matched:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        text = self.decode(ids, skip)
         if finished.get("type") == "stop" and isinstance(matched, str) and not no_trim:
             pos = text.find(matched)
             if pos >= 0:
                 text = text[:pos]
         return text
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """`(ids, skip_special_tokens) -> text`: `tokenizer.decode`, or, for a fast tokenizer that does no clean-up of
+    spaces (transformers' decode then returns the Rust backend's text unchanged), the backend's own `decode`,
+    without the wrapper's Python layers (two thirds of a streamed token's decode: ~3.5 against ~1.2 us warm,
+    more right after a decode step)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and callable(getattr(backend, "decode", None)):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
