@@ -1,14 +1,15 @@
-"""Messages between the engine/server process, the scheduler and the detokenizer (pickled over ZMQ).
+"""Messages between the engine/server process, the scheduler and (with --detokenizer-process) the detokenizer
+process, pickled over ZMQ.
 
 The chain of a request: `GenerateRequest` (HTTP body / Engine arguments, validated in the tokenizer manager)
 → `TokenizedRequest` (engine → scheduler) → `Req` (scheduler state) → `ScheduleBatch` → `ForwardBatch`
-→ `ForwardOutput` → `BatchTokenOutput` (scheduler → detokenizer) → `BatchStrOutput` (detokenizer → engine)
-→ `ReqState` → response.
+→ `ForwardOutput` → `BatchTokenOutput` (scheduler → detokenizer: by default the engine's receive thread)
+→ `BatchStrOutput` (detokenizer → engine: in the same thread by default) → `ReqState` → response.
 
 Control messages (`AbortRequest`, `FlushCacheRequest`, `GetInternalStateRequest`, `StartProfileRequest`,
 `StopProfileRequest`) travel engine → scheduler (every rank, the way requests do); their replies travel
-scheduler → detokenizer → engine unchanged (the entry rank's only). `TransferEvent`s (prefill/decode
-disaggregation) travel from the entry rank's transfer agent into its own scheduler inbox, then the path
+scheduler → (a detokenizer process forwards them unchanged) → engine (the entry rank's only). `TransferEvent`s
+(prefill/decode disaggregation) travel from the entry rank's transfer agent into its own scheduler inbox, then the path
 requests take to every rank, so all ranks act on them at the same iteration. `GrammarDecision`s (TP, PP) are
 the entry rank's own: it appends them to the message list it shares, so every rank admits or refuses a request
 that waited for its grammar at the same iteration.

@@ -128,3 +128,26 @@ def test_the_text_decoder_equals_the_tokenizers_decode(tokenizer):
             return f"{ids}/{skip_special_tokens}"
 
     assert text_decoder(Plain())([1, 2], False) == "[1, 2]/False"
+
+
+def test_a_native_stream_whose_detokenization_fails_ends_with_the_error():
+    """The output stream of a request failed by a `DetokenizeError` ends with an error event and [DONE]."""
+    import asyncio
+    import json
+
+    from tokenloom.entrypoints.serving_generate import GenerateServing
+    from tokenloom.entrypoints.serving_utils import SSE_DONE
+    from tokenloom.frontend.tokenizer_manager import DetokenizeError
+
+    async def items():
+        yield 0, {"text": "Hi", "output_ids": [1], "meta_info": {"finish_reason": None}}
+        raise DetokenizeError("detokenizing the output failed: boom")
+
+    async def collect() -> list[str]:
+        return [chunk async for chunk in GenerateServing(None)._stream(items(), [], False, False)]
+
+    chunks = asyncio.run(collect())
+    assert json.loads(chunks[0].removeprefix("data: "))["text"] == "Hi"
+    error = json.loads(chunks[1].removeprefix("data: "))
+    assert error == {"error": {"message": "detokenizing the output failed: boom"}}
+    assert chunks[2] == SSE_DONE

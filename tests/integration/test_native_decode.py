@@ -168,6 +168,21 @@ def test_steps_aside_where_it_does_not_apply(tiny_model_dir):
         steps.release(seq)
 
 
+def test_positions_beyond_the_rotary_table_are_refused(tiny_model_dir):
+    """The native step reads the rotary table at every position: a decode batch whose longest sequence is past
+    the model's context is refused (the same error as the modular path's rotary lookup) before any kernel runs."""
+    from tokenloom.forward_batch import ForwardBatch
+
+    folder, _ = tiny_model_dir("llama")
+    runner = ModelRunner(ServerArgs(model_path=folder, dtype="bfloat16", max_total_tokens=512, max_running_requests=2))
+    limit = runner.model.rotary.max_positions
+    seq = torch.tensor([limit + 1])
+    batch = ForwardBatch.build_decode(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), seq - 1,
+                                      seq, torch.ones(1, dtype=torch.int64), limit + 1, torch.tensor([4]))
+    with pytest.raises(ValueError, match=rf"positions outside \[0, {limit}\)"):
+        runner.native_decode.run(batch)
+
+
 def test_native_step_without_amx():
     """Where the CPU has no AMX the native step streams the plain weights (csrc/small_gemm.c) for up to
     MAX_BATCH requests: this file's other tests, rerun in a process with AMX turned off."""

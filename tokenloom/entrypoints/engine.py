@@ -1,5 +1,5 @@
-"""`Engine`: the in-process API. Same runtime as the server (scheduler and detokenizer subprocesses over
-ZMQ) without HTTP.
+"""`Engine`: the in-process API. Same runtime as the server (scheduler subprocesses over ZMQ; detokenizing on
+the tokenizer manager's receive thread, or in a subprocess with --detokenizer-process) without HTTP.
 
     with tokenloom.Engine(dtype="float32", chunked_prefill_size=64) as engine:
         out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})

@@ -4,10 +4,10 @@
     python -m tokenloom.entrypoints.generate --chat "Write a haiku about looms"
 
 Every server flag (--model-path, --dtype, --page-size, ...) is accepted. With no --model-path the default
-SmolLM2-135M-Instruct GGUF is used. The prompts run through `tokenloom.Engine`, the runtime `tokenloom serve`
-serves (scheduler and detokenizer processes: continuous batching, prefix cache, the same stop rule), as one
-batch. The runtime's own logs are quiet unless --log-level asks for them: stdout holds one line per prompt,
-stderr the timing line.
+SmolLM2-135M-Instruct GGUF is used. The prompts run through `tokenloom.Engine`, the runtime `tokenloom serve` serves
+(scheduler processes, incremental detokenizing: continuous batching, prefix cache, the same stop rule), as one
+batch. The runtime's own logs are quiet unless --log-level asks for them: stdout holds one line per prompt, stderr
+the timing line.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ GET /metrics (with --enable-metrics).
 
 Lifecycle: the app owns the TokenizerManager given to it. At startup a warm-up generation runs in the
 background; /health answers 503 until it has finished, and a failed warm-up is fatal (`on_fatal`). At
-shutdown (SIGINT/SIGTERM, or `on_fatal`) the lifespan stops the scheduler and detokenizer processes.
+shutdown (SIGINT/SIGTERM, or `on_fatal`) the lifespan stops the scheduler (and any detokenizer) processes.
 With --api-key every route but /health and /metrics needs `Authorization: Bearer <key>`.
 """
 

@@ -3,11 +3,11 @@
     tokenloom serve                                  # SmolLM2-135M-Instruct on http://127.0.0.1:30000
     tokenloom serve --model-path /path/to/hf-folder --port 8000 --api-key secret
 
-Every server flag (SGLang's names: --model-path, --host, --port, --dtype, --context-length, ...) is
-accepted; an unknown flag or a value that cannot work is a usage error (exit 2). Order of events: check
-that host:port can be listened on (exit 1 at once if not), load the model (scheduler and detokenizer
-processes), bind, warm up, report healthy. SIGINT/SIGTERM stop the server and its processes (exit 0 after
-SIGINT; SIGTERM is re-raised, as uvicorn does). If a child process dies, or the warm-up fails, the server
+Every server flag (SGLang's names: --model-path, --host, --port, --dtype, --context-length, ...) is accepted; an
+unknown flag or a value that cannot work is a usage error (exit 2). Order of events: check that host:port can be
+listened on (exit 1 at once if not), load the model (scheduler processes, and a detokenizer process with
+--detokenizer-process), bind, warm up, report healthy. SIGINT/SIGTERM stop the server and its processes (exit 0
+after SIGINT; SIGTERM is re-raised, as uvicorn does). If a child process dies, or the warm-up fails, the server
 stops and exits 1 with the reason on stderr.
 
 Several machines: run the same command on each with `--nnodes N --node-rank K --dist-init-addr host:port`

@@ -46,7 +46,7 @@ from tokenloom.entrypoints.serving_utils import (
     sse,
     start_stream,
 )
-from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
+from tokenloom.frontend.tokenizer_manager import DetokenizeError, EngineDeadError, TokenizerManager
 from tokenloom.protocol import TokenizedRequest
 
 # SGLang's GenerateReqInput fields (python/sglang/srt/managers/io_struct.py) that /generate does not use.
@@ -168,7 +168,7 @@ class GenerateServing:
                 if with_prompt_ids:
                     out = {**out, "prompt_token_ids": reqs[i].input_ids}
                 yield sse(self._finish(out, with_text))
-        except (ValueError, EngineDeadError) as e:
+        except (ValueError, EngineDeadError, DetokenizeError) as e:  # the stream ends with the reason
             yield sse({"error": {"message": str(e)}})
         yield SSE_DONE
 

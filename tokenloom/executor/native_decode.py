@@ -282,11 +282,14 @@ class NativeDecode:
         [layers, 3 * B * hidden] elements) receives, per layer, its output (bf16 [B, hidden]) then its float32
         residual stream ([B, hidden], two bf16 slots per value) when given."""
         model = self._model
+        rotary = model.rotary
+        # positions are seq_lens - 1 (seq_lens >= 1): the largest is max_seq_len - 1; the kernel would read the
+        # rotary table out of bounds beyond it (an int check: `rotary.lookup`'s min/max ops cost tens of us here)
+        if batch.max_seq_len > rotary.max_positions:
+            raise ValueError(f"positions outside [0, {rotary.max_positions}) (the model's context length)")
         embedded = model.embed_tokens(batch.input_ids).contiguous()
         m = embedded.shape[0]
         positions = _int64(batch.positions)
-        rotary = model.rotary
-        rotary.lookup(positions, model.dtype)  # raises on positions outside the rotary table
         md: CpuDecodeMetadata = batch.attn_metadata
         kv_indptr, kv_indices, out_loc = _int64(md.kv_indptr), _int64(md.kv_indices), _int64(batch.out_cache_loc)
         logits = torch.empty(m, self._vocab_rows, dtype=torch.float32)

@@ -26,4 +26,4 @@ class TokenTable:
 
     def write(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Record one step's sampled tokens at their requests' rows (forward side, in step order)."""
-        self.tokens.index_copy_(0, rows, token_ids.to(torch.int64))
+        self.tokens.index_copy_(0, rows, token_ids if token_ids.dtype == torch.int64 else token_ids.to(torch.int64))

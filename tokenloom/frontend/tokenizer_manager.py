@@ -9,7 +9,7 @@ into text (`DetokenizerManager`, frontend/detokenizer.py); with --detokenizer-pr
 does that (SGLang's layout) and text arrives. On a CPU the server's processes share the cores the forward
 runs on, and every process hop of a streamed token costs wake-ups and cold caches there: the hop saved made a
 batch-1 token ~4% faster on two cores (bench/ab_serve.py). A batch whose detokenization raises fails its own
-requests (`DetokenizeError`, HTTP 500) and aborts them; the thread goes on.
+requests (`DetokenizeError`: HTTP 500, or a stream's closing error event) and aborts them; the thread goes on.
 
 Threads: a receiver thread owns the incoming socket and hands each output to the caller's asyncio loop
 (`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user or

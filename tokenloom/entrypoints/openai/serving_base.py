@@ -36,7 +36,7 @@ from tokenloom.entrypoints.serving_utils import (
     sse,
     start_stream,
 )
-from tokenloom.frontend.tokenizer_manager import EngineDeadError, TokenizerManager
+from tokenloom.frontend.tokenizer_manager import DetokenizeError, EngineDeadError, TokenizerManager
 from tokenloom.grammar.spec import JSON_OBJECT_SCHEMA
 from tokenloom.protocol import TokenizedRequest
 
@@ -142,8 +142,9 @@ class OpenAIServingBase:
             else:
                 if include_usage:
                     yield sse(self.usage_chunk(req, rid, usage_of(last.items(), req.n)))
-        except (ValueError, EngineDeadError) as e:
-            yield sse({"error": openai_error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400)})
+        except (ValueError, EngineDeadError, DetokenizeError) as e:
+            status = 503 if isinstance(e, EngineDeadError) else 500 if isinstance(e, DetokenizeError) else 400
+            yield sse({"error": openai_error_body(str(e), status)})
         yield SSE_DONE
 
     # --- shared translation --------------------------------------------------------------------------
