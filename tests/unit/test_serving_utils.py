@@ -23,9 +23,9 @@ from tokenloom.entrypoints.serving_utils import (
     read_json_body,
     sse,
 )
+from tokenloom.frontend.batch_fields import batch_rids, common_n
 from tokenloom.frontend.logprob_accumulator import LOGPROB_FLOOR
 from tokenloom.frontend.logprob_accumulator import triple as _triple
-from tokenloom.frontend.tokenizer_manager import _batch_rids, _common_n
 
 
 def make_request(body: bytes, content_type: str | None, disconnect_after: float | None = None) -> Request:
@@ -207,26 +207,26 @@ def test_openai_request_schemas():
 
 
 # --- TokenizerManager helpers ------------------------------------------------------------------------
-def test_batch_rids():
-    assert _batch_rids(None, 2, True) == [None, None]
-    assert _batch_rids("a", 1, False) == ["a"]
-    assert _batch_rids(["a", "b"], 2, True) == ["a", "b"]
+def testbatch_rids():
+    assert batch_rids(None, 2, True) == [None, None]
+    assert batch_rids("a", 1, False) == ["a"]
+    assert batch_rids(["a", "b"], 2, True) == ["a", "b"]
     with pytest.raises(ValueError, match="one id per prompt"):
-        _batch_rids(["a"], 2, True)
+        batch_rids(["a"], 2, True)
     with pytest.raises(ValueError, match="must be a string for a single prompt"):
-        _batch_rids(["a"], 1, False)
+        batch_rids(["a"], 1, False)
     with pytest.raises(ValueError, match="non-empty string"):
-        _batch_rids([""], 1, True)
+        batch_rids([""], 1, True)
 
 
-def test_common_n():
-    assert _common_n([{}, {"n": 1}]) == 1
-    assert _common_n([{"n": 3}, {"n": 3}]) == 3
+def testcommon_n():
+    assert common_n([{}, {"n": 1}]) == 1
+    assert common_n([{"n": 3}, {"n": 3}]) == 3
     with pytest.raises(ValueError, match="same n; got n values \\[1, 2\\]"):
-        _common_n([{"n": 1}, {"n": 2}])
+        common_n([{"n": 1}, {"n": 2}])
     for bad in (0, -1, True, "2", 1.5):
         with pytest.raises(ValueError, match="n must be a positive integer"):
-            _common_n([{"n": bad}])
+            common_n([{"n": bad}])
 
 
 def test_logprob_triples_stay_json_safe():

@@ -45,6 +45,7 @@ import zmq
 
 from tokenloom.config import ServerArgs
 from tokenloom.disaggregation.bootstrap_fields import bootstraps_for
+from tokenloom.frontend.batch_fields import batch_rids, check_logprob_start_len, common_n, per_prompt_token_ids
 from tokenloom.frontend.detokenizer import DetokenizerManager
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
@@ -75,7 +76,6 @@ logger = logging.getLogger(__name__)
 
 CHILD_CHECK_S = 0.5
 DEAD_PEER_WAIT_S = 1.0
-MAX_N = 128  # OpenAI's bound on n
 ACCEPTED: Any = {"accepted": True}  # `generate_request`'s marker: the scheduler queued the streaming request
 MAX_TOKEN_IDS_LOGPROB = 256  # each id adds a logprob per scored position to the answer
 
@@ -318,7 +318,7 @@ class TokenizerManager:
             self._check_grammar(params)
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError("top_logprobs_num must be a non-negative integer")
-        _check_logprob_start_len(logprob_start_len)
+        check_logprob_start_len(logprob_start_len)
         if return_logprob and logprob_start_len >= len(input_ids):
             raise ValueError(f"logprob_start_len ({logprob_start_len}) must be smaller than the number of input "
                              f"tokens ({len(input_ids)}). Please use a smaller logprob_start_len.")
@@ -395,11 +395,11 @@ class TokenizerManager:
         if count == 0:
             raise ValueError("The prompt list is empty.")
         params = self._batch_params(sampling_params, count, is_batch)
-        rids = _batch_rids(rid, count, is_batch)
-        n = _common_n(params)
+        rids = batch_rids(rid, count, is_batch)
+        n = common_n(params)
         self._check_fan_out(count, n)
-        _check_logprob_start_len(logprob_start_len)
-        token_ids = _per_prompt_token_ids(token_ids_logprob, count, is_batch)
+        check_logprob_start_len(logprob_start_len)
+        token_ids = per_prompt_token_ids(token_ids_logprob, count, is_batch)
         rooms = bootstraps_for(self.args.disaggregation_mode, *bootstrap, count, n)
         top_max = min(self.args.max_logprobs, self.vocab_size)
         if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or \
@@ -560,51 +560,6 @@ def _response(msg: BatchStrOutput, i: int, state: ReqState) -> dict[str, Any]:
         meta["e2e_latency"] = time.perf_counter() - state.created
     state.logprobs.apply(meta)
     return {"text": msg.texts[i], "output_ids": msg.output_ids[i], "meta_info": meta}
-
-
-def _batch_rids(rid: Any, count: int, is_batch: bool) -> list[str | None]:
-    if rid is None:
-        return [None] * count
-    rids = rid if isinstance(rid, list) else [rid]
-    if isinstance(rid, list) and not is_batch:
-        raise ValueError("rid must be a string for a single prompt")
-    if len(rids) != count:
-        raise ValueError(f"rid must be a list with one id per prompt ({count}) for a batch")
-    if not all(isinstance(r, str) and r for r in rids):
-        raise ValueError("rid must be a non-empty string")
-    return rids
-
-
-def _common_n(params: list[dict[str, Any]]) -> int:
-    ns = [p.get("n", 1) for p in params]
-    for n in ns:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
-        if n > MAX_N:
-            raise ValueError(f"n must be at most {MAX_N}, got {n}")
-    if len(set(ns)) > 1:
-        raise ValueError(f"All requests in a batch must use the same n; got n values {sorted(set(ns))}")
-    return ns[0]
-
-
-def _check_logprob_start_len(value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"logprob_start_len must be an integer, got {value!r}")
-    if value < -1:
-        raise ValueError(f"logprob_start_len must be -1 (output logprobs only) or a prompt position >= 0, "
-                         f"got {value}")
-
-
-def _per_prompt_token_ids(token_ids: Any, count: int, is_batch: bool) -> list[Any]:
-    """`token_ids_logprob` for each of `count` prompts: a list of ids is shared, a list of lists (batch
-    only) gives each prompt its own; checked per prompt by `_check_token_ids`."""
-    if token_ids is None or not isinstance(token_ids, list) or not token_ids or not isinstance(token_ids[0], list):
-        return [token_ids] * count
-    if not is_batch:
-        raise ValueError("token_ids_logprob must be a list of token ids for a single prompt")
-    if len(token_ids) != count:
-        raise ValueError(f"token_ids_logprob has {len(token_ids)} lists for {count} prompts")
-    return token_ids
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
