@@ -1,5 +1,6 @@
-"""Inter-process messaging: pickled objects over ZMQ PUSH/PULL sockets on `ipc://` paths, plus an
-in-process twin (`LocalChannel`) with the same interface for unit tests.
+"""Inter-process messaging: messages (encoded by wire.py: the per-token outputs as plain tuples, all pickled)
+over ZMQ PUSH/PULL sockets on `ipc://` paths, plus an in-process twin (`LocalChannel`) with the same interface
+for unit tests.
 
 Each receiver binds its PULL socket; senders connect (ZMQ queues messages until the peer is up). Addresses
 live in a per-engine temporary folder, so several engines on one machine never collide.
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+from tokenloom.wire import decode, encode
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,10 @@ class Receiver:
         self.socket.bind(address)
 
     def recv_all(self, timeout_ms: int = 0) -> list[Any]:
-        messages = []
-        if timeout_ms and not self.socket.poll(timeout_ms):
-            return messages
-        while True:
-            try:
-                messages.append(self.socket.recv_pyobj(zmq.NOBLOCK))
-            except zmq.Again:
-                return messages
+        socket = self.socket
+        if timeout_ms and not socket.poll(timeout_ms):
+            return []
+        return [decode(raw) for raw in drain(socket)]
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -60,10 +59,21 @@ class Sender:
         self.socket.connect(address)
 
     def send(self, obj: Any) -> None:
-        self.socket.send_pyobj(obj)
+        self.socket.send(encode(obj))
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+def drain(socket: zmq.Socket) -> list[bytes]:
+    """Every message queued on `socket`, without waiting. Asks the socket's EVENTS between messages instead of
+    receiving until `zmq.Again`: right after a decode step a raised Again cost ~85 us, the EVENTS call ~50.
+    Also what a caller watching the socket's FD (edge-triggered) must do on each wake-up: drain until EVENTS
+    says nothing is left, which re-arms the FD."""
+    messages = []
+    while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        messages.append(socket.recv(zmq.NOBLOCK))
+    return messages
 
 
 class LocalChannel:

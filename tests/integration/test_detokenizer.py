@@ -71,11 +71,14 @@ def test_stop_token_is_trimmed_from_text(tokenizer):
     assert out.output_ids[0] == ids
 
 
-def test_the_server_process_detokenizes_and_a_failing_batch_fails_only_its_requests(tokenizer):
-    """Without --detokenizer-process the TokenizerManager's receive thread turns token outputs into text; a
-    batch whose detokenization raises ends its requests with a DetokenizeError (HTTP 500), aborts those still
-    running, and the next batch is served."""
+@pytest.mark.parametrize("receiving", ["thread", "loop"])
+def test_the_server_process_detokenizes_and_a_failing_batch_fails_only_its_requests(tokenizer, receiving):
+    """Without --detokenizer-process the TokenizerManager turns token outputs into text where it receives them
+    (its receiver thread, or the HTTP server's loop that took the socket over); a batch whose detokenization
+    raises ends its requests with a DetokenizeError (HTTP 500), aborts those still running, and the next batch
+    is served. On the loop the outputs are in the queues at once; from the thread they arrive through the loop."""
     import asyncio
+    from types import SimpleNamespace
 
     from tokenloom.frontend.tokenizer_manager import DetokenizeError, ReqState, TokenizerManager
     from tokenloom.protocol import AbortRequest
@@ -86,15 +89,22 @@ def test_the_server_process_detokenizes_and_a_failing_batch_fails_only_its_reque
     sent = []
     manager._send = sent.append
     loop = asyncio.new_event_loop()
+    manager.reader = SimpleNamespace(loop=loop if receiving == "loop" else None)
     try:
         states = {rid: ReqState(rid, loop, asyncio.Queue()) for rid in ("good", "bad")}
         manager.rid_to_state.update(states)
         ids = tokenizer("Hello there", add_special_tokens=False).input_ids
-        manager._dispatch(_step("good", ids))
         broken = _step("bad", [1, 2])
         broken.new_token_ids = [None]  # `handle` extends the request's ids with it: TypeError
-        manager._dispatch(broken)
-        manager._dispatch(_step("good", [], finish_length(len(ids))))
+
+        async def dispatch_all() -> int:
+            manager._dispatch(_step("good", ids))
+            manager._dispatch(broken)
+            manager._dispatch(_step("good", [], finish_length(len(ids))))
+            return states["good"].queue.qsize()
+
+        queued_at_once = loop.run_until_complete(dispatch_all())
+        assert queued_at_once == (2 if receiving == "loop" else 0)
         loop.run_until_complete(asyncio.sleep(0))  # the queued call_soon_threadsafe callbacks run
         good = [states["good"].queue.get_nowait() for _ in range(2)]
         assert [g["text"] for g in good] == ["Hello there", "Hello there"]

@@ -17,9 +17,11 @@ PACKAGE = os.path.join(ROOT, "tokenloom")
 # Bottom to top: a package (or top-level module) may import those on lower floors and its own package.
 FLOORS: list[set[str]] = [
     {"model_families"},
-    {"version", "device", "local_cache", "ipc", "forward_batch", "model_config", "finish_reason"},
+    {"version", "device", "local_cache", "forward_batch", "model_config", "finish_reason"},
     {"sampling", "grammar", "function_call"},
     {"protocol", "kernels"},
+    {"wire"},
+    {"ipc"},
     {"distributed"},
     {"config"},
     {"cache"},

@@ -108,12 +108,14 @@ def create_app(tm: TokenizerManager, args: ServerArgs, on_fatal: Callable[[str],
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tm.receive_on_loop()  # outputs go to the requests' queues from this loop, not via a thread
         warmup = asyncio.create_task(warm_up(state))
         try:
             yield
         finally:
             state.shutting_down = True
             warmup.cancel()
+            tm.receive_on_thread()
             tm.shutdown()
 
     app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan)

@@ -11,9 +11,11 @@ runs on, and every process hop of a streamed token costs wake-ups and cold cache
 batch-1 token ~4% faster on two cores (bench/ab_serve.py). A batch whose detokenization raises fails its own
 requests (`DetokenizeError`: HTTP 500, or a stream's closing error event) and aborts them; the thread goes on.
 
-Threads: a receiver thread owns the incoming socket and hands each output to the caller's asyncio loop
-(`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user or
-server loop (async_generate, the HTTP server). It also watches the children (`runtime.dead()`): if one
+Threads: a receiver thread reads the incoming socket and hands each output to the caller's asyncio loop
+(`call_soon_threadsafe`), so the same manager serves a private loop (Engine.generate) and any user loop
+(async_generate). The HTTP server's loop takes the socket over for its lifetime (`receive_on_loop`,
+frontend/socket_reader.py) and puts outputs into its requests' queues directly: a wake-up and a thread switch
+fewer per streamed token. The receiver thread also watches the children (`runtime.dead()`): if one
 dies (a scheduler rank is named by rank, e.g. "scheduler rank 1 (tp 1, pp 0)"), every pending
 request fails with a clear error, new requests are refused, and `on_dead` (if set; the HTTP server sets it
 to exit non-zero) is called once from the receiver thread.
@@ -50,6 +52,7 @@ from tokenloom.frontend.detokenizer import DetokenizerManager
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
 from tokenloom.frontend.request_metrics import ServingMetrics
+from tokenloom.frontend.socket_reader import SocketReader
 from tokenloom.grammar.spec import GrammarSpec, spec_from_params, validate_spec
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
 from tokenloom.models.loader import ModelSource
@@ -134,6 +137,7 @@ class TokenizerManager:
         self.addresses = addresses
         self.zmq_ctx = zmq.Context()
         self.receiver = Receiver(self.zmq_ctx, self.addresses.engine)
+        self.reader = SocketReader(self.receiver)  # the receiver thread's, or a loop's (`receive_on_loop`)
         self.sender = Sender(self.zmq_ctx, self.addresses.scheduler)
         self._send_lock = threading.Lock()
         self.rid_to_state: dict[str, ReqState] = {}
@@ -186,19 +190,36 @@ class TokenizerManager:
 
     # --- receiving ----------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
+        """The receiver thread: reads the incoming socket unless a loop took it over, and watches the
+        children either way."""
         last_check = time.monotonic()
         while not self._stopping.is_set():
             try:
-                messages = self.receiver.recv_all(timeout_ms=100)
+                self.reader.read_on_thread(100, self._dispatch)
             except zmq.ZMQError:
                 return
-            for msg in messages:
-                self._dispatch(msg)
             if time.monotonic() - last_check > CHILD_CHECK_S:
                 last_check = time.monotonic()
                 reason = self.runtime.dead()
                 if reason is not None and not self._stopping.is_set():
                     self._mark_dead(f"the {reason}")
+
+    def receive_on_loop(self) -> None:
+        """From now on the running event loop (the HTTP server's) receives the runtime's outputs and puts each
+        in its request's queue itself (socket_reader.py says why); `receive_on_thread` hands them back."""
+        self.reader.move_to_loop(asyncio.get_running_loop(), self._dispatch)
+
+    def receive_on_thread(self) -> None:
+        """The receiver thread receives again (the loop that `receive_on_loop` gave them to is stopping)."""
+        self.reader.move_to_thread()
+
+    def _deliver(self, state: ReqState, item: Any) -> None:
+        """`item` into the request's queue (only `_dispatch` delivers: it runs on the reader's loop while one
+        reads, else on the receiver thread): directly when that is the request's loop, else through it."""
+        if state.loop is self.reader.loop:
+            state.queue.put_nowait(item)
+        else:
+            state.loop.call_soon_threadsafe(state.queue.put_nowait, item)
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchTokenOutput):
@@ -213,13 +234,16 @@ class TokenizerManager:
                 if out["meta_info"]["finish_reason"] is not None:
                     state.finished = True
                     self.rid_to_state.pop(rid, None)
-                state.loop.call_soon_threadsafe(state.queue.put_nowait, out)
+                self._deliver(state, out)
         elif isinstance(msg, RequestAccepted):
             state = self.rid_to_state.get(msg.rid)
             if state is not None:
-                state.loop.call_soon_threadsafe(state.queue.put_nowait, ACCEPTED)
+                self._deliver(state, ACCEPTED)
         elif isinstance(msg, ProcessFailed):
-            self._mark_dead(self._failure_reason(msg))
+            if self.reader.loop is not None:  # naming the dead rank waits and stopping the ranks blocks: not on a loop
+                threading.Thread(target=lambda: self._mark_dead(self._failure_reason(msg)), daemon=True).start()
+            else:
+                self._mark_dead(self._failure_reason(msg))
         elif isinstance(msg, FlushCacheReply | InternalStateReply | ProfileReply):
             waiters = self._control_waiters.get(type(msg), [])
             if waiters:
@@ -239,8 +263,7 @@ class TokenizerManager:
                 if state is None:
                     continue
                 state.finished = True
-                state.loop.call_soon_threadsafe(state.queue.put_nowait,
-                                                DetokenizeError(f"detokenizing the output failed: {e}"))
+                self._deliver(state, DetokenizeError(f"detokenizing the output failed: {e}"))
                 if finished is None and self.dead_error is None:  # still running: free its KV
                     self._send(AbortRequest(rid, "detokenizing the output failed"))
             return None
