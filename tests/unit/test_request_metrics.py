@@ -155,3 +155,20 @@ def test_pd_gauges_and_separate_registries():
     assert sample(fams, "sglang:num_prefill_inflight_queue_reqs", "sglang:num_prefill_inflight_queue_reqs") == 1
     assert sample(fams, "sglang:num_transfer_failed_reqs", "sglang:num_transfer_failed_reqs_total") == 2
     assert value(first, "sglang:num_requests_total") == 1 and value(second, "sglang:num_requests_total") == 0
+
+
+def test_a_server_without_enable_metrics_measures_nothing():
+    """As SGLang, the tokenizer-side histograms are only kept with --enable-metrics: without it every timer is
+    inert (a streamed token pays for no histogram) and the registry stays at zero."""
+    on, off = ServingMetrics(), ServingMetrics(enabled=False)
+    for m in (on, off):
+        t = timer(m, "r", True)
+        t.on_output(out(1), now=0.1)
+        t.on_output(out(2), now=0.2)
+        t.on_output(out(3, LENGTH, completion_tokens=3), now=0.3)
+        timer(m, "gone", True).on_abandoned()
+    assert value(on, "sglang:num_requests_total") == 2 and value(on, "sglang:num_aborted_requests_total") == 1
+    assert value(on, "sglang:inter_token_latency_seconds_count") == 2
+    assert value(off, "sglang:num_requests_total") == 0 and value(off, "sglang:num_aborted_requests_total") == 0
+    assert value(off, "sglang:inter_token_latency_seconds_count") == 0
+    assert value(off, "sglang:time_to_first_token_seconds_count") == 0

@@ -163,8 +163,11 @@ def abort_error(out: dict[str, Any]) -> tuple[int, str] | None:
 
 
 # --- SSE ---------------------------------------------------------------------------------------------
+_JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps builds an encoder per call for non-default options
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
 
 
 async def merge_streams(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -43,7 +43,9 @@ class DetokenizerManager:
     def handle(self, batch: BatchTokenOutput) -> BatchStrOutput:
         out = BatchStrOutput(rids=[], texts=[], output_ids=[], finished_reasons=[], meta=[])
         for i, rid in enumerate(batch.rids):
-            state = self.states.setdefault(rid, DecodeState())
+            state = self.states.get(rid)
+            if state is None:
+                state = self.states[rid] = DecodeState()
             state.ids.extend(batch.new_token_ids[i])
             skip = batch.skip_special_tokens[i] if batch.skip_special_tokens else True
             stops = batch.stop_strings[i] if batch.stop_strings else []

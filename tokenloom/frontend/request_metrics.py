@@ -10,7 +10,8 @@ Lifecycle of one request: `track(rid, stream)` when it is sent (its `RequestTime
 `on_output` for every output the caller receives, then either the final output (it carries a finish reason)
 or `on_abandoned` (the caller went away first) closes it; a closed timer ignores anything after. All of one
 request's calls come from the caller's event loop, in order. Requests whose rid starts with `HEALTH_CHECK_`
-(the /health probe) or `WARMUP_` (the start-up warm-up) are not measured at all.
+(the /health probe) or `WARMUP_` (the start-up warm-up) are not measured at all, nor is anything on a server
+without --enable-metrics (`ServingMetrics(enabled=False)`).
 
 What is measured (times on the TokenizerManager's clock, from the send):
 - counters at the finish: requests (`num_requests_total`), aborted requests (finish reason `abort`, or the
@@ -57,7 +58,10 @@ def is_metered(rid: str) -> bool:
 class ServingMetrics:
     """The request counters and latency histograms of one TokenizerManager, in its own registry."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        """`enabled` False (a server without --enable-metrics, as SGLang collects only with it): every timer is
+        inert, and a streamed token pays for no histogram."""
+        self.enabled = enabled
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.prompt_tokens = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.", registry=r)
@@ -84,7 +88,7 @@ class ServingMetrics:
 
     def track(self, rid: str, stream: bool) -> RequestTimer:
         """A timer for one request, started now (call it when the request is sent)."""
-        return RequestTimer(self if is_metered(rid) else None, stream)
+        return RequestTimer(self if self.enabled and is_metered(rid) else None, stream)
 
 
 class RequestTimer:

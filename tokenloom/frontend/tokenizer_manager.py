@@ -149,7 +149,7 @@ class TokenizerManager:
         self.scheduler_info: dict[str, Any] = {}
         self.on_dead: Callable[[str], None] | None = None
         self.last_output_time = 0.0  # time.monotonic() of the last output from the runtime
-        self.metrics = ServingMetrics()  # /metrics (frontend/request_metrics.py)
+        self.metrics = ServingMetrics(args.enable_metrics)  # /metrics (frontend/request_metrics.py)
         self._launch()
         try:
             self.tokenizer = loading.result()
