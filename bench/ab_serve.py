@@ -12,8 +12,11 @@ sequential streamed /generate requests (random `--prompt-len` token prompts, gre
 ignore_eos) to one server, then the same prompts to the other (who goes first alternates), after one short
 warm-up request each. A request's ITL is (last chunk − first chunk) / (chunks − 1); a round's figure is the
 median over its requests, and the result is the median over rounds of the within-round ratio new / base,
-next to each side's median. The idle server is idle: each round measures one server alone. The last line is
-one JSON object.
+next to each side's median. The idle server is idle: each round measures one server alone. Each side's CPU time
+per generated token is measured too (Linux: /proc/<pid>/task/*/schedstat over its round's requests, warm-up
+excluded), for the HTTP server process and for its children (the scheduler rank: the step's threads): on two
+cores what the server process spends beside the step is taken from the step, and its CPU time varies much less
+from round to round than the ITL. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -76,6 +79,15 @@ class Server:
     def stop(self) -> None:
         stop_process_group(self.proc, term_timeout_s=30)
 
+    def cpu_ns(self) -> tuple[int, int]:
+        """CPU time so far (ns) of the HTTP server process and of its child processes, all threads; (0, 0) where
+        /proc cannot tell (not Linux)."""
+        try:
+            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        except OSError:
+            return 0, 0
+        return _process_cpu_ns(self.proc.pid), sum(_process_cpu_ns(int(c)) for c in children.split())
+
     def generate(self, ids: list[int], output_len: int) -> tuple[float, float]:
         """(TTFT s, ITL s) of one streamed greedy request."""
         body = json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
@@ -90,6 +102,22 @@ class Server:
         if len(chunks) < 2:
             raise RuntimeError(f"{self.name}: {len(chunks)} chunks streamed for {output_len} tokens")
         return chunks[0] - start, (chunks[-1] - chunks[0]) / (len(chunks) - 1)
+
+
+def _process_cpu_ns(pid: int) -> int:
+    """Run time of every thread of `pid` (ns, from /proc/<pid>/task/*/schedstat); 0 when unreadable."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def main() -> int:
@@ -117,6 +145,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     itl: dict[str, list[float]] = {"base": [], "new": []}
     ttft: dict[str, list[float]] = {"base": [], "new": []}
+    cpu_us: dict[str, dict[str, list[float]]] = {name: {"server": [], "children": []} for name in ("base", "new")}
     try:
         for server in servers.values():
             server.wait_ready()
@@ -126,7 +155,12 @@ def main() -> int:
             prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
             for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
                 servers[name].generate(prompts[0][:32], 8)  # warm-up: the idle server's threads wake
+                before = servers[name].cpu_ns()
                 results = [servers[name].generate(ids, args.output_len) for ids in prompts]
+                after = servers[name].cpu_ns()
+                tokens = len(prompts) * args.output_len
+                cpu_us[name]["server"].append((after[0] - before[0]) / tokens / 1e3)
+                cpu_us[name]["children"].append((after[1] - before[1]) / tokens / 1e3)
                 itl[name].append(statistics.median(x[1] for x in results) * 1e3)
                 ttft[name].append(statistics.median(x[0] for x in results) * 1e3)
             print(f"round {r + 1}: base {itl['base'][-1]:.2f} ms, new {itl['new'][-1]:.2f} ms, "
@@ -137,12 +171,17 @@ def main() -> int:
     ratios = [n / b for n, b in zip(itl["new"], itl["base"], strict=True)]
     print(f"median ITL: base {statistics.median(itl['base']):.2f} ms, new {statistics.median(itl['new']):.2f} ms; "
           f"new/base {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    cpu = {name: {part: statistics.median(values) for part, values in parts.items()} for name, parts in cpu_us.items()}
+    print(f"median CPU per token (server process / its children): base {cpu['base']['server']:.0f} / "
+          f"{cpu['base']['children']:.0f} us, new {cpu['new']['server']:.0f} / {cpu['new']['children']:.0f} us",
+          flush=True)
     print(json.dumps({"bench": "ab_serve", "base": args.base_dir, "new": args.new_dir, "model": args.model,
                       "base_env": args.base_env, "new_env": args.new_env, "rounds": args.rounds,
                       "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
                       "base_itl_ms": statistics.median(itl["base"]), "new_itl_ms": statistics.median(itl["new"]),
                       "ratio": statistics.median(ratios), "ratios": ratios,
-                      "base_ttft_ms": statistics.median(ttft["base"]), "new_ttft_ms": statistics.median(ttft["new"])}))
+                      "base_ttft_ms": statistics.median(ttft["base"]), "new_ttft_ms": statistics.median(ttft["new"]),
+                      "cpu_us_per_token": cpu}))
     return 0
 
 

@@ -18,7 +18,8 @@ frontend/socket_reader.py) and puts outputs into its requests' queues directly: 
 fewer per streamed token. The receiver thread also watches the children (`runtime.dead()`): if one
 dies (a scheduler rank is named by rank, e.g. "scheduler rank 1 (tp 1, pp 0)"), every pending
 request fails with a clear error, new requests are refused, and `on_dead` (if set; the HTTP server sets it
-to exit non-zero) is called once from the receiver thread.
+to exit non-zero) is called once, from the receiver thread (or, for a failure reported to the HTTP server's
+loop, from a thread of its own: naming the dead rank waits, and stopping the ranks blocks).
 
 Request lifecycle: `generate_request` registers a `ReqState`, sends the `TokenizedRequest`, yields outputs
 until one carries a finish reason, and removes the state. If the caller goes away first (cancelled task,
