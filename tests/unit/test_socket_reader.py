@@ -1,6 +1,6 @@
 """ipc.drain and frontend/socket_reader.py over real ZMQ sockets: the receiver thread and an asyncio loop take
-turns reading one socket, every message arrives exactly once and in order across the moves, and a handler that
-raises does not stop the reading."""
+turns reading one socket, every message arrives exactly once and in order across the moves, and neither a
+handler that raises nor a message that cannot be decoded stops the reading, on the loop or on the thread."""
 
 from __future__ import annotations
 
@@ -93,28 +93,53 @@ def test_thread_and_loop_take_turns_without_loss_or_reordering(tmp_path):
         receiver.close(), sender.close(), ctx.term()
 
 
-def test_a_failing_handler_does_not_stop_the_loop_reading(tmp_path):
-    ctx, receiver, sender = pair(tmp_path)
-    reader = SocketReader(receiver)
-    got = []
+def send_with_bad_ones(sender: Sender) -> None:
+    """0..4, where 1 makes the handler raise and a garbled message (a token output's tag, then junk) follows 2."""
+    for i in range(5):
+        sender.send(i)
+        if i == 2:
+            sender.socket.send(b"T\x00not a pickle")
 
+
+def failing_on_one(got: list[int]):
     def handle(msg: int) -> None:
         if msg == 1:
             raise RuntimeError("bad message")
         got.append(msg)
+    return handle
+
+
+def test_bad_messages_do_not_stop_the_loop_reading(tmp_path):
+    ctx, receiver, sender = pair(tmp_path)
+    reader = SocketReader(receiver)
+    got: list[int] = []
 
     async def scenario() -> None:
-        reader.move_to_loop(asyncio.get_running_loop(), handle)
-        for i in range(4):
-            sender.send(i)
+        reader.move_to_loop(asyncio.get_running_loop(), failing_on_one(got))
+        send_with_bad_ones(sender)
         deadline = asyncio.get_running_loop().time() + 5
-        while len(got) < 3:
+        while len(got) < 4:
             assert asyncio.get_running_loop().time() < deadline, got
             await asyncio.sleep(0.005)
         reader.move_to_thread()
 
     try:
         asyncio.run(scenario())
-        assert got == [0, 2, 3]
+        assert got == [0, 2, 3, 4]
+    finally:
+        receiver.close(), sender.close(), ctx.term()
+
+
+def test_bad_messages_do_not_stop_the_thread_reading(tmp_path):
+    ctx, receiver, sender = pair(tmp_path)
+    reader = SocketReader(receiver)
+    got: list[int] = []
+    try:
+        send_with_bad_ones(sender)
+        deadline = time.monotonic() + 5
+        while len(got) < 4:
+            assert time.monotonic() < deadline, got
+            reader.read_on_thread(20, failing_on_one(got))
+        assert got == [0, 2, 3, 4]
     finally:
         receiver.close(), sender.close(), ctx.term()

@@ -45,10 +45,11 @@ class SocketReader:
         if not self._thread_may_read.wait(timeout_ms / 1000):
             return
         with self.lock:
-            if self.loop is not None:
+            socket = self.receiver.socket
+            if self.loop is not None or not socket.poll(timeout_ms):
                 return
-            for msg in self.receiver.recv_all(timeout_ms=timeout_ms):
-                _handle_one(handle, msg)
+            for raw in drain(socket):
+                _handle_one(handle, raw)
 
     def move_to_loop(self, loop: asyncio.AbstractEventLoop, handle: Handler) -> None:
         """From now on `loop` (the running one; this call comes from it) reads the socket and calls `handle`
@@ -76,12 +77,18 @@ class SocketReader:
         except zmq.ZMQError:  # closed at shutdown
             return
         for raw in messages:
-            _handle_one(handle, decode(raw))
+            _handle_one(handle, raw)
 
 
-def _handle_one(handle: Handler, msg: Any) -> None:
-    """`handle(msg)`; a failure is logged and the reader goes on with the next message (`handle` answers its
-    own requests' failures; this is the net under it, so one bad message cannot stop every other request)."""
+def _handle_one(handle: Handler, raw: bytes) -> None:
+    """`handle` the message in `raw`; a failure (decoding it, or handling it) is logged and the reader goes on
+    with the next message (`handle` answers its own requests' failures; this is the net under it, so one bad
+    message cannot stop every other request)."""
+    try:
+        msg = decode(raw)
+    except Exception:  # noqa: BLE001 - logged; the reader must keep reading
+        logger.exception("a message from the runtime (%d bytes) could not be decoded", len(raw))
+        return
     try:
         handle(msg)
     except Exception:  # noqa: BLE001 - logged; the reader must keep reading
