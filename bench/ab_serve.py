@@ -105,7 +105,9 @@ class Server:
 
 
 def _process_cpu_ns(pid: int) -> int:
-    """Run time of every thread of `pid` (ns, from /proc/<pid>/task/*/schedstat); 0 when unreadable."""
+    """Run time of every thread of `pid` (ns, from /proc/<pid>/task/*/schedstat); 0 when unreadable. Not
+    executor/process_tree.py's /proc/<pid>/stat reading: that counts 10 ms clock ticks, and a server process's
+    share of one round is ~80 ms."""
     total = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
