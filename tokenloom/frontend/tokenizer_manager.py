@@ -2,7 +2,7 @@
 `RuntimeProcesses`: the scheduler ranks, the detokenizer with --detokenizer-process, and on a prefill server
 the bootstrap service; the entry points build them, entrypoints/runtime.py) and starts them; it validates and
 tokenizes requests, sends them to the scheduler's entry rank, and routes outputs coming back to the waiting
-caller (one `ReqState` per request id).
+caller (one `ReqState` per request id, frontend/request_state.py).
 
 Detokenizing: by default the scheduler's token outputs come straight here and the receiver thread turns them
 into text (`DetokenizerManager`, frontend/detokenizer.py); with --detokenizer-process a process of its own
@@ -17,9 +17,11 @@ Threads: a receiver thread reads the incoming socket and hands each output to th
 frontend/socket_reader.py) and puts outputs into its requests' queues directly: a wake-up and a thread switch
 fewer per streamed token. The receiver thread also watches the children (`runtime.dead()`): if one
 dies (a scheduler rank is named by rank, e.g. "scheduler rank 1 (tp 1, pp 0)"), every pending
-request fails with a clear error, new requests are refused, and `on_dead` (if set; the HTTP server sets it
-to exit non-zero) is called once, from the receiver thread (or, for a failure reported to the HTTP server's
-loop, from a thread of its own: naming the dead rank waits, and stopping the ranks blocks).
+request fails with a clear error (a rank's own report of why it failed, a `ProcessFailed` sent before it
+exits, wins over its exit code: an exit waits a moment for it), new requests are refused, and `on_dead` (if
+set; the HTTP server sets it to exit non-zero) is called once, from the receiver thread (or, for a failure
+reported to the HTTP server's loop, from a thread of its own: naming the dead rank waits, and stopping the
+ranks blocks).
 
 Request lifecycle: `generate_request` registers a `ReqState`, sends the `TokenizedRequest`, yields outputs
 until one carries a finish reason, and removes the state. If the caller goes away first (cancelled task,
@@ -41,7 +43,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import zmq
@@ -53,6 +54,7 @@ from tokenloom.frontend.detokenizer import DetokenizerManager
 from tokenloom.frontend.logprob_accumulator import LogprobAccumulator
 from tokenloom.frontend.request_log import log_finished, log_received
 from tokenloom.frontend.request_metrics import ServingMetrics
+from tokenloom.frontend.request_state import ReqState
 from tokenloom.frontend.socket_reader import SocketReader
 from tokenloom.grammar.spec import GrammarSpec, spec_from_params, validate_spec
 from tokenloom.ipc import IpcAddresses, Receiver, Sender
@@ -90,17 +92,6 @@ class DetokenizeError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """A runtime process died; the engine cannot serve any more requests."""
-
-
-@dataclass
-class ReqState:
-    rid: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    created: float = field(default_factory=time.perf_counter)
-    finished: bool = False
-    aborted_by_client: bool = False
-    logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
 
 
 class RuntimeProcesses(Protocol):
@@ -145,6 +136,7 @@ class TokenizerManager:
         self._control_waiters: dict[type, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self.dead_error: str | None = None
         self._stopping = threading.Event()
+        self._failure_reported = threading.Event()  # a ProcessFailed arrived (it, not an exit code, names why)
         self.runtime = runtime
         self.processes = runtime.processes  # filled as they start
         self.scheduler_info: dict[str, Any] = {}
@@ -202,8 +194,16 @@ class TokenizerManager:
             if time.monotonic() - last_check > CHILD_CHECK_S:
                 last_check = time.monotonic()
                 reason = self.runtime.dead()
-                if reason is not None and not self._stopping.is_set():
+                if reason is not None and not self._stopping.is_set() and not self._report_follows():
                     self._mark_dead(f"the {reason}")
+
+    def _report_follows(self) -> bool:
+        """A child has exited: whether a ProcessFailed arrives within DEAD_PEER_WAIT_S (a rank reports why before
+        it exits, e.g. that a peer stopped responding; the loop may hold the report unread); reads meanwhile."""
+        deadline = time.monotonic() + DEAD_PEER_WAIT_S
+        while not self._failure_reported.is_set() and time.monotonic() < deadline:
+            self.reader.read_on_thread(50, self._dispatch)
+        return self._failure_reported.is_set()
 
     def receive_on_loop(self) -> None:
         """From now on the running event loop (the HTTP server's) receives the runtime's outputs and puts each
@@ -231,7 +231,7 @@ class TokenizerManager:
                 state = self.rid_to_state.get(rid)
                 if state is None:
                     continue
-                out = _response(msg, i, state)
+                out = state.response(msg, i)
                 if out["meta_info"]["finish_reason"] is not None:
                     state.finished = True
                     self.rid_to_state.pop(rid, None)
@@ -241,6 +241,7 @@ class TokenizerManager:
             if state is not None:
                 self._deliver(state, ACCEPTED)
         elif isinstance(msg, ProcessFailed):
+            self._failure_reported.set()
             if self.reader.loop is not None:  # naming the dead rank waits and stopping the ranks blocks: not on a loop
                 threading.Thread(target=lambda: self._mark_dead(self._failure_reason(msg)), daemon=True).start()
             else:
@@ -572,18 +573,6 @@ class TokenizerManager:
     async def stop_profile(self) -> ProfileReply:
         """End the profile started by `start_profile`; every rank writes its trace."""
         return await self._control(StopProfileRequest(), ProfileReply)
-
-
-def _response(msg: BatchStrOutput, i: int, state: ReqState) -> dict[str, Any]:
-    meta = dict(msg.meta[i])
-    finish = msg.finished_reasons[i]
-    if finish is not None and finish.get("type") == "abort" and state.aborted_by_client:
-        finish = {"type": "abort", "message": finish.get("message")}  # no status: not an error to report
-    meta["finish_reason"] = finish
-    if finish is not None:
-        meta["e2e_latency"] = time.perf_counter() - state.created
-    state.logprobs.apply(meta)
-    return {"text": msg.texts[i], "output_ids": msg.output_ids[i], "meta_info": meta}
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
