@@ -313,9 +313,16 @@ def test_row_stream_equals_the_row_tiles(qtype):
         assert float((got[16][2] - ref).norm() / ref.norm()) < 0.01
 
 
-@pytest.fixture(scope="module")
-def portable_lib(tmp_path_factory):
-    """csrc/quant_kquants.c built alone for baseline x86-64 (no AVX-512): the fallback every CPU gets."""
+BUILDS = {  # csrc/quant_kquants.c built alone: the fallback every CPU gets, and the AVX-512 kernels without GFNI
+    "portable": ["-mno-avx512f"],
+    "no_gfni": ["-march=native", "-mno-gfni"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def other_build(request, tmp_path_factory):
+    """csrc/quant_kquants.c built alone with the flags of `BUILDS[name]` (no_gfni: the AVX-512 kernels as on a
+    CPU without GFNI, where the CPU has AVX-512 at all)."""
     import os
     import shutil
     import subprocess
@@ -325,24 +332,25 @@ def portable_lib(tmp_path_factory):
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
-    target = str(tmp_path_factory.mktemp("kq") / "kq_portable.so")
-    subprocess.run([cc, "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx512f",
+    target = str(tmp_path_factory.mktemp("kq") / f"kq_{request.param}.so")
+    subprocess.run([cc, "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", *BUILDS[request.param],
                     os.path.join(CSRC, "quant_kquants.c"), "-o", target], check=True)
     return ctypes.CDLL(target)
 
 
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
-def test_portable_build(portable_lib, qtype):
+def test_other_builds(other_build, qtype):
     n, k, m = 9, 512, 3
     data = make_blocks(qtype, n, k, seed=77)
     w = reference_weights(qtype, data, k)
     x = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
     q, d, s = quantize_activations(x)
-    packed = prepared(qtype, data, k, lib=portable_lib)
-    got = kernel_dot(qtype, packed, q, d, s, lib=portable_lib).astype(np.float64)
-    deq = kernel_dequant(qtype, packed, k, lib=portable_lib)
+    packed = prepared(qtype, data, k, lib=other_build)
+    deq = kernel_dequant(qtype, packed, k, lib=other_build)
     assert np.array_equal(packed, prepared(qtype, data, k))  # the same re-layout as the native build
     assert np.array_equal(deq.view(np.uint32), w.view(np.uint32))
-    seen = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
-    scale = np.abs(seen) @ np.abs(w.astype(np.float64)).T
-    assert np.all(np.abs(got - seen @ w.astype(np.float64).T) <= 1e-5 * scale)
+    for rows in (1, m):  # the row stream and the tiles
+        got = kernel_dot(qtype, packed, q[:rows], d[:rows], s[:rows], lib=other_build).astype(np.float64)
+        seen = q[:rows].astype(np.float64) * np.repeat(d[:rows].astype(np.float64), 32, axis=1)
+        scale = np.abs(seen) @ np.abs(w.astype(np.float64)).T
+        assert np.all(np.abs(got - seen @ w.astype(np.float64).T) <= 1e-5 * scale)

@@ -21,16 +21,21 @@
  * one numpy's float32 arithmetic makes, in any association or fused multiply-add: bit-equal to gguf-py.
  *
  * Dot kernel: vpdpbusd multiplies 64 unsigned weight quants by 64 signed activation bytes into 16 int32
- * lanes of 4 products each. The re-layout orders each super-block's quants so that two such vectors share
- * their sub-block lane for lane (Q4_K/Q5_K: 16-byte halves of 32-element sub-blocks; Q6_K: 8-byte halves of
- * 16-element ones) and their int32 sums add before the float step; the activations, in natural order, are
- * regrouped to match with one cross-lane shuffle per 64 bytes. Each int32 lane is then converted and
- * accumulated with its own scale (weight sub-block scale x activation block scale): per-lane float
- * accumulators, one horizontal sum per output. Q4_K/Q5_K's min terms (dmin*m_j * d_a*s_a per sub-block) are
- * one 8-lane product per super-block; Q6_K's -32 offset enters vpdpbusd's accumulator as -32 * (the
- * activation bytes' sum per lane). Weight rows are processed RB at a time and activation rows MB at a time
- * (register blocking), so a decoded super-block serves every activation row and an activation super-block
- * every weight row. The portable build (no AVX512-VNNI/VBMI) dequantizes a super-block and sums in float.
+ * lanes of 4 products each. The re-layout orders each super-block's 256 quants as four such vectors in which
+ * every int32 lane lies in the same sub-block in all four (Q4_K/Q5_K: 8-byte runs, two lanes per 32-element
+ * sub-block; Q6_K: 4-byte runs, one lane per 16-element sub-block), so the four vpdpbusd of a super-block
+ * chain into one int32 vector and each output pays one int->float conversion, one scale product and one
+ * fused multiply-add per super-block (the earlier layout, two lanes' worth of sub-blocks per vector pair,
+ * paid two of each: measured 1.17x faster per super-block on a Xeon core with one activation row). The
+ * activations, in natural order, are regrouped to match with eight shuffles per super-block (a 4 x 4
+ * transpose of 8-byte or 4-byte units; the same transpose turns the weights back into natural order). Each
+ * int32 lane is then converted and accumulated with its own scale (weight sub-block scale x activation block
+ * scale): per-lane float accumulators, one horizontal sum per output. Q4_K/Q5_K's min terms (dmin*m_j *
+ * d_a*s_a per sub-block) are one 8-lane product per super-block; Q6_K's -32 offset enters vpdpbusd's
+ * accumulator as -32 * (the activation bytes' sum per lane). Weight rows are processed RB at a time and
+ * activation rows MB at a time (register blocking), so a decoded super-block serves every activation row and
+ * an activation super-block every weight row. The portable build (no AVX512-VNNI/VBMI) dequantizes a
+ * super-block and sums in float.
  */
 #ifndef TOKENLOOM_QUANT_KQUANTS_C
 #define TOKENLOOM_QUANT_KQUANTS_C
@@ -97,15 +102,16 @@ static inline void kq_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
  * few vector operations:
  *   bytes 0-7:  f16 d    | sc_j << (16 + 6j)   (one little-endian 64-bit word; j = 0..7)
  *   bytes 8-15: f16 dmin | m_j  << (16 + 6j)
- *   Q5_K only, 32 bytes: four 64-bit masks, the fifth bits of the quant vectors P, Q, R, S below
- *   64 bytes: low nibbles = P, high nibbles = Q;  64 bytes: low nibbles = R, high nibbles = S
- * where, for byte b < 64, P[b] is element 32 * (b / 16) + b % 16 (the first halves of sub-blocks 0-3), Q[b]
- * the same plus 16 (their second halves), R and S the same for sub-blocks 4-7 (plus 128). So each 16-byte
- * lane of P and Q lies in one sub-block (lane l: sub-block l, or 4 + l for R and S), and vpdpbusd's int32
- * lanes of P and Q (and of R and S) can be summed before the per-sub-block float scaling. */
+ *   Q5_K only, 32 bytes: four 64-bit masks, the fifth bits of the quant vectors V0..V3 below
+ *   64 bytes: low nibbles = V0, high nibbles = V1;  64 bytes: low nibbles = V2, high nibbles = V3
+ * where 8-byte run u (bytes 8u..8u+7) of V_v holds elements 8v..8v+7 of sub-block kq_sub(u) = 2 (u % 4) +
+ * u / 4. So int32 lanes 2u and 2u + 1 of all four vectors lie in sub-block kq_sub(u) and vpdpbusd sums them
+ * in one accumulator. In units of 8 bytes this is a 4 x 4 transpose within each 256-bit half: run u of V_v is
+ * run v + 4 (u / 4) of the natural-order 64-byte chunk u % 4 (kq45_swap; its own inverse). */
 
-/* Element of super-block position (vector v in P, Q, R, S; byte b). */
-static inline int kq_elem(int v, int b) { return 128 * (v / 2) + 32 * (b / 16) + 16 * (v % 2) + b % 16; }
+static inline int kq_sub(int u) { return 2 * (u % 4) + u / 4; }
+/* Element of super-block position (vector v in V0..V3; byte b). */
+static inline int kq_elem(int v, int b) { return 32 * kq_sub(b / 8) + 8 * v + b % 8; }
 
 static void kq45_repack_row(uint8_t *row, int64_t k, int five) {
     const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
@@ -167,17 +173,19 @@ static void kq45_dequant_row(const uint8_t *row, int64_t k, float *out, int five
 
 /* ---------------------------------------------------------------- Q6_K re-layout
  *
- * Same idea for Q6_K (210 bytes; scales and d stay at bytes 192-209): its sub-blocks are 16 elements, so the
- * quant vectors P_h, Q_h of each 128-element half h pair 8-element runs: byte b of P_h is element
- * 128h + 16 * (b / 8) + b % 8, of Q_h the same plus 8; int32 lane l of either lies in sub-block 8h + l / 2.
- *   bytes 0-63: low nibbles P_0, high nibbles Q_0 (low 4 bits of the 6-bit quants); bytes 64-127: P_1, Q_1
- *   bytes 128-191: byte b holds the top two bits of P_0[b], Q_0[b], P_1[b], Q_1[b] at bits 0-1, 2-3, 4-5, 6-7 */
+ * Same idea for Q6_K (210 bytes; d stays at bytes 208-209): its sub-blocks are 16 elements, so int32 lane l of
+ * each of the four quant vectors V0..V3 lies in sub-block kq6_sub(l) = 4 (l % 4) + l / 4 and holds its
+ * elements 4v..4v+3 (a 4 x 4 transpose of 4-byte units within each 128-bit lane, kq6_swap; its own inverse).
+ *   bytes 0-63: low nibbles V0, high nibbles V1 (low 4 bits of the 6-bit quants); bytes 64-127: V2, V3
+ *   bytes 128-191: byte b holds the top two bits of V0[b], V1[b], V2[b], V3[b] at bits 0-1, 2-3, 4-5, 6-7
+ *   bytes 192-207: the sub-block scales in lane order (byte 192 + l: sub-block kq6_sub(l)'s) */
 
-static inline int kq6_elem(int v, int b) { return 128 * (v / 2) + 16 * (b / 8) + 8 * (v % 2) + b % 8; }
+static inline int kq6_sub(int l) { return 4 * (l % 4) + l / 4; }
+static inline int kq6_elem(int v, int b) { return 16 * kq6_sub(b / 4) + 4 * v + b % 4; }
 
 static void kq6_repack_row(uint8_t *row, int64_t k) {
     for (int64_t blk = 0; blk < k / KQ_K; ++blk) {
-        uint8_t *p = row + blk * KQ6_BYTES, q[KQ_K], out[192] = {0};
+        uint8_t *p = row + blk * KQ6_BYTES, q[KQ_K], out[208] = {0};
         for (int e = 0; e < KQ_K; ++e) { /* the file layout (see the top of this file) */
             const int h = e / 128, s = (e / 64) % 2, l = e % 64;
             const int hi = (p[128 + 32 * h + l % 32] >> (2 * (2 * s + l / 32))) & 3;
@@ -189,6 +197,7 @@ static void kq6_repack_row(uint8_t *row, int64_t k) {
                 out[64 * (v / 2) + b] |= (uint8_t)((q[e] & 0xf) << (4 * (v % 2)));
                 out[128 + b] |= (uint8_t)((q[e] >> 4) << (2 * v));
             }
+        for (int l = 0; l < 16; ++l) out[192 + l] = p[192 + kq6_sub(l)];
         memcpy(p, out, sizeof out);
     }
 }
@@ -202,7 +211,7 @@ static void kq6_dequant_row(const uint8_t *row, int64_t k, float *out) {
             for (int b = 0; b < 64; ++b) {
                 const int e = kq6_elem(v, b);
                 const int q = ((p[64 * (v / 2) + b] >> (4 * (v % 2))) & 0xf) | (((p[128 + b] >> (2 * v)) & 3) << 4);
-                out[e] = (d * (float)sc[e / 16]) * (float)(q - 32);
+                out[e] = (d * (float)sc[kq6_sub(e / 16)]) * (float)(q - 32);
             }
     }
 }
@@ -233,22 +242,50 @@ static inline __attribute__((always_inline)) __m128i kq_lane(__m512i v, int g) {
     }
 }
 
-/* A re-laid-out Q6_K super-block: v = P_0, Q_0, P_1, Q_1 (unsigned 6-bit quants); returns d * sc_j (16 lanes). */
+/* Q4_K/Q5_K's 4 x 4 transpose of 8-byte runs within each 256-bit half: out[v] run u = in[u % 4] run
+ * v + 4 (u / 4). Natural-order 64-byte chunks in, the re-layout's V0..V3 order out, and back (its own
+ * inverse). Eight shuffles. */
+static inline __attribute__((always_inline)) void kq45_swap(const __m512i in[4], __m512i out[4]) {
+    const __m512i idx_a = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), idx_b = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const __m512i t0 = _mm512_unpacklo_epi64(in[0], in[1]), t1 = _mm512_unpackhi_epi64(in[0], in[1]);
+    const __m512i t2 = _mm512_unpacklo_epi64(in[2], in[3]), t3 = _mm512_unpackhi_epi64(in[2], in[3]);
+    out[0] = _mm512_permutex2var_epi64(t0, idx_a, t2);
+    out[1] = _mm512_permutex2var_epi64(t1, idx_a, t3);
+    out[2] = _mm512_permutex2var_epi64(t0, idx_b, t2);
+    out[3] = _mm512_permutex2var_epi64(t1, idx_b, t3);
+}
+
+/* Q6_K's 4 x 4 transpose of 4-byte units within each 128-bit lane: out[v] lane l = in[l % 4] lane
+ * v + 4 (l / 4) (in int32 lanes). Natural order in, the re-layout's V0..V3 out, and back. Eight shuffles. */
+static inline __attribute__((always_inline)) void kq6_swap(const __m512i in[4], __m512i out[4]) {
+    const __m512i t0 = _mm512_unpacklo_epi32(in[0], in[1]), t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(in[2], in[3]), t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* The natural-order activation super-block at xq as four 64-byte vectors. */
+static inline __attribute__((always_inline)) void kq_load4(const int8_t *xq, __m512i c[4]) {
+    for (int t = 0; t < 4; ++t) c[t] = _mm512_loadu_si512(xq + 64 * t);
+}
+
+/* A re-laid-out Q6_K super-block: v = V0..V3 (unsigned 6-bit quants); returns d * sc in lane order (lane l:
+ * sub-block kq6_sub(l)'s, the lanes of V0..V3 it scales). */
 static inline __attribute__((always_inline)) __m512 kq6_decode(const uint8_t *blk, __m512i v[4]) {
     const __m512i nib = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64), hb = _mm512_loadu_si512(blk + 128);
     /* 0xF8: a | (b & c): the low nibble, then the two high bits moved to bits 4-5 */
     v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nib), _mm512_slli_epi16(hb, 4), m30, 0xF8);
-    v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nib), _mm512_slli_epi16(hb, 2), m30,
-                                     0xF8);
+    v[1] = _mm512_ternarylogic_epi32(tl_high_nibbles(l0), _mm512_slli_epi16(hb, 2), m30, 0xF8);
     v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nib), hb, m30, 0xF8);
-    v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nib), _mm512_srli_epi16(hb, 2), m30,
-                                     0xF8);
+    v[3] = _mm512_ternarylogic_epi32(tl_high_nibbles(l1), _mm512_srli_epi16(hb, 2), m30, 0xF8);
     return _mm512_mul_ps(_mm512_set1_ps(kq_f16(blk + 208)),
                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
 }
 
-/* A re-laid-out Q4_K/Q5_K super-block: v = P, Q, R, S (unsigned 4/5-bit quants); returns d * sc_j in lanes
+/* A re-laid-out Q4_K/Q5_K super-block: v = V0..V3 (unsigned 4/5-bit quants); returns d * sc_j in lanes
  * 0-7 and dmin * m_j in lanes 8-15. */
 static inline __attribute__((always_inline)) __m512 kq45_decode(int five, const uint8_t *blk, __m512i v[4]) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
@@ -262,9 +299,9 @@ static inline __attribute__((always_inline)) __m512 kq45_decode(int five, const 
     const __m512 dd = _mm512_permutexvar_ps(dd_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_shuffle_epi32(hdr, 0x08))));
     const __m512i w0 = _mm512_loadu_si512(qs), w1 = _mm512_loadu_si512(qs + 64);
     v[0] = _mm512_and_si512(w0, nib);
-    v[1] = _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
+    v[1] = tl_high_nibbles(w0);
     v[2] = _mm512_and_si512(w1, nib);
-    v[3] = _mm512_and_si512(_mm512_srli_epi16(w1, 4), nib);
+    v[3] = tl_high_nibbles(w1);
     if (five)
         for (int t = 0; t < 4; ++t) {
             uint64_t bits;
@@ -279,14 +316,15 @@ static inline __attribute__((always_inline)) __m512 kq45_decode(int five, const 
 static void kq45_dequant_row_avx(const uint8_t *row, int64_t k, float *out, int five) {
     const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
     for (int64_t blk = 0; blk < k / KQ_K; ++blk, out += KQ_K) {
-        __m512i v[4];
+        __m512i v[4], nat[4];
         const __m512 wv = kq45_decode(five, row + blk * bytes, v);
         float sc[16];
         _mm512_storeu_ps(sc, wv);
+        kq45_swap(v, nat);
         for (int t = 0; t < 4; ++t)
-            for (int g = 0; g < 4; ++g) { /* lane g of P/Q/R/S: 16 consecutive elements of sub-block 4*(t/2) + g */
-                const int e = 128 * (t / 2) + 32 * g + 16 * (t % 2), j = e / 32;
-                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(kq_lane(v[t], g)));
+            for (int g = 0; g < 4; ++g) { /* natural elements 64t + 16g.., of sub-block 2t + g / 2 */
+                const int e = 64 * t + 16 * g, j = e / 32;
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(kq_lane(nat[t], g)));
                 _mm512_storeu_ps(out + e, _mm512_fmsub_ps(_mm512_set1_ps(sc[j]), qf, _mm512_set1_ps(sc[8 + j])));
             }
     }
@@ -298,12 +336,11 @@ static void kq4_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq4
 static void kq45_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, float *min, int five) {
     const int64_t bytes = five ? KQ5_BYTES : KQ4_BYTES;
     for (int64_t blk = 0; blk < k / KQ_K; ++blk, q += KQ_K, scale += 8, min += 8) {
-        __m512i v[4];
+        __m512i v[4], nat[4];
         float sc[16];
         _mm512_storeu_ps(sc, kq45_decode(five, row + blk * bytes, v));
-        for (int t = 0; t < 4; ++t)
-            for (int g = 0; g < 4; ++g)
-                _mm_storeu_si128((__m128i *)(q + 128 * (t / 2) + 32 * g + 16 * (t % 2)), kq_lane(v[t], g));
+        kq45_swap(v, nat);
+        for (int t = 0; t < 4; ++t) _mm512_storeu_si512(q + 64 * t, nat[t]);
         for (int j = 0; j < 8; ++j) {
             scale[j] = sc[j];
             min[j] = -sc[8 + j];
@@ -320,14 +357,13 @@ static void kq5_dequant_row_avx(const uint8_t *row, int64_t k, float *out) { kq4
 
 /* A re-laid-out Q6_K super-block's 16 sub-blocks as 16 unsigned quants each, in natural order, and d * sc_j. */
 static inline __attribute__((always_inline)) void kq6_sub_blocks(const uint8_t *blk, __m128i sub[16], float sc[16]) {
-    __m512i v[4];
-    _mm512_storeu_ps(sc, kq6_decode(blk, v));
-    for (int h = 0; h < 2; ++h) {
-        /* per 128-bit lane: 8-byte runs of P and Q side by side are one 16-element sub-block */
-        const __m512i lo = _mm512_unpacklo_epi64(v[2 * h], v[2 * h + 1]);
-        const __m512i hi = _mm512_unpackhi_epi64(v[2 * h], v[2 * h + 1]);
-        for (int g = 0; g < 8; ++g) /* sub-block 8h + g: lane g / 2 of lo (g even) or hi (g odd) */
-            sub[8 * h + g] = kq_lane(g % 2 ? hi : lo, g / 2);
+    __m512i v[4], nat[4];
+    float lane_sc[16];
+    _mm512_storeu_ps(lane_sc, kq6_decode(blk, v));
+    kq6_swap(v, nat);
+    for (int j = 0; j < 16; ++j) { /* sub-block j: natural elements 16j.. (lane j % 4 of vector j / 4) */
+        sub[j] = kq_lane(nat[j / 4], j % 4);
+        sc[j] = lane_sc[kq6_sub(j)];
     }
 }
 
@@ -359,111 +395,78 @@ static void kq6_u8_row(const uint8_t *row, int64_t k, uint8_t *q, float *scale, 
     }
 }
 
-/* Q6_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per half
- * of a super-block and activation row, the natural chunks are regrouped by 8-byte runs into the P, Q order
- * (one vpermt2q each); the weights' -32 offset enters vpdpbusd's accumulator as -32 * (the activation bytes'
- * sum per int32 lane of P and Q), computed once per activation half. */
-static inline __attribute__((always_inline)) void kq_tile6(int unused, int RB, int MB, const uint8_t *w,
-                                                           int64_t row_bytes, int64_t j, const tl_act_q8 *a,
-                                                           int r0, float *out, int64_t out_stride) {
-    (void)unused;
-    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
-    const int64_t ahead = tl_quant_prefetch_tiles * RB * row_bytes;
-    const __m512i n32 = _mm512_set1_epi8(32);
-    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m512i odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i sub[2] = {_mm512_srli_epi32(lane, 1),
-                            _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
-    const __m512i act[2] = {_mm512_srli_epi32(lane, 2),
-                            _mm512_add_epi32(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(4))};
-    __m512 acc[4][4];
-    for (int i = 0; i < RB; ++i)
-        for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i x[4][4], init[4][2];
-        __m512 as[4][2];
-        for (int r = 0; r < MB; ++r) {
-            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
-            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + (int64_t)(r0 + r) * nblk32 + 8 * b));
-            for (int h = 0; h < 2; ++h) {
-                const __m512i c0 = _mm512_loadu_si512(xq + 128 * h), c1 = _mm512_loadu_si512(xq + 128 * h + 64);
-                x[r][2 * h] = _mm512_permutex2var_epi64(c0, even, c1);
-                x[r][2 * h + 1] = _mm512_permutex2var_epi64(c0, odd, c1);
-                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), n32, x[r][2 * h]),
-                                                        n32, x[r][2 * h + 1]);
-                init[r][h] = _mm512_sub_epi32(_mm512_setzero_si512(), s32);
-                as[r][h] = _mm512_permutexvar_ps(act[h], da);
-            }
-        }
-        for (int i = 0; i < RB; ++i) {
-            const uint8_t *blk = w + (j + i) * row_bytes + b * KQ6_BYTES;
-            if (ahead) kq_prefetch(blk + ahead, KQ6_BYTES);
-            __m512i v[4];
-            const __m512 wsc = kq6_decode(blk, v);
-            for (int h = 0; h < 2; ++h) {
-                const __m512 ws = _mm512_permutexvar_ps(sub[h], wsc);
-                for (int r = 0; r < MB; ++r) {
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[r][h], v[2 * h], x[r][2 * h]),
-                                                            v[2 * h + 1], x[r][2 * h + 1]);
-                    acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, as[r][h]), acc[i][r]);
-                }
-            }
-        }
+/* Per-lane index vectors: lane l's sub-block, for the weight scales of Q4_K/Q5_K (kq_sub(l / 2)), and
+ * lane l's 32-element activation block (Q4_K/Q5_K: the same; Q6_K: kq6_sub(l) / 2). */
+static inline __m512i kq45_lane_sub(void) { return _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7); }
+static inline __m512i kq6_lane_act(void) { return _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7); }
+
+/* One activation row's super-block (natural order at xq, block scales from da[0..7]) made ready for the dot:
+ * x = V0..V3 order, as = d_a per lane; Q4_K/Q5_K: dsa = d_a * s_a per sub-block in lanes 8-15 (lanes 0-7
+ * zero; for the min term); Q6_K: init = -32 * (the bytes' sum per lane), vpdpbusd's starting accumulator. */
+static inline __attribute__((always_inline)) void kq_act_prep(int six, const int8_t *xq, const float *da,
+                                                              const int32_t *sa, __m512i x[4], __m512 *as,
+                                                              __m512 *dsa, __m512i *init) {
+    __m512i c[4];
+    kq_load4(xq, c);
+    const __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(da));
+    if (six) {
+        const __m512i n32 = _mm512_set1_epi8(32);
+        kq6_swap(c, x);
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), n32, x[0]), n32, x[1]);
+        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, n32, x[2]), n32, x[3]);
+        *init = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+        *as = _mm512_permutexvar_ps(kq6_lane_act(), d8);
+    } else {
+        kq45_swap(c, x);
+        *as = _mm512_permutexvar_ps(kq45_lane_sub(), d8);
+        const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(da), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sa)));
+        *dsa = _mm512_insertf32x8(_mm512_setzero_ps(), ds, 1);
     }
-    for (int i = 0; i < RB; ++i)
-        for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + i] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-/* Q4_K/Q5_K (re-laid-out form): outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB). Per
- * super-block and activation row, the natural 64-byte chunks c0..c3 are regrouped by 16-byte lanes into the
- * P, Q, R, S order of the weights (one vshufi64x2 each); int32 sums of P and Q (R and S) share sub-blocks
- * lane for lane, so each super-block needs two int->float conversions per output, not four. */
-static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, int MB, const uint8_t *w,
-                                                            int64_t row_bytes, int64_t j, const tl_act_q8 *a,
-                                                            int r0, float *out, int64_t out_stride) {
-    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK, bytes = five ? KQ5_BYTES : KQ4_BYTES;
+/* One weight row's super-block against one prepared activation row, into acc: the four vpdpbusd chained
+ * (from init), converted once, times the per-lane weight scale ws and activation scale as; Q4_K/Q5_K also
+ * subtract the min term (wv lanes 8-15: dmin * m_j, times dsa). */
+static inline __attribute__((always_inline)) __m512 kq_block_dot(int six, const __m512i v[4], const __m512i x[4],
+                                                                 __m512i init, __m512 ws, __m512 as, __m512 wv,
+                                                                 __m512 dsa, __m512 acc) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, v[0], x[0]), v[1], x[1]);
+    dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, v[2], x[2]), v[3], x[3]);
+    if (!six) acc = _mm512_fnmadd_ps(wv, dsa, acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, as), acc);
+}
+
+/* Outputs for weight rows [j, j + RB) and activation rows [r0, r0 + MB) of a re-laid-out K type (six: Q6_K,
+ * else Q4_K, or Q5_K with five). Per super-block, each activation row is prepared once (kq_act_prep) and
+ * each weight row decoded once, then every pair meets in kq_block_dot. */
+static inline __attribute__((always_inline)) void kq_tile(int six, int five, int RB, int MB, const uint8_t *w,
+                                                          int64_t row_bytes, int64_t j, const tl_act_q8 *a, int r0,
+                                                          float *out, int64_t out_stride) {
+    const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
+    const int64_t bytes = six ? KQ6_BYTES : five ? KQ5_BYTES : KQ4_BYTES;
     const int64_t ahead = tl_quant_prefetch_tiles * RB * row_bytes;
-    const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
-    const __m512i lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
+    const __m512i lane_sub = kq45_lane_sub();
     __m512 acc[4][4];
     for (int i = 0; i < RB; ++i)
         for (int r = 0; r < MB; ++r) acc[i][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i x[4][4];
-        __m512 asA[4], asB[4], dsa[4];
+        __m512i x[4][4], init[4];
+        __m512 as[4], dsa[4];
         for (int r = 0; r < MB; ++r) {
-            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
-            const __m512i c0 = _mm512_loadu_si512(xq), c1 = _mm512_loadu_si512(xq + 64);
-            const __m512i c2 = _mm512_loadu_si512(xq + 128), c3 = _mm512_loadu_si512(xq + 192);
-            x[r][0] = _mm512_shuffle_i64x2(c0, c1, 0x88);
-            x[r][1] = _mm512_shuffle_i64x2(c0, c1, 0xdd);
-            x[r][2] = _mm512_shuffle_i64x2(c2, c3, 0x88);
-            x[r][3] = _mm512_shuffle_i64x2(c2, c3, 0xdd);
             const int64_t o = (int64_t)(r0 + r) * nblk32 + 8 * b;
-            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + o));
-            asA[r] = _mm512_permutexvar_ps(lane4, da);
-            asB[r] = _mm512_permutexvar_ps(lane4b, da);
-            /* lanes 8-15: d_a * s_a per sub-block, for the min term (lanes 0-7 zero) */
-            const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(a->d + o),
-                                            _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->s + o))));
-            dsa[r] = _mm512_insertf32x8(_mm512_setzero_ps(), ds, 1);
+            init[r] = _mm512_setzero_si512();
+            dsa[r] = _mm512_setzero_ps();
+            kq_act_prep(six, a->q + (int64_t)(r0 + r) * k + b * KQ_K, a->d + o, a->s + o, x[r], &as[r], &dsa[r],
+                        &init[r]);
         }
         for (int i = 0; i < RB; ++i) {
             __m512i v[4];
             const uint8_t *blk = w + (j + i) * row_bytes + b * bytes;
             if (ahead) kq_prefetch(blk + ahead, (int)bytes);
-            const __m512 wv = kq45_decode(five, blk, v);
-            const __m512 wsA = _mm512_permutexvar_ps(lane4, wv), wsB = _mm512_permutexvar_ps(lane4b, wv);
-            for (int r = 0; r < MB; ++r) {
-                const __m512i iA = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x[r][0]),
-                                                       v[1], x[r][1]);
-                const __m512i iB = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[2], x[r][2]),
-                                                       v[3], x[r][3]);
-                __m512 t = _mm512_fnmadd_ps(wv, dsa[r], acc[i][r]);
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iA), _mm512_mul_ps(wsA, asA[r]), t);
-                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iB), _mm512_mul_ps(wsB, asB[r]), t);
-            }
+            const __m512 wv = six ? kq6_decode(blk, v) : kq45_decode(five, blk, v);
+            const __m512 ws = six ? wv : _mm512_permutexvar_ps(lane_sub, wv);
+            for (int r = 0; r < MB; ++r)
+                acc[i][r] = kq_block_dot(six, v, x[r], init[r], ws, as[r], wv, dsa[r], acc[i][r]);
         }
     }
     for (int i = 0; i < RB; ++i)
@@ -485,44 +488,21 @@ static inline __attribute__((always_inline)) void kq_tile45(int five, int RB, in
 #define KQ_SEQ_AHEAD 4096 /* software prefetch distance of the stream (x tl_quant_prefetch_tiles), bytes */
 #define KQ_SEQ_PAGE 4096  /* the stream runs for rows shorter than this (bytes) */
 
-/* Activation rows [r0, r0 + mb), super-block b, at prep[(b * mb + r) * 8]: Q4_K/Q5_K: x regrouped P, Q, R, S,
- * then asA, asB (d_a of each lane's sub-block), dsa (lanes 8-15: d_a * s_a per sub-block); Q6_K: x regrouped
- * P0, Q0, P1, Q1, the two halves' -32 * (byte sums) accumulator starts, and their d_a per lane. */
+/* Activation rows [r0, r0 + mb), super-block b, at prep[(b * mb + r) * 8]: kq_act_prep's x (V0..V3 order),
+ * then as, dsa (Q4_K/Q5_K) and init (Q6_K). */
+enum { KQ_PREP_AS = 4, KQ_PREP_DSA = 5, KQ_PREP_INIT = 6 };
 static void kq_seq_prep(int six, const tl_act_q8 *a, int r0, int mb, __m512i *prep) {
     const int64_t k = a->k, nb = k / KQ_K, nblk32 = k / TL_QK;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i lane4 = _mm512_srli_epi32(lane, 2), lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
-    const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i n32 = _mm512_set1_epi8(32);
     for (int64_t b = 0; b < nb; ++b)
         for (int r = 0; r < mb; ++r) {
             __m512i *p = prep + (b * mb + r) * KQ_SEQ_STRIDE;
-            const int8_t *xq = a->q + (int64_t)(r0 + r) * k + b * KQ_K;
             const int64_t o = (int64_t)(r0 + r) * nblk32 + 8 * b;
-            const __m512 da = _mm512_castps256_ps512(_mm256_loadu_ps(a->d + o));
-            if (six) {
-                for (int h = 0; h < 2; ++h) {
-                    const __m512i c0 = _mm512_loadu_si512(xq + 128 * h), c1 = _mm512_loadu_si512(xq + 128 * h + 64);
-                    p[2 * h] = _mm512_permutex2var_epi64(c0, even, c1);
-                    p[2 * h + 1] = _mm512_permutex2var_epi64(c0, odd, c1);
-                    const __m512i s32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), n32, p[2 * h]),
-                                                            n32, p[2 * h + 1]);
-                    p[4 + h] = _mm512_sub_epi32(_mm512_setzero_si512(), s32);
-                    p[6 + h] = _mm512_castps_si512(_mm512_permutexvar_ps(h ? lane4b : lane4, da));
-                }
-            } else {
-                const __m512i c0 = _mm512_loadu_si512(xq), c1 = _mm512_loadu_si512(xq + 64);
-                const __m512i c2 = _mm512_loadu_si512(xq + 128), c3 = _mm512_loadu_si512(xq + 192);
-                p[0] = _mm512_shuffle_i64x2(c0, c1, 0x88);
-                p[1] = _mm512_shuffle_i64x2(c0, c1, 0xdd);
-                p[2] = _mm512_shuffle_i64x2(c2, c3, 0x88);
-                p[3] = _mm512_shuffle_i64x2(c2, c3, 0xdd);
-                p[4] = _mm512_castps_si512(_mm512_permutexvar_ps(lane4, da));
-                p[5] = _mm512_castps_si512(_mm512_permutexvar_ps(lane4b, da));
-                const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(a->d + o),
-                                                _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->s + o))));
-                p[6] = _mm512_castps_si512(_mm512_insertf32x8(_mm512_setzero_ps(), ds, 1));
-            }
+            __m512 as, dsa = _mm512_setzero_ps();
+            __m512i init = _mm512_setzero_si512();
+            kq_act_prep(six, a->q + (int64_t)(r0 + r) * k + b * KQ_K, a->d + o, a->s + o, p, &as, &dsa, &init);
+            p[KQ_PREP_AS] = _mm512_castps_si512(as);
+            p[KQ_PREP_DSA] = _mm512_castps_si512(dsa);
+            p[KQ_PREP_INIT] = init;
         }
 }
 
@@ -531,11 +511,10 @@ static inline __attribute__((always_inline)) void kq_seq_rows(int type, const in
                                                               int64_t row_bytes, int64_t n0, int64_t n1, int64_t k,
                                                               const __m512i *prep, int r0, float *out,
                                                               int64_t out_stride) {
-    const int64_t nb = k / KQ_K, bytes = type == 6 ? KQ6_BYTES : type == 5 ? KQ5_BYTES : KQ4_BYTES;
+    const int six = type == 6, five = type == 5;
+    const int64_t nb = k / KQ_K, bytes = six ? KQ6_BYTES : five ? KQ5_BYTES : KQ4_BYTES;
     const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * KQ_SEQ_AHEAD;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i lane4 = _mm512_srli_epi32(lane, 2), lane4b = _mm512_add_epi32(lane4, _mm512_set1_epi32(4));
-    const __m512i sub[2] = {_mm512_srli_epi32(lane, 1), _mm512_add_epi32(_mm512_srli_epi32(lane, 1), _mm512_set1_epi32(8))};
+    const __m512i lane_sub = kq45_lane_sub();
     for (int64_t j = n0; j < n1; ++j) {
         const uint8_t *row = w + j * row_bytes;
         __m512 acc[KQ_SEQ_MAX_MB];
@@ -545,31 +524,12 @@ static inline __attribute__((always_inline)) void kq_seq_rows(int type, const in
             if (ahead) kq_prefetch(blk + ahead, (int)bytes);
             const __m512i *p = prep + b * MB * KQ_SEQ_STRIDE;
             __m512i v[4];
-            if (type == 6) {
-                const __m512 wsc = kq6_decode(blk, v);
-                for (int h = 0; h < 2; ++h) {
-                    const __m512 ws = _mm512_permutexvar_ps(sub[h], wsc);
-                    for (int r = 0; r < MB; ++r) {
-                        const __m512i *x = p + r * KQ_SEQ_STRIDE;
-                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(x[4 + h], v[2 * h], x[2 * h]),
-                                                                v[2 * h + 1], x[2 * h + 1]);
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_castsi512_ps(x[6 + h])),
-                                                 acc[r]);
-                    }
-                }
-            } else {
-                const __m512 wv = kq45_decode(type == 5, blk, v);
-                const __m512 wsA = _mm512_permutexvar_ps(lane4, wv), wsB = _mm512_permutexvar_ps(lane4b, wv);
-                for (int r = 0; r < MB; ++r) {
-                    const __m512i *x = p + r * KQ_SEQ_STRIDE;
-                    const __m512i iA = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x[0]),
-                                                           v[1], x[1]);
-                    const __m512i iB = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[2], x[2]),
-                                                           v[3], x[3]);
-                    __m512 t = _mm512_fnmadd_ps(wv, _mm512_castsi512_ps(x[6]), acc[r]);
-                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iA), _mm512_mul_ps(wsA, _mm512_castsi512_ps(x[4])), t);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iB), _mm512_mul_ps(wsB, _mm512_castsi512_ps(x[5])), t);
-                }
+            const __m512 wv = six ? kq6_decode(blk, v) : kq45_decode(five, blk, v);
+            const __m512 ws = six ? wv : _mm512_permutexvar_ps(lane_sub, wv);
+            for (int r = 0; r < MB; ++r) {
+                const __m512i *x = p + r * KQ_SEQ_STRIDE;
+                acc[r] = kq_block_dot(six, v, x, six ? x[KQ_PREP_INIT] : _mm512_setzero_si512(), ws, _mm512_castsi512_ps(x[KQ_PREP_AS]), wv,
+                                      _mm512_castsi512_ps(x[KQ_PREP_DSA]), acc[r]);
             }
         }
         for (int r = 0; r < MB; ++r) out[(int64_t)(r0 + r) * out_stride + (j - n0)] = _mm512_reduce_add_ps(acc[r]);
@@ -600,31 +560,31 @@ static inline __attribute__((always_inline)) int kq_seq_dot(int type, const uint
     return 1;
 }
 
-#define KQ_TILES(TILE, T, SEQ, NAME)                                                                             \
+#define KQ_TILES(SIX, FIVE, SEQ, NAME)                                                                           \
     static void NAME(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, \
                      float *out, int64_t out_stride) {                                                           \
         (void)n; /* rows stay whole */                                                                           \
-        if (a->m <= tl_quant_seq_max_m && kq_seq_dot(SEQ, w, row_bytes, n0, n1, a, out, out_stride)) return;        \
+        if (a->m <= tl_quant_seq_max_m && kq_seq_dot(SEQ, w, row_bytes, n0, n1, a, out, out_stride)) return;     \
         int64_t j = n0;                                                                                          \
         for (; j + 4 <= n1; j += 4) {                                                                            \
             int r = 0;                                                                                           \
-            for (; r + 4 <= a->m; r += 4) TILE(T, 4, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
+            for (; r + 4 <= a->m; r += 4) kq_tile(SIX, FIVE, 4, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride); \
             switch (a->m - r) {                                                                                  \
-            case 3: TILE(T, 4, 3, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
-            case 2: TILE(T, 4, 2, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
-            case 1: TILE(T, 4, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;                  \
+            case 3: kq_tile(SIX, FIVE, 4, 3, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;          \
+            case 2: kq_tile(SIX, FIVE, 4, 2, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;          \
+            case 1: kq_tile(SIX, FIVE, 4, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride); break;          \
             default: break;                                                                                      \
             }                                                                                                    \
         }                                                                                                        \
         for (; j < n1; ++j) {                                                                                    \
             int r = 0;                                                                                           \
-            for (; r + 4 <= a->m; r += 4) TILE(T, 1, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride);   \
-            for (; r < a->m; ++r) TILE(T, 1, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride);           \
+            for (; r + 4 <= a->m; r += 4) kq_tile(SIX, FIVE, 1, 4, w, row_bytes, j, a, r, out + (j - n0), out_stride); \
+            for (; r < a->m; ++r) kq_tile(SIX, FIVE, 1, 1, w, row_bytes, j, a, r, out + (j - n0), out_stride);  \
         }                                                                                                        \
     }
-KQ_TILES(kq_tile45, 0, 4, kq4_dot_rows)
-KQ_TILES(kq_tile45, 1, 5, kq5_dot_rows)
-KQ_TILES(kq_tile6, 0, 6, kq6_dot_rows)
+KQ_TILES(0, 0, 4, kq4_dot_rows)
+KQ_TILES(0, 1, 5, kq5_dot_rows)
+KQ_TILES(1, 0, 6, kq6_dot_rows)
 #undef KQ_TILES
 
 #else /* portable: dequantize a super-block, float dot with the dequantized activations */

@@ -379,7 +379,7 @@ static inline __attribute__((always_inline)) void q4_lanes_dot(const uint8_t *sr
     for (int L = 0; L < 4; ++L) {
         if (ahead) TL_QUANT_PREFETCH(src + 64 * L + ahead);
         const __m512i q = _mm512_loadu_si512(src + 64 * L);
-        const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        const __m512i lo = _mm512_and_si512(q, low), hi = tl_high_nibbles(q);
         for (int j = 0; j < MR; ++j) {
             c[j][2 * (L & 1)] = _mm512_dpbusd_epi32(c[j][2 * (L & 1)], lo, xv[j][2 * L]);
             c[j][2 * (L & 1) + 1] = _mm512_dpbusd_epi32(c[j][2 * (L & 1) + 1], hi, xv[j][2 * L + 1]);
@@ -406,13 +406,13 @@ static inline __attribute__((always_inline)) void q4_group_dot(const int g, cons
         for (int V = 0; V < 2; ++V) {
             const __m512i q = _mm512_loadu_si512(src + 64 * V);
             wq[2 * V] = _mm512_and_si512(q, low);
-            wq[2 * V + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            wq[2 * V + 1] = tl_high_nibbles(q);
         }
         dwv = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dw)));
     } else if (g == 4) {
         const __m512i q = _mm512_loadu_si512(src);
         wq[0] = _mm512_and_si512(q, low);
-        wq[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        wq[1] = tl_high_nibbles(q);
         int64_t d4;
         memcpy(&d4, dw, 8);
         dwv = _mm512_cvtph_ps(_mm256_set1_epi64x(d4));
