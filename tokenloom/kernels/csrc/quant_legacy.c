@@ -33,6 +33,13 @@
  * activation row (it was two 64-byte vpdpbusd on half-empty vectors and a vpermps per group: decode step
  * 0.973x at batch 1, 0.965x at batch 4, `bench/ab_decode.py`). Integer sums are exact, so the order of the
  * vpdpbusd chains does not change a result.
+ * Q8_0 quants are interleaved alike in every full span of 16 blocks (the blocks after the last span keep the
+ * file order): byte 64 V + 4 i + t of a span is byte 4 V + t of its block i (V = 0..7), so lane i of each of
+ * the span's eight 64-byte vectors belongs to block i, the eight vpdpbusd of an activation row chain into one
+ * int32 vector, and the span costs one conversion and one multiply-add per output (the file order paid a
+ * conversion, a vpermps and a multiply-add per 64 bytes). Q8_0's kernels regroup the activations to match
+ * themselves (q8_regroup, once per span and activation row: in the stream's prepared buffer, or per tile), so
+ * its callers make no other order (a MoE layer may mix Q4 and Q8_0 experts over one activation order).
  * The weight offset goes through the activation block sums s, on the same span vectors: Q4_0 adds
  * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s). A tile is 16 weight rows x 1
  * activation row or 8 x 2 (16 accumulators), ended by one batched horizontal sum (reduce16).
@@ -145,7 +152,29 @@ static void q4_interleave(uint8_t *qs, int64_t nb) {
     }
 }
 
-/* The whole matrix data [n rows of k columns]: each row re-laid out (legacy_repack; Q4: its quants interleaved),
+/* Interleaves the quants of every full span of 16 Q8_0 blocks (qs: the row's quants, file order): block i's
+ * bytes 4 V .. 4 V + 3 go to the span's bytes 64 V + 4 i .. (the header comment); the rest stay. */
+static void q8_interleave(uint8_t *qs, int64_t nb) {
+    uint8_t span[512];
+    for (int64_t b0 = 0; b0 + 16 <= nb; b0 += 16) {
+        uint8_t *at = qs + 32 * b0;
+        for (int i = 0; i < 16; ++i)
+            for (int V = 0; V < 8; ++V) memcpy(span + 64 * V + 4 * i, at + 32 * i + 4 * V, 4);
+        memcpy(at, span, sizeof span);
+    }
+}
+
+/* Block b's 32 quant bytes in the file's order, from a re-laid-out Q8_0 row's quants `qs` (nb blocks). */
+static inline void q8_block_bytes(const uint8_t *qs, int64_t nb, int64_t b, uint8_t out[32]) {
+    if (b >= nb / 16 * 16) {
+        memcpy(out, qs + 32 * b, 32);
+        return;
+    }
+    const uint8_t *at = qs + 32 * (b - b % 16) + 4 * (b % 16);
+    for (int V = 0; V < 8; ++V) memcpy(out + 4 * V, at + 64 * V, 4);
+}
+
+/* The whole matrix data [n rows of k columns]: each row re-laid out (legacy_repack; its quants interleaved),
  * then every row's quants gathered at the front and every row's scale fields after them, field by field
  * (legacy_view). -1 when the copy cannot be allocated. */
 static int legacy_repack_matrix(uint8_t *data, int64_t n, int64_t k, int block_size, int fields, const int q4) {
@@ -156,7 +185,10 @@ static int legacy_repack_matrix(uint8_t *data, int64_t n, int64_t k, int block_s
     for (int64_t r = 0; r < n; ++r) {
         uint8_t *row = data + r * row_bytes;
         legacy_repack(row, k, block_size, fields, !q4);
-        if (q4) q4_interleave(row + scale_bytes, nb);
+        if (q4)
+            q4_interleave(row + scale_bytes, nb);
+        else
+            q8_interleave(row + scale_bytes, nb);
     }
     memcpy(copy, data, (size_t)(n * row_bytes));
     for (int64_t r = 0; r < n; ++r) {
@@ -224,8 +256,10 @@ static void q8_0_dequant(const uint8_t *w, int64_t n, int64_t r, int64_t k, floa
     const __m512i flip = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b));
+        uint8_t bytes[32];
+        q8_block_bytes(qs, nb, b, bytes);
         for (int h = 0; h < 2; ++h) {
-            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
             _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip))));
         }
     }
@@ -271,8 +305,10 @@ static void q8_0_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k,
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 d = _mm512_set1_ps(h2f(R.d + 2 * b));
         __m512 v[2];
+        uint8_t bytes[32];
+        q8_block_bytes(qs, nb, b, bytes);
         for (int h = 0; h < 2; ++h) {
-            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16 * h)));
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
             v[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip)));
         }
         _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
@@ -509,7 +545,42 @@ static inline __attribute__((always_inline)) void q4_span(const int kind, const 
         q4_tail_groups(T->q + r * T->q_stride, T->d + r * T->s_stride, b, nblk, MR, a, r0, ahead, acc + r * MR);
 }
 
-/* One span of a Q8_0 tile (quants stored + 128): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
+/* A full span of natural-order activations (16 blocks at xq) in the interleaved Q8_0 order: x[V] lane i holds
+ * bytes 4 V .. 4 V + 3 of block i (a 16 x 8 transpose of 4-byte units: per pair of natural vectors one
+ * vpermt2d per half of V, then a 4 x 4 transpose of 128-bit lanes; 24 shuffles). */
+static inline __attribute__((always_inline)) void q8_regroup(const int8_t *xq, __m512i x[8]) {
+    /* half h: lane W - 4h of each vpermt2d holds dword W of the pair's four blocks */
+    const __m512i idx[2] = {_mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27),
+                            _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31)};
+    for (int h = 0; h < 2; ++h) {
+        __m512i t[4];
+        for (int p = 0; p < 4; ++p)
+            t[p] = _mm512_permutex2var_epi32(_mm512_loadu_si512(xq + 128 * p), idx[h], _mm512_loadu_si512(xq + 128 * p + 64));
+        const __m512i u0 = _mm512_shuffle_i32x4(t[0], t[1], 0x44), u1 = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
+        const __m512i u2 = _mm512_shuffle_i32x4(t[2], t[3], 0x44), u3 = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
+        x[4 * h] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        x[4 * h + 1] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        x[4 * h + 2] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        x[4 * h + 3] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+}
+
+/* Lane i: block i's integer dot product over a full span of interleaved Q8_0 quants (src) against MR activation
+ * rows' regrouped vectors (xv[j]), into dot[j]; two vpdpbusd chains per activation row. */
+static inline __attribute__((always_inline)) void q8_lanes_dot(const uint8_t *src, const int MR,
+                                                              const __m512i *const *xv, int64_t ahead, __m512i *dot) {
+    __m512i c[4][2];
+    for (int j = 0; j < MR; ++j) c[j][0] = c[j][1] = _mm512_setzero_si512();
+    for (int V = 0; V < 8; ++V) {
+        if (ahead) TL_QUANT_PREFETCH(src + 64 * V + ahead);
+        const __m512i u = _mm512_loadu_si512(src + 64 * V);
+        for (int j = 0; j < MR; ++j) c[j][V & 1] = _mm512_dpbusd_epi32(c[j][V & 1], u, xv[j][V]);
+    }
+    for (int j = 0; j < MR; ++j) dot[j] = _mm512_add_epi32(c[j][0], c[j][1]);
+}
+
+/* One span of a Q8_0 tile (quants stored + 128). A full span: the interleaved layout (q8_lanes_dot); the blocks
+ * after the last one (file order): two blocks per 64-byte vector, lanes 0..7 and 8..15. */
 static inline __attribute__((always_inline)) void q8_span(const legacy_mat *T, const int NR, const int MR,
                                                           const tl_act_q8 *a, int64_t r0, int64_t b, const int MASKED,
                                                           int nblk, int64_t ahead, __m512 *acc) {
@@ -517,6 +588,20 @@ static inline __attribute__((always_inline)) void q8_span(const legacy_mat *T, c
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     __m512 p[LEGACY_MAX_OUT];
     span_scales(2, T, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
+    if (!MASKED) {
+        __m512i xs[4][8], dot[4];
+        const __m512i *xv[4];
+        for (int j = 0; j < MR; ++j) {
+            q8_regroup(a->q + (r0 + j) * k + 32 * b, xs[j]);
+            xv[j] = xs[j];
+        }
+        for (int r = 0; r < NR; ++r) {
+            q8_lanes_dot(T->q + r * T->q_stride + 32 * b, MR, xv, ahead, dot);
+            for (int j = 0; j < MR; ++j)
+                acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), p[r * MR + j], acc[r * MR + j]);
+        }
+        return;
+    }
     const int pairs = MASKED ? (nblk + 1) / 2 : 8;
     for (int v = 0; v < pairs; ++v) {
         const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -583,16 +668,16 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
 #define LEGACY_SEQ_PAGE 4096 /* the stream runs for rows shorter than this (bytes) */
 #define LEGACY_SEQ_AHEAD 4096 /* its software prefetch distance (x tl_quant_prefetch_tiles), bytes */
 
-/* Vectors per (activation row, span): d_x and the offset term's vector, then (Q4, a full span) its eight
- * activation vectors; Q8_0 reads its activations in natural order straight from a->q, and the Q4 groups after
- * the last full span from a->lanes. */
-static inline int legacy_seq_stride(int kind) { return kind == 2 ? 2 : 10; }
+/* Vectors per (activation row, span): d_x and the offset term's vector, then (a full span) its eight
+ * activation vectors in the kernel's order (Q4: from a->lanes; Q8_0: q8_regroup); the blocks after the last full
+ * span read a->lanes (Q4) or a->q (Q8_0). */
+#define LEGACY_SEQ_STRIDE 10
 
 /* Activation row r, span s at prep[(r * spans + s) * stride]: everything span_scales and q4_span compute per
  * activation row, once. */
 static void legacy_seq_prep(const int kind, const tl_act_q8 *a, __m512 *prep) {
     const int64_t k = a->k, nb = k / TL_QK, spans = (nb + 15) / 16;
-    const int stride = legacy_seq_stride(kind);
+    const int stride = LEGACY_SEQ_STRIDE;
     for (int r = 0; r < a->m; ++r)
         for (int64_t sp = 0; sp < spans; ++sp) {
             const int64_t b = 16 * sp;
@@ -604,8 +689,10 @@ static void legacy_seq_prep(const int kind, const tl_act_q8 *a, __m512 *prep) {
             const __m512 sum = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a->s + o));
             p[0] = dx;
             p[1] = kind == 1 ? _mm512_mul_ps(dx, sum) : _mm512_mul_ps(sum, _mm512_set1_ps(kind == 0 ? -8.0f : -128.0f));
-            if (kind == 2) continue;
-            if (nblk == 16) /* a full span: the interleaved layout's vectors (the rest read a->lanes) */
+            if (nblk < 16) continue; /* a full span: the interleaved layout's vectors */
+            if (kind == 2)
+                q8_regroup(a->q + (int64_t)r * k + 32 * b, (__m512i *)(p + 2));
+            else
                 q4_lanes_row(a, r, b, (__m512i *)(p + 2));
         }
 }
@@ -617,7 +704,7 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
                                                                   int nblk, int64_t ahead, int64_t ahead_s,
                                                                   __m512 *acc) {
     const int64_t k = a->k;
-    const int stride = legacy_seq_stride(kind);
+    const int stride = LEGACY_SEQ_STRIDE;
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     const __m512 *pr[4];
     for (int j = 0; j < MR; ++j) pr[j] = prep + ((r0 + j) * spans + b / 16) * stride;
@@ -632,8 +719,19 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
         p[j] = _mm512_mul_ps(dw, pr[j][0]);
         acc[j] = _mm512_fmadd_ps(kind == 1 ? mw : p[j], pr[j][1], acc[j]);
     }
+    if (!MASKED) { /* a full span: the interleaved layout */
+        __m512i dot[4];
+        const __m512i *xv[4];
+        for (int j = 0; j < MR; ++j) xv[j] = (const __m512i *)(pr[j] + 2);
+        if (kind == 2)
+            q8_lanes_dot(R->q + 32 * b, MR, xv, ahead, dot);
+        else
+            q4_lanes_dot(R->q + 16 * b, MR, xv, ahead, dot);
+        for (int j = 0; j < MR; ++j) acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), p[j], acc[j]);
+        return;
+    }
     if (kind == 2) {
-        const int pairs = MASKED ? (nblk + 1) / 2 : 8;
+        const int pairs = (nblk + 1) / 2;
         for (int v = 0; v < pairs; ++v) {
             const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                                  _mm512_set1_epi32(2 * v));
@@ -648,14 +746,6 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[j]), acc[j]);
             }
         }
-        return;
-    }
-    if (!MASKED) { /* a full span: the interleaved layout */
-        __m512i dot[4];
-        const __m512i *xv[4];
-        for (int j = 0; j < MR; ++j) xv[j] = (const __m512i *)(pr[j] + 2);
-        q4_lanes_dot(R->q + 16 * b, MR, xv, ahead, dot);
-        for (int j = 0; j < MR; ++j) acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), p[j], acc[j]);
         return;
     }
     q4_tail_groups(R->q, R->d, b, nblk, MR, a, r0, ahead, acc); /* the blocks after the last full span */
@@ -696,7 +786,7 @@ static inline __attribute__((always_inline)) int legacy_seq_dot(const int kind, 
                                                                 float *out, int64_t out_stride) {
     const int64_t spans = (a->k / TL_QK + 15) / 16;
     if (a->m > tl_quant_seq_max_m || row_bytes >= LEGACY_SEQ_PAGE ||
-        spans * a->m * legacy_seq_stride(kind) > LEGACY_SEQ_VECS)
+        spans * a->m * LEGACY_SEQ_STRIDE > LEGACY_SEQ_VECS)
         return 0;
     __m512 prep[LEGACY_SEQ_VECS];
     legacy_seq_prep(kind, a, prep);
@@ -791,8 +881,8 @@ static void q4_1_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *
 static void q8_0_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *q, float *scale, float *min) {
     const int64_t nb = k / TL_QK;
     const legacy_mat R = legacy_view(2, w, n, k, r);
-    memcpy(q, R.q, (size_t)k);
     for (int64_t b = 0; b < nb; ++b) {
+        q8_block_bytes(R.q, nb, b, q + 32 * b);
         scale[b] = h2f(R.d + 2 * b);
         min[b] = -128.0f * scale[b];
     }
