@@ -466,7 +466,6 @@ static int amx_usable(int elem_bytes, int head_dim) {
 static void amx_begin(void) { amx_configure(); amx_on = 1; }
 static void amx_end(void) { _tile_release(); amx_on = 0; }
 #else
-static int amx_on = 0;
 static int amx_usable(int elem_bytes, int head_dim) { (void)elem_bytes; (void)head_dim; return 0; }
 static void amx_begin(void) {}
 static void amx_end(void) {}

@@ -697,7 +697,7 @@ KERNEL_API int kquant_dot_rows(int type, const uint8_t *w, int64_t row_bytes, in
                                const float *d, const int32_t *s, int m, int64_t k, float *out, int threads) {
     const tl_quant_type *t = tl_kquant_type(type);
     if (t == NULL || k % KQ_K || m < 1 || row_bytes < k / KQ_K * t->block_size || threads < 1) return -1;
-    const tl_act_q8 a = {q, d, s, m, k};
+    const tl_act_q8 a = {q, d, s, m, k, NULL};
     const int64_t units = (n + 3) / 4;
 #pragma omp parallel num_threads(threads)
     {
