@@ -194,14 +194,16 @@ class TokenizerManager:
             if time.monotonic() - last_check > CHILD_CHECK_S:
                 last_check = time.monotonic()
                 reason = self.runtime.dead()
-                if reason is not None and not self._stopping.is_set() and not self._report_follows():
+                if reason is None or self._stopping.is_set() or self._report_follows():
+                    continue
+                if not self._stopping.is_set():  # a shutdown while waiting for the report is no failure
                     self._mark_dead(f"the {reason}")
 
     def _report_follows(self) -> bool:
         """A child has exited: whether a ProcessFailed arrives within DEAD_PEER_WAIT_S (a rank reports why before
         it exits, e.g. that a peer stopped responding; the loop may hold the report unread); reads meanwhile."""
         deadline = time.monotonic() + DEAD_PEER_WAIT_S
-        while not self._failure_reported.is_set() and time.monotonic() < deadline:
+        while not self._failure_reported.is_set() and not self._stopping.is_set() and time.monotonic() < deadline:
             self.reader.read_on_thread(50, self._dispatch)
         return self._failure_reported.is_set()
 
