@@ -588,7 +588,7 @@ static inline __attribute__((always_inline)) void q8_span(const legacy_mat *T, c
     const __mmask16 mask = MASKED ? (__mmask16)((1u << nblk) - 1u) : (__mmask16)0xFFFF;
     __m512 p[LEGACY_MAX_OUT];
     span_scales(2, T, NR, MR, a, r0, nb, b, mask, ahead, acc, p);
-    if (!MASKED) {
+    if (!MASKED) { /* a full span: the interleaved layout; else the blocks after the last one, two a vector */
         __m512i xs[4][8], dot[4];
         const __m512i *xv[4];
         for (int j = 0; j < MR; ++j) {
@@ -602,20 +602,20 @@ static inline __attribute__((always_inline)) void q8_span(const legacy_mat *T, c
         }
         return;
     }
-    const int pairs = MASKED ? (nblk + 1) / 2 : 8;
+    const int pairs = (nblk + 1) / 2;
     for (int v = 0; v < pairs; ++v) {
         const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                              _mm512_set1_epi32(2 * v));
-        const __mmask64 mq = !MASKED || nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+        const __mmask64 mq = nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
         __m512i x[4];
         for (int j = 0; j < MR; ++j) {
             const int8_t *xq = a->q + (r0 + j) * k + 32 * (b + 2 * v);
-            x[j] = MASKED ? _mm512_maskz_loadu_epi8(mq, xq) : _mm512_loadu_si512(xq);
+            x[j] = _mm512_maskz_loadu_epi8(mq, xq);
         }
         for (int r = 0; r < NR; ++r) {
             const uint8_t *src = T->q + r * T->q_stride + 32 * (b + 2 * v);
             if (ahead) TL_QUANT_PREFETCH(src + ahead);
-            const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
+            const __m512i u = _mm512_maskz_loadu_epi8(mq, src);
             for (int j = 0; j < MR; ++j) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x[j]);
                 acc[r * MR + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[r * MR + j]),
@@ -735,13 +735,13 @@ static inline __attribute__((always_inline)) void legacy_seq_span(const int kind
         for (int v = 0; v < pairs; ++v) {
             const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                                  _mm512_set1_epi32(2 * v));
-            const __mmask64 mq = !MASKED || nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+            const __mmask64 mq = nblk - 2 * v >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
             const uint8_t *src = R->q + 32 * (b + 2 * v);
             if (ahead) TL_QUANT_PREFETCH(src + ahead);
-            const __m512i u = MASKED ? _mm512_maskz_loadu_epi8(mq, src) : _mm512_loadu_si512(src);
+            const __m512i u = _mm512_maskz_loadu_epi8(mq, src);
             for (int j = 0; j < MR; ++j) {
                 const int8_t *xq = a->q + (int64_t)(r0 + j) * k + 32 * (b + 2 * v);
-                const __m512i x = MASKED ? _mm512_maskz_loadu_epi8(mq, xq) : _mm512_loadu_si512(xq);
+                const __m512i x = _mm512_maskz_loadu_epi8(mq, xq);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, p[j]), acc[j]);
             }
