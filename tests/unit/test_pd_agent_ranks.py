@@ -133,6 +133,9 @@ def test_an_abort_is_told_to_the_decode_side_only_once_every_prefill_rank_stoppe
     while ranks.engines[0].writes == 0 and time.monotonic() < deadline:  # rank 0's write is over
         time.sleep(0.01)
     assert ranks.engines[0].writes == 1 and held.writes == 0
+    # rank 1's write is running (held at the gate), not still queued: a queued chunk would be dropped by the abort
+    # and nothing would be left to wait for (a loaded machine starts rank 1's write late)
+    assert held.holding.wait(5), "rank 1 never started its write"
     for agent in ranks.prefill:  # the client aborts: every rank's scheduler gives the room up
         agent.abort(room, "Aborted by the client.", by_client=True)
     ranks.prefill[0].wait_chunks(room, timeout_s=5)  # the entry's own writes are over
@@ -191,10 +194,8 @@ def test_a_rank_whose_queued_chunk_was_dropped_does_not_let_the_decode_side_free
     for room in (a, b):
         for agent in ranks.prefill:
             agent.send_chunk(room, 0, SLOTS, is_last=True, aux=None)
-    deadline = time.monotonic() + 5
-    while entry_engine.writes == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # rank 0 now holds b's write; rank 1 holds a's, b's chunk queued behind it
+    # rank 0 holds b's write (its first, a's, is over); rank 1 holds a's, b's chunk queued behind it
+    assert entry_engine.holding.wait(5) and other_engine.holding.wait(5), "a held write never started"
     assert entry_engine.writes == 1 and other_engine.writes == 0
     for agent in ranks.prefill:
         agent.abort(b, "Aborted by the client.", by_client=True)
