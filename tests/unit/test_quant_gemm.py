@@ -368,3 +368,30 @@ def test_row_stream_equals_the_row_tiles(name, k):
     assert torch.equal(qg.linear(x[:1], qm, out_dtype=torch.float32), got[16][0])  # the default: the stream
     ref = x.float() @ qg.dequantize(qm).T
     assert float((got[16][2] - ref).norm() / ref.norm()) < 0.01
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_small_path_work_items_change_no_result(name):
+    """The small path hands each thread a few large items of weight rows (up to 256, rounded to 16) rather than
+    many of 16: over 1000 rows (several items, a partial one, a last band of 8) the results at 1, 2 and 3
+    threads are bit-identical and within the int8 bound of the float32 reference, for 1 and 3 activation rows."""
+    n, k = 1000, 576
+    qm = qg.prepare(_matrix(name, n, k, 51))
+    w_ref = qg.dequantize(qm)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(51)).bfloat16()
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            got[t] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)]
+    finally:
+        torch.set_num_threads(threads)
+    for t in (2, 3):
+        for a, b in zip(got[1], got[t], strict=True):
+            assert torch.equal(a, b)
+    for m, out in zip((1, 3), got[1], strict=True):
+        assert _int8_path(qm, m, torch.bfloat16)
+        ref = x[:m].float() @ w_ref.T
+        tol = _expected_error(x[:m], w_ref, True, ref, torch.float32)
+        assert bool(((out - ref).abs() <= tol).all())

@@ -6,8 +6,8 @@
  * Three paths, chosen by the number of rows m (quant_path):
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
  *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
- *    activation rows, so one pass over the weight serves both); weight rows are split over OpenMP threads in
- *    chunks of CHUNK_ROWS and each chunk goes through the type's vpdpbusd dot kernel. The rounding of x is the
+ *    activation rows, so one pass over the weight serves both); weight rows are split evenly over OpenMP threads in
+ *    items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel. The rounding of x is the
  *    only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with d_x = max|x_block| / 127
  *    (d_x / 2 with the second term off, quant_act_residual(0)).
  *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, every type with a u8_row): the same two
@@ -36,7 +36,8 @@
 enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, QUANT_E_MEMORY = -4 };
 
 #define QUANT_MAX_ROW_BYTES 65536 /* the families' in-place re-layout copies a row on the stack */
-#define CHUNK_ROWS 16             /* weight rows per work item of the small-m path */
+#define CHUNK_ROWS 16             /* weight rows per work item of the MoE kernels' small path (quant_moe.c) */
+#define SMALL_ITEM_ROWS 256       /* weight rows per work item of the small-m path, at most (its output buffer) */
 #define SMALL_M_LIMIT 16          /* the small path's per-chunk output buffer holds this many rows */
 #define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
 
@@ -265,6 +266,17 @@ static void epilogue(const float *buf, int64_t ld, int64_t rows, int64_t f0, int
     }
 }
 
+/* Weight rows per work item of the small-m path: n split evenly over the threads, in items of at most
+ * SMALL_ITEM_ROWS (rounded up to 16). A dot kernel prepares its activations once per call (the stream's
+ * regrouped quants and scale vectors: legacy_seq_prep, kq_seq_prep), so a few large items cost less than many
+ * small ones. */
+static int64_t small_item_rows(int64_t n, int threads) {
+    const int64_t parts = threads > 0 ? threads : 1, per_round = parts * SMALL_ITEM_ROWS;
+    const int64_t items = parts * ((n + per_round - 1) / per_round);
+    const int64_t rows = (n + items - 1) / items;
+    return (rows + 15) / 16 * 16;
+}
+
 static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                       int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                       int out_is_f32, int threads) {
@@ -291,18 +303,17 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
     const int together = terms * m <= SMALL_M_LIMIT;
     const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes};
     const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k};
-    const int64_t chunks = (n + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t item = small_item_rows(n, threads), items = (n + item - 1) / item;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t c = 0; c < chunks; ++c) {
-        float buf[2 * SMALL_M_LIMIT * CHUNK_ROWS];
-        const int64_t n0 = c * CHUNK_ROWS, n1 = n - n0 < CHUNK_ROWS ? n : n0 + CHUNK_ROWS;
-        t->dot_rows(w, n, row_bytes, n0, n1, &all, buf, CHUNK_ROWS);
-        if (residual && !together) t->dot_rows(w, n, row_bytes, n0, n1, &rest, buf + m * CHUNK_ROWS, CHUNK_ROWS);
+    for (int64_t c = 0; c < items; ++c) {
+        float buf[2 * SMALL_M_LIMIT * SMALL_ITEM_ROWS];
+        const int64_t n0 = c * item, n1 = n - n0 < item ? n : n0 + item;
+        t->dot_rows(w, n, row_bytes, n0, n1, &all, buf, item);
+        if (residual && !together) t->dot_rows(w, n, row_bytes, n0, n1, &rest, buf + m * item, item);
         if (residual) /* row r's two terms: buf rows r and m + r */
-            for (int64_t i = 0; i < m * CHUNK_ROWS; i += 16)
-                _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_loadu_ps(buf + i),
-                                                        _mm512_loadu_ps(buf + m * CHUNK_ROWS + i)));
-        epilogue(buf, CHUNK_ROWS, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
+            for (int64_t i = 0; i < m * item; i += 16)
+                _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_loadu_ps(buf + i), _mm512_loadu_ps(buf + m * item + i)));
+        epilogue(buf, item, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
     }
     free(q); free(d); free(s); free(lanes);
     return QUANT_OK;
