@@ -9,9 +9,9 @@
  * separated by the worksharing loops' barriers:
  *   A  per sub-batch (up to SUB_ROWS pairs of one expert): gather the pairs' x rows, quantize them to int8
  *      in two terms (quant_gemm.c's quantize_act: the value and its rounding remainder);
- *   B  per (sub-batch, 16 gate_up rows): the type's dot kernel -> gate_up, float32;
+ *   B  per (sub-batch, 64 gate_up rows): the type's dot kernel -> gate_up, float32;
  *   C  per sub-batch: act = silu(gate) * up in float32, quantized the same way;
- *   D  per (sub-batch, 16 down rows): the dot kernel -> y, float32;
+ *   D  per (sub-batch, 64 down rows): the dot kernel -> y, float32;
  *   E  per 16 output columns: out[t] = sum of weight_p * y_p over the pairs in order (no two threads write
  *      the same element; the sum order is the pairs' order, so the result does not depend on the threads).
  * The numerics are quant_linear's small path (the same int8 terms and dot kernels) with float32 in place of
@@ -30,6 +30,10 @@
 #include <math.h>
 
 #define SUB_ROWS 8 /* pairs per sub-batch: two int8 terms each fit the dot kernels' SMALL_M_LIMIT rows */
+/* Weight rows per work item of phases B and D: a dot call prepares its activations once (quant_gemm.c's
+ * small_item_rows says why larger items pay), and a decode step's experts still give the threads dozens of
+ * items each. */
+#define MOE_CHUNK_ROWS 64
 
 #if HAVE_QUANT_GEMM
 typedef struct {
@@ -38,21 +42,21 @@ typedef struct {
 
 static inline float tl_silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Phases B and D: rows [16 chunk, 16 chunk + 16) of a weight [n, k] (type, repacked data) against the sub-batch's
+/* Phases B and D: rows [64 chunk, 64 chunk + 64) of a weight [n, k] (type, repacked data) against the sub-batch's
  * int8 activation terms (stored from its first pair on, `terms` rows per pair, as quantize_act writes them);
  * the terms' sums go to dst [pairs, n] (float32) at the sub-batch's rows. */
 static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64_t chunk, tl_moe_sub s,
                              const int8_t *q, const int8_t *lanes, const float *d, const int32_t *sums, int terms,
                              float *dst) {
     const tl_quant_type *t = tl_quant_lookup(type);
-    const int64_t nb = k / TL_QK, n0 = chunk * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < n ? n0 + CHUNK_ROWS : n;
+    const int64_t nb = k / TL_QK, n0 = chunk * MOE_CHUNK_ROWS, n1 = n0 + MOE_CHUNK_ROWS < n ? n0 + MOE_CHUNK_ROWS : n;
     const tl_act_q8 a = {q + terms * s.first * k, d + terms * s.first * nb, sums + terms * s.first * nb,
                          (int)(terms * s.rows), k, lanes == NULL ? NULL : lanes + terms * s.first * k};
-    float buf[2 * SUB_ROWS * CHUNK_ROWS];
-    t->dot_rows((const uint8_t *)(intptr_t)data, n, k / t->block * t->block_size, n0, n1, &a, buf, CHUNK_ROWS);
+    float buf[2 * SUB_ROWS * MOE_CHUNK_ROWS];
+    t->dot_rows((const uint8_t *)(intptr_t)data, n, k / t->block * t->block_size, n0, n1, &a, buf, MOE_CHUNK_ROWS);
     for (int64_t r = 0; r < s.rows; ++r)
         for (int64_t j = 0; j < n1 - n0; ++j)
-            dst[(s.first + r) * n + n0 + j] = buf[r * CHUNK_ROWS + j] + (terms > 1 ? buf[(s.rows + r) * CHUNK_ROWS + j] : 0.0f);
+            dst[(s.first + r) * n + n0 + j] = buf[r * MOE_CHUNK_ROWS + j] + (terms > 1 ? buf[(s.rows + r) * MOE_CHUNK_ROWS + j] : 0.0f);
 }
 #endif
 
@@ -108,8 +112,8 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
         }
     /* A sub-batch's int8 terms sit at its first pair's offset (times `terms`): rows 0 .. rows - 1 hold the
      * first term, rows .. 2 rows - 1 the remainder, as quantize_act writes them. */
-    const int64_t gu_chunks = (2 * inter + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    const int64_t dn_chunks = (hidden + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t gu_chunks = (2 * inter + MOE_CHUNK_ROWS - 1) / MOE_CHUNK_ROWS;
+    const int64_t dn_chunks = (hidden + MOE_CHUNK_ROWS - 1) / MOE_CHUNK_ROWS;
     const int64_t col_chunks = (hidden + 15) / 16;
 
     _Pragma("omp parallel num_threads(threads)")
