@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.thread_counts import at_thread_counts
 from tokenloom.kernels import quant_gemm as qg
 
 LEGACY = ["Q4_0", "Q4_1", "Q8_0"]
@@ -379,14 +380,7 @@ def test_small_path_work_items_change_no_result(name):
     qm = qg.prepare(_matrix(name, n, k, 51))
     w_ref = qg.dequantize(qm)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(51)).bfloat16()
-    threads = torch.get_num_threads()
-    got = {}
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            got[t] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)]
-    finally:
-        torch.set_num_threads(threads)
+    got = at_thread_counts(lambda: [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)], (1, 2, 3))
     for t in (2, 3):
         for a, b in zip(got[1], got[t], strict=True):
             assert torch.equal(a, b)

@@ -188,19 +188,13 @@ def test_public_small_path_work_items_change_no_result(qtype):
     the stream's results at 1, 2 and 3 threads are bit-identical and close to the float32 reference."""
     import torch
 
+    from tests.thread_counts import at_thread_counts
     from tokenloom.kernels import quant_gemm as qg
 
     n, k = 1000, 512
     qm = qg.prepare(_quant_matrix(qtype, n, k, seed=61))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(61)).bfloat16()
-    threads = torch.get_num_threads()
-    got = {}
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            got[t] = [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)]
-    finally:
-        torch.set_num_threads(threads)
+    got = at_thread_counts(lambda: [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)], (1, 2, 3))
     for t in (2, 3):
         for a, b in zip(got[1], got[t], strict=True):
             assert torch.equal(a, b)
