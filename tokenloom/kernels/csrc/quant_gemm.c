@@ -6,10 +6,10 @@
  * Three paths, chosen by the number of rows m (quant_path):
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
  *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
- *    activation rows, so one pass over the weight serves both); weight rows are split evenly over OpenMP threads in
- *    items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel. The rounding of x is the
- *    only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with d_x = max|x_block| / 127
- *    (d_x / 2 with the second term off, quant_act_residual(0)).
+ *    activation rows, so one pass over the weight serves both); weight rows are split evenly over OpenMP
+ *    threads in items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel. The
+ *    rounding of x is the only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with
+ *    d_x = max|x_block| / 127 (d_x / 2 with the second term off, quant_act_residual(0)).
  *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, every type with a u8_row): the same two
  *    int8 terms (quant_batch_residual(0): one) against integer weight tiles, register-blocked over many rows
  *    (quant_batch.c), same bound.
@@ -311,7 +311,8 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
         if (residual && !together) t->dot_rows(w, n, row_bytes, n0, n1, &rest, buf + m * item, item);
         if (residual) /* row r's two terms: buf rows r and m + r */
             for (int64_t i = 0; i < m * item; i += 16)
-                _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_loadu_ps(buf + i), _mm512_loadu_ps(buf + m * item + i)));
+                _mm512_storeu_ps(buf + i,
+                                 _mm512_add_ps(_mm512_loadu_ps(buf + i), _mm512_loadu_ps(buf + m * item + i)));
         epilogue(buf, item, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
     }
     free(q); free(d); free(s); free(lanes);

@@ -49,14 +49,16 @@ static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64
                              const int8_t *q, const int8_t *lanes, const float *d, const int32_t *sums, int terms,
                              float *dst) {
     const tl_quant_type *t = tl_quant_lookup(type);
-    const int64_t nb = k / TL_QK, n0 = chunk * MOE_CHUNK_ROWS, n1 = n0 + MOE_CHUNK_ROWS < n ? n0 + MOE_CHUNK_ROWS : n;
+    const int64_t nb = k / TL_QK, n0 = chunk * MOE_CHUNK_ROWS;
+    const int64_t n1 = n0 + MOE_CHUNK_ROWS < n ? n0 + MOE_CHUNK_ROWS : n;
     const tl_act_q8 a = {q + terms * s.first * k, d + terms * s.first * nb, sums + terms * s.first * nb,
                          (int)(terms * s.rows), k, lanes == NULL ? NULL : lanes + terms * s.first * k};
     float buf[2 * SUB_ROWS * MOE_CHUNK_ROWS];
     t->dot_rows((const uint8_t *)(intptr_t)data, n, k / t->block * t->block_size, n0, n1, &a, buf, MOE_CHUNK_ROWS);
     for (int64_t r = 0; r < s.rows; ++r)
         for (int64_t j = 0; j < n1 - n0; ++j)
-            dst[(s.first + r) * n + n0 + j] = buf[r * MOE_CHUNK_ROWS + j] + (terms > 1 ? buf[(s.rows + r) * MOE_CHUNK_ROWS + j] : 0.0f);
+            dst[(s.first + r) * n + n0 + j] =
+                buf[r * MOE_CHUNK_ROWS + j] + (terms > 1 ? buf[(s.rows + r) * MOE_CHUNK_ROWS + j] : 0.0f);
 }
 #endif
 
