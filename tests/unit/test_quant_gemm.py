@@ -389,3 +389,26 @@ def test_small_path_work_items_change_no_result(name):
         ref = x[:m].float() @ w_ref.T
         tol = _expected_error(x[:m], w_ref, True, ref, torch.float32)
         assert bool(((out - ref).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_every_tail_length_in_bands(name):
+    """The blocks after a row's last full span of 16 (1 to 15 of them) lie in bands of 16 weight rows, lane =
+    row, with the rows left over in a narrower last band: every tail length over 35 rows (two bands and a band
+    of 3) dequantizes bit-exactly, and the int8 path's outputs (1 and 5 activation rows: the tail pass's one,
+    two and four activation rows at a time) stay within its bound of the float32 reference."""
+    n = 35
+    g = torch.Generator().manual_seed(61)
+    x = torch.randn(5, 512 + 32 * 15, generator=g).bfloat16()
+    for tail in range(1, 16):
+        k = 512 + 32 * tail
+        qm = _matrix(name, n, k, 61 + tail)
+        w_ref = qg.dequantize(qm)
+        prepared = qg.prepare(qm)
+        assert torch.equal(qg.dequantize(prepared), w_ref), f"tail of {tail} blocks"
+        for m in (1, 5):
+            xm = x[:m, :k]
+            assert _int8_path(prepared, m, torch.bfloat16)
+            ref = xm.float() @ w_ref.T
+            got = qg.linear(xm, prepared, out_dtype=torch.float32)
+            assert bool(((got - ref).abs() <= _expected_error(xm, w_ref, True, ref, torch.float32)).all()), tail
