@@ -18,32 +18,32 @@
  * at batch 1 (twice) and 0.982x at batch 64 against the row-by-row layout (`bench/ab_decode.py`, SmolLM2 Q4_1).
  * Full spans are interleaved: byte 64 U + 4 i + t of a span is byte 4 U + t of its block i (U = 0..3 for Q4,
  * 0..7 for Q8_0), so that each 64-byte vector of a span holds one 32-bit lane per block.
- * The tail (k = 576: 2 blocks) lies in bands of 16 rows (the last band: the rows left), lane = row: band of
- * `lanes` rows, its 4-byte units (unit U = 4 t + L of Q4 tail block t: its bytes 4 L .. 4 L + 3; Q8_0:
- * U = 8 t + V) unit by unit, each unit for every row of the band in turn, then its d scales block by block
- * for every row, then (Q4_1) its m scales alike (legacy_band_of). Kept in each row, SmolLM2's two tail blocks
- * cost ~0.55-0.6 of a full span per weight row; the band pass (legacy_tail_pass) ... (see below).
- * Dot product, full spans: lane i of the four 64-byte quant vectors of a span belongs to block i, so vpdpbusd
- * over the low nibbles (elements 4 L .. 4 L + 3 of each block) and the high ones (16 + 4 L ..) against the
- * activations in the same order leaves block i's whole integer dot product in lane i: one conversion and one
- * multiply-add with the span's scale vector d_w * d_x per span, no permutes (against the four groups of the
- * file order: decode step 0.977x at batch 1 and ~0.9x at batch 4 on SmolLM2 Q4_1, `bench/ab_decode.py`; many
- * rows unchanged). The caller reorders the activations once per call (tl_act_q8.lanes, q4_lanes_order; the
- * kernels read no other order). The smaller groups after the last span (q4_group_dot) work alike: each lane
- * belongs to one block, and the scale vector repeats the group's g scales across the 16 lanes (broadcast
- * loads); a group of 2 or 1 puts its low and high nibbles in one vector, so k = 576's tail is one vpdpbusd per
- * activation row (it was two 64-byte vpdpbusd on half-empty vectors and a vpermps per group: decode step
- * 0.973x at batch 1, 0.965x at batch 4, `bench/ab_decode.py`). Integer sums are exact, so the order of the
- * vpdpbusd chains does not change a result.
- * Q8_0 quants are interleaved alike in every full span of 16 blocks (the blocks after the last span keep the
- * file order): byte 64 V + 4 i + t of a span is byte 4 V + t of its block i (V = 0..7), so lane i of each of
- * the span's eight 64-byte vectors belongs to block i, the eight vpdpbusd of an activation row chain into one
- * int32 vector, and the span costs one conversion and one multiply-add per output (the file order paid a
- * conversion, a vpermps and a multiply-add per 64 bytes). Q8_0's kernels regroup the activations to match
- * themselves (q8_regroup, once per span and activation row: in the stream's prepared buffer, or per tile), so
- * its callers make no other order (a MoE layer may mix Q4 and Q8_0 experts over one activation order).
+ * The tail (k = 576: 2 blocks) lies in bands of 16 rows (the last band: the rows left), lane = row: a band of
+ * `lanes` rows holds its 4-byte units (unit U = 4 t + L of Q4 tail block t: its bytes 4 L .. 4 L + 3; Q8_0:
+ * U = 8 t + V) unit by unit, each for every row of the band in turn, then its d scales block by block for
+ * every row, then (Q4_1) its m scales alike (legacy_band_of).
+ *
+ * Dot product, full spans: lane i of a span's 64-byte quant vectors belongs to block i, so vpdpbusd over the
+ * low nibbles (elements 4 L .. 4 L + 3 of each block) and the high ones (16 + 4 L ..) against the activations
+ * in the same order leaves block i's whole integer dot product in lane i: one conversion and one multiply-add
+ * with the span's scale vector d_w * d_x per span, no permutes (against the four groups of the file order:
+ * decode step 0.977x at batch 1 and ~0.9x at batch 4 on SmolLM2 Q4_1, `bench/ab_decode.py`; many rows
+ * unchanged). The caller reorders the activations once per call (tl_act_q8.lanes, q4_lanes_order). Q8_0's
+ * eight vpdpbusd of a span and activation row chain into one int32 vector (the file order paid a conversion,
+ * a vpermps and a multiply-add per 64 bytes); its kernels regroup the activations to match themselves
+ * (q8_regroup, once per span and activation row: in the stream's prepared buffer, or per tile), so its
+ * callers make no other order (a MoE layer may mix Q4 and Q8_0 experts over one activation order).
+ * The tail is one pass of its own over every weight row (legacy_tail_pass): a 4-byte unit of a band's 16 rows
+ * is one vector and the activations' matching 4 bytes (natural order, tl_act_q8.q) one broadcast, so each
+ * block costs 4 (Q4) or 8 (Q8_0) vpdpbusd per activation row for 16 weight rows, and one conversion and one
+ * multiply-add with the band's scale vector. Kept at the end of each row, k = 576's two tail blocks had cost
+ * ~0.55-0.6 of a full span per weight row (their own masked scale loads and conversions, a permute per row);
+ * banded, a Q4_1 1536 x 576 call at one activation row takes 21.7 us instead of 32.2 (one thread, from
+ * cache), Q8_0 21.5 instead of 29.1, and the SmolLM2 Q4_1 decode step 0.951x at batch 1, 0.846x at batch 4
+ * (`bench/ab_decode.py`). Integer sums are exact, so the order of the vpdpbusd chains does not change a result.
  * The weight offset goes through the activation block sums s, on the same span vectors: Q4_0 adds
- * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s). A tile is 16 weight rows x 1
+ * (d_w d_x) * (-8 s), Q4_1 adds m_w * (d_x s), Q8_0 adds (d_w d_x) * (-128 s) (the tail pass adds -8 s or
+ * -128 s to its exact integer sums instead). A tile is 16 weight rows x 1
  * activation row or 8 x 2 (16 accumulators), ended by one batched horizontal sum (reduce16).
  *
  * A tile reads its NR rows side by side (NR short streams, one row apart), which the hardware prefetchers
