@@ -22,10 +22,10 @@
 enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q8_0 = 8, TL_Q4_K = 12, TL_Q5_K = 13, TL_Q6_K = 14 };
 
 /* m rows of quantized activations, k columns (k % 32 == 0): row r's quants at q + r * k, its block scales at
- * d + r * (k / 32), its block sums at s + r * (k / 32). `lanes`: the same quants in the order the Q4 kernels'
- * interleaved weights want (quant_legacy.c, `q4_lanes_order`), made once per call instead of once per chunk of
- * rows; the Q4 kernels' full spans read only this (their callers must make it), their tail pass and the other
- * types only q. */
+ * d + r * (k / 32), its block sums at s + r * (k / 32). `lanes`: the same quants' full spans in the order the Q4
+ * kernels' interleaved weights want (quant_legacy.c, `q4_lanes_order`; the bytes after the last full span
+ * unwritten), made once per call instead of once per chunk of rows; the Q4 kernels' full spans read only this
+ * (their callers must make it), their tail pass and the other types only q. */
 typedef struct {
     const int8_t *q;
     const float *d;

@@ -37,7 +37,7 @@ enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, 
 
 #define QUANT_MAX_ROW_BYTES 65536 /* the families' in-place re-layout copies a row on the stack */
 #define SMALL_ITEM_ROWS 256       /* weight rows per work item of the small-m path, at most (its output buffer) */
-#define SMALL_M_LIMIT 16          /* the small path's per-chunk output buffer holds this many rows */
+#define SMALL_M_LIMIT 16          /* the small path's per-item output buffer holds this many rows */
 #define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
 
 /* Rows up to which the int8 stream runs (quant_small_m below; -1: not yet decided). */

@@ -130,42 +130,37 @@ static inline legacy_band legacy_band_of(const legacy_mat *M, int64_t band) {
     return b;
 }
 
-/* Where block b's scale field f (0: d, 1: m) of the view's row r lies. */
-static inline const uint8_t *legacy_scale_at(const legacy_mat *M, int64_t r, int64_t b, int f) {
-    if (b < M->full) return (f ? M->m : M->d) + r * M->s_stride + 2 * b;
-    const int64_t row = M->row + r, t = b - M->full;
-    const legacy_band B = legacy_band_of(M, row / 16);
-    return (f ? B.m : B.d) + 2 * (t * B.lanes + row % 16);
-}
-
 static inline int32_t load32(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
-/* Scale field f (0: d, 1: m) of every block of the view's first row, as float: out[nb]. */
+/* Scale field f (0: d, 1: m) of every block of the view's first row, as float: out[nb] (the full spans 16 at
+ * a time, then the tail blocks from the row's band). */
 static inline void legacy_row_scales(const legacy_mat *M, int f, float *out) {
     const uint8_t *src = f ? M->m : M->d;
     for (int64_t b = 0; b < M->full; b += 16)
         _mm512_storeu_ps(out + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * b))));
-    for (int64_t t = 0; t < M->tail_blocks; ++t) out[M->full + t] = h2f(legacy_scale_at(M, 0, M->full + t, f));
+    if (M->tail_blocks == 0) return;
+    const legacy_band B = legacy_band_of(M, M->row / 16);
+    const uint8_t *tail = (f ? B.m : B.d) + 2 * (M->row % 16);
+    for (int64_t t = 0; t < M->tail_blocks; ++t) out[M->full + t] = h2f(tail + 2 * t * B.lanes);
 }
 
-/* Block b's quant bytes of the view's row r in the file's order (Q8_0: its 32 bytes, stored + 128; Q4: its 16
+/* Block b's quant bytes of the view's first row in the file's order (Q8_0: its 32 bytes, stored + 128; Q4: its 16
  * bytes in the low half): a full span's byte 4 units U + 4 i + t is byte 4 U + t of its block i, a band's unit
  * U of row l lies at 4 (U lanes + l) (the header comment). */
-static inline __m256i legacy_block_vec(const legacy_mat *M, int64_t r, int64_t b) {
+static inline __m256i legacy_block_vec(const legacy_mat *M, int64_t b) {
     const int64_t units = M->block_q / 4;
     const uint8_t *at;
     int64_t step;
     if (b < M->full) {
-        at = M->q + r * M->q_stride + M->block_q * (b - b % 16) + 4 * (b % 16);
+        at = M->q + M->block_q * (b - b % 16) + 4 * (b % 16);
         step = 64;
     } else {
-        const int64_t row = M->row + r;
-        const legacy_band B = legacy_band_of(M, row / 16);
-        at = B.q + 4 * ((b - M->full) * units * B.lanes + row % 16);
+        const legacy_band B = legacy_band_of(M, M->row / 16);
+        at = B.q + 4 * ((b - M->full) * units * B.lanes + M->row % 16);
         step = 4 * B.lanes;
     }
     if (units == 4)
@@ -253,7 +248,7 @@ static int q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return legacy_repa
 
 /* Block b's 16 quant bytes in the file's order, from the view's first row. */
 static inline __m128i q4_block_bytes(const legacy_mat *R, int64_t b) {
-    return _mm256_castsi256_si128(legacy_block_vec(R, 0, b));
+    return _mm256_castsi256_si128(legacy_block_vec(R, b));
 }
 
 /* 16 nibbles of one half of a Q4 block as float: low (shift 0) or high (shift 4) nibbles of its 16 bytes. */
@@ -300,9 +295,10 @@ static void q8_0_dequant(const uint8_t *w, int64_t n, int64_t r, int64_t k, floa
     const __m512i flip = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 d = _mm512_set1_ps(dsc[b]);
-        const __m256i bytes = legacy_block_vec(&R, 0, b);
+        const __m256i bytes = legacy_block_vec(&R, b);
         for (int h = 0; h < 2; ++h) {
-            const __m512i u = _mm512_cvtepu8_epi32(h ? _mm256_extracti128_si256(bytes, 1) : _mm256_castsi256_si128(bytes));
+            const __m128i half = h ? _mm256_extracti128_si256(bytes, 1) : _mm256_castsi256_si128(bytes);
+            const __m512i u = _mm512_cvtepu8_epi32(half);
             _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip))));
         }
     }
@@ -351,9 +347,10 @@ static void q8_0_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k,
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 d = _mm512_set1_ps(dsc[b]);
         __m512 v[2];
-        const __m256i bytes = legacy_block_vec(&R, 0, b);
+        const __m256i bytes = legacy_block_vec(&R, b);
         for (int h = 0; h < 2; ++h) {
-            const __m512i u = _mm512_cvtepu8_epi32(h ? _mm256_extracti128_si256(bytes, 1) : _mm256_castsi256_si128(bytes));
+            const __m128i half = h ? _mm256_extracti128_si256(bytes, 1) : _mm256_castsi256_si128(bytes);
+            const __m512i u = _mm512_cvtepu8_epi32(half);
             v[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, flip)));
         }
         _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
@@ -402,8 +399,8 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
 }
 
 /* Activation rows [rows][k] in the full spans' interleaved order (tl_act_q8.lanes): a span's 64-byte vector
- * 2 L + h holds, in lane i, elements 16 h + 4 L .. 16 h + 4 L + 3 of block i; the blocks after the last full
- * span keep the natural order (the tail pass reads tl_act_q8.q). Every Q4 caller of the dot kernels makes it
+ * 2 L + h holds, in lane i, elements 16 h + 4 L .. 16 h + 4 L + 3 of block i; the bytes after the last full
+ * span are left unwritten (the tail pass reads tl_act_q8.q). Every Q4 caller of the dot kernels makes it
  * (once per call). */
 static void q4_lanes_order(const int8_t *q, int64_t rows, int64_t k, int8_t *out) {
     const int64_t nb = k / TL_QK, full = nb / 16 * 16;
@@ -414,7 +411,6 @@ static void q4_lanes_order(const int8_t *q, int64_t rows, int64_t k, int8_t *out
             for (int i = 0; i < 16; ++i)
                 for (int v = 0; v < 8; ++v)
                     memcpy(dst + 32 * b0 + 64 * v + 4 * i, src + 32 * (b0 + i) + 16 * (v & 1) + 4 * (v >> 1), 4);
-        memcpy(dst + 32 * full, src + 32 * full, (size_t)(32 * (nb - full)));
     }
 }
 
@@ -746,7 +742,8 @@ static inline __attribute__((always_inline)) int legacy_seq_dot(const int kind, 
     }
     for (; j < n1; ++j) { /* the last few rows: one row, every activation row */
         const legacy_mat T = legacy_advance(M, j);
-        for (int r = 0; r < a->m; ++r) legacy_seq_tile(kind, &T, 1, 1, prep, r, out + r * out_stride + (j - n0), out_stride);
+        for (int r = 0; r < a->m; ++r)
+            legacy_seq_tile(kind, &T, 1, 1, prep, r, out + r * out_stride + (j - n0), out_stride);
     }
     return 1;
 }
@@ -824,7 +821,7 @@ static void q8_0_u8(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint8_t *
     const legacy_mat R = legacy_view(2, w, n, k, r);
     legacy_row_scales(&R, 0, scale);
     for (int64_t b = 0; b < nb; ++b) {
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), legacy_block_vec(&R, 0, b));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), legacy_block_vec(&R, b));
         min[b] = -128.0f * scale[b];
     }
 }
