@@ -412,3 +412,33 @@ def test_every_tail_length_in_bands(name):
             ref = xm.float() @ w_ref.T
             got = qg.linear(xm, prepared, out_dtype=torch.float32)
             assert bool(((got - ref).abs() <= _expected_error(xm, w_ref, True, ref, torch.float32)).all()), tail
+
+
+@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("n,k", [(77, 576), (21, 32 * 226)])
+def test_one_row_sums_its_two_terms_as_one(name, n, k):
+    """At one activation row the two int8 terms (the second scaled by exactly 1/128 of the first) reach the
+    kernels as a pair, summed as one integer dot product 128 dot0 + dot1 and scaled once (on by default;
+    quant_act_pairs(0) keeps them apart): the full spans, the tail pass and the rows left after the last tile,
+    over the row stream (k = 576) and the tiles (rows of a page or more). Only float32 rounding separates the
+    two (and it does: the paired form is the one taken), and both stay within the two terms' bound,
+    sum_i |w_i| d(i) / 256."""
+    qm = qg.prepare(_matrix(name, n, k, 71))
+    w_ref = qg.dequantize(qm)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(71)).bfloat16()
+    lib = qg._native()
+    assert lib.quant_act_pairs(ctypes.c_int(-1)) == 1
+    paired = qg.linear(x, qm, out_dtype=torch.float32)
+    try:
+        assert lib.quant_act_pairs(ctypes.c_int(0)) == 0
+        apart = qg.linear(x, qm, out_dtype=torch.float32)
+    finally:
+        lib.quant_act_pairs(ctypes.c_int(1))
+    ref = x.double() @ w_ref.double().T
+    mag = x.double().abs() @ w_ref.double().abs().T
+    assert not torch.equal(paired, apart)
+    assert bool(((paired.double() - apart.double()).abs() <= 1e-6 * mag + 1e-9).all())
+    d = x.double().abs().view(1, k // 32, 32).amax(-1) / 127
+    tol = (d.repeat_interleave(32, dim=1) / 256) @ w_ref.double().abs().T + 2e-5 * mag + 1e-7
+    for got in (paired, apart):
+        assert bool(((got.double() - ref).abs() <= tol).all()), float(((got.double() - ref).abs() / tol).max())

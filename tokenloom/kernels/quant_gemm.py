@@ -17,7 +17,7 @@ and has the type; elsewhere the reference implementation (dequantize with the `g
 matmul). Native numerics: a few rows of bf16 x (decode), and where AMX does not run any number of rows of
 bf16 x on the types with 32-column scales (all but Q6_K), are quantized to int8 per 32-element block (two
 terms: the second is the first one's remainder) and multiplied by the quantized weight in integers (error per
-output <= sum_i |w_i| * d_x(i) / 254, d_x = the block's max|x| / 127); the other cases (more rows where AMX
+output <= sum_i |w_i| * d_x(i) / 256, d_x = the block's max|x| / 127); the other cases (more rows where AMX
 runs, Q6_K, every float32 x) multiply the exactly dequantized weight (rounded once to bf16 for bf16 x, as a
 bf16 copy of the GGUF would be; exact for float32 x) with float32 sums. csrc/quant_gemm.c's `quant_path`
 says which path a call takes.

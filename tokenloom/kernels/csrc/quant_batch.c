@@ -18,7 +18,7 @@
  * Numerics: the weight term is exact up to the type's own dequantize rounding; the activation rounding is the
  * only error: |err| <= sum_i |w_i| * d_x(i) / 2 per output (the bound tests/unit/test_quant_gemm.py checks),
  * the same as llama.cpp's Q8 activations, with one term; the second term (the first one's remainder, on by
- * default: quant_batch_residual) cuts it to d_x(i) / 254. Float32 sums, in block
+ * default: quant_batch_residual) cuts it to d_x(i) / 256. Float32 sums, in block
  * order: a result does not depend on m, the band or the thread count.
  *
  * Built inside kernels.c after quant_gemm.c (quantize_act, transpose_tile, epilogue).

@@ -25,7 +25,12 @@ enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q8_0 = 8, TL_Q4_K = 12, TL_Q5_K = 13, TL_Q6_
  * d + r * (k / 32), its block sums at s + r * (k / 32). `lanes`: the same quants' full spans in the order the Q4
  * kernels' interleaved weights want (quant_legacy.c, `q4_lanes_order`; the bytes after the last full span
  * unwritten), made once per call instead of once per chunk of rows; the Q4 kernels' full spans read only this
- * (their callers must make it), their tail pass and the other types only q. */
+ * (their callers must make it), their tail pass and the other types only q.
+ * `paired` (one activation row in two int8 terms, quantize_act's remainder as row 1): m == 2 and row 1's block
+ * scales are exactly row 0's / 128 (TL_TERM2_SHIFT), so a kernel may sum the pair as one integer dot product,
+ * 128 dot(row 0) + dot(row 1) (exact in int32: at most 2^7 * 32 * 255 * 127 per block lane), scaled once by
+ * row 0's d / 128; it then writes that sum as row 0's output and 0 as row 1's. A kernel may also ignore the
+ * flag: its caller adds the two rows' outputs either way. Zero everywhere else. */
 typedef struct {
     const int8_t *q;
     const float *d;
@@ -33,7 +38,11 @@ typedef struct {
     int m;
     int64_t k;
     const int8_t *lanes;
+    int paired;
 } tl_act_q8;
+
+/* log2 of the ratio of an activation block's first int8 scale to its second term's (quantize_act). */
+#define TL_TERM2_SHIFT 7
 
 /* out[r * out_stride + (j - n0)] = sum_i W[j][i] * A[r][i] for rows r < a->m and weight rows j in [n0, n1) of
  * the re-laid-out weight w [n rows, row_bytes each] (float32, before any bias). Called from inside an OpenMP

@@ -7,9 +7,10 @@
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
  *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
  *    activation rows, so one pass over the weight serves both); weight rows are split evenly over OpenMP
- *    threads in items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel. The
- *    rounding of x is the only error beyond float32 summation: |err| <= sum_i |w_i| * d_x(i) / 254 with
- *    d_x = max|x_block| / 127 (d_x / 2 with the second term off, quant_act_residual(0)).
+ *    threads in items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel (at
+ *    one row, the two terms as one pair: tl_act_q8.paired). The rounding of x is the only error beyond float32
+ *    summation: |err| <= sum_i |w_i| * d_x(i) / 256 with d_x = max|x_block| / 127 (d_x / 2 with the second
+ *    term off, quant_act_residual(0)).
  *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, every type with a u8_row): the same two
  *    int8 terms (quant_batch_residual(0): one) against integer weight tiles, register-blocked over many rows
  *    (quant_batch.c), same bound.
@@ -46,6 +47,9 @@ static int quant_small_m_max = -1;
  * one int8 term moved SmolLM2's greedy answers further from float32 than bf16 activations do (bench/accuracy.py);
  * quant_act_residual(0) turns it off for benchmarks. */
 static int quant_act_residual_on = 1;
+/* One activation row's two terms summed as one integer dot product (tl_act_q8.paired) by the kernels that can:
+ * on by default; quant_act_pairs(0) turns it off for benchmarks and tests. */
+static int quant_act_pairs_on = 1;
 /* The many-row int8 path (quant_batch.c: prefill, batches of more than quant_small_m rows) carries the second
  * term too: one term would make prefill 1.66x faster (a 64-row SmolLM2 decode step 1.2x), but prompt
  * perplexity moved (Q8_0 file +0.35% against +0.01% of float32) and greedy answers after a one-term prefill
@@ -101,6 +105,13 @@ static int check_shape(const tl_quant_type *t, int64_t n, int64_t k) {
 KERNEL_API int quant_act_residual(int value) {
     if (value >= 0) quant_act_residual_on = value != 0;
     return quant_act_residual_on;
+}
+
+/* Whether a batch-1 call's two int8 terms go to the kernels as a pair (tl_act_q8.paired): read (value < 0) or
+ * set it (0 off, 1 on). */
+KERNEL_API int quant_act_pairs(int value) {
+    if (value >= 0) quant_act_pairs_on = value != 0;
+    return quant_act_pairs_on;
 }
 
 /* Whether the many-row int8 path's rows carry the second int8 term: read (value < 0) or set it (0 off, 1 on). */
@@ -197,8 +208,10 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
 #if HAVE_QUANT_GEMM
 /* x [m, k] (bf16 or float32) -> int8 blocks: d = max|x| / 127, q = round(x / d), s = sum q. With `residual`
  * the remainder x - d q (within +-d/2) is quantized the same way into rows m .. 2m - 1 of q, d, s, with scale
- * d / 127 (its quants lie in [-64, 64]): the two terms together carry x to within d / 254, max|x| / 32258 of the
- * block, where one int8 term is off by up to d / 2 (llama.cpp's Q8_0 activations). */
+ * exactly d / 128 (TL_TERM2_SHIFT; its quants lie in [-64, 64]): the two terms together carry x to within
+ * d / 256, max|x| / 32512 of the block, where one int8 term is off by up to d / 2 (llama.cpp's Q8_0
+ * activations). The power-of-two ratio lets a kernel add the two terms' integer dot products before it scales
+ * them (tl_act_q8.paired); the second scale was d / 127 before (d / 254 overall: the same to 1%). */
 static void quantize_act_rows(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int residual,
                               int8_t *q, float *d, int32_t *s, int64_t r0, int64_t r1) {
     const int64_t nb = k / TL_QK;
@@ -214,7 +227,7 @@ static void quantize_act_rows(const void *x, int64_t x_stride, int x_is_f32, int
             }
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
             const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const float scale2 = scale / 127.0f, inv2 = amax > 0.0f ? 127.0f * inv : 0.0f;
+            const float scale2 = scale * (1.0f / (1 << TL_TERM2_SHIFT)), inv2 = (float)(1 << TL_TERM2_SHIFT) * inv;
             __m512i sum = _mm512_setzero_si512(), sum2 = _mm512_setzero_si512();
             for (int h = 0; h < 2; ++h) {
                 /* round to nearest (even), the MXCSR default */
@@ -300,8 +313,8 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
     }
     /* Both terms in one pass over the weight when they fit the kernel's rows, else one pass each. */
     const int together = terms * m <= SMALL_M_LIMIT;
-    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes};
-    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k};
+    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes, quant_act_pairs_on && residual && m == 1};
+    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k, 0};
     const int64_t item = small_item_rows(n, threads), items = (n + item - 1) / item;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t c = 0; c < items; ++c) {

@@ -52,7 +52,7 @@ static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64
     const int64_t nb = k / TL_QK, n0 = chunk * MOE_CHUNK_ROWS;
     const int64_t n1 = n0 + MOE_CHUNK_ROWS < n ? n0 + MOE_CHUNK_ROWS : n;
     const tl_act_q8 a = {q + terms * s.first * k, d + terms * s.first * nb, sums + terms * s.first * nb,
-                         (int)(terms * s.rows), k, lanes == NULL ? NULL : lanes + terms * s.first * k};
+                         (int)(terms * s.rows), k, lanes == NULL ? NULL : lanes + terms * s.first * k, 0};
     float buf[2 * SUB_ROWS * MOE_CHUNK_ROWS];
     t->dot_rows((const uint8_t *)(intptr_t)data, n, k / t->block * t->block_size, n0, n1, &a, buf, MOE_CHUNK_ROWS);
     for (int64_t r = 0; r < s.rows; ++r)
