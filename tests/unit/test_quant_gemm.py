@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.act_pairs import check_one_row_pairs
 from tests.thread_counts import at_thread_counts
 from tokenloom.kernels import quant_gemm as qg
 
@@ -424,21 +425,4 @@ def test_one_row_sums_its_two_terms_as_one(name, n, k):
     two (and it does: the paired form is the one taken), and both stay within the two terms' bound,
     sum_i |w_i| d(i) / 256."""
     qm = qg.prepare(_matrix(name, n, k, 71))
-    w_ref = qg.dequantize(qm)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(71)).bfloat16()
-    lib = qg._native()
-    assert lib.quant_act_pairs(ctypes.c_int(-1)) == 1
-    paired = qg.linear(x, qm, out_dtype=torch.float32)
-    try:
-        assert lib.quant_act_pairs(ctypes.c_int(0)) == 0
-        apart = qg.linear(x, qm, out_dtype=torch.float32)
-    finally:
-        lib.quant_act_pairs(ctypes.c_int(1))
-    ref = x.double() @ w_ref.double().T
-    mag = x.double().abs() @ w_ref.double().abs().T
-    assert not torch.equal(paired, apart)
-    assert bool(((paired.double() - apart.double()).abs() <= 1e-6 * mag + 1e-9).all())
-    d = x.double().abs().view(1, k // 32, 32).amax(-1) / 127
-    tol = (d.repeat_interleave(32, dim=1) / 256) @ w_ref.double().abs().T + 2e-5 * mag + 1e-7
-    for got in (paired, apart):
-        assert bool(((got.double() - ref).abs() <= tol).all()), float(((got.double() - ref).abs() / tol).max())
+    check_one_row_pairs(qm, torch.randn(1, k, generator=torch.Generator().manual_seed(71)).bfloat16())

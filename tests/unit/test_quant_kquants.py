@@ -381,30 +381,12 @@ def test_other_builds(other_build, qtype):
 def test_one_row_sums_its_two_terms_as_one(qtype):
     """At one activation row the two int8 terms reach the kernels as a pair (128 dot0 + dot1, scaled once; on
     by default, quant_act_pairs(0) keeps them apart), over the row stream (k = 1280, a partial last tile) and
-    the tiles (k = 8192): only float32 rounding separates the two, the paired form is the one taken, and both
-    stay within the two terms' bound sum_i |w_i| d(i) / 256."""
-    import ctypes as ct
-
+    the tiles (k = 8192): tests/act_pairs.py's check."""
     import torch
 
+    from tests.act_pairs import check_one_row_pairs
     from tokenloom.kernels import quant_gemm as qg
 
-    lib = qg._native()
     for n, k in ((37, 1280), (9, 8192)):
         qm = qg.prepare(_quant_matrix(qtype, n, k, seed=qtype + 3 * k))
-        w = qg.dequantize(qm).double()
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)).bfloat16()
-        paired = qg.linear(x, qm, out_dtype=torch.float32)
-        try:
-            assert lib.quant_act_pairs(ct.c_int(0)) == 0
-            apart = qg.linear(x, qm, out_dtype=torch.float32)
-        finally:
-            lib.quant_act_pairs(ct.c_int(1))
-        xd = x.double()
-        ref, mag = xd @ w.T, xd.abs() @ w.abs().T
-        assert not torch.equal(paired, apart)
-        assert bool(((paired.double() - apart.double()).abs() <= 1e-6 * mag + 1e-9).all())
-        d = xd.abs().view(1, k // 32, 32).amax(-1) / 127
-        tol = (d.repeat_interleave(32, dim=1) / 256) @ w.abs().T + 2e-5 * mag + 1e-7
-        for got in (paired, apart):
-            assert bool(((got.double() - ref).abs() <= tol).all()), float(((got.double() - ref).abs() / tol).max())
+        check_one_row_pairs(qm, torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)).bfloat16())

@@ -313,7 +313,8 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
     }
     /* Both terms in one pass over the weight when they fit the kernel's rows, else one pass each. */
     const int together = terms * m <= SMALL_M_LIMIT;
-    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes, quant_act_pairs_on && residual && m == 1};
+    const int paired = quant_act_pairs_on && residual && m == 1;
+    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes, paired};
     const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k, 0};
     const int64_t item = small_item_rows(n, threads), items = (n + item - 1) / item;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")

@@ -554,10 +554,10 @@ static void kq_seq_prep(int six, const tl_act_q8 *a, int r0, int mb, __m512i *pr
 
 /* Weight rows [n0, n1), each read whole in turn, against the MB prepared activation rows (from r0); PAIRED (MB 2):
  * the pair's sum as row 0's output, 0 as row 1's. */
-static inline __attribute__((always_inline)) void kq_seq_rows(int type, const int MB, const int PAIRED, const uint8_t *w,
-                                                              int64_t row_bytes, int64_t n0, int64_t n1, int64_t k,
-                                                              const __m512i *prep, int r0, float *out,
-                                                              int64_t out_stride) {
+static inline __attribute__((always_inline)) void kq_seq_rows(int type, const int MB, const int PAIRED,
+                                                              const uint8_t *w, int64_t row_bytes, int64_t n0,
+                                                              int64_t n1, int64_t k, const __m512i *prep, int r0,
+                                                              float *out, int64_t out_stride) {
     const int six = type == 6, five = type == 5;
     const int64_t nb = k / KQ_K, bytes = six ? KQ6_BYTES : five ? KQ5_BYTES : KQ4_BYTES;
     const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * KQ_SEQ_AHEAD;
@@ -575,9 +575,10 @@ static inline __attribute__((always_inline)) void kq_seq_rows(int type, const in
             const __m512 ws = six ? wv : _mm512_permutexvar_ps(lane_sub, wv);
             if (PAIRED) {
                 const __m512i *x0 = p, *x1 = p + KQ_SEQ_STRIDE;
-                acc[0] = kq_pair_dot(six, v, x0, x1, six ? x0[KQ_PREP_INIT] : _mm512_setzero_si512(),
-                                     six ? x1[KQ_PREP_INIT] : _mm512_setzero_si512(), ws,
-                                     _mm512_castsi512_ps(x0[KQ_PREP_AS]), wv, _mm512_castsi512_ps(x0[KQ_PREP_DSA]), acc[0]);
+                const __m512i zero = _mm512_setzero_si512();
+                acc[0] = kq_pair_dot(six, v, x0, x1, six ? x0[KQ_PREP_INIT] : zero, six ? x1[KQ_PREP_INIT] : zero, ws,
+                                     _mm512_castsi512_ps(x0[KQ_PREP_AS]), wv, _mm512_castsi512_ps(x0[KQ_PREP_DSA]),
+                                     acc[0]);
                 continue;
             }
             for (int r = 0; r < MB; ++r) {

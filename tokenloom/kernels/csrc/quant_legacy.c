@@ -639,13 +639,15 @@ static inline __attribute__((always_inline)) void legacy_tail_band(const int kin
             const __m512i both = legacy_pair_dot(dot[0], dot[1]);
             const float d0 = a->d[b] * (1.0f / (1 << TL_TERM2_SHIFT));
             res[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(dw, _mm512_set1_ps(d0)), res[0]);
-            if (kind == 1)
-                res[0] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fmaf(a->d[nb + b], (float)a->s[nb + b], a->d[b] * (float)a->s[b])),
-                                         res[0]);
+            if (kind == 1) {
+                const float ds = fmaf(a->d[nb + b], (float)a->s[nb + b], a->d[b] * (float)a->s[b]);
+                res[0] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), res[0]);
+            }
         } else {
             for (int j = 0; j < MR; ++j) {
                 const int64_t o = (r0 + j) * nb + b;
-                res[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[o])), res[j]);
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[o]));
+                res[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), scale, res[j]);
                 if (kind == 1) res[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->d[o] * (float)a->s[o]), res[j]);
             }
         }
@@ -723,7 +725,8 @@ static void legacy_seq_prep(const int kind, const tl_act_q8 *a, __m512 *prep) {
                 q4_lanes_row(a, r, b, (__m512i *)(p + 2));
         }
     if (a->paired)
-        for (int64_t sp = 0; sp < spans; ++sp) legacy_pair_scales(kind, a, 16 * sp, &prep[sp * stride], &prep[sp * stride + 1]);
+        for (int64_t sp = 0; sp < spans; ++sp)
+            legacy_pair_scales(kind, a, 16 * sp, &prep[sp * stride], &prep[sp * stride + 1]);
 }
 
 /* One full span of one weight row against MR prepared activation rows (from r0): q4_span / q8_span's
