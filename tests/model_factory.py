@@ -18,6 +18,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "original_max_position_embeddings": 64}),
     "mistral": dict(kind="mistral", sliding_window=None, rope_theta=1000000.0),
     "qwen2": dict(kind="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    # SmolLM2's attention shape (head_dim 64, 3 query heads per KV head): the native extend kernel's shapes
+    "llama_hd64": dict(kind="llama", hidden_size=192, intermediate_size=256, num_attention_heads=3,
+                       num_key_value_heads=1, max_position_embeddings=1024),
 }
 
 

@@ -13,6 +13,7 @@
 #include "quant_kquants.c"
 #include "quant_gemm.c"
 #include "quant_moe.c"
+#include "extend_attention.c"
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"

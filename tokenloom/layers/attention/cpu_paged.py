@@ -15,7 +15,12 @@ slots.
 
 Soft-capped scores (`logit_cap`, Gemma 2's `attn_logit_softcapping`) are applied by the native kernel too
 (`decode(..., logit_cap=...)`: every scaled score, cascade prefixes and windows included), so a capped layer's
-decode reads the same indices as any other. Extend (prefill, chunks) runs `torch_native`'s path, caps included.
+decode reads the same indices as any other.
+
+Extend (prefill, chunked prefill, prefixes from the radix cache): the native extend kernel
+(tokenloom/kernels/extend_attention.py) where it has a path (a bf16 pool, head_dim 64 or 128, an AVX-512 CPU)
+and the model has no sliding-window layer; it reads K/V in place through the same index lists and skips the
+causal upper triangle instead of masking it. Elsewhere `torch_native`'s SDPA path, caps included.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from tokenloom.cache.kv_pool import KVPool
 from tokenloom.cache.req_to_token import ReqToTokenPool
 from tokenloom.forward_batch import ForwardBatch
-from tokenloom.kernels import paged_attention
+from tokenloom.kernels import extend_attention, paged_attention
 from tokenloom.kernels.native_kv_indices import native_kv_index_builder, store_decode_slots_and_build_indices
 from tokenloom.layers.attention.torch_native import TorchNativeBackend
 from tokenloom.layers.kv_indices import build_kv_indices
@@ -44,6 +49,14 @@ class CpuDecodeMetadata:
     swa_out_loc: torch.Tensor | None = None  # the new tokens' slots in the sliding layers' pool
 
 
+@dataclass
+class CpuExtendMetadata:
+    kv_indptr: torch.Tensor  # [B + 1] int64
+    kv_indices: torch.Tensor  # [sum of lengths] int64: each request's prefix, then its new tokens
+    q_start: torch.Tensor  # [B] int64: first new token's row in the step's tokens
+    q_len: torch.Tensor  # [B] int64: new tokens
+
+
 class CpuPagedBackend(TorchNativeBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int | None = None,
                  cascade: bool = True, layer_windows: Sequence[int] = ()) -> None:
@@ -51,6 +64,10 @@ class CpuPagedBackend(TorchNativeBackend):
         kv_heads = kv_pool.k_buffers[0].shape[0] if kv_pool.k_buffers else 1
         self.group = max(1, (num_heads or kv_heads) // kv_heads)
         self.cascade = cascade
+        head_dim = kv_pool.k_buffers[0].shape[2] if kv_pool.k_buffers else 0
+        self.native_extend = (bool(kv_pool.k_buffers) and kv_pool.k_buffers[0].dtype == torch.bfloat16
+                              and not self.windows and self.full_to_swa is None
+                              and extend_attention.available(torch.bfloat16, self.group, head_dim))
 
     def stores_new_slots(self, batch: ForwardBatch) -> bool:
         """A decode batch that knows its KV total (the scheduler's steady state, `ForwardBatch.build_decode`),
@@ -66,7 +83,13 @@ class CpuPagedBackend(TorchNativeBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.forward_mode.is_decode():
-            super().init_forward_metadata(batch)
+            if not self.native_extend:
+                super().init_forward_metadata(batch)
+                return
+            kv_indptr, kv_indices = build_kv_indices(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                                                     batch.seq_lens)
+            batch.attn_metadata = CpuExtendMetadata(kv_indptr, kv_indices, batch.extend_start_loc,
+                                                    batch.extend_seq_lens)
             return
         table, rows, seq_lens = self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens
         if self.stores_new_slots(batch):
@@ -87,7 +110,14 @@ class CpuPagedBackend(TorchNativeBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 batch: ForwardBatch, logit_cap: float = 0.0) -> torch.Tensor:
         if not batch.forward_mode.is_decode():
-            return super().forward(q, k, v, layer_id, scaling, batch, logit_cap)
+            if not isinstance(batch.attn_metadata, CpuExtendMetadata):
+                return super().forward(q, k, v, layer_id, scaling, batch, logit_cap)
+            ext: CpuExtendMetadata = batch.attn_metadata
+            self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+            k_buf, v_buf = self.kv_pool.get_kv(layer_id)
+            out = extend_attention.extend(q, k_buf, v_buf, ext.kv_indptr, ext.kv_indices, ext.q_start, ext.q_len,
+                                          scaling, logit_cap)
+            return out.to(q.dtype)
         md: CpuDecodeMetadata = batch.attn_metadata
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         window = md.windowed.get(self.window_of(layer_id))

@@ -1,0 +1,469 @@
+/*
+ * Paged extend (prefill) attention for the CPU: each request's new tokens attend, causally, to its cached
+ * prefix and to each other, reading K/V from the paged KV pool through indptr/indices (no padded copy, no
+ * mask tensor).
+ *
+ * Layout: q/out [T, Hq, D], the new tokens of all requests back to back (request b's q_len[b] tokens start at
+ * row q_start[b]; a token's heads contiguous, q_stride elements between tokens, out dense); k/v pool
+ * [Hkv, rows, D]; request b's slots in position order are indices[indptr[b] .. indptr[b+1]): its prefix, then
+ * its new tokens (already stored by the caller). New token i of request b sits at position prefix_b + i
+ * (prefix_b = its slot count - q_len[b]) and sees the keys at positions <= its own.
+ *
+ * Work: the K rows of every (request, kv head) are first copied into blocks of 16 keys laid out by dim pair
+ * (one 64-byte vector holds one dim pair of 16 keys), so that a broadcast query dim pair times one vector adds
+ * to 16 scores at once (vdpbf16ps: products exact, sums in float32) with no horizontal sums. Work items are
+ * (request, kv head, tile of up to EXT_TILE new tokens), latest tiles (most keys) first; a tile's query rows
+ * are its tokens x the kv head's query heads. Keys are taken EXT_CHUNK at a time with an online softmax (a
+ * running max and sum per row; the weighted sum of V is rescaled when the max grows), so a tile's scratch
+ * does not grow with the context. V is packed once per (request, kv head) too, in pairs of keys word by word,
+ * and the probabilities are rounded to bf16 before the weighted sum of V (as the decode kernel does), one
+ * vdpbf16ps adding two keys' share to 16 dims.
+ * Soft-cap (Gemma 2, logit_cap > 0): each scaled score s becomes cap * tanh(s / cap) before the softmax.
+ *
+ * Two arithmetic paths, chosen once per process by the cost of a vdpbf16ps against a vpdpbusd
+ * (quant_bf16_dot_cost, the probe that also decides the quantized matmuls' bf16 tile): where vdpbf16ps issues
+ * about as fast (AMD Zen 4) it does 32 multiply-adds an instruction, as above; where it is slow (an Intel Xeon:
+ * about a quarter of the rate, half an FMA's multiply-adds a cycle) K (in the same blocks) and V are widened to
+ * float32, scores and the weighted sum of V are float32 FMAs, and the probabilities stay float32.
+ *
+ * bf16 queries and pool at head_dim 64 or 128 on AVX-512 CPUs; extend_attention_supported() tells the caller,
+ * which otherwise keeps torch's attention.
+ */
+
+#define EXT_TILE 16    /* new tokens per work item */
+#define EXT_CHUNK 512  /* keys per online-softmax step */
+#define EXT_QK_ROWS 12 /* query rows per pass of the score kernel: 24 accumulators */
+#define PASS_ROWS 6    /* query rows per pass over V at head_dim 64 (3 at 128): 24 accumulators */
+
+KERNEL_API int extend_attention_supported(int head_dim, int group) {
+    return HAVE_AVX512 && (head_dim == 64 || head_dim == 128) && group >= 1 && group <= MAX_GROUP;
+}
+
+/* The arithmetic path: 1 AVX512-BF16 dot products, 2 float32 FMAs. value 1 or 2 sets it, 0 returns to the
+ * automatic choice, < 0 reads it (deciding it on first use). */
+static int ext_path = 0;
+KERNEL_API int extend_attention_path(int value) {
+    if (value >= 0)
+        ext_path = value;
+    else if (ext_path == 0) { /* a benign race: every caller decides the same */
+        const double cost = quant_bf16_dot_cost();
+        ext_path = HAVE_DPBF16 && !(cost >= BF16_PACE_MAX_COST) ? 1 : 2;
+    }
+    if (!HAVE_DPBF16 && ext_path == 1) ext_path = 2;
+    return ext_path;
+}
+
+#if HAVE_AVX512
+/* Keys [0, n) widened to float32 in blocks of 16: float d of block j's 16 x dim floats ... is dim d of key
+ * 16 j + (position in the block); keys from n up to the next multiple of 32 are zero. */
+static void ext_pack_keys_f32(const uint16_t *kh, const int64_t *idx, int64_t n, int dim, float *dst) {
+    const int64_t padded = (n + 31) / 32 * 32;
+    for (int64_t l0 = 0; l0 < padded; l0 += 16) {
+        float *block = dst + l0 * dim;
+        for (int t = 0; t < 16; ++t) {
+            if (l0 + t >= n) {
+                for (int d = 0; d < dim; ++d) block[d * 16 + t] = 0.f;
+                continue;
+            }
+            const uint16_t *row = kh + idx[l0 + t] * dim;
+            for (int d = 0; d < dim; ++d) block[d * 16 + t] = bf16_to_f32(row[d]);
+        }
+    }
+}
+
+/* ext_scores with float32 query rows and keys (ext_pack_keys_f32), one FMA per dim and 16 keys */
+static void ext_scores_f32(const float *qrows, int dim, const float *kt, int64_t k0, int64_t nk, float scale,
+                           float *s, int64_t stride) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < nk; l += 32) {
+        const float *b0 = kt + (k0 + l) * dim, *b1 = b0 + 16 * dim;
+        __m512 acc[2 * EXT_QK_ROWS];
+        for (int i = 0; i < 2 * EXT_QK_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+        for (int d = 0; d < dim; ++d) {
+            const __m512 x0 = _mm512_loadu_ps(b0 + 16 * d), x1 = _mm512_loadu_ps(b1 + 16 * d);
+#pragma GCC unroll 12
+            for (int r = 0; r < EXT_QK_ROWS; ++r) {
+                const __m512 qb = _mm512_set1_ps(qrows[(int64_t)r * dim + d]);
+                acc[2 * r] = _mm512_fmadd_ps(qb, x0, acc[2 * r]);
+                acc[2 * r + 1] = _mm512_fmadd_ps(qb, x1, acc[2 * r + 1]);
+            }
+        }
+        for (int r = 0; r < EXT_QK_ROWS; ++r) {
+            _mm512_storeu_ps(s + (int64_t)r * stride + l, _mm512_mul_ps(acc[2 * r], sv));
+            _mm512_storeu_ps(s + (int64_t)r * stride + l + 16, _mm512_mul_ps(acc[2 * r + 1], sv));
+        }
+    }
+}
+
+/* Values [0, n) widened to float32, key after key (dim floats each); keys from n up to the next multiple of 32
+ * are zero. */
+static void ext_pack_values_f32(const uint16_t *vh, const int64_t *idx, int64_t n, int dim, float *dst) {
+    const int64_t padded = (n + 31) / 32 * 32;
+    for (int64_t l = 0; l < padded; ++l)
+        for (int d = 0; d < dim; ++d) dst[l * dim + d] = l < n ? bf16_to_f32(vh[idx[l] * dim + d]) : 0.f;
+}
+
+/* out [R][16 NV] = sum_l p[r][l] v_l over n keys of the packed values vt: float32 probabilities and FMAs, each
+ * value row loaded once for all R rows (R * NV <= 24 accumulators, in registers after inlining). */
+static inline __attribute__((always_inline)) void ext_pv_f32_g(const float *vt, int64_t n, const int R, const int NV,
+                                                               const float *p, int64_t stride, float *out) {
+    const int dim = 16 * NV;
+    __m512 acc[24];
+    for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; ++l) {
+        __m512 x[8];
+        for (int c = 0; c < NV; ++c) x[c] = _mm512_loadu_ps(vt + l * dim + 16 * c);
+        for (int r = 0; r < R; ++r) {
+            const __m512 pb = _mm512_set1_ps(p[(int64_t)r * stride + l]);
+            for (int c = 0; c < NV; ++c) acc[r * NV + c] = _mm512_fmadd_ps(pb, x[c], acc[r * NV + c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (int64_t)r * dim + 16 * c, acc[r * NV + c]);
+}
+
+static void ext_pv_f32(const float *vt, int64_t n, int rows, int dim, const float *p, int64_t stride, float *acc) {
+#define EXT_PV_F32(R, NV)                                                                                      \
+    case R:                                                                                                    \
+        ext_pv_f32_g(vt, n, R, NV, p, stride, acc);                                                            \
+        return;
+    if (dim == 64) {
+        switch (rows) { EXT_PV_F32(1, 4) EXT_PV_F32(2, 4) EXT_PV_F32(3, 4) EXT_PV_F32(4, 4) EXT_PV_F32(5, 4)
+                        EXT_PV_F32(6, 4) }
+    } else {
+        switch (rows) { EXT_PV_F32(1, 8) EXT_PV_F32(2, 8) EXT_PV_F32(3, 8) }
+    }
+#undef EXT_PV_F32
+}
+#endif
+
+#if HAVE_DPBF16
+/* Keys [0, n) of one head (pool rows idx) into blocks of 16: word p of block j's 16 x (dim / 2) words is dim
+ * pair p of key 16 j + (position in the block); keys from n up to the next multiple of 32 are zero. */
+static void ext_pack_keys(const uint16_t *kh, const int64_t *idx, int64_t n, int dim, uint32_t *dst) {
+    const int pairs = dim / 2;
+    const int64_t padded = (n + 31) / 32 * 32;
+    for (int64_t l0 = 0; l0 < padded; l0 += 16) {
+        uint32_t *block = dst + l0 * pairs;
+        for (int t = 0; t < 16; ++t) {
+            if (l0 + t >= n) {
+                for (int p = 0; p < pairs; ++p) block[p * 16 + t] = 0;
+                continue;
+            }
+            const uint32_t *row = (const uint32_t *)(kh + idx[l0 + t] * dim);
+            for (int p = 0; p < pairs; ++p) block[p * 16 + t] = row[p];
+        }
+    }
+}
+
+/* s[r][l] = scale * q_r . k_(k0 + l) for EXT_QK_ROWS query rows (qrows [rows][dim]) and l < nk rounded up
+ * to 32, from the packed keys kt (k0 a multiple of 32). */
+static void ext_scores(const uint16_t *qrows, int dim, const uint32_t *kt, int64_t k0, int64_t nk, float scale,
+                       float *s, int64_t stride) {
+    const int pairs = dim / 2;
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < nk; l += 32) {
+        const uint32_t *b0 = kt + (k0 + l) * pairs, *b1 = b0 + 16 * pairs;
+        __m512 acc[2 * EXT_QK_ROWS];
+        for (int i = 0; i < 2 * EXT_QK_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+        for (int p = 0; p < pairs; ++p) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(b0 + 16 * p);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(b1 + 16 * p);
+#pragma GCC unroll 12
+            for (int r = 0; r < EXT_QK_ROWS; ++r) {
+                uint32_t pair;
+                memcpy(&pair, qrows + (int64_t)r * dim + 2 * p, sizeof pair);
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)pair);
+                acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], qb, x0);
+                acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], qb, x1);
+            }
+        }
+        for (int r = 0; r < EXT_QK_ROWS; ++r) {
+            _mm512_storeu_ps(s + (int64_t)r * stride + l, _mm512_mul_ps(acc[2 * r], sv));
+            _mm512_storeu_ps(s + (int64_t)r * stride + l + 16, _mm512_mul_ps(acc[2 * r + 1], sv));
+        }
+    }
+}
+
+/* Values [0, n) in pairs of keys: word d of pair j's dim words holds dim d of key 2 j (low half) and of key
+ * 2 j + 1 (high half), so that one vdpbf16ps against a broadcast pair of probabilities adds two keys' share
+ * to 16 dims; keys from n up to the next multiple of 32 are zero. */
+static void ext_pack_values(const uint16_t *vh, const int64_t *idx, int64_t n, int dim, uint32_t *dst) {
+    const int64_t padded = (n + 31) / 32 * 32;
+    for (int64_t l = 0; l < padded; l += 2) {
+        const uint16_t *v0 = l < n ? vh + idx[l] * dim : NULL, *v1 = l + 1 < n ? vh + idx[l + 1] * dim : NULL;
+        for (int d = 0; d < dim; ++d)
+            dst[l / 2 * dim + d] = (uint32_t)(v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
+    }
+}
+
+/* out [R][16 NV] = sum_l p[r][l] v_l over n keys of the packed value pairs vt, the probabilities pb in bf16
+ * (zero from n to the next even key); R * NV <= 24 accumulators, in registers after inlining. */
+static inline __attribute__((always_inline)) void ext_pv_g(const uint32_t *vt, int64_t n, const int R, const int NV,
+                                                           const uint16_t *pb, int64_t stride, float *out) {
+    const int dim = 16 * NV;
+    __m512 acc[24];
+    for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < (n + 1) / 2; ++j) {
+        __m512bh x[8];
+        for (int c = 0; c < NV; ++c) x[c] = (__m512bh)_mm512_loadu_si512(vt + j * dim + 16 * c);
+        for (int r = 0; r < R; ++r) {
+            uint32_t pair;
+            memcpy(&pair, pb + (int64_t)r * stride + 2 * j, sizeof pair);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int c = 0; c < NV; ++c) acc[r * NV + c] = _mm512_dpbf16_ps(acc[r * NV + c], x[c], pp);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (int64_t)r * dim + 16 * c, acc[r * NV + c]);
+}
+
+static void ext_pv(const uint32_t *vt, int64_t n, int rows, int dim, const uint16_t *pb, int64_t stride,
+                   float *acc) {
+#define EXT_PV(R, NV)                                                                                          \
+    case R:                                                                                                    \
+        ext_pv_g(vt, n, R, NV, pb, stride, acc);                                                               \
+        return;
+    if (dim == 64) {
+        switch (rows) { EXT_PV(1, 4) EXT_PV(2, 4) EXT_PV(3, 4) EXT_PV(4, 4) EXT_PV(5, 4) EXT_PV(6, 4) }
+    } else {
+        switch (rows) { EXT_PV(1, 8) EXT_PV(2, 8) EXT_PV(3, 8) }
+    }
+#undef EXT_PV
+}
+#endif
+
+#if HAVE_AVX512
+/* One thread's scratch, sized for EXT_TILE tokens x group rows. */
+typedef struct {
+    void *qrows;     /* [rows padded to EXT_QK_ROWS][dim]: bf16 (dot-product path) or float32 (FMA path) */
+    float *scores;   /* [rows padded][EXT_CHUNK]: scores, then (FMA path) the probabilities */
+    uint16_t *probs; /* [rows][EXT_CHUNK]: the bf16 probabilities (dot-product path) */
+    float *acc;      /* [rows][dim]: the running weighted sum of V */
+    float *part;     /* [rows of one pass over V][dim] */
+    float *max, *sum, *rescale; /* [rows] */
+} ExtScratch;
+
+static void ext_scratch_free(ExtScratch *w) {
+    free(w->qrows);
+    free(w->scores);
+    free(w->probs);
+    free(w->acc);
+    free(w->part);
+    free(w->max);
+    free(w->sum);
+    free(w->rescale);
+}
+
+static int ext_scratch_alloc(ExtScratch *w, int group, int dim) {
+    const int64_t rows = (int64_t)EXT_TILE * group, padded = (rows + EXT_QK_ROWS - 1) / EXT_QK_ROWS * EXT_QK_ROWS;
+    w->qrows = alloc_floats(padded * dim);
+    w->scores = alloc_floats(padded * EXT_CHUNK);
+    w->probs = (uint16_t *)aligned_alloc(64, (size_t)rows * EXT_CHUNK * 2);
+    w->acc = alloc_floats(rows * dim);
+    w->part = alloc_floats((int64_t)PASS_ROWS * dim);
+    w->max = alloc_floats(padded);
+    w->sum = alloc_floats(padded);
+    w->rescale = alloc_floats(padded);
+    if (w->qrows && w->scores && w->probs && w->acc && w->part && w->max && w->sum && w->rescale) {
+        memset(w->qrows, 0, sizeof(float) * (size_t)padded * dim); /* padding rows stay finite */
+        return 1;
+    }
+    ext_scratch_free(w);
+    return 0;
+}
+
+/* Row r's scores s[0, n) (n >= 1) with the row's running state: soft-cap, new max, exp, sum. The
+ * probabilities go to pb[0, n) as bf16 with zeros on to `width` or, pb NULL, stay in s with zeros on to
+ * `width`. Returns the factor the row's running V sum must be scaled by. */
+static float ext_softmax_row(float *s, int64_t n, int64_t width, float cap, float *max, float *sum, uint16_t *pb) {
+    if (cap > 0.f)
+        for (int64_t l = 0; l < n; ++l) s[l] = cap * tanhf(s[l] / cap);
+    float mx = *max;
+    for (int64_t l = 0; l < n; ++l) mx = s[l] > mx ? s[l] : mx;
+    const float rescale = *max == -INFINITY ? 0.f : expf(*max - mx);
+    float total = 0.f;
+    for (int64_t l = 0; l < n; ++l) {
+        const float e = expf(s[l] - mx);
+        s[l] = e;
+        total += e;
+    }
+    *sum = *sum * rescale + total;
+    *max = mx;
+    if (pb == NULL) {
+        for (int64_t l = n; l < width; ++l) s[l] = 0.f;
+        return rescale;
+    }
+#if HAVE_DPBF16
+    for (int64_t l = 0; l < width; l += 32) {
+        const int64_t m0 = n - l, m1 = n - l - 16;
+        const __mmask16 k0 = m0 >= 16 ? 0xFFFF : (m0 <= 0 ? 0 : (__mmask16)((1u << m0) - 1u));
+        const __mmask16 k1 = m1 >= 16 ? 0xFFFF : (m1 <= 0 ? 0 : (__mmask16)((1u << m1) - 1u));
+        const __m512 a = _mm512_maskz_loadu_ps(k0, s + l), b = _mm512_maskz_loadu_ps(k1, s + l + 16);
+        _mm512_storeu_si512(pb + l, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+#endif
+    return rescale;
+}
+
+/* One work item: new tokens [t0, t0 + nt) of a request (prefix cached positions before them, their query
+ * rows at q) against kv head h, whose packed keys and values are kt and vt; writes their rows of out.
+ * fma: the float32 path. */
+static void ext_tile(const uint16_t *q, int64_t q_stride, const void *kt, const void *vt, int64_t prefix,
+                     int64_t t0, int nt, int h, int group, int dim, float scale, float cap, int fma, ExtScratch *w,
+                     uint16_t *out, int64_t out_stride) {
+    const int rows = nt * group, per_pv = PASS_ROWS * 64 / dim;
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t *src = q + (t0 + r / group) * q_stride + ((int64_t)h * group + r % group) * dim;
+        if (fma)
+            for (int d = 0; d < dim; ++d) ((float *)w->qrows)[(int64_t)r * dim + d] = bf16_to_f32(src[d]);
+        else
+            memcpy((uint16_t *)w->qrows + (int64_t)r * dim, src, sizeof(uint16_t) * (size_t)dim);
+        w->max[r] = -INFINITY;
+        w->sum[r] = 0.f;
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)rows * dim);
+#define EXT_LIMIT(r) (prefix + t0 + (r) / group + 1) /* keys row r sees */
+    const int64_t keys = EXT_LIMIT(rows - 1);
+    for (int64_t c0 = 0; c0 < keys; c0 += EXT_CHUNK) {
+        const int64_t nk = keys - c0 < EXT_CHUNK ? keys - c0 : EXT_CHUNK;
+        for (int r0 = 0; r0 < rows; r0 += EXT_QK_ROWS) {
+            const int last = r0 + EXT_QK_ROWS - 1 < rows ? r0 + EXT_QK_ROWS - 1 : rows - 1;
+            int64_t need = EXT_LIMIT(last) - c0;
+            if (need <= 0) continue;
+            need = need < nk ? need : nk;
+            float *s = w->scores + (int64_t)r0 * EXT_CHUNK;
+            if (fma)
+                ext_scores_f32((const float *)w->qrows + (int64_t)r0 * dim, dim, (const float *)kt, c0, need, scale,
+                               s, EXT_CHUNK);
+#if HAVE_DPBF16
+            else
+                ext_scores((const uint16_t *)w->qrows + (int64_t)r0 * dim, dim, (const uint32_t *)kt, c0, need,
+                           scale, s, EXT_CHUNK);
+#endif
+        }
+        const int64_t width = (nk + 31) / 32 * 32;
+        for (int r = 0; r < rows; ++r) {
+            const int64_t n = EXT_LIMIT(r) - c0;
+            if (n <= 0) { /* the row sees no key of this chunk: nothing to add, nothing to rescale */
+                w->rescale[r] = 1.f;
+                if (fma) memset(w->scores + (int64_t)r * EXT_CHUNK, 0, sizeof(float) * (size_t)width);
+                else memset(w->probs + (int64_t)r * EXT_CHUNK, 0, sizeof(uint16_t) * (size_t)width);
+                continue;
+            }
+            w->rescale[r] = ext_softmax_row(w->scores + (int64_t)r * EXT_CHUNK, n < nk ? n : nk, width, cap,
+                                            w->max + r, w->sum + r, fma ? NULL : w->probs + (int64_t)r * EXT_CHUNK);
+        }
+        for (int r0 = 0; r0 < rows; r0 += per_pv) {
+            const int count = rows - r0 < per_pv ? rows - r0 : per_pv;
+            int64_t n = EXT_LIMIT(r0 + count - 1) - c0;
+            if (n <= 0) continue;
+            n = n < nk ? n : nk;
+            if (fma)
+                ext_pv_f32((const float *)vt + c0 * dim, n, count, dim, w->scores + (int64_t)r0 * EXT_CHUNK,
+                           EXT_CHUNK, w->part);
+#if HAVE_DPBF16
+            else
+                ext_pv((const uint32_t *)vt + c0 / 2 * dim, n, count, dim, w->probs + (int64_t)r0 * EXT_CHUNK,
+                       EXT_CHUNK, w->part);
+#endif
+            for (int i = 0; i < count; ++i) {
+                float *a = w->acc + (int64_t)(r0 + i) * dim;
+                const float *p = w->part + (int64_t)i * dim, f = w->rescale[r0 + i];
+                for (int d = 0; d < dim; ++d) a[d] = a[d] * f + p[d];
+            }
+        }
+    }
+#undef EXT_LIMIT
+    for (int r = 0; r < rows; ++r) {
+        uint16_t *o = out + (t0 + r / group) * out_stride + ((int64_t)h * group + r % group) * dim;
+        const float *a = w->acc + (int64_t)r * dim, inv = w->sum[r] > 0.f ? 1.f / w->sum[r] : 0.f;
+        for (int d = 0; d < dim; ++d) o[d] = f32_to_bf16(a[d] * inv);
+    }
+}
+#endif
+
+/* Entry point (see the top of this file). Returns 0; -1 when a buffer cannot be allocated; -2 when this CPU
+ * or shape has no path here (extend_attention_supported). The output is written only on 0. */
+KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                                           const int64_t *indptr, const int64_t *indices, const int64_t *q_start,
+                                           const int64_t *q_len, uint16_t *out, int batch, int num_heads,
+                                           int num_kv_heads, int head_dim, int64_t rows, float scale,
+                                           float logit_cap, int threads) {
+    const int group = num_heads / num_kv_heads;
+    if (!extend_attention_supported(head_dim, group) || group * num_kv_heads != num_heads) return -2;
+#if HAVE_AVX512
+    const int fma = extend_attention_path(-1) == 2;
+    const int words = fma ? head_dim : head_dim / 2; /* 32-bit words of a packed key */
+    int64_t *kt_off = (int64_t *)malloc(sizeof(int64_t) * ((size_t)batch + 1));
+    int64_t tiles = 0;
+    if (kt_off == NULL) return -1;
+    kt_off[0] = 0;
+    for (int b = 0; b < batch; ++b) {
+        const int64_t n = indptr[b + 1] - indptr[b];
+        kt_off[b + 1] = kt_off[b] + (n + 31) / 32 * 32 * words * 2 * num_kv_heads; /* K, then V, per kv head */
+        tiles += (q_len[b] + EXT_TILE - 1) / EXT_TILE;
+    }
+    uint32_t *kt = (uint32_t *)aligned_alloc(64, ((size_t)kt_off[batch] * 4 + 63) / 64 * 64 + 64);
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 2 * ((size_t)tiles + 1));
+    if (kt == NULL || items == NULL) {
+        free(kt);
+        free(items);
+        free(kt_off);
+        return -1;
+    }
+    /* (request, tile) pairs, each request's latest tile (the most keys) first */
+    int64_t count = 0;
+    for (int b = 0; b < batch; ++b)
+        for (int64_t t = (q_len[b] + EXT_TILE - 1) / EXT_TILE - 1; t >= 0; --t) {
+            items[2 * count] = b;
+            items[2 * count + 1] = t;
+            ++count;
+        }
+    const int64_t out_stride = (int64_t)num_heads * head_dim;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < (int64_t)batch * num_kv_heads; ++bh) {
+            const int b = (int)(bh / num_kv_heads), h = (int)(bh % num_kv_heads);
+            const int64_t n = indptr[b + 1] - indptr[b], padded = (n + 31) / 32 * 32;
+            uint32_t *dst = kt + kt_off[b] + (int64_t)h * padded * words * 2, *vdst = dst + padded * words;
+            const uint16_t *kh = k + (int64_t)h * rows * head_dim, *vh = v + (int64_t)h * rows * head_dim;
+            if (fma) {
+                ext_pack_keys_f32(kh, indices + indptr[b], n, head_dim, (float *)dst);
+                ext_pack_values_f32(vh, indices + indptr[b], n, head_dim, (float *)vdst);
+            }
+#if HAVE_DPBF16
+            else {
+                ext_pack_keys(kh, indices + indptr[b], n, head_dim, dst);
+                ext_pack_values(vh, indices + indptr[b], n, head_dim, vdst);
+            }
+#endif
+        }
+        ExtScratch w;
+        const int ok = ext_scratch_alloc(&w, group, head_dim);
+        if (!ok) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < count * num_kv_heads; ++it) {
+            if (!ok) continue;
+            const int64_t *item = items + 2 * (it / num_kv_heads);
+            const int b = (int)item[0], h = (int)(it % num_kv_heads);
+            const int64_t n = indptr[b + 1] - indptr[b], padded = (n + 31) / 32 * 32, t0 = item[1] * EXT_TILE;
+            const int nt = (int)(q_len[b] - t0 < EXT_TILE ? q_len[b] - t0 : EXT_TILE);
+            const uint32_t *kv = kt + kt_off[b] + (int64_t)h * padded * words * 2;
+            ext_tile(q + q_start[b] * q_stride, q_stride, kv, kv + padded * words, n - q_len[b], t0, nt, h, group,
+                     head_dim, scale, logit_cap, fma, &w, out + q_start[b] * out_stride, out_stride);
+        }
+        if (ok) ext_scratch_free(&w);
+    }
+    free(kt);
+    free(items);
+    free(kt_off);
+    return failed ? -1 : 0;
+#else
+    (void)q; (void)q_stride; (void)k; (void)v; (void)indptr; (void)indices; (void)q_start; (void)q_len; (void)out;
+    (void)batch; (void)rows; (void)scale; (void)logit_cap; (void)threads;
+    return -2;
+#endif
+}
