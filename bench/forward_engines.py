@@ -25,9 +25,9 @@ class TokenloomEngine:
     """ModelRunner driven with hand-built ForwardBatches; KV slots filled directly (no prefill)."""
 
     def __init__(self, dtype: str, max_total_tokens: int, max_requests: int, threads: int,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> None:
         args = ServerArgs(dtype=dtype, max_total_tokens=max_total_tokens, max_running_requests=max_requests,
-                          num_threads=threads, kv_cache_dtype=kv_cache_dtype)
+                          num_threads=threads, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend)
         self.runner = ModelRunner(args)
         torch.set_num_threads(threads)
         self.dtype = self.runner.dtype

@@ -127,7 +127,7 @@ class ServerArgs:
     # Execution
     device: str = _flag("cpu", "Device to run on: cpu or cuda.")
     attention_backend: str = _flag("auto", "Attention kernels: torch_native (pure torch), cpu (native paged "
-                                   "decode kernel), auto (cpu when it builds here).", ATTENTION_BACKENDS)
+                                   "decode and extend kernels), auto (cpu when it builds here).", ATTENTION_BACKENDS)
     tp_size: int = _flag(1, "Tensor-parallel ranks: one scheduler process per rank, each holding a shard of every "
                          "layer (attention heads, MLP, vocabulary).", aliases=("--tensor-parallel-size",))
     pp_size: int = _flag(1, "Pipeline-parallel stages: one process per stage (times --tp-size), each holding a "
