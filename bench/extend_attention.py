@@ -5,8 +5,10 @@ causal-with-prefix boolean mask), side by side in one process, alternating, medi
 
 Part 1, the attention call alone, one layer's worth per call, at SmolLM2-135M's shape (9 query heads, 3 KV
 heads, head_dim 64) and a Llama-3.2-1B's (32 / 8 / 64): 8 prompts of 256 tokens (workload (e)'s prefill
-chunks), one 2048-token prompt, 2048 new tokens on a 2048-token cached prefix (chunked prefill), and 512 on
-3584. GFLOP/s counts the causal multiply-adds actually needed (2 x 2 x heads x dim per query-key pair seen).
+chunks), one 2048-token prompt, 2048 new tokens on a 2048-token cached prefix (chunked prefill), 512 on
+3584, and few new tokens on a long prefix (16 on 4096; eight requests of one token on 4096 each: an extend
+step's decoding rows, jump-forward's few tokens), where packing the K/V weighs most. GFLOP/s counts the causal
+multiply-adds actually needed (2 x 2 x heads x dim per query-key pair seen).
 `--paths` also times each of the kernel's arithmetic paths (1: AVX512-BF16 dot products, 2: float32 FMAs;
 by default the kernel picks one per CPU).
 
@@ -39,7 +41,8 @@ from tokenloom.kernels import extend_attention  # noqa: E402
 from tokenloom.layers.attention.torch_native import _sdpa  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama-1b": (32, 8, 64)}
-CASES = {"8x256": [(0, 256)] * 8, "1x2048": [(0, 2048)], "2048+2048": [(2048, 2048)], "3584+512": [(3584, 512)]}
+CASES = {"8x256": [(0, 256)] * 8, "1x2048": [(0, 2048)], "2048+2048": [(2048, 2048)], "3584+512": [(3584, 512)],
+         "4096+16": [(4096, 16)], "8x(4096+1)": [(4096, 1)] * 8}
 QUICK_CASES = {"8x256": [(0, 256)] * 8, "1x1024": [(0, 1024)], "1024+512": [(1024, 512)]}
 
 

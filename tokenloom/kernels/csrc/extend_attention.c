@@ -9,9 +9,10 @@
  * its new tokens (already stored by the caller). New token i of request b sits at position prefix_b + i
  * (prefix_b = its slot count - q_len[b]) and sees the keys at positions <= its own.
  *
- * Work: the K rows of every (request, kv head) are first copied into blocks of 16 keys laid out by dim pair
- * (one 64-byte vector holds one dim pair of 16 keys), so that a broadcast query dim pair times one vector adds
- * to 16 scores at once (vdpbf16ps: products exact, sums in float32) with no horizontal sums. Work items are
+ * Work: the K rows of every (request, kv head) are first copied (16 x 16 transposes) into blocks of 16 keys
+ * laid out by dim pair (one 64-byte vector holds one dim pair of 16 keys), so that a broadcast query dim pair
+ * times one vector adds to 16 scores at once (vdpbf16ps: products exact, sums in float32) with no horizontal
+ * sums. Work items are
  * (request, kv head, tile of up to EXT_TILE new tokens), latest tiles (most keys) first; a tile's query rows
  * are its tokens x the kv head's query heads. Keys are taken EXT_CHUNK at a time with an online softmax (a
  * running max and sum per row; the weighted sum of V is rescaled when the max grows), so a tile's scratch
@@ -23,8 +24,9 @@
  * Two arithmetic paths, chosen once per process by the cost of a vdpbf16ps against a vpdpbusd
  * (quant_bf16_dot_cost, the probe that also decides the quantized matmuls' bf16 tile): where vdpbf16ps issues
  * about as fast (AMD Zen 4) it does 32 multiply-adds an instruction, as above; where it is slow (an Intel Xeon:
- * about a quarter of the rate, half an FMA's multiply-adds a cycle) K (in the same blocks) and V are widened to
- * float32, scores and the weighted sum of V are float32 FMAs, and the probabilities stay float32.
+ * about a quarter of the rate, half an FMA's multiply-adds a cycle) each packed word is split into its two
+ * float32 halves (a shift, a mask) as it is used, scores and the weighted sum of V are float32 FMAs, and the
+ * probabilities stay float32.
  *
  * bf16 queries and pool at head_dim 64 or 128 on AVX-512 CPUs; extend_attention_supported() tells the caller,
  * which otherwise keeps torch's attention.
@@ -54,38 +56,102 @@ KERNEL_API int extend_attention_path(int value) {
 }
 
 #if HAVE_AVX512
-/* Keys [0, n) widened to float32 in blocks of 16: float d of block j's 16 x dim floats ... is dim d of key
- * 16 j + (position in the block); keys from n up to the next multiple of 32 are zero. */
-static void ext_pack_keys_f32(const uint16_t *kh, const int64_t *idx, int64_t n, int dim, float *dst) {
+static const uint16_t EXT_ZERO_ROW[MAX_DIM];
+
+/* r[0..15] (16 rows of 16 dwords) transposed in place: afterwards r[c] holds dword c of every row. */
+static inline __attribute__((always_inline)) void ext_transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) { /* u[g + j], 128-bit lane k: dword 4 k + j of rows g .. g + 3 */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        const __m512i x1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(x0, x1, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(x0, x1, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(x2, x3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(x2, x3, 0xDD);
+    }
+}
+
+/* Keys [0, n) of one head (pool rows idx) into blocks of 16: word p of block j's 16 x (dim / 2) words is dim
+ * pair p of key 16 j + (position in the block); keys from n up to the next multiple of 32 are zero. Sixteen
+ * keys' rows at a time, 16 dim pairs per 16 x 16 transpose. */
+static void ext_pack_keys(const uint16_t *kh, const int64_t *idx, int64_t n, int dim, uint32_t *dst) {
+    const int pairs = dim / 2;
     const int64_t padded = (n + 31) / 32 * 32;
     for (int64_t l0 = 0; l0 < padded; l0 += 16) {
-        float *block = dst + l0 * dim;
-        for (int t = 0; t < 16; ++t) {
-            if (l0 + t >= n) {
-                for (int d = 0; d < dim; ++d) block[d * 16 + t] = 0.f;
-                continue;
-            }
-            const uint16_t *row = kh + idx[l0 + t] * dim;
-            for (int d = 0; d < dim; ++d) block[d * 16 + t] = bf16_to_f32(row[d]);
+        const uint16_t *rows[16];
+        for (int t = 0; t < 16; ++t) rows[t] = l0 + t < n ? kh + idx[l0 + t] * dim : EXT_ZERO_ROW;
+        uint32_t *block = dst + l0 * pairs;
+        for (int c = 0; c < pairs; c += 16) {
+            __m512i r[16];
+            for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(rows[t] + 2 * c);
+            ext_transpose16(r);
+            for (int p = 0; p < 16; ++p) _mm512_storeu_si512(block + (int64_t)(c + p) * 16, r[p]);
         }
     }
 }
 
-/* ext_scores with float32 query rows and keys (ext_pack_keys_f32), one FMA per dim and 16 keys */
-static void ext_scores_f32(const float *qrows, int dim, const float *kt, int64_t k0, int64_t nk, float scale,
+/* Values [0, n) in pairs of keys: word d of pair j's dim words holds dim d of key 2 j (low half) and of key
+ * 2 j + 1 (high half), so that one vdpbf16ps against a broadcast pair of probabilities adds two keys' share
+ * to 16 dims; keys from n up to the next multiple of 32 are zero. */
+static void ext_pack_values(const uint16_t *vh, const int64_t *idx, int64_t n, int dim, uint32_t *dst) {
+    __m512i lo_words, hi_words; /* word i of (x0, x1) interleaved: x0[i], x1[i] for i < 16, then 16 .. 31 */
+    uint16_t lo[32], hi[32];
+    for (int i = 0; i < 16; ++i) {
+        lo[2 * i] = (uint16_t)i, lo[2 * i + 1] = (uint16_t)(32 + i);
+        hi[2 * i] = (uint16_t)(16 + i), hi[2 * i + 1] = (uint16_t)(48 + i);
+    }
+    lo_words = _mm512_loadu_si512(lo);
+    hi_words = _mm512_loadu_si512(hi);
+    const int64_t padded = (n + 31) / 32 * 32;
+    for (int64_t l = 0; l < padded; l += 2) {
+        const uint16_t *v0 = l < n ? vh + idx[l] * dim : EXT_ZERO_ROW;
+        const uint16_t *v1 = l + 1 < n ? vh + idx[l + 1] * dim : EXT_ZERO_ROW;
+        uint32_t *out = dst + l / 2 * dim;
+        for (int c = 0; c < dim; c += 32) {
+            const __m512i x0 = _mm512_loadu_si512(v0 + c), x1 = _mm512_loadu_si512(v1 + c);
+            _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x0, lo_words, x1));
+            _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(x0, hi_words, x1));
+        }
+    }
+}
+
+/* The two bf16 halves of 16 packed words as float32: the low halves (shifted up) and the high halves (masked). */
+static inline __m512 ext_low(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+static inline __m512 ext_high(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* ext_scores with float32 FMAs (CPUs whose vdpbf16ps is slow): float32 query rows, the packed bf16 keys split
+ * into their two dims of a pair, one FMA per dim and 16 keys */
+static void ext_scores_f32(const float *qrows, int dim, const uint32_t *kt, int64_t k0, int64_t nk, float scale,
                            float *s, int64_t stride) {
+    const int pairs = dim / 2;
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t l = 0; l < nk; l += 32) {
-        const float *b0 = kt + (k0 + l) * dim, *b1 = b0 + 16 * dim;
+        const uint32_t *b0 = kt + (k0 + l) * pairs, *b1 = b0 + 16 * pairs;
         __m512 acc[2 * EXT_QK_ROWS];
         for (int i = 0; i < 2 * EXT_QK_ROWS; ++i) acc[i] = _mm512_setzero_ps();
-        for (int d = 0; d < dim; ++d) {
-            const __m512 x0 = _mm512_loadu_ps(b0 + 16 * d), x1 = _mm512_loadu_ps(b1 + 16 * d);
+        for (int p = 0; p < pairs; ++p) {
+            const __m512i w0 = _mm512_loadu_si512(b0 + 16 * p), w1 = _mm512_loadu_si512(b1 + 16 * p);
+            const __m512 e0 = ext_low(w0), o0 = ext_high(w0), e1 = ext_low(w1), o1 = ext_high(w1);
 #pragma GCC unroll 12
             for (int r = 0; r < EXT_QK_ROWS; ++r) {
-                const __m512 qb = _mm512_set1_ps(qrows[(int64_t)r * dim + d]);
-                acc[2 * r] = _mm512_fmadd_ps(qb, x0, acc[2 * r]);
-                acc[2 * r + 1] = _mm512_fmadd_ps(qb, x1, acc[2 * r + 1]);
+                const __m512 qe = _mm512_set1_ps(qrows[(int64_t)r * dim + 2 * p]);
+                const __m512 qo = _mm512_set1_ps(qrows[(int64_t)r * dim + 2 * p + 1]);
+                acc[2 * r] = _mm512_fmadd_ps(qo, o0, _mm512_fmadd_ps(qe, e0, acc[2 * r]));
+                acc[2 * r + 1] = _mm512_fmadd_ps(qo, o1, _mm512_fmadd_ps(qe, e1, acc[2 * r + 1]));
             }
         }
         for (int r = 0; r < EXT_QK_ROWS; ++r) {
@@ -95,34 +161,32 @@ static void ext_scores_f32(const float *qrows, int dim, const float *kt, int64_t
     }
 }
 
-/* Values [0, n) widened to float32, key after key (dim floats each); keys from n up to the next multiple of 32
- * are zero. */
-static void ext_pack_values_f32(const uint16_t *vh, const int64_t *idx, int64_t n, int dim, float *dst) {
-    const int64_t padded = (n + 31) / 32 * 32;
-    for (int64_t l = 0; l < padded; ++l)
-        for (int d = 0; d < dim; ++d) dst[l * dim + d] = l < n ? bf16_to_f32(vh[idx[l] * dim + d]) : 0.f;
-}
-
-/* out [R][16 NV] = sum_l p[r][l] v_l over n keys of the packed values vt: float32 probabilities and FMAs, each
- * value row loaded once for all R rows (R * NV <= 24 accumulators, in registers after inlining). */
-static inline __attribute__((always_inline)) void ext_pv_f32_g(const float *vt, int64_t n, const int R, const int NV,
-                                                               const float *p, int64_t stride, float *out) {
+/* out [R][16 NV] = sum_l p[r][l] v_l over n keys of the packed value pairs vt with float32 probabilities p
+ * (zero from n to the next even key) and FMAs, each pair split into its two keys' float32 rows once for all R
+ * rows (R * NV <= 24 accumulators, in registers after inlining). */
+static inline __attribute__((always_inline)) void ext_pv_f32_g(const uint32_t *vt, int64_t n, const int R,
+                                                               const int NV, const float *p, int64_t stride,
+                                                               float *out) {
     const int dim = 16 * NV;
     __m512 acc[24];
     for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; ++l) {
-        __m512 x[8];
-        for (int c = 0; c < NV; ++c) x[c] = _mm512_loadu_ps(vt + l * dim + 16 * c);
-        for (int r = 0; r < R; ++r) {
-            const __m512 pb = _mm512_set1_ps(p[(int64_t)r * stride + l]);
-            for (int c = 0; c < NV; ++c) acc[r * NV + c] = _mm512_fmadd_ps(pb, x[c], acc[r * NV + c]);
+    for (int64_t j = 0; j < (n + 1) / 2; ++j) {
+        for (int c = 0; c < NV; ++c) {
+            const __m512i w = _mm512_loadu_si512(vt + j * dim + 16 * c);
+            const __m512 e = ext_low(w), o = ext_high(w);
+            for (int r = 0; r < R; ++r) {
+                const float *pr = p + (int64_t)r * stride + 2 * j;
+                acc[r * NV + c] = _mm512_fmadd_ps(_mm512_set1_ps(pr[1]), o,
+                                                  _mm512_fmadd_ps(_mm512_set1_ps(pr[0]), e, acc[r * NV + c]));
+            }
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (int64_t)r * dim + 16 * c, acc[r * NV + c]);
 }
 
-static void ext_pv_f32(const float *vt, int64_t n, int rows, int dim, const float *p, int64_t stride, float *acc) {
+static void ext_pv_f32(const uint32_t *vt, int64_t n, int rows, int dim, const float *p, int64_t stride,
+                       float *acc) {
 #define EXT_PV_F32(R, NV)                                                                                      \
     case R:                                                                                                    \
         ext_pv_f32_g(vt, n, R, NV, p, stride, acc);                                                            \
@@ -138,24 +202,6 @@ static void ext_pv_f32(const float *vt, int64_t n, int rows, int dim, const floa
 #endif
 
 #if HAVE_DPBF16
-/* Keys [0, n) of one head (pool rows idx) into blocks of 16: word p of block j's 16 x (dim / 2) words is dim
- * pair p of key 16 j + (position in the block); keys from n up to the next multiple of 32 are zero. */
-static void ext_pack_keys(const uint16_t *kh, const int64_t *idx, int64_t n, int dim, uint32_t *dst) {
-    const int pairs = dim / 2;
-    const int64_t padded = (n + 31) / 32 * 32;
-    for (int64_t l0 = 0; l0 < padded; l0 += 16) {
-        uint32_t *block = dst + l0 * pairs;
-        for (int t = 0; t < 16; ++t) {
-            if (l0 + t >= n) {
-                for (int p = 0; p < pairs; ++p) block[p * 16 + t] = 0;
-                continue;
-            }
-            const uint32_t *row = (const uint32_t *)(kh + idx[l0 + t] * dim);
-            for (int p = 0; p < pairs; ++p) block[p * 16 + t] = row[p];
-        }
-    }
-}
-
 /* s[r][l] = scale * q_r . k_(k0 + l) for EXT_QK_ROWS query rows (qrows [rows][dim]) and l < nk rounded up
  * to 32, from the packed keys kt (k0 a multiple of 32). */
 static void ext_scores(const uint16_t *qrows, int dim, const uint32_t *kt, int64_t k0, int64_t nk, float scale,
@@ -182,18 +228,6 @@ static void ext_scores(const uint16_t *qrows, int dim, const uint32_t *kt, int64
             _mm512_storeu_ps(s + (int64_t)r * stride + l, _mm512_mul_ps(acc[2 * r], sv));
             _mm512_storeu_ps(s + (int64_t)r * stride + l + 16, _mm512_mul_ps(acc[2 * r + 1], sv));
         }
-    }
-}
-
-/* Values [0, n) in pairs of keys: word d of pair j's dim words holds dim d of key 2 j (low half) and of key
- * 2 j + 1 (high half), so that one vdpbf16ps against a broadcast pair of probabilities adds two keys' share
- * to 16 dims; keys from n up to the next multiple of 32 are zero. */
-static void ext_pack_values(const uint16_t *vh, const int64_t *idx, int64_t n, int dim, uint32_t *dst) {
-    const int64_t padded = (n + 31) / 32 * 32;
-    for (int64_t l = 0; l < padded; l += 2) {
-        const uint16_t *v0 = l < n ? vh + idx[l] * dim : NULL, *v1 = l + 1 < n ? vh + idx[l + 1] * dim : NULL;
-        for (int d = 0; d < dim; ++d)
-            dst[l / 2 * dim + d] = (uint32_t)(v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
     }
 }
 
@@ -363,8 +397,8 @@ static void ext_tile(const uint16_t *q, int64_t q_stride, const void *kt, const 
             need = need < nk ? need : nk;
             float *s = w->scores + (int64_t)r0 * EXT_CHUNK;
             if (fma)
-                ext_scores_f32((const float *)w->qrows + (int64_t)r0 * dim, dim, (const float *)kt, c0, need, scale,
-                               s, EXT_CHUNK);
+                ext_scores_f32((const float *)w->qrows + (int64_t)r0 * dim, dim, (const uint32_t *)kt, c0, need,
+                               scale, s, EXT_CHUNK);
 #if HAVE_DPBF16
             else
                 ext_scores((const uint16_t *)w->qrows + (int64_t)r0 * dim, dim, (const uint32_t *)kt, c0, need,
@@ -389,7 +423,7 @@ static void ext_tile(const uint16_t *q, int64_t q_stride, const void *kt, const 
             if (n <= 0) continue;
             n = n < nk ? n : nk;
             if (fma)
-                ext_pv_f32((const float *)vt + c0 * dim, n, count, dim, w->scores + (int64_t)r0 * EXT_CHUNK,
+                ext_pv_f32((const uint32_t *)vt + c0 / 2 * dim, n, count, dim, w->scores + (int64_t)r0 * EXT_CHUNK,
                            EXT_CHUNK, w->part);
 #if HAVE_DPBF16
             else
@@ -412,6 +446,31 @@ static void ext_tile(const uint16_t *q, int64_t q_stride, const void *kt, const 
 }
 #endif
 
+#if HAVE_AVX512
+/* The calling thread's buffer for a call's packed K/V, kept between calls up to EXT_KEEP_BYTES: fresh pages
+ * for every layer's call would be faulted in again each time (a prefill step makes one call per layer). */
+#define EXT_KEEP_BYTES ((size_t)64 << 20)
+static __thread uint32_t *ext_packed = NULL;
+static __thread size_t ext_packed_bytes = 0;
+
+static uint32_t *ext_packed_buffer(size_t bytes) {
+    if (bytes > ext_packed_bytes) {
+        free(ext_packed);
+        ext_packed = (uint32_t *)aligned_alloc(64, bytes);
+        ext_packed_bytes = ext_packed != NULL ? bytes : 0;
+    }
+    return ext_packed;
+}
+
+static void ext_packed_release(void) {
+    if (ext_packed_bytes > EXT_KEEP_BYTES || ext_packed == NULL) {
+        free(ext_packed);
+        ext_packed = NULL;
+        ext_packed_bytes = 0;
+    }
+}
+#endif
+
 /* Entry point (see the top of this file). Returns 0; -1 when a buffer cannot be allocated; -2 when this CPU
  * or shape has no path here (extend_attention_supported). The output is written only on 0. */
 KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
@@ -423,7 +482,7 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
     if (!extend_attention_supported(head_dim, group) || group * num_kv_heads != num_heads) return -2;
 #if HAVE_AVX512
     const int fma = extend_attention_path(-1) == 2;
-    const int words = fma ? head_dim : head_dim / 2; /* 32-bit words of a packed key */
+    const int words = head_dim / 2; /* 32-bit words of a packed key (and of a packed value) */
     int64_t *kt_off = (int64_t *)malloc(sizeof(int64_t) * ((size_t)batch + 1));
     int64_t tiles = 0;
     if (kt_off == NULL) return -1;
@@ -433,10 +492,10 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
         kt_off[b + 1] = kt_off[b] + (n + 31) / 32 * 32 * words * 2 * num_kv_heads; /* K, then V, per kv head */
         tiles += (q_len[b] + EXT_TILE - 1) / EXT_TILE;
     }
-    uint32_t *kt = (uint32_t *)aligned_alloc(64, ((size_t)kt_off[batch] * 4 + 63) / 64 * 64 + 64);
+    uint32_t *kt = ext_packed_buffer(((size_t)kt_off[batch] * 4 + 63) / 64 * 64 + 64);
     int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 2 * ((size_t)tiles + 1));
     if (kt == NULL || items == NULL) {
-        free(kt);
+        ext_packed_release();
         free(items);
         free(kt_off);
         return -1;
@@ -459,16 +518,8 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
             const int64_t n = indptr[b + 1] - indptr[b], padded = (n + 31) / 32 * 32;
             uint32_t *dst = kt + kt_off[b] + (int64_t)h * padded * words * 2, *vdst = dst + padded * words;
             const uint16_t *kh = k + (int64_t)h * rows * head_dim, *vh = v + (int64_t)h * rows * head_dim;
-            if (fma) {
-                ext_pack_keys_f32(kh, indices + indptr[b], n, head_dim, (float *)dst);
-                ext_pack_values_f32(vh, indices + indptr[b], n, head_dim, (float *)vdst);
-            }
-#if HAVE_DPBF16
-            else {
-                ext_pack_keys(kh, indices + indptr[b], n, head_dim, dst);
-                ext_pack_values(vh, indices + indptr[b], n, head_dim, vdst);
-            }
-#endif
+            ext_pack_keys(kh, indices + indptr[b], n, head_dim, dst);
+            ext_pack_values(vh, indices + indptr[b], n, head_dim, vdst);
         }
         ExtScratch w;
         const int ok = ext_scratch_alloc(&w, group, head_dim);
@@ -486,7 +537,7 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
         }
         if (ok) ext_scratch_free(&w);
     }
-    free(kt);
+    ext_packed_release();
     free(items);
     free(kt_off);
     return failed ? -1 : 0;
