@@ -1,8 +1,8 @@
 """The native paged extend (prefill) attention kernel against a float32 torch reference (per request, causal
 over its prefix and its new tokens): GQA groups 1-16, head_dim 64 and 128, ragged prefixes and new-token
-counts (one token, tiles of 16 and their remainders, key chunks of 512 crossed), scattered slots, a strided
-(packed qkv) query, soft-capped scores, and each of the kernel's arithmetic paths (AVX512-BF16 dot products,
-float32 FMAs) where this CPU has it."""
+counts (one token, read in place through the decode path; tiles of 16 and their remainders; key chunks of 512
+crossed), scattered slots, a strided (packed qkv) query, soft-capped scores, and each of the kernel's
+arithmetic paths (AVX512-BF16 dot products, float32 FMAs) where this CPU has it."""
 
 from __future__ import annotations
 
@@ -95,9 +95,9 @@ def test_matches_reference(arithmetic, num_heads, num_kv, dim, requests):
 
 
 def test_soft_cap_and_packed_query(arithmetic):
-    out, ref = _case(9, 3, 64, [(20, 30), (0, 9)], seed=5, cap=4.0, packed=True)
+    out, ref = _case(9, 3, 64, [(20, 30), (0, 9), (7, 1)], seed=5, cap=4.0, packed=True)
     assert (out - ref).abs().max().item() < 2e-2
-    uncapped, _ = _case(9, 3, 64, [(20, 30), (0, 9)], seed=5, packed=True)
+    uncapped, _ = _case(9, 3, 64, [(20, 30), (0, 9), (7, 1)], seed=5, packed=True)
     assert (uncapped - ref).abs().max().item() > 5e-2  # the cap is applied, not ignored
 
 

@@ -19,6 +19,8 @@
  * does not grow with the context. V is packed once per (request, kv head) too, in pairs of keys word by word,
  * and the probabilities are rounded to bf16 before the weighted sum of V (as the decode kernel does), one
  * vdpbf16ps adding two keys' share to 16 dims.
+ * A request with one new token (an extend step's decoding rows, a jump-forward's last token) packs nothing:
+ * its rows read the pool in place through the decode kernel's path (attend_range_bf16).
  * Soft-cap (Gemma 2, logit_cap > 0): each scaled score s becomes cap * tanh(s / cap) before the softmax.
  *
  * Two arithmetic paths, chosen once per process by the cost of a vdpbf16ps against a vpdpbusd
@@ -447,6 +449,25 @@ static void ext_tile(const uint16_t *q, int64_t q_stride, const void *kt, const 
 #endif
 
 #if HAVE_AVX512
+/* A request with one new token: its query heads of kv head h attend its n keys straight from the pool, through
+ * the decode kernel's path (packing the K/V would cost more than the scores: the step's decoding rows, or a
+ * jump-forward's last token). Returns 0 when its scratch cannot be allocated. */
+static int ext_one_token(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *idx, int64_t n,
+                         int group, int dim, float scale, float cap, float **scores, int64_t *scores_cap,
+                         uint16_t *out) {
+    float acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(64)));
+    Partial part;
+    part.acc = acc;
+    part.cap = cap;
+    if (!reserve_scores(scores, scores_cap, SCORES_FLOATS(n, group))) return 0;
+    attend_range_bf16(q, kh, vh, idx, n, group, dim, scale, *scores, &part);
+    for (int g = 0; g < group; ++g) {
+        const float inv = part.sum[g] > 0.f ? 1.f / part.sum[g] : 0.f;
+        for (int d = 0; d < dim; ++d) out[g * dim + d] = f32_to_bf16(acc[g * dim + d] * inv);
+    }
+    return 1;
+}
+
 /* The calling thread's buffer for a call's packed K/V, kept between calls up to EXT_KEEP_BYTES: fresh pages
  * for every layer's call would be faulted in again each time (a prefill step makes one call per layer). */
 #define EXT_KEEP_BYTES ((size_t)64 << 20)
@@ -489,7 +510,8 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
     kt_off[0] = 0;
     for (int b = 0; b < batch; ++b) {
         const int64_t n = indptr[b + 1] - indptr[b];
-        kt_off[b + 1] = kt_off[b] + (n + 31) / 32 * 32 * words * 2 * num_kv_heads; /* K, then V, per kv head */
+        const int64_t packed = q_len[b] > 1 ? (n + 31) / 32 * 32 : 0; /* one new token reads the pool in place */
+        kt_off[b + 1] = kt_off[b] + packed * words * 2 * num_kv_heads; /* K, then V, per kv head */
         tiles += (q_len[b] + EXT_TILE - 1) / EXT_TILE;
     }
     uint32_t *kt = ext_packed_buffer(((size_t)kt_off[batch] * 4 + 63) / 64 * 64 + 64);
@@ -516,6 +538,7 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
         for (int64_t bh = 0; bh < (int64_t)batch * num_kv_heads; ++bh) {
             const int b = (int)(bh / num_kv_heads), h = (int)(bh % num_kv_heads);
             const int64_t n = indptr[b + 1] - indptr[b], padded = (n + 31) / 32 * 32;
+            if (q_len[b] <= 1) continue;
             uint32_t *dst = kt + kt_off[b] + (int64_t)h * padded * words * 2, *vdst = dst + padded * words;
             const uint16_t *kh = k + (int64_t)h * rows * head_dim, *vh = v + (int64_t)h * rows * head_dim;
             ext_pack_keys(kh, indices + indptr[b], n, head_dim, dst);
@@ -524,6 +547,8 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
         ExtScratch w;
         const int ok = ext_scratch_alloc(&w, group, head_dim);
         if (!ok) failed = 1;
+        float *scores = NULL; /* the one-token items' scratch */
+        int64_t scores_cap = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count * num_kv_heads; ++it) {
             if (!ok) continue;
@@ -531,11 +556,20 @@ KERNEL_API int paged_extend_attention_bf16(const uint16_t *q, int64_t q_stride, 
             const int b = (int)item[0], h = (int)(it % num_kv_heads);
             const int64_t n = indptr[b + 1] - indptr[b], padded = (n + 31) / 32 * 32, t0 = item[1] * EXT_TILE;
             const int nt = (int)(q_len[b] - t0 < EXT_TILE ? q_len[b] - t0 : EXT_TILE);
+            if (q_len[b] == 1) {
+                if (!ext_one_token(q + q_start[b] * q_stride + (int64_t)h * group * head_dim,
+                                   k + (int64_t)h * rows * head_dim, v + (int64_t)h * rows * head_dim,
+                                   indices + indptr[b], n, group, head_dim, scale, logit_cap, &scores, &scores_cap,
+                                   out + q_start[b] * out_stride + (int64_t)h * group * head_dim))
+                    failed = 1;
+                continue;
+            }
             const uint32_t *kv = kt + kt_off[b] + (int64_t)h * padded * words * 2;
             ext_tile(q + q_start[b] * q_stride, q_stride, kv, kv + padded * words, n - q_len[b], t0, nt, h, group,
                      head_dim, scale, logit_cap, fma, &w, out + q_start[b] * out_stride, out_stride);
         }
         if (ok) ext_scratch_free(&w);
+        free(scores);
     }
     ext_packed_release();
     free(items);
