@@ -135,10 +135,13 @@ static inline __m512 ext_high(__m512i w) {
     return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
-/* ext_scores with float32 FMAs (CPUs whose vdpbf16ps is slow): float32 query rows, the packed bf16 keys split
- * into their two dims of a pair, one FMA per dim and 16 keys */
-static void ext_scores_f32(const float *qrows, int dim, const uint32_t *kt, int64_t k0, int64_t nk, float scale,
-                           float *s, int64_t stride) {
+/* s[r][l] = scale * q_r . k_(k0 + l) for EXT_QK_ROWS query rows and l < nk rounded up to 32, from the packed
+ * keys kt (k0 a multiple of 32). FMA (a constant after inlining): float32 query rows [rows][dim], each packed
+ * word split into its two dims, one FMA per dim and 16 keys (CPUs whose vdpbf16ps is slow); else bf16 query
+ * rows, one vdpbf16ps per dim pair and 16 keys. */
+static inline __attribute__((always_inline)) void ext_scores_g(const void *qrows, int dim, const uint32_t *kt,
+                                                               int64_t k0, int64_t nk, float scale, float *s,
+                                                               int64_t stride, const int FMA) {
     const int pairs = dim / 2;
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t l = 0; l < nk; l += 32) {
@@ -147,20 +150,39 @@ static void ext_scores_f32(const float *qrows, int dim, const uint32_t *kt, int6
         for (int i = 0; i < 2 * EXT_QK_ROWS; ++i) acc[i] = _mm512_setzero_ps();
         for (int p = 0; p < pairs; ++p) {
             const __m512i w0 = _mm512_loadu_si512(b0 + 16 * p), w1 = _mm512_loadu_si512(b1 + 16 * p);
-            const __m512 e0 = ext_low(w0), o0 = ext_high(w0), e1 = ext_low(w1), o1 = ext_high(w1);
+            if (FMA) {
+                const float *qf = (const float *)qrows;
+                const __m512 e0 = ext_low(w0), o0 = ext_high(w0), e1 = ext_low(w1), o1 = ext_high(w1);
+#pragma GCC unroll 12
+                for (int r = 0; r < EXT_QK_ROWS; ++r) {
+                    const __m512 qe = _mm512_set1_ps(qf[(int64_t)r * dim + 2 * p]);
+                    const __m512 qo = _mm512_set1_ps(qf[(int64_t)r * dim + 2 * p + 1]);
+                    acc[2 * r] = _mm512_fmadd_ps(qo, o0, _mm512_fmadd_ps(qe, e0, acc[2 * r]));
+                    acc[2 * r + 1] = _mm512_fmadd_ps(qo, o1, _mm512_fmadd_ps(qe, e1, acc[2 * r + 1]));
+                }
+                continue;
+            }
+#if HAVE_DPBF16
 #pragma GCC unroll 12
             for (int r = 0; r < EXT_QK_ROWS; ++r) {
-                const __m512 qe = _mm512_set1_ps(qrows[(int64_t)r * dim + 2 * p]);
-                const __m512 qo = _mm512_set1_ps(qrows[(int64_t)r * dim + 2 * p + 1]);
-                acc[2 * r] = _mm512_fmadd_ps(qo, o0, _mm512_fmadd_ps(qe, e0, acc[2 * r]));
-                acc[2 * r + 1] = _mm512_fmadd_ps(qo, o1, _mm512_fmadd_ps(qe, e1, acc[2 * r + 1]));
+                uint32_t pair;
+                memcpy(&pair, (const uint16_t *)qrows + (int64_t)r * dim + 2 * p, sizeof pair);
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)pair);
+                acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], qb, (__m512bh)w0);
+                acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], qb, (__m512bh)w1);
             }
+#endif
         }
         for (int r = 0; r < EXT_QK_ROWS; ++r) {
             _mm512_storeu_ps(s + (int64_t)r * stride + l, _mm512_mul_ps(acc[2 * r], sv));
             _mm512_storeu_ps(s + (int64_t)r * stride + l + 16, _mm512_mul_ps(acc[2 * r + 1], sv));
         }
     }
+}
+
+static void ext_scores_f32(const float *qrows, int dim, const uint32_t *kt, int64_t k0, int64_t nk, float scale,
+                           float *s, int64_t stride) {
+    ext_scores_g(qrows, dim, kt, k0, nk, scale, s, stride, 1);
 }
 
 /* out [R][16 NV] = sum_l p[r][l] v_l over n keys of the packed value pairs vt with float32 probabilities p
@@ -187,50 +209,31 @@ static inline __attribute__((always_inline)) void ext_pv_f32_g(const uint32_t *v
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (int64_t)r * dim + 16 * c, acc[r * NV + c]);
 }
 
-static void ext_pv_f32(const uint32_t *vt, int64_t n, int rows, int dim, const float *p, int64_t stride,
-                       float *acc) {
-#define EXT_PV_F32(R, NV)                                                                                      \
-    case R:                                                                                                    \
-        ext_pv_f32_g(vt, n, R, NV, p, stride, acc);                                                            \
-        return;
-    if (dim == 64) {
-        switch (rows) { EXT_PV_F32(1, 4) EXT_PV_F32(2, 4) EXT_PV_F32(3, 4) EXT_PV_F32(4, 4) EXT_PV_F32(5, 4)
-                        EXT_PV_F32(6, 4) }
-    } else {
-        switch (rows) { EXT_PV_F32(1, 8) EXT_PV_F32(2, 8) EXT_PV_F32(3, 8) }
+/* NAME(vt, n, rows, dim, p, stride, acc): KERNEL with the pass's row count and 16-float column count as
+ * compile-time constants (head_dim 64: up to PASS_ROWS rows, 128: up to half as many). */
+#define DEFINE_EXT_PV(NAME, KERNEL, PT)                                                                       \
+    static void NAME(const uint32_t *vt, int64_t n, int rows, int dim, const PT *p, int64_t stride, float *acc) { \
+        switch (dim == 64 ? rows : 8 + rows) {                                                                \
+        case 1: KERNEL(vt, n, 1, 4, p, stride, acc); return;                                                 \
+        case 2: KERNEL(vt, n, 2, 4, p, stride, acc); return;                                                 \
+        case 3: KERNEL(vt, n, 3, 4, p, stride, acc); return;                                                 \
+        case 4: KERNEL(vt, n, 4, 4, p, stride, acc); return;                                                 \
+        case 5: KERNEL(vt, n, 5, 4, p, stride, acc); return;                                                 \
+        case 6: KERNEL(vt, n, 6, 4, p, stride, acc); return;                                                 \
+        case 9: KERNEL(vt, n, 1, 8, p, stride, acc); return;                                                 \
+        case 10: KERNEL(vt, n, 2, 8, p, stride, acc); return;                                                \
+        case 11: KERNEL(vt, n, 3, 8, p, stride, acc); return;                                                \
+        default: return;                                                                                      \
+        }                                                                                                     \
     }
-#undef EXT_PV_F32
-}
+
+DEFINE_EXT_PV(ext_pv_f32, ext_pv_f32_g, float)
 #endif
 
 #if HAVE_DPBF16
-/* s[r][l] = scale * q_r . k_(k0 + l) for EXT_QK_ROWS query rows (qrows [rows][dim]) and l < nk rounded up
- * to 32, from the packed keys kt (k0 a multiple of 32). */
 static void ext_scores(const uint16_t *qrows, int dim, const uint32_t *kt, int64_t k0, int64_t nk, float scale,
                        float *s, int64_t stride) {
-    const int pairs = dim / 2;
-    const __m512 sv = _mm512_set1_ps(scale);
-    for (int64_t l = 0; l < nk; l += 32) {
-        const uint32_t *b0 = kt + (k0 + l) * pairs, *b1 = b0 + 16 * pairs;
-        __m512 acc[2 * EXT_QK_ROWS];
-        for (int i = 0; i < 2 * EXT_QK_ROWS; ++i) acc[i] = _mm512_setzero_ps();
-        for (int p = 0; p < pairs; ++p) {
-            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(b0 + 16 * p);
-            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(b1 + 16 * p);
-#pragma GCC unroll 12
-            for (int r = 0; r < EXT_QK_ROWS; ++r) {
-                uint32_t pair;
-                memcpy(&pair, qrows + (int64_t)r * dim + 2 * p, sizeof pair);
-                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)pair);
-                acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], qb, x0);
-                acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], qb, x1);
-            }
-        }
-        for (int r = 0; r < EXT_QK_ROWS; ++r) {
-            _mm512_storeu_ps(s + (int64_t)r * stride + l, _mm512_mul_ps(acc[2 * r], sv));
-            _mm512_storeu_ps(s + (int64_t)r * stride + l + 16, _mm512_mul_ps(acc[2 * r + 1], sv));
-        }
-    }
+    ext_scores_g(qrows, dim, kt, k0, nk, scale, s, stride, 0);
 }
 
 /* out [R][16 NV] = sum_l p[r][l] v_l over n keys of the packed value pairs vt, the probabilities pb in bf16
@@ -254,19 +257,7 @@ static inline __attribute__((always_inline)) void ext_pv_g(const uint32_t *vt, i
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (int64_t)r * dim + 16 * c, acc[r * NV + c]);
 }
 
-static void ext_pv(const uint32_t *vt, int64_t n, int rows, int dim, const uint16_t *pb, int64_t stride,
-                   float *acc) {
-#define EXT_PV(R, NV)                                                                                          \
-    case R:                                                                                                    \
-        ext_pv_g(vt, n, R, NV, pb, stride, acc);                                                               \
-        return;
-    if (dim == 64) {
-        switch (rows) { EXT_PV(1, 4) EXT_PV(2, 4) EXT_PV(3, 4) EXT_PV(4, 4) EXT_PV(5, 4) EXT_PV(6, 4) }
-    } else {
-        switch (rows) { EXT_PV(1, 8) EXT_PV(2, 8) EXT_PV(3, 8) }
-    }
-#undef EXT_PV
-}
+DEFINE_EXT_PV(ext_pv, ext_pv_g, uint16_t)
 #endif
 
 #if HAVE_AVX512
