@@ -178,6 +178,34 @@ def test_split_that_cuts_a_block_is_refused(files):
     GGUFFile(files("mixed_tied")[0]).check_tp_split(2)  # 32-element blocks split at 64 / 2: fine
 
 
+def test_without_native_kernels_a_gguf_is_dequantized_at_load(files):
+    """Where the native quantized kernels do not run (no AVX2, no compiler: TOKENLOOM_DISABLE_C_KERNELS=1 in a
+    fresh process), a .gguf is loaded dequantized by default, with a warning that says why; --quantization gguf
+    still keeps it quantized (the reference path). With the kernels it is kept quantized."""
+    import subprocess
+    import sys
+
+    path, _ = files("kquant")
+    code = ("import logging, sys\n"
+            "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+            "from tokenloom.config import ServerArgs\n"
+            "from tokenloom.models.loader import resolve_model_source\n"
+            f"print(resolve_model_source(ServerArgs(model_path={path!r})).quantization)\n"
+            f"print(resolve_model_source(ServerArgs(model_path={path!r}, quantization='gguf')).quantization)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TOKENLOOM_DISABLE_C_KERNELS": "1", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2:] == ["none", "gguf"], proc.stdout
+    assert "no native quantized kernels" in proc.stdout and "dequantized at load" in proc.stdout
+    from tokenloom.kernels import quant_gemm
+
+    kept = resolve_model_source(ServerArgs(model_path=path)).quantization == "gguf"
+    assert kept == (quant_gemm.native_isa() > 0)
+
+
 def test_split_refused_at_server_start(files):
     from tokenloom import Engine
 

@@ -29,7 +29,11 @@ LEGACY = ["Q4_0", "Q4_1", "Q8_0"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(not all(qg.native_supported(qg.TYPE_IDS[t]) for t in LEGACY),
-                                reason="no AVX512-VNNI or no C compiler: the native quantized kernels are not built")
+                                reason="no AVX2 or no C compiler: the native quantized kernels are not built")
+
+# Paths and switches of the AVX-512 families alone: the AVX2 family (csrc/quant_avx2.c) has one int8 path and
+# no re-layout, no pairing, no many-row tile (tests/unit/test_quant_avx2.py checks it).
+avx512_paths = pytest.mark.skipif(qg.native_isa() != 2, reason="a path of the AVX-512 quantized kernels only")
 
 
 def _matrix(name: str, n: int, k: int, seed: int) -> qg.QuantMatrix:
@@ -116,6 +120,7 @@ def test_linear_within_bound(name, m, k, x_dtype):
     assert torch.equal(qg.linear(x, qm, bias), qg.linear(x, prepared, bias))
 
 
+@avx512_paths
 def test_int8_error_is_not_vacuous():
     """The int8 bound is met with room, but the int8 path does differ from the exact product (it is the path
     taken), while the tile path at the same rows (small limit 0) stays within bf16 weight rounding; the second
@@ -143,6 +148,7 @@ def test_int8_error_is_not_vacuous():
     assert 0 < rel(two_terms) < rel(one_term) / 30, (rel(two_terms), rel(one_term))
 
 
+@avx512_paths
 @pytest.mark.parametrize("name", LEGACY)
 def test_many_row_int8_path(name):
     """Past the small stream, bf16 x takes the many-row int8 path (csrc/quant_batch.c): a row's result does not
@@ -186,6 +192,7 @@ def test_many_row_int8_path(name):
     assert rel(tile) < 0.005 and 0 < rel(got) < rel(one_term) / 30 and rel(one_term) < 0.02, (rel(got), rel(one_term))
 
 
+@avx512_paths
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_many_row_path_in_passes(name, out_dtype):
@@ -284,6 +291,7 @@ def test_tile_path_without_amx():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
+@avx512_paths
 def test_tile_takes_rows_back_from_the_int8_path():
     """Where vdpbf16ps keeps pace with vpdpbusd (a probe of the two instructions' issue rates, once per process),
     the bf16 tile takes bf16 x back from the many-row int8 path from quant_tile_m rows on (12), else never (0):
@@ -415,6 +423,7 @@ def test_every_tail_length_in_bands(name):
             assert bool(((got - ref).abs() <= _expected_error(xm, w_ref, True, ref, torch.float32)).all()), tail
 
 
+@avx512_paths
 @pytest.mark.parametrize("name", LEGACY)
 @pytest.mark.parametrize("n,k", [(77, 576), (21, 32 * 226)])
 def test_one_row_sums_its_two_terms_as_one(name, n, k):

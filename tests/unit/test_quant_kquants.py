@@ -175,6 +175,16 @@ def _public_native() -> bool:
 public = pytest.mark.skipif(not _public_native(), reason="the native quantized-matmul driver is not built")
 
 
+def _avx512_family() -> bool:
+    from tokenloom.kernels import quant_gemm as qg
+
+    return _public_native() and qg.native_isa() == 2
+
+
+# paths of the AVX-512 families alone (the AVX2 family, csrc/quant_avx2.c, has one int8 path)
+avx512_paths = pytest.mark.skipif(not _avx512_family(), reason="a path of the AVX-512 quantized kernels only")
+
+
 def _quant_matrix(qtype: int, n: int, k: int, seed: int):
     from tokenloom.kernels import quant_gemm as qg
 
@@ -212,7 +222,8 @@ def test_public_dequantize_and_embedding_bit_equal(qtype):
     qm = _quant_matrix(qtype, 29, 768, seed=qtype)
     ref = qg.dequantize(qm)  # unprepared: the gguf package
     prepared = qg.prepare(qm)
-    assert prepared.packed and prepared.nbytes == qm.nbytes and not torch.equal(prepared.data, qm.data)
+    relaid = not torch.equal(prepared.data, qm.data)  # the AVX-512 families re-lay K rows out, AVX2 keeps them
+    assert prepared.packed and prepared.nbytes == qm.nbytes and relaid == (qg.native_isa() == 2)
     assert torch.equal(qg.dequantize(prepared), ref)
     ids = torch.tensor([[3, 0], [28, 3]])
     assert torch.equal(qg.embedding(ids, prepared, torch.float32), ref[ids])
@@ -248,7 +259,10 @@ def test_public_linear(qtype, m, k, x_dtype):
     batch_from, tile_from = lib.quant_batch_m(ct.c_int(-1)), lib.quant_tile_m(ct.c_int(-1))
     # the many-row int8 path: off where AMX runs, and from tile_from rows on where vdpbf16ps keeps pace
     batch = batch_from > 0 and m >= batch_from and (tile_from == 0 or m < tile_from)
-    assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch else 0)
+    if qg.native_isa() == 2:
+        assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch else 0)
+    else:  # the AVX2 family: every bf16 x through the int8 terms
+        assert path == (0 if x.dtype == torch.float32 else 1)
     if x.dtype == torch.float32:
         tol = k * 2.0 ** -24 * mag
     elif small:
@@ -260,6 +274,7 @@ def test_public_linear(qtype, m, k, x_dtype):
     assert torch.all((got - ref).abs() <= tol + 1e-6), float(((got - ref).abs() / (tol + 1e-6)).max())
 
 
+@avx512_paths
 @public
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
 def test_many_row_int8_path(qtype):
@@ -377,6 +392,7 @@ def test_other_builds(other_build, qtype):
         assert np.all(np.abs(got - seen @ w.astype(np.float64).T) <= 1e-5 * scale)
 
 
+@avx512_paths
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
 def test_one_row_sums_its_two_terms_as_one(qtype):
     """At one activation row the two int8 terms reach the kernels as a pair (128 dot0 + dot1, scaled once; on

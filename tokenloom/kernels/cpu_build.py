@@ -6,6 +6,7 @@ in csrc/ (sources include shared headers and each other), the compiler flags and
 (the code is built with -march=native). It links OpenMP by the same soname torch loads (libgomp.so.1), so
 kernels share torch's thread pool instead of starting a second one. Any failure (no compiler, unsupported
 CPU) returns None and callers use their torch path; `TOKENLOOM_DISABLE_C_KERNELS=1` forces that.
+`TOKENLOOM_CPU_KERNELS_ISA=avx2` builds without AVX-512 and AMX (see ISA_LIMITS).
 
 A build (the first run on a machine, or after the sources change) is announced at INFO, since it delays
 the start by seconds: "Building native CPU kernels (first run, ~20 s)..." then "... built in 12.3 s".
@@ -33,6 +34,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 # flush-to-zero/denormals-are-zero in the loading thread's MXCSR. That would change torch's own results on
 # that thread, and make a kernel's result depend on which OpenMP thread computed it.
 LDFLAGS = ["-shared", "-fopenmp"]
+# TOKENLOOM_CPU_KERNELS_ISA=avx2 builds for this CPU less its AVX-512 and AMX instructions: the kernels an AVX2-only
+# CPU (AMD Zen 2/3, Intel client cores) runs, testable and comparable on a CPU that has more.
+ISA_LIMITS = {"avx2": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]}
 BUILD_ESTIMATE_S = 20  # gcc -O3 over csrc/kernels.c on a loaded two-core machine; announced, not enforced
 
 
@@ -75,7 +79,12 @@ def load_library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found; using torch fallbacks for CPU kernels")
         return None
     source = os.path.join(CSRC, f"{name}.c")
-    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    isa = os.environ.get("TOKENLOOM_CPU_KERNELS_ISA", "native")
+    if isa != "native" and isa not in ISA_LIMITS:
+        logger.warning("TOKENLOOM_CPU_KERNELS_ISA=%s is not one of native, %s; building for native", isa,
+                       ", ".join(ISA_LIMITS))
+    cflags = CFLAGS + ISA_LIMITS.get(isa, [])
+    flags = " ".join(cflags + LDFLAGS).encode()
     key = hashlib.sha1(_sources_digest() + flags + _cpu_flags().encode()).hexdigest()[:16]
     target_dir = os.path.join(cache_dir(), "kernels", key)
     target = os.path.join(target_dir, f"{name}.so")
@@ -86,7 +95,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
         obj = tmp[:-3] + ".o"
         logger.info("Building native CPU kernels (first run, ~%d s)...", BUILD_ESTIMATE_S)
         start = time.perf_counter()
-        result = subprocess.run([compiler, *CFLAGS, "-c", source, "-o", obj], capture_output=True, text=True)
+        result = subprocess.run([compiler, *cflags, "-c", source, "-o", obj], capture_output=True, text=True)
         if result.returncode == 0:
             result = subprocess.run([compiler, *LDFLAGS, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
         if os.path.exists(obj):

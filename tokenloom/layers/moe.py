@@ -165,6 +165,8 @@ class FusedMoE(nn.Module):
         """(gate_up types, gate_up data pointers, down types, down data pointers) over the local experts when
         every expert is one prepared GGUF matrix per projection of a type the native kernels run, else None.
         The pointers stay valid: quant13 / quant2 hold the matrices for the layer's life."""
+        if not quant_gemm.native_moe_supported():
+            return None
         tables: list[list[int]] = [[], [], [], []]
         for q13, q2 in zip(self.quant13 or (), self.quant2 or (), strict=True):
             for slot, q in ((0, q13), (2, q2)):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.load_progress import LoadProgress
 from tokenloom.models.prequant import PrequantConfig, convert, read_quant_config
 from tokenloom.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +79,7 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
         gguf = GGUFFile(path)
         # Quantized kernels exist for the CPU only: on CUDA a .gguf is dequantized unless gguf is asked for.
         on_cpu = args.device == "cpu"
-        quantization = args.quantization or ("gguf" if fmt != "dummy" and on_cpu else "none")
+        quantization = args.quantization or ("gguf" if fmt != "dummy" and on_cpu and _quant_kernels(path) else "none")
         if quantization == "gguf" and not on_cpu:
             raise ModelConfigError(f"{path}: --quantization gguf (weights kept quantized) runs on the CPU only; "
                                    f"use --quantization none with --device {args.device}")
@@ -100,6 +103,20 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     return ModelSource("hf", path, _with_context(config, args), "dummy" if fmt == "dummy" else "safetensors",
                        quantization=prequant.method if prequant else args.quantization or "none",
                        quantize_at_load=at_load, prequant=prequant)
+
+
+def _quant_kernels(path: str) -> bool:
+    """Whether this CPU runs the native quantized kernels (x86 with AVX2 or AVX-512, and a C compiler). Without
+    them a kept-quantized weight is dequantized on every call (the reference), far slower than dequantizing the
+    file once: a .gguf is then loaded dequantized unless --quantization gguf asks otherwise."""
+    from tokenloom.kernels import quant_gemm
+
+    if quant_gemm.native_isa() > 0:
+        return True
+    logger.warning("%s: this CPU has no native quantized kernels (they need x86 AVX2 or AVX-512 and a C "
+                   "compiler); the weights are dequantized at load (--quantization none); --quantization gguf "
+                   "keeps them quantized through the slow reference path", path)
+    return False
 
 
 def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, path: str) -> None:

@@ -493,6 +493,9 @@ static int range_dpbf16(const uint16_t *q, const uint16_t *kh, const uint16_t *v
 }
 #else
 #define HAVE_DPBF16 0
+static int amx_usable(int elem_bytes, int head_dim) { (void)elem_bytes; (void)head_dim; return 0; }
+static void amx_begin(void) {}
+static void amx_end(void) {}
 #endif
 
 /* One (request, kv head, chunk) work item, dispatched to the fastest path for this head_dim. */

@@ -63,10 +63,14 @@ static int quant_batch_residual_on = 1;
 #define HAVE_QUANT_GEMM 0
 #endif
 
+#include "quant_avx2.c" /* the AVX2 family, built where the AVX-512 ones are not */
+
 static const tl_quant_type *tl_quant_lookup(int type) {
 #if HAVE_QUANT_GEMM
     const tl_quant_type *t = tl_legacy_type(type);
     return t != NULL ? t : tl_kquant_type(type);
+#elif HAVE_QUANT_AVX2
+    return tl_avx2_type(type);
 #else
     (void)type;
     return NULL;
@@ -74,6 +78,11 @@ static const tl_quant_type *tl_quant_lookup(int type) {
 }
 
 KERNEL_API int quant_type_supported(int type) { return tl_quant_lookup(type) != NULL; }
+
+/* Which kernel family this build has: 2 the AVX-512 families (every path below), 1 the AVX2 one
+ * (quant_avx2.c: the int8 terms for bf16 x at any row count, the exact weight for float32 x; no MoE kernel),
+ * 0 none (the callers' reference runs). */
+KERNEL_API int quant_isa(void) { return HAVE_QUANT_GEMM ? 2 : HAVE_QUANT_AVX2 ? 1 : 0; }
 
 /* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). The
  * defaults are the crossovers measured with both int8 terms (SmolLM2 and 1B shapes, Q4_1 and Q8_0): 4-8 rows
@@ -199,6 +208,27 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
         free(buf);
     }
     return failed ? QUANT_E_MEMORY : QUANT_OK;
+#elif HAVE_QUANT_AVX2
+    const tl_quant_type *t = tl_quant_lookup(type);
+    const int rc = check_shape(t, n, k);
+    if (rc != QUANT_OK) return rc;
+    if (ids == NULL) count = n;
+    for (int64_t i = 0; ids != NULL && i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
+    float *rowf = out_dtype == 0 ? NULL : malloc(sizeof(float) * (size_t)k);
+    if (out_dtype != 0 && rowf == NULL) return QUANT_E_MEMORY;
+    (void)threads; /* embedding rows and the reference: one thread is enough */
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t row = ids == NULL ? i : ids[i];
+        if (out_dtype == 0) {
+            avx2_dequant_row(t, w, row, k, (float *)out + i * k);
+            continue;
+        }
+        avx2_dequant_row(t, w, row, k, rowf);
+        for (int64_t j = 0; j < k; ++j) ((uint16_t *)out)[i * k + j] = f32_to_bf16(rowf[j]);
+    }
+    free(rowf);
+    return QUANT_OK;
 #else
     (void)type; (void)w; (void)n; (void)k; (void)ids; (void)count; (void)out; (void)out_dtype; (void)threads;
     return QUANT_E_TYPE;
@@ -609,6 +639,9 @@ KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
         return 2;
 #endif
     return 0;
+#elif HAVE_QUANT_AVX2
+    (void)m; (void)k;
+    return tl_quant_lookup(type) == NULL ? -1 : x_is_f32 ? 0 : 1;
 #else
     (void)type; (void)m; (void)k; (void)x_is_f32;
     return -1;
@@ -636,6 +669,13 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     default: break;
     }
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
+#elif HAVE_QUANT_AVX2
+    const tl_quant_type *t = tl_quant_lookup(type);
+    const int rc = check_shape(t, n, k);
+    if (rc != QUANT_OK) return rc;
+    if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
+    if (m == 0 || n == 0) return QUANT_OK;
+    return avx2_linear(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #else
     (void)type; (void)w; (void)n; (void)k; (void)x; (void)x_stride; (void)x_is_f32; (void)m; (void)bias;
     (void)bias_is_f32; (void)out; (void)out_stride; (void)out_is_f32; (void)threads;

@@ -1,0 +1,165 @@
+"""The AVX2 family of the quantized-matmul kernels (csrc/quant_avx2.c), the one x86 CPUs without the AVX-512
+families run (AMD Zen 2/3, Intel client cores), against the `gguf` package's dequantize and a float64 matmul.
+
+Each check runs in a fresh process with TOKENLOOM_CPU_KERNELS_ISA=avx2, so a CPU with AVX-512 tests the same
+build an AVX2-only CPU makes (on an AVX2-only CPU the two builds are the same code). Bounds per output
+o = sum_i w_i x_i: bf16 x with two int8 terms |err| <= sum_i |w_i| d(i) / 256 (d = the activation block's
+max|x| / 127), with one term d(i) / 2; float32 x: k * 2^-24 * sum_i |w_i x_i|; a bf16 output adds 2^-8 |o|.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+pytestmark = pytest.mark.skipif(not _has_avx2(), reason="the CPU has no AVX2/FMA/F16C")
+
+PRELUDE = """
+import ctypes, sys
+import gguf, numpy as np, torch
+sys.path.insert(0, 'tests/unit')
+from test_quant_kquants import make_blocks
+from tokenloom.kernels import quant_gemm as qg
+
+TYPES = ['Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']
+
+
+def matrix(name, n, k, seed):
+    qtype = qg.TYPE_IDS[name]
+    if qtype >= 12:  # gguf-py does not quantize the K types: valid random super-blocks
+        raw = make_blocks(qtype, n, k, seed)
+    else:
+        rng = np.random.default_rng(seed)
+        w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    return qg.QuantMatrix.from_gguf(qtype, (n, k), raw, 'test.' + name)
+
+
+def int8_bound(x, w, divisor):
+    m, k = x.shape
+    d = x.double().abs().view(m, k // 32, 32).amax(-1) / 127
+    mag = x.double().abs() @ w.abs().T
+    return (d.repeat_interleave(32, dim=1) / divisor) @ w.abs().T + 1e-5 * mag + 1e-6
+
+
+lib = qg._native()
+assert qg.native_isa() == 1 and lib.quant_isa() == 1 and not qg.native_moe_supported()
+"""
+
+
+def _run(body: str) -> None:
+    env = {**os.environ, "TOKENLOOM_CPU_KERNELS_ISA": "avx2", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + body + "\nprint('ok')\n"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_every_type_within_the_two_term_bound():
+    """All six types at 1-70 rows, k one to several blocks: the legacy types' rows are re-laid out (the K types'
+    kept), dequantize and embedding
+    rows are the gguf package's bit for bit, bf16 x (quant_path 1 at any row count) is within the two int8
+    terms' bound, into float32 or bf16 and with a bias; float32 x (quant_path 0) within float32 summation."""
+    _run("""
+for name in TYPES:
+    qtype = qg.TYPE_IDS[name]
+    for k in ((96, 576) if qtype < 12 else (256, 768)):
+        qm = matrix(name, 37, k, k + qtype)
+        ref_w = qg.dequantize(qm)
+        p = qg.prepare(qm)
+        relaid = not torch.equal(p.data, qm.data)  # legacy rows: quants, then scales; K rows: the file's
+        assert p.packed and p.nbytes == qm.nbytes and relaid == (qtype < 12), name
+        assert torch.equal(qg.dequantize(p), ref_w), name
+        ids = torch.tensor([[3, 0], [36, 3]])
+        assert torch.equal(qg.embedding(ids, p, torch.float32), ref_w[ids])
+        assert torch.equal(qg.embedding(ids, p, torch.bfloat16), ref_w[ids].bfloat16())
+        w = ref_w.double()
+        g = torch.Generator().manual_seed(k)
+        bias = torch.randn(37, generator=g)
+        for m in (1, 2, 3, 4, 5, 70):
+            assert lib.quant_path(qtype, m, k, 0) == 1 and lib.quant_path(qtype, m, k, 1) == 0
+            x = torch.randn(m, k, generator=g).bfloat16()
+            ref = x.double() @ w.T + bias.double()
+            got = qg.linear(x, p, bias, out_dtype=torch.float32).double()
+            assert bool(((got - ref).abs() <= int8_bound(x, w, 256)).all()), (name, k, m)
+            got16 = qg.linear(x, p, bias).double()
+            assert bool(((got16 - ref).abs() <= int8_bound(x, w, 256) + 2.0 ** -8 * ref.abs()).all()), (name, m)
+            xf = torch.randn(m, k, generator=g)
+            ref_f = xf.double() @ w.T
+            got_f = qg.linear(xf, p).double()
+            tol = k * 2.0 ** -24 * (xf.double().abs() @ w.abs().T) + 1e-6
+            assert bool(((got_f - ref_f).abs() <= tol).all()), (name, k, m)
+""")
+
+
+def test_second_term_is_used_and_one_term_stays_within_its_bound():
+    """quant_act_residual(0) leaves one int8 term (llama.cpp's Q8 activations): within d / 2, and the default
+    two terms cut that error by more than 30x on every type (the second term is really read)."""
+    _run("""
+for name in TYPES:
+    qtype = qg.TYPE_IDS[name]
+    k = 576 if qtype < 12 else 768
+    qm = qg.prepare(matrix(name, 64, k, 5))
+    w = qg.dequantize(qm).double()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ref = x.double() @ w.T
+    two = qg.linear(x, qm, out_dtype=torch.float32).double()
+    try:
+        lib.quant_act_residual(0)
+        one = qg.linear(x, qm, out_dtype=torch.float32).double()
+    finally:
+        lib.quant_act_residual(1)
+    assert bool(((one - ref).abs() <= int8_bound(x, w, 2)).all()), name
+    rel = lambda a: float((a - ref).norm() / ref.norm())
+    assert 0 < rel(two) < rel(one) / 30, (name, rel(two), rel(one))
+""")
+
+
+def test_rows_and_threads_change_no_result():
+    """A row's result does not depend on the rows beside it (alone, or in a batch of 70 that crosses the
+    64-row activation chunks) nor on the thread count (1, 2, 3): bit for bit."""
+    _run("""
+from tests.thread_counts import at_thread_counts
+for name in TYPES:
+    qtype = qg.TYPE_IDS[name]
+    k = 576 if qtype < 12 else 768
+    qm = qg.prepare(matrix(name, 301, k, 9))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    runs = at_thread_counts(lambda: qg.linear(x, qm, out_dtype=torch.float32), (1, 2, 3))
+    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3]), name
+    for rows in (slice(0, 1), slice(5, 9), slice(62, 67), slice(69, 70)):
+        assert torch.equal(qg.linear(x[rows], qm, out_dtype=torch.float32), runs[1][rows]), (name, rows)
+""")
+
+
+def test_bad_shapes_and_types_are_refused():
+    """The C entry points check what they are given under this family too: k not whole blocks (-2), a type
+    that is not quantized (-1), a row index past the matrix (-3)."""
+    _run("""
+qm = qg.prepare(matrix('Q8_0', 8, 64, 6))
+out = torch.empty(1, 8)
+x = torch.randn(1, 64)
+args = (ctypes.c_void_p(qm.data.data_ptr()), ctypes.c_int64(8), ctypes.c_int64(40),
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(64), ctypes.c_int(1), ctypes.c_int64(1),
+        ctypes.c_void_p(None), ctypes.c_int(0), ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(8),
+        ctypes.c_int(1), ctypes.c_int(1))
+assert lib.quant_linear(ctypes.c_int(8), *args) == -2
+assert lib.quant_linear(ctypes.c_int(1), *args) == -1
+ids = torch.tensor([8], dtype=torch.int64)
+rows = torch.empty(1, 64)
+assert lib.quant_dequant_rows(8, qm.data.data_ptr(), 8, 64, ids.data_ptr(), 1, rows.data_ptr(), 0, 1) == -3
+""")

@@ -1,0 +1,497 @@
+/*
+ * GGUF-quantized matmul for x86 CPUs with AVX2, FMA and F16C but without the AVX-512 families quant_gemm.c
+ * builds otherwise (AMD Zen 2/3, Intel client cores, Xeons without AVX512-BF16): the same entry points, the same
+ * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows (the K types' in the file layout).
+ *
+ * bf16 x, any number of rows (quant_path 1): x is quantized per 32-element block to int8 in two terms exactly as
+ * quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale d / 128), so the
+ * error bound is the same: |err| <= sum_i |w_i| * d_x(i) / 256 (d_x / 2 with one term, quant_act_residual(0)).
+ * Each weight block is unpacked once per four activation rows to 32 bytes and multiplied in 16-bit pairs
+ * (vpmaddubsw: unsigned quants, or |w| for the signed types with x given w's sign; Q6_K's 16-element scales
+ * applied by the following vpmaddwd), the two terms' int32 lanes joined as 128 * dot0 + dot1; eight blocks' lanes
+ * are then reduced to one vector of their eight sums and scaled in float32 by one multiply-add (the blocks'
+ * weight scales times the activation scales, both loaded as vectors: hence the legacy types' row re-layout,
+ * all quants then all f16 scales, made once at load). The types' offsets (Q4_0's -8, Q4_1's min, the K types'
+ * mins) multiply per-block activation sums prepared once per call.
+ * float32 x (quant_path 0): the weight row dequantized exactly, float32 FMAs.
+ * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
+ * stay in L2). Dequantize (embedding rows, the reference) is the gguf package's arithmetic, bit for bit.
+ *
+ * Included by quant_gemm.c (it uses its knobs and error codes); HAVE_QUANT_AVX2 is 0 where the AVX-512 families
+ * are built or the CPU lacks AVX2.
+ */
+#if !HAVE_QUANT_GEMM && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_QUANT_AVX2 1
+#include <immintrin.h>
+
+/* No reassociation (-ffast-math allows it): each output's sum keeps one order at every row count and thread
+ * count, so a row's result does not depend on the rows computed beside it. */
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+
+#define AVX2_ROW_CHUNK 16 /* weight rows per work item */
+#define AVX2_ACT_CHUNK 64 /* activation rows a chunk of weight rows meets at a time */
+
+/* Quantized activations: term t of row r at q + (t * m + r) * k, its block scales and sums at (t * m + r) * nb;
+ * per (row, block) the scale of the joined terms, dc (d / 128 with two terms, d with one), and the block's
+ * quant sum at that scale, xs = dc * (128 * s0 + s1) (s0 with one term): what the offsets multiply. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s;
+    const float *dc;
+    const float *xs;
+    int64_t m, k;
+    int terms;
+} avx2_act;
+
+static inline float avx2_h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float avx2_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t avx2_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* Four vectors of 8 int32 (each within int8's range) -> their 32 values as bytes, in order. */
+static inline __m256i avx2_pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Rows r0 .. r1 - 1 of bf16 x [m, k] quantized (see the file comment) into q, d, s, dc, xs laid out as avx2_act. */
+static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int terms, int8_t *q,
+                               float *d, int32_t *s, float *dc, float *xs, int64_t r0, int64_t r1) {
+    const int64_t nb = k / TL_QK;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256 v[4];
+            for (int i = 0; i < 4; ++i)
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + r * x_stride + 32 * b + 8 * i))), 16));
+            const __m256 mx =
+                _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m256i qi[4], qr[4];
+            for (int i = 0; i < 4; ++i) /* round to nearest (even), the MXCSR default */
+                qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b), avx2_pack_i8(qi[0], qi[1], qi[2], qi[3]));
+            const int32_t s0 =
+                avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+            d[r * nb + b] = scale;
+            s[r * nb + b] = s0;
+            dc[r * nb + b] = scale;
+            xs[r * nb + b] = scale * (float)s0;
+            if (terms < 2) continue;
+            const float inv2 = (float)(1 << TL_TERM2_SHIFT) * inv, scale2 = scale * (1.0f / (1 << TL_TERM2_SHIFT));
+            for (int i = 0; i < 4; ++i) {
+                const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(qi[i]), _mm256_set1_ps(scale), v[i]);
+                qr[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv2)));
+            }
+            _mm256_storeu_si256((__m256i *)(q + (m + r) * k + 32 * b), avx2_pack_i8(qr[0], qr[1], qr[2], qr[3]));
+            const int32_t s1 =
+                avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qr[0], qr[1]), _mm256_add_epi32(qr[2], qr[3])));
+            d[(m + r) * nb + b] = scale2;
+            s[(m + r) * nb + b] = s1;
+            dc[r * nb + b] = scale2;
+            xs[r * nb + b] = scale2 * (float)(s0 * (1 << TL_TERM2_SHIFT) + s1);
+        }
+}
+
+/* 16 bytes of 4-bit quants -> 32 bytes 0..15: the low nibbles, then the high ones. */
+static inline __m256i avx2_nibbles16(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
+}
+
+/* One unpacked weight block of 32: its bytes (unsigned quants, or |w| for the signed types), their signs (the
+ * signed types: w itself) and the vpmaddwd weights of its 16-bit pair sums (ones, or Q6_K's 16-element scales). */
+typedef struct {
+    __m256i bytes, sign, mul16;
+} avx2_wblock;
+
+/* Int32 lanes of the block's dot product with activation row r's block b, both terms joined (128 dot0 + dot1). */
+static inline __attribute__((always_inline)) __m256i avx2_dot(const avx2_act *a, int64_t r, int64_t b,
+                                                               const avx2_wblock *w, const int is_signed) {
+    const int8_t *xq = a->q + r * a->k + 32 * b;
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (is_signed) x = _mm256_sign_epi8(x, w->sign);
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w->bytes, x), w->mul16);
+    if (a->terms == 2) {
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq + a->m * a->k));
+        if (is_signed) x2 = _mm256_sign_epi8(x2, w->sign);
+        dot = _mm256_add_epi32(_mm256_slli_epi32(dot, TL_TERM2_SHIFT),
+                               _mm256_madd_epi16(_mm256_maddubs_epi16(w->bytes, x2), w->mul16));
+    }
+    return dot;
+}
+
+/* Lane i: the sum of the 8 lanes of dots[i]. */
+static inline __m256i avx2_reduce8(const __m256i *dots) {
+    const __m256i t0 = _mm256_hadd_epi32(dots[0], dots[1]), t1 = _mm256_hadd_epi32(dots[2], dots[3]);
+    const __m256i t2 = _mm256_hadd_epi32(dots[4], dots[5]), t3 = _mm256_hadd_epi32(dots[6], dots[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* Eight unpacked weight blocks (activation blocks b0 .. b0 + 7; block j's value dw[j] * quant + off[j]) against
+ * activation rows r0 .. r0 + MR - 1: acc[i] += the 8 blocks' dw * dc * dot, offs[i] += off * xs (8 lanes). */
+static inline __attribute__((always_inline)) void avx2_group(const avx2_act *a, int64_t r0, const int MR,
+                                                              int64_t b0, const avx2_wblock *w, const int is_signed,
+                                                              __m256 dw, const int has_off, __m256 off, __m256 *acc,
+                                                              __m256 *offs) {
+    const int64_t nb = a->k / TL_QK;
+    for (int i = 0; i < MR; ++i) {
+        __m256i dots[8];
+        for (int j = 0; j < 8; ++j) dots[j] = avx2_dot(a, r0 + i, b0 + j, &w[j], is_signed);
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + (r0 + i) * nb + b0));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(avx2_reduce8(dots)), scale, acc[i]);
+        if (has_off) offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + (r0 + i) * nb + b0), offs[i]);
+    }
+}
+
+/* The AVX2 row layout of the legacy types (made by avx2_legacy_repack): a row's nb blocks as all their quants
+ * (16 bytes a Q4 block, 32 a Q8_0 one), then all the blocks' f16 d, then (Q4_1) all their f16 m. Same size. */
+static inline int avx2_legacy_qbytes(int type) { return type == TL_Q8_0 ? 32 : 16; }
+
+/* Q4_K / Q5_K: the 6-bit scales (bytes 0-7) and mins (bytes 8-15) of the eight sub-blocks, from the 12 packed
+ * bytes (4 + 4 low six bits; their top two bits and the 4 + 4 nibbles of the last four). */
+static inline __m128i avx2_k4_scales(const uint8_t *packed) {
+    uint32_t u[3], out[4];
+    memcpy(u, packed, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top2 = 0x03030303u;
+    out[0] = u[0] & low6;                                          /* scales 0-3 */
+    out[1] = (u[2] & nib) | (((u[0] >> 6) & top2) << 4);           /* scales 4-7 */
+    out[2] = u[1] & low6;                                          /* mins 0-3 */
+    out[3] = ((u[2] >> 4) & nib) | (((u[1] >> 6) & top2) << 4);    /* mins 4-7 */
+    return _mm_loadu_si128((const __m128i *)out);
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j, one at a time (dequantize). */
+static inline void avx2_scale_min_k4(const uint8_t *sc, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = sc[j] & 63;
+        *min = sc[j + 4] & 63;
+    } else {
+        *scale = (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
+        *min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* out[i] = weight row `row` (k columns of GGUF type `type`, AVX2 row layout) . activation row r0 + i, i < MR. */
+static inline __attribute__((always_inline)) void avx2_row_dot(const int type, const uint8_t *row, int64_t k,
+                                                                const avx2_act *a, int64_t r0, const int MR,
+                                                                float *out) {
+    __m256 acc[4], offs[4];
+    float tail[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+    const int64_t nb = k / 32;
+    avx2_wblock w[8];
+    for (int j = 0; j < 8; ++j) w[j].mul16 = ones;
+    if (type == TL_Q4_0 || type == TL_Q4_1 || type == TL_Q8_0) {
+        const int qb = avx2_legacy_qbytes(type);
+        const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
+        const int is_signed = type == TL_Q8_0, has_off = type != TL_Q8_0;
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            for (int j = 0; j < 8; ++j) {
+                if (is_signed) {
+                    w[j].sign = _mm256_loadu_si256((const __m256i *)(row + (b + j) * qb));
+                    w[j].bytes = _mm256_sign_epi8(w[j].sign, w[j].sign);
+                } else {
+                    w[j].bytes = avx2_nibbles16(row + (b + j) * qb);
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 2 * b)));
+            const __m256 off = type == TL_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 2 * b)))
+                               : type == TL_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
+                                                 : _mm256_setzero_ps();
+            avx2_group(a, r0, MR, b, w, is_signed, dw, has_off, off, acc, offs);
+        }
+        for (; b < nb; ++b) { /* the last nb % 8 blocks one at a time */
+            avx2_wblock one = {ones, ones, ones};
+            if (is_signed) {
+                one.sign = _mm256_loadu_si256((const __m256i *)(row + b * qb));
+                one.bytes = _mm256_sign_epi8(one.sign, one.sign);
+            } else {
+                one.bytes = avx2_nibbles16(row + b * qb);
+            }
+            const float dw = avx2_h2f(dp + 2 * b);
+            const float off = type == TL_Q4_1 ? avx2_h2f(mp + 2 * b) : -8.0f * dw;
+            for (int i = 0; i < MR; ++i) {
+                const int64_t at = (r0 + i) * nb + b;
+                const __m256i dot = avx2_dot(a, r0 + i, b, &one, is_signed);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a->dc[at]), acc[i]);
+                if (has_off) tail[i] += off * a->xs[at];
+            }
+        }
+    } else if (type == TL_Q4_K || type == TL_Q5_K) {
+        const int bytes = type == TL_Q4_K ? 144 : 176;
+        for (int64_t sb = 0; sb < k / 256; ++sb) {
+            const uint8_t *blk = row + sb * bytes;
+            const uint8_t *qs = blk + (type == TL_Q4_K ? 16 : 48);
+            const __m256i qh =
+                type == TL_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int g = 0; g < 4; ++g) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+                w[2 * g].bytes = _mm256_and_si256(raw, m4);
+                w[2 * g + 1].bytes = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            }
+            if (type == TL_Q5_K)
+                for (int j = 0; j < 8; ++j)
+                    w[j].bytes = _mm256_or_si256(w[j].bytes, _mm256_slli_epi16(
+                                     _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+            const __m128i sm = avx2_k4_scales(blk + 4);
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+            const __m256 dw = _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk)), sc);
+            const __m256 off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk + 2)), mn));
+            avx2_group(a, r0, MR, sb * 8, w, 0, dw, 1, off, acc, offs);
+        }
+    } else { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; quants minus 32 as signed bytes */
+        const __m256i m2 = _mm256_set1_epi8(3);
+        for (int64_t sb = 0; sb < k / 256; ++sb) {
+            const uint8_t *blk = row + sb * 210;
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i lo = c & 1 ? ql1 : ql0;
+                    const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), m4);
+                    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m2);
+                    avx2_wblock *o = &w[4 * h + c];
+                    o->sign = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
+                    o->bytes = _mm256_sign_epi8(o->sign, o->sign);
+                    const int si = 8 * h + 2 * c;
+                    o->mul16 = _mm256_set_m128i(_mm_set1_epi16(scales[si + 1]), _mm_set1_epi16(scales[si]));
+                }
+            }
+            avx2_group(a, r0, MR, sb * 8, w, 1, _mm256_set1_ps(avx2_h2f(blk + 208)), 0, _mm256_setzero_ps(), acc,
+                       offs);
+        }
+    }
+    for (int i = 0; i < MR; ++i) out[i] = avx2_hsum(acc[i]) + (avx2_hsum(offs[i]) + tail[i]);
+}
+
+/* Re-lays the n rows of a legacy type out in place (see avx2_legacy_qbytes); 0, or -1 without memory. */
+static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
+    const int bs = type == TL_Q4_0 ? 18 : type == TL_Q4_1 ? 20 : 34, qb = avx2_legacy_qbytes(type);
+    const int64_t nb = k / 32, row_bytes = nb * bs;
+    uint8_t *copy = malloc((size_t)row_bytes);
+    if (copy == NULL) return -1;
+    for (int64_t r = 0; r < n; ++r) {
+        uint8_t *row = data + r * row_bytes;
+        memcpy(copy, row, (size_t)row_bytes);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = copy + b * bs;
+            memcpy(row + b * qb, blk + bs - qb, (size_t)qb);
+            memcpy(row + nb * qb + 2 * b, blk, 2);
+            if (type == TL_Q4_1) memcpy(row + nb * qb + 2 * nb + 2 * b, blk + 2, 2);
+        }
+    }
+    free(copy);
+    return 0;
+}
+static int avx2_q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_0, data, n, k); }
+static int avx2_q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_1, data, n, k); }
+static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q8_0, data, n, k); }
+
+static const tl_quant_type AVX2_TYPES[] = {
+    {TL_Q4_0, 32, 18, NULL, NULL, avx2_q4_0_repack, NULL, 32},
+    {TL_Q4_1, 32, 20, NULL, NULL, avx2_q4_1_repack, NULL, 32},
+    {TL_Q8_0, 32, 34, NULL, NULL, avx2_q8_0_repack, NULL, 32},
+    {TL_Q4_K, 256, 144, NULL, NULL, NULL, NULL, 32},
+    {TL_Q5_K, 256, 176, NULL, NULL, NULL, NULL, 32}, {TL_Q6_K, 256, 210, NULL, NULL, NULL, NULL, 16},
+};
+
+static const tl_quant_type *tl_avx2_type(int type) {
+    for (size_t i = 0; i < sizeof AVX2_TYPES / sizeof AVX2_TYPES[0]; ++i)
+        if (AVX2_TYPES[i].type == type) return &AVX2_TYPES[i];
+    return NULL;
+}
+
+/* Row r of w (type t, k columns) dequantized to float32 with the gguf package's operations and roundings:
+ * products and differences rounded separately, never fused. */
+__attribute__((optimize("fp-contract=off"))) static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w,
+                                                                           int64_t r, int64_t k, float *out) {
+    const int64_t nb = k / t->block;
+    const uint8_t *row = w + r * (nb * t->block_size);
+    const int qb = avx2_legacy_qbytes(t->type); /* the legacy types' AVX2 row layout */
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = row + b * t->block_size;
+        float *o = out + b * t->block;
+        volatile float prod; /* keeps each product rounded on its own, whatever the optimizer does */
+        if (t->type == TL_Q4_0 || t->type == TL_Q4_1) {
+            const float d = avx2_h2f(row + nb * qb + 2 * b);
+            const float mn = t->type == TL_Q4_1 ? avx2_h2f(row + nb * qb + 2 * nb + 2 * b) : 0.f;
+            const uint8_t *qs = row + b * qb;
+            for (int j = 0; j < 32; ++j) {
+                const int q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+                if (t->type == TL_Q4_0) {
+                    o[j] = d * (float)(q - 8);
+                } else {
+                    prod = d * (float)q;
+                    o[j] = prod + mn;
+                }
+            }
+        } else if (t->type == TL_Q8_0) {
+            const float d = avx2_h2f(row + nb * qb + 2 * b);
+            for (int j = 0; j < 32; ++j) o[j] = (float)(int8_t)row[b * qb + j] * d;
+        } else if (t->type == TL_Q4_K || t->type == TL_Q5_K) {
+            const float d = avx2_h2f(blk), dmin = avx2_h2f(blk + 2);
+            const uint8_t *qs = blk + (t->type == TL_Q4_K ? 16 : 48), *qh = blk + 16;
+            for (int j = 0; j < 8; ++j) {
+                int sc, mn;
+                avx2_scale_min_k4(blk + 4, j, &sc, &mn);
+                const float ds = d * (float)sc, dm = dmin * (float)mn;
+                for (int l = 0; l < 32; ++l) {
+                    int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+                    if (t->type == TL_Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+                    prod = ds * (float)q;
+                    o[32 * j + l] = prod - dm;
+                }
+            }
+        } else { /* Q6_K */
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            const float d = avx2_h2f(blk + 208);
+            for (int e = 0; e < 256; ++e) {
+                const int h = e / 128, c = (e % 128) / 32, l = e % 32;
+                const uint8_t lo = ql[64 * h + 32 * (c & 1) + l];
+                const int q = (((c < 2 ? lo : lo >> 4) & 15) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4)) - 32;
+                o[e] = d * (float)scales[e / 16] * (float)q;
+            }
+        }
+    }
+}
+
+/* bf16 x rows through the int8 terms: sums[r][j - n0] for weight rows j of [n0, n1), all activation rows. */
+static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, const avx2_act *a, int64_t n0,
+                           int64_t n1, float *sums) {
+    const int64_t row_bytes = k / t->block * t->block_size, span = n1 - n0;
+    for (int64_t r0 = 0; r0 < a->m; r0 += AVX2_ACT_CHUNK) {
+        const int64_t r1 = a->m - r0 < AVX2_ACT_CHUNK ? a->m : r0 + AVX2_ACT_CHUNK;
+        for (int64_t j = n0; j < n1; ++j) {
+            const uint8_t *row = w + j * row_bytes;
+            for (int64_t r = r0; r < r1; r += 4) {
+                float o[4] = {0.f, 0.f, 0.f, 0.f};
+                const int rows = r1 - r < 4 ? (int)(r1 - r) : 4;
+#define AVX2_ROWS(T)                                                                                           \
+    switch (rows) {                                                                                            \
+    case 4: avx2_row_dot(T, row, k, a, r, 4, o); break;                                                        \
+    case 3: avx2_row_dot(T, row, k, a, r, 3, o); break;                                                        \
+    case 2: avx2_row_dot(T, row, k, a, r, 2, o); break;                                                        \
+    default: avx2_row_dot(T, row, k, a, r, 1, o); break;                                                       \
+    }
+                switch (t->type) {
+                case TL_Q4_0: AVX2_ROWS(TL_Q4_0) break;
+                case TL_Q4_1: AVX2_ROWS(TL_Q4_1) break;
+                case TL_Q8_0: AVX2_ROWS(TL_Q8_0) break;
+                case TL_Q4_K: AVX2_ROWS(TL_Q4_K) break;
+                case TL_Q5_K: AVX2_ROWS(TL_Q5_K) break;
+                default: AVX2_ROWS(TL_Q6_K) break;
+                }
+#undef AVX2_ROWS
+                for (int i = 0; i < rows; ++i) sums[(r + i) * span + (j - n0)] = o[i];
+            }
+        }
+    }
+}
+
+/* float32 x rows against the exactly dequantized weight rows of [n0, n1) (buf: k floats). */
+static void avx2_f32_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, const float *x, int64_t x_stride,
+                          int64_t m, int64_t n0, int64_t n1, float *buf, float *sums) {
+    for (int64_t j = n0; j < n1; ++j) {
+        avx2_dequant_row(t, w, j, k, buf);
+        for (int64_t r = 0; r < m; ++r) {
+            const float *xr = x + r * x_stride;
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= k; i += 16) {
+                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(buf + i), _mm256_loadu_ps(xr + i), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(buf + i + 8), _mm256_loadu_ps(xr + i + 8), acc1);
+            }
+            float total = avx2_hsum(_mm256_add_ps(acc0, acc1));
+            for (; i < k; ++i) total += buf[i] * xr[i];
+            sums[r * (n1 - n0) + (j - n0)] = total;
+        }
+    }
+}
+
+/* quant_linear's work on this family (arguments already checked). */
+static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
+                       int64_t x_stride, int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out,
+                       int64_t out_stride, int out_is_f32, int threads) {
+    const int64_t nb = k / TL_QK;
+    const int terms = quant_act_residual_on ? 2 : 1;
+    int8_t *q = NULL;
+    float *d = NULL, *dc = NULL;
+    int32_t *s = NULL;
+    if (!x_is_f32) {
+        q = malloc((size_t)(terms * m * k));
+        d = malloc(sizeof(float) * (size_t)((terms + 2) * m * nb)); /* d, then dc and xs */
+        s = malloc(sizeof(int32_t) * (size_t)(terms * m * nb));
+        if (q == NULL || d == NULL || s == NULL) {
+            free(q); free(d); free(s);
+            return QUANT_E_MEMORY;
+        }
+        dc = d + terms * m * nb;
+        const int team = m < threads ? (int)m : threads;
+        _Pragma("omp parallel for schedule(static) num_threads(team)")
+        for (int64_t r = 0; r < m; ++r)
+            avx2_quantize_rows(x, x_stride, m, k, terms, q, d, s, dc, dc + m * nb, r, r + 1);
+    }
+    const avx2_act a = {q, d, s, dc, dc == NULL ? NULL : dc + m * nb, m, k, terms};
+    const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)") {
+        float *sums = malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK + (x_is_f32 ? k : 0)));
+        if (sums == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (sums == NULL) continue;
+            const int64_t n0 = c * AVX2_ROW_CHUNK, n1 = n - n0 < AVX2_ROW_CHUNK ? n : n0 + AVX2_ROW_CHUNK;
+            if (x_is_f32)
+                avx2_f32_rows(t, w, k, x, x_stride, m, n0, n1, sums + m * AVX2_ROW_CHUNK, sums);
+            else
+                avx2_int8_rows(t, w, k, &a, n0, n1, sums);
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t j = n0; j < n1; ++j) {
+                    float v = sums[r * (n1 - n0) + (j - n0)];
+                    if (bias != NULL)
+                        v += bias_is_f32 ? ((const float *)bias)[j] : bf16_to_f32(((const uint16_t *)bias)[j]);
+                    if (out_is_f32)
+                        ((float *)out)[r * out_stride + j] = v;
+                    else
+                        ((uint16_t *)out)[r * out_stride + j] = f32_to_bf16(v);
+                }
+        }
+        free(sums);
+    }
+    free(q); free(d); free(s);
+    return failed ? QUANT_E_MEMORY : QUANT_OK;
+}
+#pragma GCC pop_options
+#else
+#define HAVE_QUANT_AVX2 0
+#endif
