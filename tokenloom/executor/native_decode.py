@@ -217,10 +217,10 @@ class NativeDecode:
         lib = None if reason else load_library("kernels")
         if reason is None and lib is None:
             reason = "the native kernels are not built on this machine"
-        if reason is None:
+        if reason is None and _quant_head_descriptor(model) is None:  # bf16 linears need the bf16 kernels
             ok_m, ok_k = ctypes.c_int(), ctypes.c_int()
             if not lib.small_gemm_supported(ctypes.byref(ok_m), ctypes.byref(ok_k)):
-                reason = "the CPU lacks AVX512-BF16"
+                reason = "the CPU lacks AVX512-BF16 (for bf16 weights; GGUF-quantized ones run on AVX2)"
         if reason is not None:
             logger.info("native decode step not used: %s", reason)
             return None
