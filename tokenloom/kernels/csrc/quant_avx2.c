@@ -31,6 +31,7 @@
 
 #define AVX2_ROW_CHUNK 16 /* weight rows per work item */
 #define AVX2_ACT_CHUNK 64 /* activation rows a chunk of weight rows meets at a time */
+#define AVX2_ACT_SPLIT 16 /* activation rows from which their quantizing is split over the threads */
 
 /* Quantized activations: term t of row r at q + (t * m + r) * k, its block scales and sums at (t * m + r) * nb;
  * per (row, block) the scale of the joined terms, dc (d / 128 with two terms, d with one), and the block's
@@ -445,25 +446,29 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
     int8_t *q = NULL;
     float *d = NULL, *dc = NULL;
     int32_t *s = NULL;
-    if (!x_is_f32) {
-        q = malloc((size_t)(terms * m * k));
-        d = malloc(sizeof(float) * (size_t)((terms + 2) * m * nb)); /* d, then dc and xs */
-        s = malloc(sizeof(int32_t) * (size_t)(terms * m * nb));
-        if (q == NULL || d == NULL || s == NULL) {
-            free(q); free(d); free(s);
-            return QUANT_E_MEMORY;
-        }
+    char *act = NULL;
+    if (!x_is_f32) { /* one allocation: d, dc, xs (floats), s (int32), then the quants */
+        const size_t floats = (size_t)((terms + 2) * m * nb), ints = (size_t)(terms * m * nb);
+        if ((act = malloc(4 * (floats + ints) + (size_t)(terms * m * k))) == NULL) return QUANT_E_MEMORY;
+        d = (float *)act;
         dc = d + terms * m * nb;
-        const int team = m < threads ? (int)m : threads;
-        _Pragma("omp parallel for schedule(static) num_threads(team)")
-        for (int64_t r = 0; r < m; ++r)
-            avx2_quantize_rows(x, x_stride, m, k, terms, q, d, s, dc, dc + m * nb, r, r + 1);
+        s = (int32_t *)(d + floats);
+        q = (int8_t *)(s + ints);
+        if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
+            avx2_quantize_rows(x, x_stride, m, k, terms, q, d, s, dc, dc + m * nb, 0, m);
+        } else {
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")
+            for (int64_t r = 0; r < m; ++r)
+                avx2_quantize_rows(x, x_stride, m, k, terms, q, d, s, dc, dc + m * nb, r, r + 1);
+        }
     }
     const avx2_act a = {q, d, s, dc, dc == NULL ? NULL : dc + m * nb, m, k, terms};
     const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
-        float *sums = malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK + (x_is_f32 ? k : 0)));
+        float local[AVX2_ACT_SPLIT * AVX2_ROW_CHUNK];
+        const int own = x_is_f32 || m > AVX2_ACT_SPLIT; /* else the sums fit the stack */
+        float *sums = own ? malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK + (x_is_f32 ? k : 0))) : local;
         if (sums == NULL) {
             _Pragma("omp atomic write") failed = 1;
         }
@@ -486,9 +491,9 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
                         ((uint16_t *)out)[r * out_stride + j] = f32_to_bf16(v);
                 }
         }
-        free(sums);
+        if (own) free(sums);
     }
-    free(q); free(d); free(s);
+    free(act);
     return failed ? QUANT_E_MEMORY : QUANT_OK;
 }
 #pragma GCC pop_options
