@@ -194,6 +194,65 @@ static inline void avx2_scale_min_k4(const uint8_t *sc, int j, int *scale, int *
     }
 }
 
+/* One legacy block (b) of `row` against activation row r's block b, both terms joined: unpacked and multiplied at
+ * once (one activation row: nothing to share the unpacked block with). */
+static inline __attribute__((always_inline)) __m256i avx2_legacy_dot1(const int type, const uint8_t *row, int64_t b,
+                                                                       const int8_t *x0, const int8_t *x1,
+                                                                       __m256i ones) {
+    __m256i wb, xa = _mm256_loadu_si256((const __m256i *)(x0 + 32 * b)), xb = _mm256_setzero_si256();
+    if (x1 != NULL) xb = _mm256_loadu_si256((const __m256i *)(x1 + 32 * b));
+    if (type == TL_Q8_0) {
+        const __m256i ws = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+        wb = _mm256_sign_epi8(ws, ws);
+        xa = _mm256_sign_epi8(xa, ws);
+        xb = _mm256_sign_epi8(xb, ws);
+    } else {
+        wb = avx2_nibbles16(row + 16 * b);
+    }
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wb, xa), ones);
+    if (x1 != NULL)
+        dot = _mm256_add_epi32(_mm256_slli_epi32(dot, TL_TERM2_SHIFT),
+                               _mm256_madd_epi16(_mm256_maddubs_epi16(wb, xb), ones));
+    return dot;
+}
+
+/* A legacy weight row (AVX2 row layout) . one activation row r: avx2_row_dot's work at MR = 1, each block
+ * unpacked right where it is multiplied and the eight blocks' lanes reduced pairwise as they come. */
+static inline __attribute__((always_inline)) float avx2_legacy_row1(const int type, const uint8_t *row, int64_t nb,
+                                                                     const avx2_act *a, int64_t r) {
+    const int qb = avx2_legacy_qbytes(type);
+    const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
+    const int8_t *x0 = a->q + r * a->k, *x1 = a->terms == 2 ? x0 + a->m * a->k : NULL;
+    const float *dc = a->dc + r * nb, *xs = a->xs + r * nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps(), offs = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256i t[4];
+        for (int p = 0; p < 4; ++p)
+            t[p] = _mm256_hadd_epi32(avx2_legacy_dot1(type, row, b + 2 * p, x0, x1, ones),
+                                     avx2_legacy_dot1(type, row, b + 2 * p + 1, x0, x1, ones));
+        const __m256i u0 = _mm256_hadd_epi32(t[0], t[1]), u1 = _mm256_hadd_epi32(t[2], t[3]);
+        const __m256i sums =
+            _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 2 * b)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(dc + b)), acc);
+        if (type == TL_Q4_1)
+            offs = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 2 * b))),
+                                   _mm256_loadu_ps(xs + b), offs);
+        else if (type == TL_Q4_0)
+            offs = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)), _mm256_loadu_ps(xs + b), offs);
+    }
+    float tail = 0.f;
+    for (; b < nb; ++b) { /* the last nb % 8 blocks one at a time */
+        const float dw = avx2_h2f(dp + 2 * b);
+        const __m256i dot = avx2_legacy_dot1(type, row, b, x0, x1, ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dc[b]), acc);
+        if (type != TL_Q8_0) tail += (type == TL_Q4_1 ? avx2_h2f(mp + 2 * b) : -8.0f * dw) * xs[b];
+    }
+    return avx2_hsum(acc) + (avx2_hsum(offs) + tail);
+}
+
 /* out[i] = weight row `row` (k columns of GGUF type `type`, AVX2 row layout) . activation row r0 + i, i < MR. */
 static inline __attribute__((always_inline)) void avx2_row_dot(const int type, const uint8_t *row, int64_t k,
                                                                 const avx2_act *a, int64_t r0, const int MR,
@@ -396,6 +455,10 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
                 float o[4] = {0.f, 0.f, 0.f, 0.f};
                 const int rows = r1 - r < 4 ? (int)(r1 - r) : 4;
 #define AVX2_ROWS(T)                                                                                           \
+    if (rows == 1 && (T == TL_Q4_0 || T == TL_Q4_1 || T == TL_Q8_0)) {                                         \
+        o[0] = avx2_legacy_row1(T, row, k / 32, a, r);                                                         \
+        break;                                                                                                 \
+    }                                                                                                          \
     switch (rows) {                                                                                            \
     case 4: avx2_row_dot(T, row, k, a, r, 4, o); break;                                                        \
     case 3: avx2_row_dot(T, row, k, a, r, 3, o); break;                                                        \
