@@ -30,11 +30,11 @@ def _close(out, ref, act, scale=1.0):
 
 def _reference(q, k, v, indptr, indices, scale):
     """float32 attention over the fp8 values; with bf16 queries at head_dim 64/128 the kernel's AVX512-BF16
-    path rounds the softmax numerators to bf16 before the weighted sum of V (as it does for a bf16 pool),
-    and so does this reference."""
+    path (where the CPU has it) rounds the softmax numerators to bf16 before the weighted sum of V (as it does
+    for a bf16 pool), and so does this reference."""
     batch, num_heads, dim = q.shape
     group = num_heads // k.shape[0]
-    round_probs = q.dtype == torch.bfloat16 and dim in (64, 128)
+    round_probs = q.dtype == torch.bfloat16 and dim in (64, 128) and paged_attention.rounds_probabilities(k.dtype)
     out = torch.zeros(batch, num_heads, dim)
     for b in range(batch):
         slots = indices[indptr[b]:indptr[b + 1]]

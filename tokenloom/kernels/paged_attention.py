@@ -49,6 +49,14 @@ def available(dtype: torch.dtype, group: int, head_dim: int) -> bool:
     return group <= max_group.value and head_dim <= max_dim.value
 
 
+def rounds_probabilities(pool_dtype: torch.dtype) -> bool:
+    """Whether bf16 queries at head_dim 64/128 over a pool of this dtype take the AVX512-BF16 path, which rounds
+    the softmax numerators to bf16 before the weighted sum of V (CPUs with AVX512-BF16; for an fp8 pool also
+    AVX512-VBMI); elsewhere they stay float32."""
+    lib = _lib()
+    return lib is not None and bool(lib.paged_attention_rounds_probs(int(pool_dtype.itemsize == 1)))
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 

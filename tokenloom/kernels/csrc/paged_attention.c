@@ -163,6 +163,73 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
 DEFINE_SCALAR_RANGE(range_scalar_f32, float, load_f32, float, load_f32)
 DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
 
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_RANGE 1
+/* AVX2 path (CPUs without AVX-512), head_dim a multiple of 8: the scaled query rows in float32; K rows widened
+ * 8 at a time into an L1 buffer, each group member's 8 dot products reduced to one vector of 8 scores; then
+ * the softmax; P.V per query row with 64 of its accumulators in registers at a time. */
+static inline __m256 v8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 v8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Lane j: the sum of v[j]'s 8 lanes. */
+static inline __m256 v8_sum8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define DEFINE_AVX2_RANGE(NAME, T, QLOAD, TKV, VLOAD)                                                          \
+static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, int64_t n, int group, int dim,  \
+                 float scale, float *scores, Partial *part) {                                                  \
+    const int nv = dim / 8;                                                                                    \
+    float qf[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));                                                \
+    float krow[8][MAX_DIM] __attribute__((aligned(32)));                                                       \
+    for (int g = 0; g < group; ++g)                                                                            \
+        for (int d = 0; d < dim; ++d) qf[g * dim + d] = QLOAD(q + (int64_t)g * dim, d) * scale;               \
+    for (int64_t l0 = 0; l0 < n; l0 += 8) {                                                                    \
+        const int cnt = n - l0 < 8 ? (int)(n - l0) : 8;                                                        \
+        for (int j = 0; j < cnt; ++j)                                                                          \
+            for (int c = 0; c < nv; ++c) _mm256_store_ps(krow[j] + 8 * c, VLOAD(kh + idx[l0 + j] * dim + 8 * c)); \
+        for (int g = 0; g < group; ++g) {                                                                      \
+            __m256 dots[8];                                                                                    \
+            for (int j = 0; j < 8; ++j) {                                                                      \
+                __m256 acc = _mm256_setzero_ps();                                                              \
+                for (int c = 0; j < cnt && c < nv; ++c)                                                        \
+                    acc = _mm256_fmadd_ps(_mm256_load_ps(qf + g * dim + 8 * c), _mm256_load_ps(krow[j] + 8 * c), acc); \
+                dots[j] = acc;                                                                                 \
+            }                                                                                                  \
+            float got[8] __attribute__((aligned(32)));                                                         \
+            _mm256_store_ps(got, v8_sum8(dots));                                                               \
+            memcpy(scores + (int64_t)g * n + l0, got, sizeof(float) * (size_t)cnt);                           \
+        }                                                                                                      \
+    }                                                                                                          \
+    softmax_rows(scores, n, group, part);                                                                      \
+    for (int g = 0; g < group; ++g) {                                                                          \
+        const float *p = scores + (int64_t)g * n;                                                              \
+        for (int c0 = 0; c0 < nv; c0 += 8) {                                                                   \
+            const int cn = nv - c0 < 8 ? nv - c0 : 8;                                                          \
+            __m256 acc[8];                                                                                     \
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();                                          \
+            for (int64_t l = 0; l < n; ++l) {                                                                  \
+                const TKV *vp = vh + idx[l] * dim + 8 * c0;                                                    \
+                const __m256 pl = _mm256_set1_ps(p[l]);                                                        \
+                for (int c = 0; c < cn; ++c) acc[c] = _mm256_fmadd_ps(pl, VLOAD(vp + 8 * c), acc[c]);           \
+            }                                                                                                  \
+            for (int c = 0; c < cn; ++c) _mm256_storeu_ps(part->acc + (int64_t)g * dim + 8 * (c0 + c), acc[c]); \
+        }                                                                                                      \
+    }                                                                                                          \
+}
+
+DEFINE_AVX2_RANGE(range_avx2_f32, float, load_f32, float, v8_f32)
+DEFINE_AVX2_RANGE(range_avx2_bf16, uint16_t, load_bf16, uint16_t, v8_bf16)
+#else
+#define HAVE_AVX2_RANGE 0
+#endif
+
 #if HAVE_AVX512
 /* Bring a K/V row of `bytes` into L1 ahead of use (paged slots need not be contiguous, so the hardware
  * prefetcher cannot always guess the next row). Written as asm: gcc 12 -O3 compiled the _mm_prefetch form out
@@ -510,6 +577,7 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
     if (DPBF16_CALL_##SUFFIX) return;                                                                         \
     if (HAVE_AVX512 && dim == 64) { VECTOR_CALL(range_vector_##SUFFIX, 4); return; }                           \
     if (HAVE_AVX512 && dim == 128) { VECTOR_CALL(range_vector_##SUFFIX, 8); return; }                          \
+    if (HAVE_AVX2_RANGE && dim % 8 == 0 && AVX2_CALL_##SUFFIX) return;                                         \
     range_scalar_##SUFFIX(q, kh, vh, idx, n, group, dim, scale, scores, part);                                 \
 }
 
@@ -523,6 +591,13 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
 #define VECTOR_CALL(FN, NV) FN(q, kh, vh, idx, n, group, NV, scale, scores, part)
 #else
 #define VECTOR_CALL(FN, NV) (void)0
+#endif
+#if HAVE_AVX2_RANGE /* bf16 and float32 KV (fp8 KV: the portable path) */
+#define AVX2_CALL_f32 (range_avx2_f32(q, kh, vh, idx, n, group, dim, scale, scores, part), 1)
+#define AVX2_CALL_bf16 (range_avx2_bf16(q, kh, vh, idx, n, group, dim, scale, scores, part), 1)
+#else
+#define AVX2_CALL_f32 0
+#define AVX2_CALL_bf16 0
 #endif
 
 DEFINE_RANGE(attend_range_f32, float, float, f32)

@@ -207,6 +207,10 @@ static int range_fp8_dpbf16(const uint16_t *q, const uint8_t *kh, const uint8_t 
 #endif
 #define DPBF16_CALL_f32_e4m3 0
 #define DPBF16_CALL_f32_e5m2 0
+#define AVX2_CALL_f32_e4m3 0
+#define AVX2_CALL_bf16_e4m3 0
+#define AVX2_CALL_f32_e5m2 0
+#define AVX2_CALL_bf16_e5m2 0
 DEFINE_RANGE(attend_range_f32_e4m3, float, uint8_t, f32_e4m3)
 DEFINE_RANGE(attend_range_bf16_e4m3, uint16_t, uint8_t, bf16_e4m3)
 DEFINE_RANGE(attend_range_f32_e5m2, float, uint8_t, f32_e5m2)
@@ -222,4 +226,14 @@ DEFINE_KERNEL(paged_decode_attention_bf16_e5m2, uint16_t, uint8_t, attend_range_
 /* Whole tensors converted with the same rounding as the kernels' K/V write (for tests and the pool). */
 KERNEL_API void fp8_encode_f32(const float *src, uint8_t *dst, int64_t n, int e5m2) {
     for (int64_t i = 0; i < n; ++i) dst[i] = e5m2 ? f32_to_e5m2(src[i]) : f32_to_e4m3(src[i]);
+}
+
+/* Whether bf16 queries at head_dim 64/128 take the AVX512-BF16 path, whose probabilities are rounded to bf16
+ * before the weighted sum of V, over a bf16 pool (fp8 = 0) or an fp8 one (1); elsewhere they stay float32. */
+KERNEL_API int paged_attention_rounds_probs(int fp8) {
+#if HAVE_DPBF16 && defined(__AVX512VBMI__)
+    return 1;
+#else
+    return fp8 ? 0 : HAVE_DPBF16;
+#endif
 }
