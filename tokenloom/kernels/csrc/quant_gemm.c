@@ -175,13 +175,13 @@ static inline void store_row(const float *src, int64_t count, void *dst, int is_
  * float32 (out_dtype 0) or bf16 rounded once (1). */
 KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t k, const int64_t *ids,
                                   int64_t count, void *out, int out_dtype, int threads) {
-#if HAVE_QUANT_GEMM
     const tl_quant_type *t = tl_quant_lookup(type);
-    const int rc = check_shape(t, n, k);
+    const int rc = check_shape(t, n, k); /* QUANT_E_TYPE where no family is built */
     if (rc != QUANT_OK) return rc;
     if (ids == NULL) count = n;
     for (int64_t i = 0; ids != NULL && i < count; ++i)
         if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
+#if HAVE_QUANT_GEMM
     const size_t elem = out_dtype == 0 ? 4 : 2;
     const tl_dequant_bf16_fn to_bf16 = out_dtype == 0 ? NULL : tl_legacy_dequant_bf16(type);
     const int via_f32 = out_dtype != 0 && to_bf16 == NULL; /* bf16 out: float32 first, then rounded */
@@ -209,12 +209,6 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
     }
     return failed ? QUANT_E_MEMORY : QUANT_OK;
 #elif HAVE_QUANT_AVX2
-    const tl_quant_type *t = tl_quant_lookup(type);
-    const int rc = check_shape(t, n, k);
-    if (rc != QUANT_OK) return rc;
-    if (ids == NULL) count = n;
-    for (int64_t i = 0; ids != NULL && i < count; ++i)
-        if (ids[i] < 0 || ids[i] >= n) return QUANT_E_INDEX;
     float *rowf = out_dtype == 0 ? NULL : malloc(sizeof(float) * (size_t)k);
     if (out_dtype != 0 && rowf == NULL) return QUANT_E_MEMORY;
     (void)threads; /* embedding rows and the reference: one thread is enough */
@@ -230,7 +224,7 @@ KERNEL_API int quant_dequant_rows(int type, const uint8_t *w, int64_t n, int64_t
     free(rowf);
     return QUANT_OK;
 #else
-    (void)type; (void)w; (void)n; (void)k; (void)ids; (void)count; (void)out; (void)out_dtype; (void)threads;
+    (void)w; (void)out; (void)out_dtype; (void)threads;
     return QUANT_E_TYPE;
 #endif
 }
@@ -653,12 +647,12 @@ KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
 KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                             int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                             int out_is_f32, int threads) {
-#if HAVE_QUANT_GEMM
     const tl_quant_type *t = tl_quant_lookup(type);
-    const int rc = check_shape(t, n, k);
+    const int rc = check_shape(t, n, k); /* QUANT_E_TYPE where no family is built */
     if (rc != QUANT_OK) return rc;
     if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
     if (m == 0 || n == 0) return QUANT_OK;
+#if HAVE_QUANT_GEMM
     switch (quant_path(type, m, k, x_is_f32)) {
     case 1:
         return small_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
@@ -670,15 +664,9 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     }
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #elif HAVE_QUANT_AVX2
-    const tl_quant_type *t = tl_quant_lookup(type);
-    const int rc = check_shape(t, n, k);
-    if (rc != QUANT_OK) return rc;
-    if (m < 0 || x_stride < k || out_stride < n) return QUANT_E_SHAPE;
-    if (m == 0 || n == 0) return QUANT_OK;
     return avx2_linear(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #else
-    (void)type; (void)w; (void)n; (void)k; (void)x; (void)x_stride; (void)x_is_f32; (void)m; (void)bias;
-    (void)bias_is_f32; (void)out; (void)out_stride; (void)out_is_f32; (void)threads;
+    (void)w; (void)x; (void)x_is_f32; (void)bias; (void)bias_is_f32; (void)out; (void)out_is_f32; (void)threads;
     return QUANT_E_TYPE;
 #endif
 }
