@@ -12,7 +12,9 @@
  * are then reduced to one vector of their eight sums and scaled in float32 by one multiply-add (the blocks'
  * weight scales times the activation scales, both loaded as vectors: hence the legacy types' row re-layout,
  * all quants then all f16 scales, made once at load). The types' offsets (Q4_0's -8, Q4_1's min, the K types'
- * mins) multiply per-block activation sums prepared once per call.
+ * mins) multiply per-block activation sums prepared once per call. One activation row against a legacy row (the
+ * decode step's case) unpacks each block right where it is multiplied (avx2_legacy_row1), with the same sums in
+ * the same order as the four-row form, so a row's result does not depend on the rows beside it.
  * float32 x (quant_path 0): the weight row dequantized exactly, float32 FMAs.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2). Dequantize (embedding rows, the reference) is the gguf package's arithmetic, bit for bit.
