@@ -35,13 +35,11 @@
 #define AVX2_ACT_CHUNK 64 /* activation rows a chunk of weight rows meets at a time */
 #define AVX2_ACT_SPLIT 16 /* activation rows from which their quantizing is split over the threads */
 
-/* Quantized activations: term t of row r at q + (t * m + r) * k, its block scales and sums at (t * m + r) * nb;
- * per (row, block) the scale of the joined terms, dc (d / 128 with two terms, d with one), and the block's
- * quant sum at that scale, xs = dc * (128 * s0 + s1) (s0 with one term): what the offsets multiply. */
+/* Quantized activations: term t of row r at q + (t * m + r) * k; per (row, block) at r * nb + b the scale of
+ * the joined terms, dc (d / 128 with two terms, d with one), and the block's quant sum at that scale,
+ * xs = dc * (128 * s0 + s1) (s0 with one term): what the offsets multiply. */
 typedef struct {
     const int8_t *q;
-    const float *d;
-    const int32_t *s;
     const float *dc;
     const float *xs;
     int64_t m, k;
@@ -72,9 +70,9 @@ static inline __m256i avx2_pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* Rows r0 .. r1 - 1 of bf16 x [m, k] quantized (see the file comment) into q, d, s, dc, xs laid out as avx2_act. */
+/* Rows r0 .. r1 - 1 of bf16 x [m, k] quantized (see the file comment) into q, dc, xs laid out as avx2_act. */
 static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int terms, int8_t *q,
-                               float *d, int32_t *s, float *dc, float *xs, int64_t r0, int64_t r1) {
+                               float *dc, float *xs, int64_t r0, int64_t r1) {
     const int64_t nb = k / TL_QK;
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t r = r0; r < r1; ++r)
@@ -96,8 +94,6 @@ static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, i
             _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b), avx2_pack_i8(qi[0], qi[1], qi[2], qi[3]));
             const int32_t s0 =
                 avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
-            d[r * nb + b] = scale;
-            s[r * nb + b] = s0;
             dc[r * nb + b] = scale;
             xs[r * nb + b] = scale * (float)s0;
             if (terms < 2) continue;
@@ -109,8 +105,6 @@ static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, i
             _mm256_storeu_si256((__m256i *)(q + (m + r) * k + 32 * b), avx2_pack_i8(qr[0], qr[1], qr[2], qr[3]));
             const int32_t s1 =
                 avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qr[0], qr[1]), _mm256_add_epi32(qr[2], qr[3])));
-            d[(m + r) * nb + b] = scale2;
-            s[(m + r) * nb + b] = s1;
             dc[r * nb + b] = scale2;
             xs[r * nb + b] = scale2 * (float)(s0 * (1 << TL_TERM2_SHIFT) + s1);
         }
@@ -509,25 +503,20 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
     const int64_t nb = k / TL_QK;
     const int terms = quant_act_residual_on ? 2 : 1;
     int8_t *q = NULL;
-    float *d = NULL, *dc = NULL;
-    int32_t *s = NULL;
-    char *act = NULL;
-    if (!x_is_f32) { /* one allocation: d, dc, xs (floats), s (int32), then the quants */
-        const size_t floats = (size_t)((terms + 2) * m * nb), ints = (size_t)(terms * m * nb);
-        if ((act = malloc(4 * (floats + ints) + (size_t)(terms * m * k))) == NULL) return QUANT_E_MEMORY;
-        d = (float *)act;
-        dc = d + terms * m * nb;
-        s = (int32_t *)(d + floats);
-        q = (int8_t *)(s + ints);
+    float *dc = NULL;
+    if (!x_is_f32) { /* one allocation: dc and xs (floats), then the quants */
+        if ((dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + (size_t)(terms * m * k))) == NULL)
+            return QUANT_E_MEMORY;
+        q = (int8_t *)(dc + 2 * m * nb);
         if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
-            avx2_quantize_rows(x, x_stride, m, k, terms, q, d, s, dc, dc + m * nb, 0, m);
+            avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, 0, m);
         } else {
             _Pragma("omp parallel for schedule(static) num_threads(threads)")
             for (int64_t r = 0; r < m; ++r)
-                avx2_quantize_rows(x, x_stride, m, k, terms, q, d, s, dc, dc + m * nb, r, r + 1);
+                avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, r, r + 1);
         }
     }
-    const avx2_act a = {q, d, s, dc, dc == NULL ? NULL : dc + m * nb, m, k, terms};
+    const avx2_act a = {q, dc, dc == NULL ? NULL : dc + m * nb, m, k, terms};
     const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
@@ -558,7 +547,7 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
         }
         if (own) free(sums);
     }
-    free(act);
+    free(dc);
     return failed ? QUANT_E_MEMORY : QUANT_OK;
 }
 #pragma GCC pop_options
