@@ -4,7 +4,8 @@ families run (AMD Zen 2/3, Intel client cores), against the `gguf` package's deq
 Each check runs in a fresh process with TOKENLOOM_CPU_KERNELS_ISA=avx2, so a CPU with AVX-512 tests the same
 build an AVX2-only CPU makes (on an AVX2-only CPU the two builds are the same code). Bounds per output
 o = sum_i w_i x_i: bf16 x with two int8 terms |err| <= sum_i |w_i| d(i) / 256 (d = the activation block's
-max|x| / 127), with one term d(i) / 2; float32 x: k * 2^-24 * sum_i |w_i x_i|; a bf16 output adds 2^-8 |o|.
+max|x| / 127), with one term d(i) / 2; the float32 tile (float32 x, and bf16 x from quant_tile_m rows on):
+k * 2^-24 * sum_i |w_i x_i|; a bf16 output adds 2^-8 |o|.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def matrix(name, n, k, seed):
     return qg.QuantMatrix.from_gguf(qtype, (n, k), raw, 'test.' + name)
 
 
+def f32_bound(x, w):
+    return x.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.abs().T) + 1e-6
+
+
 def int8_bound(x, w, divisor):
     m, k = x.shape
     d = x.double().abs().view(m, k // 32, 32).amax(-1) / 127
@@ -59,6 +64,7 @@ def int8_bound(x, w, divisor):
 
 lib = qg._native()
 assert qg.native_isa() == 1 and lib.quant_isa() == 1 and not qg.native_moe_supported()
+assert lib.quant_tile_m(-1) == 8
 """
 
 
@@ -71,9 +77,10 @@ def _run(body: str) -> None:
 
 def test_every_type_within_the_two_term_bound():
     """All six types at 1-70 rows, k one to several blocks: the legacy types' rows are re-laid out (the K types'
-    kept), dequantize and embedding
-    rows are the gguf package's bit for bit, bf16 x (quant_path 1 at any row count) is within the two int8
-    terms' bound, into float32 or bf16 and with a bias; float32 x (quant_path 0) within float32 summation."""
+    kept), dequantize and embedding rows are the gguf package's bit for bit, bf16 x is within the two int8
+    terms' bound below quant_tile_m rows (quant_path 1) and within float32 summation's from there (the float32
+    tile, quant_path 0), into float32 or bf16 and with a bias; float32 x (quant_path 0 at any row count) within
+    float32 summation's."""
     _run("""
 for name in TYPES:
     qtype = qg.TYPE_IDS[name]
@@ -90,19 +97,19 @@ for name in TYPES:
         w = ref_w.double()
         g = torch.Generator().manual_seed(k)
         bias = torch.randn(37, generator=g)
-        for m in (1, 2, 3, 4, 5, 70):
-            assert lib.quant_path(qtype, m, k, 0) == 1 and lib.quant_path(qtype, m, k, 1) == 0
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 25, 70):
+            tile = m >= lib.quant_tile_m(-1)
+            assert lib.quant_path(qtype, m, k, 0) == (0 if tile else 1) and lib.quant_path(qtype, m, k, 1) == 0
             x = torch.randn(m, k, generator=g).bfloat16()
             ref = x.double() @ w.T + bias.double()
+            bound = f32_bound(x, w) if tile else int8_bound(x, w, 256)
             got = qg.linear(x, p, bias, out_dtype=torch.float32).double()
-            assert bool(((got - ref).abs() <= int8_bound(x, w, 256)).all()), (name, k, m)
+            assert bool(((got - ref).abs() <= bound).all()), (name, k, m)
             got16 = qg.linear(x, p, bias).double()
-            assert bool(((got16 - ref).abs() <= int8_bound(x, w, 256) + 2.0 ** -8 * ref.abs()).all()), (name, m)
+            assert bool(((got16 - ref).abs() <= bound + 2.0 ** -8 * ref.abs()).all()), (name, m)
             xf = torch.randn(m, k, generator=g)
-            ref_f = xf.double() @ w.T
             got_f = qg.linear(xf, p).double()
-            tol = k * 2.0 ** -24 * (xf.double().abs() @ w.abs().T) + 1e-6
-            assert bool(((got_f - ref_f).abs() <= tol).all()), (name, k, m)
+            assert bool(((got_f - xf.double() @ w.T).abs() <= f32_bound(xf, w)).all()), (name, k, m)
 """)
 
 
@@ -130,19 +137,29 @@ for name in TYPES:
 
 
 def test_rows_and_threads_change_no_result():
-    """A row's result does not depend on the rows beside it (alone, or in a batch of 70 that crosses the
-    64-row activation chunks) nor on the thread count (1, 2, 3): bit for bit."""
+    """Within each path a row's result does not depend on the rows beside it nor on the thread count (1, 2, 3),
+    bit for bit: the int8 terms (the tile off) alone or in a batch of 70 that crosses the 64-row activation
+    chunks; the float32 tile in batches of 8 to 70 rows (its 8-row groups and 24-row register tiles cut
+    differently), weight rows past whole 32-row items."""
     _run("""
 from tests.thread_counts import at_thread_counts
+tile_m = lib.quant_tile_m(-1)
 for name in TYPES:
     qtype = qg.TYPE_IDS[name]
     k = 576 if qtype < 12 else 768
     qm = qg.prepare(matrix(name, 301, k, 9))
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(9)).bfloat16()
-    runs = at_thread_counts(lambda: qg.linear(x, qm, out_dtype=torch.float32), (1, 2, 3))
-    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3]), name
-    for rows in (slice(0, 1), slice(5, 9), slice(62, 67), slice(69, 70)):
-        assert torch.equal(qg.linear(x[rows], qm, out_dtype=torch.float32), runs[1][rows]), (name, rows)
+    for tile, slices in ((0, (slice(0, 1), slice(5, 9), slice(62, 67), slice(69, 70))),
+                         (tile_m, (slice(0, 8), slice(5, 22), slice(40, 65), slice(61, 70)))):
+        lib.quant_tile_m(tile)
+        try:
+            runs = at_thread_counts(lambda: qg.linear(x, qm, out_dtype=torch.float32), (1, 2, 3))
+            assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3]), (name, tile)
+            for rows in slices:
+                part = qg.linear(x[rows], qm, out_dtype=torch.float32)
+                assert torch.equal(part, runs[1][rows]), (name, tile, rows)
+        finally:
+            lib.quant_tile_m(tile_m)
 """)
 
 

@@ -236,7 +236,8 @@ def test_public_dequantize_and_embedding_bit_equal(qtype):
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float32"])
 def test_public_linear(qtype, m, k, x_dtype):
     """bf16 x at few rows: the int8 path's bound sum_i |w_i| d(i) / 2; bf16 x at many rows: the weight rounded
-    once to bf16 (2^-9 relative); float32 x: exact weights, float32 sums."""
+    once to bf16 (2^-9 relative; the AVX2 family's tile: exact weights, float32 sums); float32 x: exact
+    weights, float32 sums."""
     import ctypes as ct
 
     import torch
@@ -261,9 +262,9 @@ def test_public_linear(qtype, m, k, x_dtype):
     batch = batch_from > 0 and m >= batch_from and (tile_from == 0 or m < tile_from)
     if qg.native_isa() == 2:
         assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch else 0)
-    else:  # the AVX2 family: every bf16 x through the int8 terms
-        assert path == (0 if x.dtype == torch.float32 else 1)
-    if x.dtype == torch.float32:
+    else:  # the AVX2 family: bf16 x through the int8 terms below tile_from rows, else its float32 tile
+        assert path == (0 if x.dtype == torch.float32 or m >= tile_from else 1)
+    if x.dtype == torch.float32 or (path == 0 and qg.native_isa() == 1):  # exact weights, float32 sums
         tol = k * 2.0 ** -24 * mag
     elif small:
         d = xd.abs().view(m, k // 32, 32).amax(-1) / 127

@@ -34,6 +34,7 @@
 #define AVX2_ROW_CHUNK 16 /* weight rows per work item */
 #define AVX2_ACT_CHUNK 64 /* activation rows a chunk of weight rows meets at a time */
 #define AVX2_ACT_SPLIT 16 /* activation rows from which their quantizing is split over the threads */
+#define AVX2_TILE_M 8     /* bf16 rows from which the float32 tile replaces the int8 terms (quant_tile_m) */
 
 /* Quantized activations: term t of row r at q + (t * m + r) * k; per (row, block) at r * nb + b the scale of
  * the joined terms, dc (d / 128 with two terms, d with one), and the block's quant sum at that scale,
@@ -384,60 +385,80 @@ static const tl_quant_type *tl_avx2_type(int type) {
     return NULL;
 }
 
-/* Row r of w (type t, k columns) dequantized to float32 with the gguf package's operations and roundings:
- * products and differences rounded separately, never fused. */
-__attribute__((optimize("fp-contract=off"))) static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w,
-                                                                           int64_t r, int64_t k, float *out) {
+/* Dequantize, exact: the gguf package's operations and roundings (each product and sum rounded on its own, never
+ * fused: hence fp-contract off for these two functions, whatever -ffast-math allows elsewhere). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* o[0 .. 31] = s * q (s_lo for the first 16 values, s_hi for the last 16), plus `add` where has_add; q: 32 int8. */
+static inline void avx2_emit32(float *o, __m256i q, float s_lo, float s_hi, const int has_add, float add) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), _mm256_set1_ps(i < 2 ? s_lo : s_hi));
+        if (has_add) v = _mm256_add_ps(v, _mm256_set1_ps(add));
+        _mm256_storeu_ps(o + 8 * i, v);
+    }
+}
+
+/* Row r of w (type t, k columns; the legacy types in their AVX2 row layout) dequantized to float32. */
+static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r, int64_t k, float *out) {
     const int64_t nb = k / t->block;
     const uint8_t *row = w + r * (nb * t->block_size);
-    const int qb = avx2_legacy_qbytes(t->type); /* the legacy types' AVX2 row layout */
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = row + b * t->block_size;
-        float *o = out + b * t->block;
-        volatile float prod; /* keeps each product rounded on its own, whatever the optimizer does */
-        if (t->type == TL_Q4_0 || t->type == TL_Q4_1) {
-            const float d = avx2_h2f(row + nb * qb + 2 * b);
-            const float mn = t->type == TL_Q4_1 ? avx2_h2f(row + nb * qb + 2 * nb + 2 * b) : 0.f;
-            const uint8_t *qs = row + b * qb;
-            for (int j = 0; j < 32; ++j) {
-                const int q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
-                if (t->type == TL_Q4_0) {
-                    o[j] = d * (float)(q - 8);
-                } else {
-                    prod = d * (float)q;
-                    o[j] = prod + mn;
-                }
-            }
-        } else if (t->type == TL_Q8_0) {
-            const float d = avx2_h2f(row + nb * qb + 2 * b);
-            for (int j = 0; j < 32; ++j) o[j] = (float)(int8_t)row[b * qb + j] * d;
-        } else if (t->type == TL_Q4_K || t->type == TL_Q5_K) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (t->type == TL_Q4_0 || t->type == TL_Q4_1 || t->type == TL_Q8_0) {
+        const int qb = avx2_legacy_qbytes(t->type);
+        const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float d = avx2_h2f(dp + 2 * b);
+            if (t->type == TL_Q8_0)
+                avx2_emit32(out + 32 * b, _mm256_loadu_si256((const __m256i *)(row + 32 * b)), d, d, 0, 0.f);
+            else if (t->type == TL_Q4_0)
+                avx2_emit32(out + 32 * b, _mm256_sub_epi8(avx2_nibbles16(row + 16 * b), _mm256_set1_epi8(8)), d, d,
+                            0, 0.f);
+            else
+                avx2_emit32(out + 32 * b, avx2_nibbles16(row + 16 * b), d, d, 1, avx2_h2f(mp + 2 * b));
+        }
+    } else if (t->type == TL_Q4_K || t->type == TL_Q5_K) {
+        for (int64_t sb = 0; sb < nb; ++sb) {
+            const uint8_t *blk = row + sb * t->block_size;
             const float d = avx2_h2f(blk), dmin = avx2_h2f(blk + 2);
-            const uint8_t *qs = blk + (t->type == TL_Q4_K ? 16 : 48), *qh = blk + 16;
+            const uint8_t *qs = blk + (t->type == TL_Q4_K ? 16 : 48);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
             for (int j = 0; j < 8; ++j) {
                 int sc, mn;
                 avx2_scale_min_k4(blk + 4, j, &sc, &mn);
                 const float ds = d * (float)sc, dm = dmin * (float)mn;
-                for (int l = 0; l < 32; ++l) {
-                    int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
-                    if (t->type == TL_Q5_K) q |= ((qh[l] >> j) & 1) << 4;
-                    prod = ds * (float)q;
-                    o[32 * j + l] = prod - dm;
-                }
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+                __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                if (t->type == TL_Q5_K)
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+                avx2_emit32(out + 256 * sb + 32 * j, q, ds, ds, 1, -dm);
             }
-        } else { /* Q6_K */
-            const uint8_t *ql = blk, *qh = blk + 128;
+        }
+    } else { /* Q6_K */
+        for (int64_t sb = 0; sb < nb; ++sb) {
+            const uint8_t *blk = row + sb * 210;
             const int8_t *scales = (const int8_t *)(blk + 192);
             const float d = avx2_h2f(blk + 208);
-            for (int e = 0; e < 256; ++e) {
-                const int h = e / 128, c = (e % 128) / 32, l = e % 32;
-                const uint8_t lo = ql[64 * h + 32 * (c & 1) + l];
-                const int q = (((c < 2 ? lo : lo >> 4) & 15) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4)) - 32;
-                o[e] = d * (float)scales[e / 16] * (float)q;
+            for (int h = 0; h < 2; ++h) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (c & 1)));
+                    const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), m4);
+                    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
+                    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)),
+                                                      _mm256_set1_epi8(32));
+                    const int si = 8 * h + 2 * c;
+                    avx2_emit32(out + 256 * sb + 128 * h + 32 * c, q, d * (float)scales[si], d * (float)scales[si + 1],
+                                0, 0.f);
+                }
             }
         }
     }
 }
+#pragma GCC pop_options
 
 /* bf16 x rows through the int8 terms: sums[r][j - n0] for weight rows j of [n0, n1), all activation rows. */
 static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, const avx2_act *a, int64_t n0,
@@ -476,53 +497,168 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
     }
 }
 
-/* float32 x rows against the exactly dequantized weight rows of [n0, n1) (buf: k floats). */
-static void avx2_f32_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, const float *x, int64_t x_stride,
-                          int64_t m, int64_t n0, int64_t n1, float *buf, float *sums) {
-    for (int64_t j = n0; j < n1; ++j) {
-        avx2_dequant_row(t, w, j, k, buf);
-        for (int64_t r = 0; r < m; ++r) {
-            const float *xr = x + r * x_stride;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= k; i += 16) {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(buf + i), _mm256_loadu_ps(xr + i), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(buf + i + 8), _mm256_loadu_ps(xr + i + 8), acc1);
-            }
-            float total = avx2_hsum(_mm256_add_ps(acc0, acc1));
-            for (; i < k; ++i) total += buf[i] * xr[i];
-            sums[r * (n1 - n0) + (j - n0)] = total;
+/* The dequantized tile (quant_path 0: float32 x, and bf16 x from quant_tile_m rows): x converted to float32 (exact)
+ * and transposed once per call into groups of 8 rows, xt[(g * k + i) * 8 + l] = x[8 g + l][i] (rows past m
+ * zero); per work item AVX2_TILE_ROWS weight rows dequantized exactly into a row-major float32 scratch; then
+ * register tiles of 4 weight rows x 24 activation rows (12 accumulators) run float32 FMAs along k, each weight
+ * value broadcast and each 8 rows of x one vector. Each output is one accumulator lane summed along k in order,
+ * so a row's result depends neither on the rows beside it nor on the thread count; the error is float32
+ * summation's, |err| <= k 2^-24 sum_i |w_i x_i| (and a bf16 output's rounding). */
+#define AVX2_TILE_ROWS 32 /* weight rows per work item (dequantized once, met by every activation row) */
+#define AVX2_TILE_KC 128  /* columns per chunk: a chunk of the item's weights and of 24 activation rows fit L1 */
+
+/* Rows 8g .. 8g + 7 of x transposed into xt's group g (8 x 8 blocks transposed in registers). */
+static void avx2_pack_group(const void *x, int64_t x_stride, int x_is_f32, int64_t m, int64_t k, int64_t g,
+                            float *xt) {
+    for (int64_t i0 = 0; i0 < k; i0 += 8) {
+        __m256 r[8];
+        for (int l = 0; l < 8; ++l) {
+            const int64_t row = 8 * g + l;
+            if (row >= m)
+                r[l] = _mm256_setzero_ps();
+            else if (x_is_f32)
+                r[l] = _mm256_loadu_ps((const float *)x + row * x_stride + i0);
+            else
+                r[l] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                               (const __m128i *)((const uint16_t *)x + row * x_stride + i0))), 16));
+        }
+        __m256 t[8], u[8];
+        for (int p = 0; p < 4; ++p) {
+            t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+            t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+        }
+        for (int h = 0; h < 2; ++h) { /* rows 4h .. 4h + 3: columns 0-1 / 2-3 of each 128-bit half */
+            u[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+            u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+            u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+            u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+        }
+        float *dst = xt + (g * k + i0) * 8;
+        for (int c = 0; c < 4; ++c) {
+            _mm256_storeu_ps(dst + 8 * c, _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+            _mm256_storeu_ps(dst + 8 * (c + 4), _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
         }
     }
 }
 
-/* quant_linear's work on this family (arguments already checked). */
-static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
-                       int64_t x_stride, int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out,
-                       int64_t out_stride, int out_is_f32, int threads) {
-    const int64_t nb = k / TL_QK;
-    const int terms = quant_act_residual_on ? 2 : 1;
-    int8_t *q = NULL;
-    float *dc = NULL;
-    if (!x_is_f32) { /* one allocation: dc and xs (floats), then the quants */
-        if ((dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + (size_t)(terms * m * k))) == NULL)
-            return QUANT_E_MEMORY;
-        q = (int8_t *)(dc + 2 * m * nb);
-        if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
-            avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, 0, m);
-        } else {
-            _Pragma("omp parallel for schedule(static) num_threads(threads)")
-            for (int64_t r = 0; r < m; ++r)
-                avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, r, r + 1);
+/* Weight rows w + j k, j < J (float32), at columns 0 .. len - 1 against V groups of xt from xt0 (the same
+ * columns; J V <= 12 accumulators, at least 8 to cover the FMA latency): the J x 8V sums, continued from sums_t where `more` (a later column chunk; float32 there
+ * and back is exact, so the order of each sum is unchanged), stored as sums_t[j * ld + 8 v + l] (weight row j,
+ * activation row 8 v + l of the groups). */
+static inline __attribute__((always_inline)) void avx2_tile_micro(const float *w, const float *xt0, int64_t k,
+                                                                   int64_t len, const int J, const int V, int more,
+                                                                   float *sums_t, int64_t ld) {
+    __m256 acc[8][3];
+    for (int j = 0; j < J; ++j)
+        for (int v = 0; v < 3; ++v)
+            acc[j][v] = more && v < V ? _mm256_loadu_ps(sums_t + j * ld + 8 * v) : _mm256_setzero_ps();
+    const float *x1 = xt0 + 8 * k, *x2 = xt0 + 16 * k;
+    for (int64_t i = 0; i < len; ++i) {
+        const __m256 a0 = _mm256_loadu_ps(xt0 + 8 * i);
+        const __m256 a1 = V > 1 ? _mm256_loadu_ps(x1 + 8 * i) : a0, a2 = V > 2 ? _mm256_loadu_ps(x2 + 8 * i) : a0;
+        for (int j = 0; j < J; ++j) {
+            const __m256 b = _mm256_broadcast_ss(w + j * k + i);
+            acc[j][0] = _mm256_fmadd_ps(b, a0, acc[j][0]);
+            if (V > 1) acc[j][1] = _mm256_fmadd_ps(b, a1, acc[j][1]);
+            if (V > 2) acc[j][2] = _mm256_fmadd_ps(b, a2, acc[j][2]);
         }
     }
-    const avx2_act a = {q, dc, dc == NULL ? NULL : dc + m * nb, m, k, terms};
+    for (int j = 0; j < J; ++j)
+        for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums_t + j * ld + 8 * v, acc[j][v]);
+}
+
+/* The item's `rows` dequantized weight rows (wbuf, a multiple of 8) against xt's groups g .. g + V - 1, column
+ * chunk by column chunk (each chunk's weights and activations stay in L1 across the item's register tiles of
+ * 4 weight rows, 8 with one group). */
+static inline __attribute__((always_inline)) void avx2_tile_groups(const float *wbuf, int64_t rows, const float *xt,
+                                                                    int64_t k, int64_t g, const int V,
+                                                                    float *sums_t, int64_t m_pad) {
+    const int J = V == 1 ? 8 : 4;
+    for (int64_t c0 = 0; c0 < k; c0 += AVX2_TILE_KC) {
+        const int64_t len = k - c0 < AVX2_TILE_KC ? k - c0 : AVX2_TILE_KC;
+        for (int64_t j = 0; j < rows; j += J)
+            avx2_tile_micro(wbuf + j * k + c0, xt + (g * k + c0) * 8, k, len, J, V, c0 > 0,
+                            sums_t + j * m_pad + 8 * g, m_pad);
+    }
+}
+
+/* out rows of weight rows n0 .. n0 + count - 1 from sums (row r, feature j at sums[r * rs + j * js]): plus the
+ * bias, rounded once to bf16 or stored as float32. */
+static void avx2_store(const float *sums, int64_t rs, int64_t js, int64_t m, int64_t n0, int64_t count,
+                       const void *bias, int bias_is_f32, void *out, int64_t out_stride, int out_is_f32) {
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < count; ++j) {
+            float v = sums[r * rs + j * js];
+            if (bias != NULL)
+                v += bias_is_f32 ? ((const float *)bias)[n0 + j] : bf16_to_f32(((const uint16_t *)bias)[n0 + j]);
+            if (out_is_f32)
+                ((float *)out)[r * out_stride + n0 + j] = v;
+            else
+                ((uint16_t *)out)[r * out_stride + n0 + j] = f32_to_bf16(v);
+        }
+}
+
+/* quant_linear's dequantized-tile work on this family (arguments already checked). */
+static int avx2_tile_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
+                            int64_t x_stride, int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out,
+                            int64_t out_stride, int out_is_f32, int threads) {
+    const int64_t groups = (m + 7) / 8, m_pad = 8 * groups, items = (n + AVX2_TILE_ROWS - 1) / AVX2_TILE_ROWS;
+    float *xt = malloc(sizeof(float) * (size_t)(m_pad * k));
+    if (xt == NULL) return QUANT_E_MEMORY;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)") {
+        /* per thread: the item's dequantized rows (rounded up to whole 8-row tiles), then their [rows, m_pad] sums */
+        float *wbuf = malloc(sizeof(float) * (size_t)(AVX2_TILE_ROWS * (k + m_pad)));
+        float *sums_t = wbuf == NULL ? NULL : wbuf + AVX2_TILE_ROWS * k;
+        if (wbuf == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < groups; ++g) avx2_pack_group(x, x_stride, x_is_f32, m, k, g, xt);
+        _Pragma("omp for schedule(static)")
+        for (int64_t item = 0; item < items; ++item) {
+            if (wbuf == NULL) continue;
+            const int64_t n0 = item * AVX2_TILE_ROWS, count = n - n0 < AVX2_TILE_ROWS ? n - n0 : AVX2_TILE_ROWS;
+            const int64_t rows8 = (count + 7) / 8 * 8;
+            for (int64_t j = 0; j < count; ++j) avx2_dequant_row(t, w, n0 + j, k, wbuf + j * k);
+            memset(wbuf + count * k, 0, sizeof(float) * (size_t)((rows8 - count) * k));
+            int64_t g = 0;
+            for (; g + 3 <= groups; g += 3) avx2_tile_groups(wbuf, rows8, xt, k, g, 3, sums_t, m_pad);
+            if (groups - g == 2)
+                avx2_tile_groups(wbuf, rows8, xt, k, g, 2, sums_t, m_pad);
+            else if (groups - g == 1)
+                avx2_tile_groups(wbuf, rows8, xt, k, g, 1, sums_t, m_pad);
+            avx2_store(sums_t, 1, m_pad, m, n0, count, bias, bias_is_f32, out, out_stride, out_is_f32);
+        }
+        free(wbuf);
+    }
+    free(xt);
+    return failed ? QUANT_E_MEMORY : QUANT_OK;
+}
+
+/* quant_linear's int8 work on this family (quant_path 1: bf16 x; arguments already checked). */
+static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
+                       int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
+                       int out_is_f32, int threads) {
+    const int64_t nb = k / TL_QK;
+    const int terms = quant_act_residual_on ? 2 : 1;
+    /* one allocation: dc and xs (floats), then the quants */
+    float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + (size_t)(terms * m * k));
+    if (dc == NULL) return QUANT_E_MEMORY;
+    int8_t *q = (int8_t *)(dc + 2 * m * nb);
+    if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
+        avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, 0, m);
+    } else {
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (int64_t r = 0; r < m; ++r) avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, r, r + 1);
+    }
+    const avx2_act a = {q, dc, dc + m * nb, m, k, terms};
     const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
         float local[AVX2_ACT_SPLIT * AVX2_ROW_CHUNK];
-        const int own = x_is_f32 || m > AVX2_ACT_SPLIT; /* else the sums fit the stack */
-        float *sums = own ? malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK + (x_is_f32 ? k : 0))) : local;
+        const int own = m > AVX2_ACT_SPLIT; /* else the sums fit the stack */
+        float *sums = own ? malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK)) : local;
         if (sums == NULL) {
             _Pragma("omp atomic write") failed = 1;
         }
@@ -530,20 +666,8 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
         for (int64_t c = 0; c < chunks; ++c) {
             if (sums == NULL) continue;
             const int64_t n0 = c * AVX2_ROW_CHUNK, n1 = n - n0 < AVX2_ROW_CHUNK ? n : n0 + AVX2_ROW_CHUNK;
-            if (x_is_f32)
-                avx2_f32_rows(t, w, k, x, x_stride, m, n0, n1, sums + m * AVX2_ROW_CHUNK, sums);
-            else
-                avx2_int8_rows(t, w, k, &a, n0, n1, sums);
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t j = n0; j < n1; ++j) {
-                    float v = sums[r * (n1 - n0) + (j - n0)];
-                    if (bias != NULL)
-                        v += bias_is_f32 ? ((const float *)bias)[j] : bf16_to_f32(((const uint16_t *)bias)[j]);
-                    if (out_is_f32)
-                        ((float *)out)[r * out_stride + j] = v;
-                    else
-                        ((uint16_t *)out)[r * out_stride + j] = f32_to_bf16(v);
-                }
+            avx2_int8_rows(t, w, k, &a, n0, n1, sums);
+            avx2_store(sums, n1 - n0, 1, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
         }
         if (own) free(sums);
     }

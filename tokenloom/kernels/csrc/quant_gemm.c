@@ -612,8 +612,12 @@ KERNEL_API int quant_tile_m(int value) {
     if (value >= 0)
         quant_tile_min_rows = value;
     else if (quant_tile_min_rows < 0) { /* a benign race: every caller decides the same */
+#if HAVE_QUANT_AVX2
+        quant_tile_min_rows = AVX2_TILE_M; /* the AVX2 family's float32 tile against its two int8 terms */
+#else
         const double cost = quant_bf16_dot_cost();
         quant_tile_min_rows = cost > 0.0 && cost < BF16_PACE_MAX_COST ? TILE_M_BF16_PACE : 0;
+#endif
     }
     return quant_tile_min_rows;
 }
@@ -634,8 +638,10 @@ KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
 #endif
     return 0;
 #elif HAVE_QUANT_AVX2
-    (void)m; (void)k;
-    return tl_quant_lookup(type) == NULL ? -1 : x_is_f32 ? 0 : 1;
+    (void)k;
+    if (tl_quant_lookup(type) == NULL) return -1;
+    const int tile_from = quant_tile_m(-1);
+    return x_is_f32 || (tile_from > 0 && m >= tile_from) ? 0 : 1;
 #else
     (void)type; (void)m; (void)k; (void)x_is_f32;
     return -1;
@@ -664,7 +670,10 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     }
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #elif HAVE_QUANT_AVX2
-    return avx2_linear(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
+    if (quant_path(type, m, k, x_is_f32) == 0)
+        return avx2_tile_linear(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
+                                threads);
+    return avx2_linear(t, w, n, k, x, x_stride, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #else
     (void)w; (void)x; (void)x_is_f32; (void)bias; (void)bias_is_f32; (void)out; (void)out_is_f32; (void)threads;
     return QUANT_E_TYPE;
