@@ -3,7 +3,7 @@
  * builds otherwise (AMD Zen 2/3, Intel client cores, Xeons without AVX512-BF16): the same entry points, the same
  * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows (the K types' in the file layout).
  *
- * bf16 x, any number of rows (quant_path 1): x is quantized per 32-element block to int8 in two terms exactly as
+ * bf16 x below quant_tile_m rows (quant_path 1: decode): x is quantized per 32-element block to int8 in two terms exactly as
  * quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale d / 128), so the
  * error bound is the same: |err| <= sum_i |w_i| * d_x(i) / 256 (d_x / 2 with one term, quant_act_residual(0)).
  * Each weight block is unpacked once per four activation rows to 32 bytes and multiplied in 16-bit pairs
@@ -15,9 +15,13 @@
  * mins) multiply per-block activation sums prepared once per call. One activation row against a legacy row (the
  * decode step's case) unpacks each block right where it is multiplied (avx2_legacy_row1), with the same sums in
  * the same order as the four-row form, so a row's result does not depend on the rows beside it.
- * float32 x (quant_path 0): the weight row dequantized exactly, float32 FMAs.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
- * stay in L2). Dequantize (embedding rows, the reference) is the gguf package's arithmetic, bit for bit.
+ * stay in L2).
+ * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
+ * exactly to float32 and multiplied with float32 FMAs in register tiles (avx2_tile_linear): 1.4-2x the two
+ * int8 terms' rate from 16 rows on (Zen 3, two threads: 120-133 against 60-70 GFLOP/s at 256 rows), and
+ * exact products. Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit
+ * for bit.
  *
  * Included by quant_gemm.c (it uses its knobs and error codes); HAVE_QUANT_AVX2 is 0 where the AVX-512 families
  * are built or the CPU lacks AVX2.
@@ -395,7 +399,8 @@ static inline void avx2_emit32(float *o, __m256i q, float s_lo, float s_hi, cons
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < 4; ++i) {
-        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), _mm256_set1_ps(i < 2 ? s_lo : s_hi));
+        const __m256 s = _mm256_set1_ps(i < 2 ? s_lo : s_hi);
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), s);
         if (has_add) v = _mm256_add_ps(v, _mm256_set1_ps(add));
         _mm256_storeu_ps(o + 8 * i, v);
     }
@@ -542,9 +547,9 @@ static void avx2_pack_group(const void *x, int64_t x_stride, int x_is_f32, int64
 }
 
 /* Weight rows w + j k, j < J (float32), at columns 0 .. len - 1 against V groups of xt from xt0 (the same
- * columns; J V <= 12 accumulators, at least 8 to cover the FMA latency): the J x 8V sums, continued from sums_t where `more` (a later column chunk; float32 there
- * and back is exact, so the order of each sum is unchanged), stored as sums_t[j * ld + 8 v + l] (weight row j,
- * activation row 8 v + l of the groups). */
+ * columns; J V <= 12 accumulators, at least 8 to cover the FMA latency): the J x 8V sums, continued from
+ * sums_t where `more` (a later column chunk; float32 there and back is exact, so the order of each sum is
+ * unchanged), stored as sums_t[j * ld + 8 v + l] (weight row j, activation row 8 v + l of the groups). */
 static inline __attribute__((always_inline)) void avx2_tile_micro(const float *w, const float *xt0, int64_t k,
                                                                    int64_t len, const int J, const int V, int more,
                                                                    float *sums_t, int64_t ld) {
