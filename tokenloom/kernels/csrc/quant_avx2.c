@@ -3,15 +3,16 @@
  * builds otherwise (AMD Zen 2/3, Intel client cores, Xeons without AVX512-BF16): the same entry points, the same
  * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows (the K types' in the file layout).
  *
- * bf16 x below quant_tile_m rows (quant_path 1: decode): x is quantized per 32-element block to int8 in two terms exactly as
- * quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale d / 128), so the
- * error bound is the same: |err| <= sum_i |w_i| * d_x(i) / 256 (d_x / 2 with one term, quant_act_residual(0)).
- * Each weight block is unpacked once per four activation rows to 32 bytes and multiplied in 16-bit pairs
- * (vpmaddubsw: unsigned quants, or |w| for the signed types with x given w's sign; Q6_K's 16-element scales
- * applied by the following vpmaddwd), the two terms' int32 lanes joined as 128 * dot0 + dot1; eight blocks' lanes
- * are then reduced to one vector of their eight sums and scaled in float32 by one multiply-add (the blocks'
- * weight scales times the activation scales, both loaded as vectors: hence the legacy types' row re-layout,
- * all quants then all f16 scales, made once at load). The types' offsets (Q4_0's -8, Q4_1's min, the K types'
+ * bf16 x below quant_tile_m rows (quant_path 1: decode): x is quantized per 32-element block to int8 in two
+ * terms exactly as quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale
+ * d / 128), so the error bound is the same: |err| <= sum_i |w_i| * d_x(i) / 256 (d_x / 2 with one term,
+ * quant_act_residual(0)). The two terms are stored joined, one int16 per element (128 q0 + q1: |q| <= 16320),
+ * and each weight block is widened once per four activation rows to 32 int16 (Q6_K's times its 16-element
+ * scales: |w| <= 4096, so a block's 32 products fit int32) and multiplied by vpmaddwd: two multiplies a block
+ * and row where vpmaddubsw would take four and their int32 widening (1.2-1.6x faster at 1-4 rows on Zen 3,
+ * the same integer sums); eight blocks' lanes are then reduced to one vector of their eight sums and scaled in
+ * float32 by one multiply-add (the blocks' weight scales times the activation scales, both loaded as vectors:
+ * hence the legacy types' row re-layout, all quants then all f16 scales, made once at load). The types' offsets (Q4_0's -8, Q4_1's min, the K types'
  * mins) multiply per-block activation sums prepared once per call. One activation row against a legacy row (the
  * decode step's case) unpacks each block right where it is multiplied (avx2_legacy_row1), with the same sums in
  * the same order as the four-row form, so a row's result does not depend on the rows beside it.
@@ -40,15 +41,15 @@
 #define AVX2_ACT_SPLIT 16 /* activation rows from which their quantizing is split over the threads */
 #define AVX2_TILE_M 8     /* bf16 rows from which the float32 tile replaces the int8 terms (quant_tile_m) */
 
-/* Quantized activations: term t of row r at q + (t * m + r) * k; per (row, block) at r * nb + b the scale of
- * the joined terms, dc (d / 128 with two terms, d with one), and the block's quant sum at that scale,
- * xs = dc * (128 * s0 + s1) (s0 with one term): what the offsets multiply. */
+/* Quantized activations, the two int8 terms joined into one int16 per element, q = 128 q0 + q1 (q0 alone with
+ * one term; |q| <= 128 * 127 + 64): row r at q + r * k; per (row, block) at r * nb + b the scale of q, dc
+ * (d / 128 with two terms, d with one), and the block's quant sum at that scale, xs = dc * sum(q): what the
+ * offsets multiply. */
 typedef struct {
-    const int8_t *q;
+    const int16_t *q;
     const float *dc;
     const float *xs;
     int64_t m, k;
-    int terms;
 } avx2_act;
 
 static inline float avx2_h2f(const uint8_t *p) {
@@ -69,15 +70,14 @@ static inline int32_t avx2_hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-/* Four vectors of 8 int32 (each within int8's range) -> their 32 values as bytes, in order. */
-static inline __m256i avx2_pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
-    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+/* Two vectors of 8 int32 (each within int16's range) -> their 16 values as int16, in order. */
+static inline __m256i avx2_pack_i16(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
 }
 
 /* Rows r0 .. r1 - 1 of bf16 x [m, k] quantized (see the file comment) into q, dc, xs laid out as avx2_act. */
-static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int terms, int8_t *q,
-                               float *dc, float *xs, int64_t r0, int64_t r1) {
+static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t k, int terms, int16_t *q, float *dc,
+                               float *xs, int64_t r0, int64_t r1) {
     const int64_t nb = k / TL_QK;
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t r = r0; r < r1; ++r)
@@ -93,25 +93,25 @@ static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, i
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
             const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m256i qi[4], qr[4];
+            __m256i qi[4];
             for (int i = 0; i < 4; ++i) /* round to nearest (even), the MXCSR default */
                 qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
-            _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b), avx2_pack_i8(qi[0], qi[1], qi[2], qi[3]));
-            const int32_t s0 =
-                avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
-            dc[r * nb + b] = scale;
-            xs[r * nb + b] = scale * (float)s0;
-            if (terms < 2) continue;
-            const float inv2 = (float)(1 << TL_TERM2_SHIFT) * inv, scale2 = scale * (1.0f / (1 << TL_TERM2_SHIFT));
-            for (int i = 0; i < 4; ++i) {
-                const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(qi[i]), _mm256_set1_ps(scale), v[i]);
-                qr[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv2)));
+            float dcb = scale;
+            if (terms == 2) {
+                const float inv2 = (float)(1 << TL_TERM2_SHIFT) * inv;
+                dcb = scale * (1.0f / (1 << TL_TERM2_SHIFT));
+                for (int i = 0; i < 4; ++i) {
+                    const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(qi[i]), _mm256_set1_ps(scale), v[i]);
+                    const __m256i qr = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv2)));
+                    qi[i] = _mm256_add_epi32(_mm256_slli_epi32(qi[i], TL_TERM2_SHIFT), qr);
+                }
             }
-            _mm256_storeu_si256((__m256i *)(q + (m + r) * k + 32 * b), avx2_pack_i8(qr[0], qr[1], qr[2], qr[3]));
-            const int32_t s1 =
-                avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qr[0], qr[1]), _mm256_add_epi32(qr[2], qr[3])));
-            dc[r * nb + b] = scale2;
-            xs[r * nb + b] = scale2 * (float)(s0 * (1 << TL_TERM2_SHIFT) + s1);
+            _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b), avx2_pack_i16(qi[0], qi[1]));
+            _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b + 16), avx2_pack_i16(qi[2], qi[3]));
+            const int32_t sum =
+                avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+            dc[r * nb + b] = dcb;
+            xs[r * nb + b] = dcb * (float)sum;
         }
 }
 
@@ -121,26 +121,26 @@ static inline __m256i avx2_nibbles16(const uint8_t *p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
 }
 
-/* One unpacked weight block of 32: its bytes (unsigned quants, or |w| for the signed types), their signs (the
- * signed types: w itself) and the vpmaddwd weights of its 16-bit pair sums (ones, or Q6_K's 16-element scales). */
+/* One unpacked weight block of 32 as int16: elements 0-15 and 16-31 (Q6_K's: times their sub-block scales). */
 typedef struct {
-    __m256i bytes, sign, mul16;
+    __m256i lo, hi;
 } avx2_wblock;
 
-/* Int32 lanes of the block's dot product with activation row r's block b, both terms joined (128 dot0 + dot1). */
+/* 32 weight values as bytes (unsigned, or signed where is_signed) -> an unpacked block. */
+static inline __attribute__((always_inline)) avx2_wblock avx2_widen(__m256i bytes, const int is_signed) {
+    const __m128i b0 = _mm256_castsi256_si128(bytes), b1 = _mm256_extracti128_si256(bytes, 1);
+    avx2_wblock w;
+    w.lo = is_signed ? _mm256_cvtepi8_epi16(b0) : _mm256_cvtepu8_epi16(b0);
+    w.hi = is_signed ? _mm256_cvtepi8_epi16(b1) : _mm256_cvtepu8_epi16(b1);
+    return w;
+}
+
+/* Int32 lanes of the block's dot product with activation row r's block b (both terms in q's int16s). */
 static inline __attribute__((always_inline)) __m256i avx2_dot(const avx2_act *a, int64_t r, int64_t b,
-                                                               const avx2_wblock *w, const int is_signed) {
-    const int8_t *xq = a->q + r * a->k + 32 * b;
-    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    if (is_signed) x = _mm256_sign_epi8(x, w->sign);
-    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w->bytes, x), w->mul16);
-    if (a->terms == 2) {
-        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq + a->m * a->k));
-        if (is_signed) x2 = _mm256_sign_epi8(x2, w->sign);
-        dot = _mm256_add_epi32(_mm256_slli_epi32(dot, TL_TERM2_SHIFT),
-                               _mm256_madd_epi16(_mm256_maddubs_epi16(w->bytes, x2), w->mul16));
-    }
-    return dot;
+                                                               const avx2_wblock *w) {
+    const int16_t *xq = a->q + r * a->k + 32 * b;
+    return _mm256_add_epi32(_mm256_madd_epi16(w->lo, _mm256_loadu_si256((const __m256i *)xq)),
+                            _mm256_madd_epi16(w->hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
 }
 
 /* Lane i: the sum of the 8 lanes of dots[i]. */
@@ -154,13 +154,13 @@ static inline __m256i avx2_reduce8(const __m256i *dots) {
 /* Eight unpacked weight blocks (activation blocks b0 .. b0 + 7; block j's value dw[j] * quant + off[j]) against
  * activation rows r0 .. r0 + MR - 1: acc[i] += the 8 blocks' dw * dc * dot, offs[i] += off * xs (8 lanes). */
 static inline __attribute__((always_inline)) void avx2_group(const avx2_act *a, int64_t r0, const int MR,
-                                                              int64_t b0, const avx2_wblock *w, const int is_signed,
-                                                              __m256 dw, const int has_off, __m256 off, __m256 *acc,
+                                                              int64_t b0, const avx2_wblock *w, __m256 dw,
+                                                              const int has_off, __m256 off, __m256 *acc,
                                                               __m256 *offs) {
     const int64_t nb = a->k / TL_QK;
     for (int i = 0; i < MR; ++i) {
         __m256i dots[8];
-        for (int j = 0; j < 8; ++j) dots[j] = avx2_dot(a, r0 + i, b0 + j, &w[j], is_signed);
+        for (int j = 0; j < 8; ++j) dots[j] = avx2_dot(a, r0 + i, b0 + j, &w[j]);
         const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + (r0 + i) * nb + b0));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(avx2_reduce8(dots)), scale, acc[i]);
         if (has_off) offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + (r0 + i) * nb + b0), offs[i]);
@@ -170,6 +170,21 @@ static inline __attribute__((always_inline)) void avx2_group(const avx2_act *a, 
 /* The AVX2 row layout of the legacy types (made by avx2_legacy_repack): a row's nb blocks as all their quants
  * (16 bytes a Q4 block, 32 a Q8_0 one), then all the blocks' f16 d, then (Q4_1) all their f16 m. Same size. */
 static inline int avx2_legacy_qbytes(int type) { return type == TL_Q8_0 ? 32 : 16; }
+
+/* Legacy block b of `row` (AVX2 row layout) unpacked: Q8_0's signed quants, the Q4 types' nibbles (0..15). */
+static inline __attribute__((always_inline)) avx2_wblock avx2_legacy_block(const int type, const uint8_t *row,
+                                                                            int64_t b) {
+    avx2_wblock w;
+    if (type == TL_Q8_0) {
+        w.lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b)));
+        w.hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b + 16)));
+    } else {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * b)));
+        w.lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        w.hi = _mm256_srli_epi16(v, 4);
+    }
+    return w;
+}
 
 /* Q4_K / Q5_K: the 6-bit scales (bytes 0-7) and mins (bytes 8-15) of the eight sub-blocks, from the 12 packed
  * bytes (4 + 4 low six bits; their top two bits and the 4 + 4 nibbles of the last four). */
@@ -195,44 +210,23 @@ static inline void avx2_scale_min_k4(const uint8_t *sc, int j, int *scale, int *
     }
 }
 
-/* One legacy block (b) of `row` against activation row r's block b, both terms joined: unpacked and multiplied at
- * once (one activation row: nothing to share the unpacked block with). */
-static inline __attribute__((always_inline)) __m256i avx2_legacy_dot1(const int type, const uint8_t *row, int64_t b,
-                                                                       const int8_t *x0, const int8_t *x1,
-                                                                       __m256i ones) {
-    __m256i wb, xa = _mm256_loadu_si256((const __m256i *)(x0 + 32 * b)), xb = _mm256_setzero_si256();
-    if (x1 != NULL) xb = _mm256_loadu_si256((const __m256i *)(x1 + 32 * b));
-    if (type == TL_Q8_0) {
-        const __m256i ws = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
-        wb = _mm256_sign_epi8(ws, ws);
-        xa = _mm256_sign_epi8(xa, ws);
-        xb = _mm256_sign_epi8(xb, ws);
-    } else {
-        wb = avx2_nibbles16(row + 16 * b);
-    }
-    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wb, xa), ones);
-    if (x1 != NULL)
-        dot = _mm256_add_epi32(_mm256_slli_epi32(dot, TL_TERM2_SHIFT),
-                               _mm256_madd_epi16(_mm256_maddubs_epi16(wb, xb), ones));
-    return dot;
-}
-
 /* A legacy weight row (AVX2 row layout) . one activation row r: avx2_row_dot's work at MR = 1, each block
- * unpacked right where it is multiplied and the eight blocks' lanes reduced pairwise as they come. */
+ * unpacked right where it is multiplied and the eight blocks' lanes reduced pairwise as they come (the same
+ * sums in the same order as the many-row form, so a row's result does not depend on the rows beside it). */
 static inline __attribute__((always_inline)) float avx2_legacy_row1(const int type, const uint8_t *row, int64_t nb,
                                                                      const avx2_act *a, int64_t r) {
     const int qb = avx2_legacy_qbytes(type);
     const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
-    const int8_t *x0 = a->q + r * a->k, *x1 = a->terms == 2 ? x0 + a->m * a->k : NULL;
     const float *dc = a->dc + r * nb, *xs = a->xs + r * nb;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps(), offs = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
         __m256i t[4];
-        for (int p = 0; p < 4; ++p)
-            t[p] = _mm256_hadd_epi32(avx2_legacy_dot1(type, row, b + 2 * p, x0, x1, ones),
-                                     avx2_legacy_dot1(type, row, b + 2 * p + 1, x0, x1, ones));
+        for (int p = 0; p < 4; ++p) {
+            const avx2_wblock w0 = avx2_legacy_block(type, row, b + 2 * p);
+            const avx2_wblock w1 = avx2_legacy_block(type, row, b + 2 * p + 1);
+            t[p] = _mm256_hadd_epi32(avx2_dot(a, r, b + 2 * p, &w0), avx2_dot(a, r, b + 2 * p + 1, &w1));
+        }
         const __m256i u0 = _mm256_hadd_epi32(t[0], t[1]), u1 = _mm256_hadd_epi32(t[2], t[3]);
         const __m256i sums =
             _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
@@ -247,8 +241,8 @@ static inline __attribute__((always_inline)) float avx2_legacy_row1(const int ty
     float tail = 0.f;
     for (; b < nb; ++b) { /* the last nb % 8 blocks one at a time */
         const float dw = avx2_h2f(dp + 2 * b);
-        const __m256i dot = avx2_legacy_dot1(type, row, b, x0, x1, ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dc[b]), acc);
+        const avx2_wblock w = avx2_legacy_block(type, row, b);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(avx2_dot(a, r, b, &w)), _mm256_set1_ps(dw * dc[b]), acc);
         if (type != TL_Q8_0) tail += (type == TL_Q4_1 ? avx2_h2f(mp + 2 * b) : -8.0f * dw) * xs[b];
     }
     return avx2_hsum(acc) + (avx2_hsum(offs) + tail);
@@ -261,43 +255,29 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
     __m256 acc[4], offs[4];
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
     for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const int64_t nb = k / 32;
     avx2_wblock w[8];
-    for (int j = 0; j < 8; ++j) w[j].mul16 = ones;
     if (type == TL_Q4_0 || type == TL_Q4_1 || type == TL_Q8_0) {
         const int qb = avx2_legacy_qbytes(type);
         const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
-        const int is_signed = type == TL_Q8_0, has_off = type != TL_Q8_0;
+        const int has_off = type != TL_Q8_0;
         int64_t b = 0;
         for (; b + 8 <= nb; b += 8) {
-            for (int j = 0; j < 8; ++j) {
-                if (is_signed) {
-                    w[j].sign = _mm256_loadu_si256((const __m256i *)(row + (b + j) * qb));
-                    w[j].bytes = _mm256_sign_epi8(w[j].sign, w[j].sign);
-                } else {
-                    w[j].bytes = avx2_nibbles16(row + (b + j) * qb);
-                }
-            }
+            for (int j = 0; j < 8; ++j) w[j] = avx2_legacy_block(type, row, b + j);
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 2 * b)));
             const __m256 off = type == TL_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 2 * b)))
                                : type == TL_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
                                                  : _mm256_setzero_ps();
-            avx2_group(a, r0, MR, b, w, is_signed, dw, has_off, off, acc, offs);
+            avx2_group(a, r0, MR, b, w, dw, has_off, off, acc, offs);
         }
         for (; b < nb; ++b) { /* the last nb % 8 blocks one at a time */
-            avx2_wblock one = {ones, ones, ones};
-            if (is_signed) {
-                one.sign = _mm256_loadu_si256((const __m256i *)(row + b * qb));
-                one.bytes = _mm256_sign_epi8(one.sign, one.sign);
-            } else {
-                one.bytes = avx2_nibbles16(row + b * qb);
-            }
+            const avx2_wblock one = avx2_legacy_block(type, row, b);
             const float dw = avx2_h2f(dp + 2 * b);
             const float off = type == TL_Q4_1 ? avx2_h2f(mp + 2 * b) : -8.0f * dw;
             for (int i = 0; i < MR; ++i) {
                 const int64_t at = (r0 + i) * nb + b;
-                const __m256i dot = avx2_dot(a, r0 + i, b, &one, is_signed);
+                const __m256i dot = avx2_dot(a, r0 + i, b, &one);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a->dc[at]), acc[i]);
                 if (has_off) tail[i] += off * a->xs[at];
             }
@@ -307,25 +287,39 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
         for (int64_t sb = 0; sb < k / 256; ++sb) {
             const uint8_t *blk = row + sb * bytes;
             const uint8_t *qs = blk + (type == TL_Q4_K ? 16 : 48);
-            const __m256i qh =
-                type == TL_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            for (int g = 0; g < 4; ++g) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
-                w[2 * g].bytes = _mm256_and_si256(raw, m4);
-                w[2 * g + 1].bytes = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            /* sub-blocks 2g and 2g + 1: the low and high nibbles of the same 32 bytes; Q5_K's fifth bits:
+             * bit j of the 32 qh bytes, moved to bit 4 */
+            const __m256i low4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
+            __m256i qh_lo = low4, qh_hi = low4;
+            if (type == TL_Q5_K) {
+                qh_lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16)));
+                qh_hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32)));
             }
-            if (type == TL_Q5_K)
-                for (int j = 0; j < 8; ++j)
-                    w[j].bytes = _mm256_or_si256(w[j].bytes, _mm256_slli_epi16(
-                                     _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+            for (int g = 0; g < 4; ++g) {
+                const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g)));
+                const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g + 16)));
+                w[2 * g].lo = _mm256_and_si256(v0, low4);
+                w[2 * g].hi = _mm256_and_si256(v1, low4);
+                w[2 * g + 1].lo = _mm256_srli_epi16(v0, 4);
+                w[2 * g + 1].hi = _mm256_srli_epi16(v1, 4);
+                if (type == TL_Q5_K)
+                    for (int h = 0; h < 2; ++h) {
+                        const int j = 2 * g + h;
+                        avx2_wblock *o = &w[j];
+                        const __m256i b_lo = j <= 4 ? _mm256_slli_epi16(qh_lo, 4 - j) : _mm256_srli_epi16(qh_lo, j - 4);
+                        const __m256i b_hi = j <= 4 ? _mm256_slli_epi16(qh_hi, 4 - j) : _mm256_srli_epi16(qh_hi, j - 4);
+                        o->lo = _mm256_or_si256(o->lo, _mm256_and_si256(b_lo, bit4));
+                        o->hi = _mm256_or_si256(o->hi, _mm256_and_si256(b_hi, bit4));
+                    }
+            }
             const __m128i sm = avx2_k4_scales(blk + 4);
             const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
             const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
             const __m256 dw = _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk)), sc);
             const __m256 off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk + 2)), mn));
-            avx2_group(a, r0, MR, sb * 8, w, 0, dw, 1, off, acc, offs);
+            avx2_group(a, r0, MR, sb * 8, w, dw, 1, off, acc, offs);
         }
-    } else { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; quants minus 32 as signed bytes */
+    } else { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; quants minus 32, times their 16-element scales */
         const __m256i m2 = _mm256_set1_epi8(3);
         for (int64_t sb = 0; sb < k / 256; ++sb) {
             const uint8_t *blk = row + sb * 210;
@@ -338,14 +332,16 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
                     const __m256i lo = c & 1 ? ql1 : ql0;
                     const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), m4);
                     const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m2);
+                    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)),
+                                                      _mm256_set1_epi8(32));
                     avx2_wblock *o = &w[4 * h + c];
-                    o->sign = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
-                    o->bytes = _mm256_sign_epi8(o->sign, o->sign);
-                    const int si = 8 * h + 2 * c;
-                    o->mul16 = _mm256_set_m128i(_mm_set1_epi16(scales[si + 1]), _mm_set1_epi16(scales[si]));
+                    *o = avx2_widen(q, 1);
+                    const int si = 8 * h + 2 * c; /* |q * scale| <= 4096: a block's 32 products fit int32 */
+                    o->lo = _mm256_mullo_epi16(o->lo, _mm256_set1_epi16(scales[si]));
+                    o->hi = _mm256_mullo_epi16(o->hi, _mm256_set1_epi16(scales[si + 1]));
                 }
             }
-            avx2_group(a, r0, MR, sb * 8, w, 1, _mm256_set1_ps(avx2_h2f(blk + 208)), 0, _mm256_setzero_ps(), acc,
+            avx2_group(a, r0, MR, sb * 8, w, _mm256_set1_ps(avx2_h2f(blk + 208)), 0, _mm256_setzero_ps(), acc,
                        offs);
         }
     }
@@ -647,17 +643,17 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
                        int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK;
     const int terms = quant_act_residual_on ? 2 : 1;
-    /* one allocation: dc and xs (floats), then the quants */
-    float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + (size_t)(terms * m * k));
+    /* one allocation: dc and xs (floats), then the int16 quants */
+    float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + sizeof(int16_t) * (size_t)(m * k));
     if (dc == NULL) return QUANT_E_MEMORY;
-    int8_t *q = (int8_t *)(dc + 2 * m * nb);
+    int16_t *q = (int16_t *)(dc + 2 * m * nb);
     if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
-        avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, 0, m);
+        avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, 0, m);
     } else {
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int64_t r = 0; r < m; ++r) avx2_quantize_rows(x, x_stride, m, k, terms, q, dc, dc + m * nb, r, r + 1);
+        for (int64_t r = 0; r < m; ++r) avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
     }
-    const avx2_act a = {q, dc, dc + m * nb, m, k, terms};
+    const avx2_act a = {q, dc, dc + m * nb, m, k};
     const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)") {
