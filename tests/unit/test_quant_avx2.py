@@ -64,7 +64,7 @@ def int8_bound(x, w, divisor):
 
 lib = qg._native()
 assert qg.native_isa() == 1 and lib.quant_isa() == 1 and not qg.native_moe_supported()
-assert lib.quant_tile_m(-1) == 8
+assert lib.quant_tile_m(-1) == 16
 """
 
 
@@ -139,7 +139,7 @@ for name in TYPES:
 def test_rows_and_threads_change_no_result():
     """Within each path a row's result does not depend on the rows beside it nor on the thread count (1, 2, 3),
     bit for bit: the int8 terms (the tile off) alone or in a batch of 70 that crosses the 64-row activation
-    chunks; the float32 tile in batches of 8 to 70 rows (its 8-row groups and 24-row register tiles cut
+    chunks; the float32 tile in batches of 16 to 70 rows (its 8-row groups and 24-row register tiles cut
     differently), weight rows past whole 32-row items."""
     _run("""
 from tests.thread_counts import at_thread_counts
@@ -150,7 +150,7 @@ for name in TYPES:
     qm = qg.prepare(matrix(name, 301, k, 9))
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(9)).bfloat16()
     for tile, slices in ((0, (slice(0, 1), slice(5, 9), slice(62, 67), slice(69, 70))),
-                         (tile_m, (slice(0, 8), slice(5, 22), slice(40, 65), slice(61, 70)))):
+                         (tile_m, (slice(0, 16), slice(5, 22), slice(40, 65), slice(50, 70)))):
         lib.quant_tile_m(tile)
         try:
             runs = at_thread_counts(lambda: qg.linear(x, qm, out_dtype=torch.float32), (1, 2, 3))

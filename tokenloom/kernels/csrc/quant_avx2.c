@@ -20,9 +20,9 @@
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2).
  * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
- * exactly to float32 and multiplied with float32 FMAs in register tiles (avx2_tile_linear): 1.4-2x the two
- * int8 terms' rate from 16 rows on (Zen 3, two threads: 120-133 against 60-70 GFLOP/s at 256 rows), and
- * exact products. Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit
+ * exactly to float32 and multiplied with float32 FMAs in register tiles (avx2_tile_linear), exact products
+ * (Zen 3, two threads, bench/quant_gemm.py --int8: against the int16 terms 1.2-1.6x faster at 64-256 rows,
+ * level at 16, 0.7-0.9x at 8; 120-133 GFLOP/s at 256 rows in a quiet phase, twice the old int8 form's). Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit
  * for bit.
  *
  * Included by quant_gemm.c (it uses its knobs and error codes); HAVE_QUANT_AVX2 is 0 where the AVX-512 families
@@ -40,7 +40,7 @@
 #define AVX2_ROW_CHUNK 16 /* weight rows per work item */
 #define AVX2_ACT_CHUNK 64 /* activation rows a chunk of weight rows meets at a time */
 #define AVX2_ACT_SPLIT 16 /* activation rows from which their quantizing is split over the threads */
-#define AVX2_TILE_M 8     /* bf16 rows from which the float32 tile replaces the int8 terms (quant_tile_m) */
+#define AVX2_TILE_M 16    /* bf16 rows from which the float32 tile replaces the int8 terms (quant_tile_m) */
 
 /* Quantized activations, the two int8 terms joined into one int16 per element, q = 128 q0 + q1 (q0 alone with
  * one term; |q| <= 128 * 127 + 64): row r at q + r * k; per (row, block) at r * nb + b the scale of q, dc
