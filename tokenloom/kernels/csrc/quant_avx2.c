@@ -14,16 +14,16 @@
  * float32 by one multiply-add (the blocks' weight scales times the activation scales, both loaded as vectors:
  * hence the legacy types' row re-layout, all quants then all f16 scales, made once at load). The types'
  * offsets (Q4_0's -8, Q4_1's min, the K types' mins) multiply per-block activation sums prepared once per call.
- * One activation row against a legacy row (the decode step's case) unpacks each block right where it is
- * multiplied (avx2_legacy_row1), with the same sums in the same order as the four-row form, so a row's result
+ * One activation row against a legacy or Q4_K / Q5_K row (the decode step's case) unpacks each block right
+ * where it is multiplied (avx2_legacy_row1, avx2_k4_row1), with the same sums in the same order as the four-row form, so a row's result
  * does not depend on the rows beside it.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2).
  * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
  * exactly to float32 and multiplied with float32 FMAs in register tiles (avx2_tile_linear), exact products
  * (Zen 3, two threads, bench/quant_gemm.py --int8: against the int16 terms 1.2-1.6x faster at 64-256 rows,
- * level at 16, 0.7-0.9x at 8; 120-133 GFLOP/s at 256 rows in a quiet phase, twice the old int8 form's). Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit
- * for bit.
+ * level at 16, 0.7-0.9x at 8; 120-133 GFLOP/s at 256 rows in a quiet phase, twice the old int8 form's).
+ * Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit for bit.
  *
  * Included by quant_gemm.c (it uses its knobs and error codes); HAVE_QUANT_AVX2 is 0 where the AVX-512 families
  * are built or the CPU lacks AVX2.
@@ -211,6 +211,85 @@ static inline void avx2_scale_min_k4(const uint8_t *sc, int j, int *scale, int *
     }
 }
 
+/* Q4_K / Q5_K super-block blk: sub-blocks 2g and 2g + 1 unpacked into w[0], w[1] (the low and high nibbles of
+ * the same 32 bytes; Q5_K's fifth bits: bit j of the 32 qh bytes, moved to bit 4). */
+static inline __attribute__((always_inline)) void avx2_k4_pair(const int type, const uint8_t *blk, const int g,
+                                                                avx2_wblock *w) {
+    const uint8_t *qs = blk + (type == TL_Q4_K ? 16 : 48);
+    const __m256i low4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
+    const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g)));
+    const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g + 16)));
+    w[0].lo = _mm256_and_si256(v0, low4);
+    w[0].hi = _mm256_and_si256(v1, low4);
+    w[1].lo = _mm256_srli_epi16(v0, 4);
+    w[1].hi = _mm256_srli_epi16(v1, 4);
+    if (type != TL_Q5_K) return;
+    const __m256i qh_lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16)));
+    const __m256i qh_hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32)));
+    for (int h = 0; h < 2; ++h) {
+        const int j = 2 * g + h;
+        const __m256i b_lo = j <= 4 ? _mm256_slli_epi16(qh_lo, 4 - j) : _mm256_srli_epi16(qh_lo, j - 4);
+        const __m256i b_hi = j <= 4 ? _mm256_slli_epi16(qh_hi, 4 - j) : _mm256_srli_epi16(qh_hi, j - 4);
+        w[h].lo = _mm256_or_si256(w[h].lo, _mm256_and_si256(b_lo, bit4));
+        w[h].hi = _mm256_or_si256(w[h].hi, _mm256_and_si256(b_hi, bit4));
+    }
+}
+
+/* Q4_K / Q5_K super-block blk: its eight sub-blocks' scales (d times the 6-bit scale) and offsets (-dmin times
+ * the 6-bit min). */
+static inline void avx2_k4_scale_off(const uint8_t *blk, __m256 *dw, __m256 *off) {
+    const __m128i sm = avx2_k4_scales(blk + 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+    *dw = _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk)), sc);
+    *off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk + 2)), mn));
+}
+
+/* Q6_K super-block blk (ql[128], qh[64], scales[16] int8, d): sub-block j = 4h + c unpacked, its quants minus 32
+ * times their 16-element scales (|q * scale| <= 4096: a block's 32 products fit int32). */
+static inline __attribute__((always_inline)) avx2_wblock avx2_q6k_sub(const uint8_t *blk, const int j) {
+    const int h = j / 4, c = j % 4;
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (c & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0f));
+    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    avx2_wblock w = avx2_widen(q, 1);
+    w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(scales[2 * j]));
+    w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(scales[2 * j + 1]));
+    return w;
+}
+
+/* A Q4_K / Q5_K weight row . one activation row r: avx2_row_dot's work at MR = 1 with each pair of sub-blocks
+ * unpacked right where it is multiplied (no eight unpacked sub-blocks held at once), the same sums in the same
+ * order (Zen 3, one row: 0.82-0.91x the time; Q6_K's unpacking gains nothing so, 1.02-1.14x, and keeps the
+ * eight-block form). */
+static inline __attribute__((always_inline)) float avx2_k4_row1(const int type, const uint8_t *row, int64_t k,
+                                                                 const avx2_act *a, int64_t r) {
+    const int bytes = type == TL_Q4_K ? 144 : 176;
+    const int64_t nb = k / 32;
+    const float *dc = a->dc + r * nb, *xs = a->xs + r * nb;
+    __m256 acc = _mm256_setzero_ps(), offs = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+        const uint8_t *blk = row + sb * bytes;
+        __m256i t[4];
+        for (int p = 0; p < 4; ++p) {
+            avx2_wblock w[2];
+            avx2_k4_pair(type, blk, p, w);
+            t[p] = _mm256_hadd_epi32(avx2_dot(a, r, 8 * sb + 2 * p, &w[0]), avx2_dot(a, r, 8 * sb + 2 * p + 1, &w[1]));
+        }
+        const __m256i u0 = _mm256_hadd_epi32(t[0], t[1]), u1 = _mm256_hadd_epi32(t[2], t[3]);
+        const __m256i sums =
+            _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+        __m256 dw, off;
+        avx2_k4_scale_off(blk, &dw, &off);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(dc + 8 * sb)), acc);
+        offs = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + 8 * sb), offs);
+    }
+    return avx2_hsum(acc) + (avx2_hsum(offs) + 0.f);
+}
+
 /* A legacy weight row (AVX2 row layout) . one activation row r: avx2_row_dot's work at MR = 1, each block
  * unpacked right where it is multiplied and the eight blocks' lanes reduced pairwise as they come (the same
  * sums in the same order as the many-row form, so a row's result does not depend on the rows beside it). */
@@ -256,7 +335,6 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
     __m256 acc[4], offs[4];
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
     for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const int64_t nb = k / 32;
     avx2_wblock w[8];
     if (type == TL_Q4_0 || type == TL_Q4_1 || type == TL_Q8_0) {
@@ -287,61 +365,15 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
         const int bytes = type == TL_Q4_K ? 144 : 176;
         for (int64_t sb = 0; sb < k / 256; ++sb) {
             const uint8_t *blk = row + sb * bytes;
-            const uint8_t *qs = blk + (type == TL_Q4_K ? 16 : 48);
-            /* sub-blocks 2g and 2g + 1: the low and high nibbles of the same 32 bytes; Q5_K's fifth bits:
-             * bit j of the 32 qh bytes, moved to bit 4 */
-            const __m256i low4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
-            __m256i qh_lo = low4, qh_hi = low4;
-            if (type == TL_Q5_K) {
-                qh_lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16)));
-                qh_hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32)));
-            }
-            for (int g = 0; g < 4; ++g) {
-                const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g)));
-                const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g + 16)));
-                w[2 * g].lo = _mm256_and_si256(v0, low4);
-                w[2 * g].hi = _mm256_and_si256(v1, low4);
-                w[2 * g + 1].lo = _mm256_srli_epi16(v0, 4);
-                w[2 * g + 1].hi = _mm256_srli_epi16(v1, 4);
-                if (type == TL_Q5_K)
-                    for (int h = 0; h < 2; ++h) {
-                        const int j = 2 * g + h;
-                        avx2_wblock *o = &w[j];
-                        const __m256i b_lo = j <= 4 ? _mm256_slli_epi16(qh_lo, 4 - j) : _mm256_srli_epi16(qh_lo, j - 4);
-                        const __m256i b_hi = j <= 4 ? _mm256_slli_epi16(qh_hi, 4 - j) : _mm256_srli_epi16(qh_hi, j - 4);
-                        o->lo = _mm256_or_si256(o->lo, _mm256_and_si256(b_lo, bit4));
-                        o->hi = _mm256_or_si256(o->hi, _mm256_and_si256(b_hi, bit4));
-                    }
-            }
-            const __m128i sm = avx2_k4_scales(blk + 4);
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
-            const __m256 dw = _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk)), sc);
-            const __m256 off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk + 2)), mn));
+            for (int g = 0; g < 4; ++g) avx2_k4_pair(type, blk, g, &w[2 * g]);
+            __m256 dw, off;
+            avx2_k4_scale_off(blk, &dw, &off);
             avx2_group(a, r0, MR, sb * 8, w, dw, 1, off, acc, offs);
         }
-    } else { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; quants minus 32, times their 16-element scales */
-        const __m256i m2 = _mm256_set1_epi8(3);
+    } else { /* Q6_K */
         for (int64_t sb = 0; sb < k / 256; ++sb) {
             const uint8_t *blk = row + sb * 210;
-            const int8_t *scales = (const int8_t *)(blk + 192);
-            for (int h = 0; h < 2; ++h) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                for (int c = 0; c < 4; ++c) {
-                    const __m256i lo = c & 1 ? ql1 : ql0;
-                    const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), m4);
-                    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m2);
-                    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)),
-                                                      _mm256_set1_epi8(32));
-                    avx2_wblock *o = &w[4 * h + c];
-                    *o = avx2_widen(q, 1);
-                    const int si = 8 * h + 2 * c; /* |q * scale| <= 4096: a block's 32 products fit int32 */
-                    o->lo = _mm256_mullo_epi16(o->lo, _mm256_set1_epi16(scales[si]));
-                    o->hi = _mm256_mullo_epi16(o->hi, _mm256_set1_epi16(scales[si + 1]));
-                }
-            }
+            for (int j = 0; j < 8; ++j) w[j] = avx2_q6k_sub(blk, j);
             avx2_group(a, r0, MR, sb * 8, w, _mm256_set1_ps(avx2_h2f(blk + 208)), 0, _mm256_setzero_ps(), acc,
                        offs);
         }
@@ -474,8 +506,9 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
                 float o[4] = {0.f, 0.f, 0.f, 0.f};
                 const int rows = r1 - r < 4 ? (int)(r1 - r) : 4;
 #define AVX2_ROWS(T)                                                                                           \
-    if (rows == 1 && (T == TL_Q4_0 || T == TL_Q4_1 || T == TL_Q8_0)) {                                         \
-        o[0] = avx2_legacy_row1(T, row, k / 32, a, r);                                                         \
+    if (rows == 1 && T != TL_Q6_K) {                                                                           \
+        o[0] = T == TL_Q4_K || T == TL_Q5_K ? avx2_k4_row1(T, row, k, a, r)                                    \
+                                            : avx2_legacy_row1(T, row, k / 32, a, r);                          \
         break;                                                                                                 \
     }                                                                                                          \
     switch (rows) {                                                                                            \
