@@ -15,8 +15,8 @@
  * hence the legacy types' row re-layout, all quants then all f16 scales, made once at load). The types'
  * offsets (Q4_0's -8, Q4_1's min, the K types' mins) multiply per-block activation sums prepared once per call.
  * One activation row against a legacy or Q4_K / Q5_K row (the decode step's case) unpacks each block right
- * where it is multiplied (avx2_legacy_row1, avx2_k4_row1), with the same sums in the same order as the four-row form, so a row's result
- * does not depend on the rows beside it.
+ * where it is multiplied (avx2_legacy_row1, avx2_k4_row1), with the same sums in the same order as the
+ * four-row form, so a row's result does not depend on the rows beside it.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2).
  * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
