@@ -5,14 +5,16 @@ Plain `F.linear` in bf16 re-lays-out the weight for oneDNN on every call; packin
 decode-size matmuls 1.3-1.7x faster (bench/forward.py) with bit-identical results. In decode at up to
 `AMX_M_MAX` rows a linear layer is a stream over its weight: csrc/amx_gemm.c, with the weight packed in tile
 order, streams it 1.3x faster than oneDNN (bench/small_gemm.py); past that oneDNN's matmul is as fast or
-faster. Without AMX, csrc/small_gemm.c (AVX512-BF16) takes `SMALL_M_MAX` rows. Every path sums exact bf16
-products in float32 and rounds once; only the summation order differs. Used only where the hardware
-supports bf16; everything else keeps `F.linear`.
+faster. Without AMX, csrc/small_gemm.c (AVX512-BF16) takes `SMALL_M_MAX` rows. On x86 CPUs with AVX2 but
+without AVX-512 (AMD Zen 2/3, Intel client cores), where oneDNN has no bf16 matmul and torch's runs at 15-21
+GFLOP/s, csrc/tile_avx2.c takes every row count (`avx2_linear`: a stream over the weight for a few rows,
+float32 register tiles from `avx2_bf16_tile_m` rows, 6-7x torch's bf16 matmul at 64-256 rows). Every path sums
+exact bf16 products in float32 and rounds once; only the summation order differs. Elsewhere `F.linear`.
 
 `native_linear_f32` is the LM head's matmul: the same exact float32 sums, stored unrounded (logits rounded to
 bf16 tie often enough to flip greedy choices). It takes the AMX kernel, else csrc/pair_gemm.c (AVX512-BF16,
-register-blocked, no horizontal sums: as fast as oneDNN's bf16 matmul, which cannot write float32); where
-neither runs, the LM head keeps a float32 copy of its weight (tokenloom/layers/embedding.py).
+register-blocked, no horizontal sums: as fast as oneDNN's bf16 matmul, which cannot write float32), else the
+AVX2 kernel; where none runs, the LM head keeps a float32 copy of its weight (tokenloom/layers/embedding.py).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ AMX_M_MAX = 32  # rows up to which the AMX kernel beats oneDNN (bench/small_gemm
 class PackedWeight:
     """A linear weight's load-time copies: oneDNN's opaque layout (None when the caller never uses oneDNN, like
     the LM head), the AMX tile order (None without AMX), and the feature-pair order of csrc/pair_gemm.c (only
-    for `native_linear_f32`, where AMX is absent)."""
+    for `native_linear_f32`, where AMX is absent); `avx2`: no copy, the weight itself goes to the AVX2 kernel
+    (where oneDNN, AMX and AVX512-BF16 are all absent)."""
 
     onednn: torch.Tensor | None
     amx: torch.Tensor | None = None
     pair: torch.Tensor | None = None
+    avx2: bool = False
 
 
 @functools.cache
@@ -106,17 +110,33 @@ def pack_pair(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+@functools.cache
+def _avx2() -> ctypes.CDLL | None:
+    """The kernel library where its AVX2 bf16 matmul is built (x86 with AVX2/FMA/F16C, without the AVX-512
+    kernels), else None."""
+    lib = load_library("kernels")
+    if lib is None or lib.quant_isa() != 1:
+        return None
+    return lib
+
+
+def _avx2_applies(weight: torch.Tensor) -> bool:
+    return _avx2() is not None and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 8 == 0
+
+
 def pack_weight(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
     """Packed copies of `weight` [out, in] for `linear`, or with `onednn=False` for `native_linear_f32` (the
-    AMX copy, else the feature-pair copy); None where packing does not apply."""
+    AMX copy, else the feature-pair copy); where none of those kernels runs, the AVX2 kernel's mark; None where
+    packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
+    avx2 = PackedWeight(None, avx2=True) if _avx2_applies(weight) else None
     if not onednn:
         amx = pack_amx(weight)
         pair = None if amx is not None else pack_pair(weight)
-        return None if amx is None and pair is None else PackedWeight(None, amx, pair)
+        return avx2 if amx is None and pair is None else PackedWeight(None, amx, pair)
     if not _onednn_bf16():
-        return None
+        return avx2
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), pack_amx(weight))
 
 
@@ -158,13 +178,35 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out if rc == 0 else None
 
 
+def avx2_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) through the AVX2 kernel (csrc/tile_avx2.c), bf16 or unrounded float32
+    out; None where it does not apply."""
+    if not _avx2_applies(weight) or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
+            or x.device.type != "cpu" or x.stride(-1) != 1 or x.shape[0] < 1:
+        return None
+    if bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32) or not bias.is_contiguous()):
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    rc = _avx2().avx2_bf16_linear(ptr(x.data_ptr()), i64(x.stride(0)), ptr(weight.data_ptr()), i64(n), i64(k),
+                                  ptr(None if bias is None else bias.data_ptr()),
+                                  ctypes.c_int(bias is not None and bias.dtype == torch.float32),
+                                  ptr(out.data_ptr()), i64(n), ctypes.c_int(out_dtype == torch.float32), i64(m),
+                                  ctypes.c_int(torch.get_num_threads()))
+    return out if rc == 0 else None
+
+
 def native_linear_f32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
-    """x [M, K] @ weight.T as unrounded float32 sums of exact bf16 products, through the AMX kernel or the
-    feature-pair kernel (whichever copy `packed` holds, from `pack_weight(weight, onednn=False)`); None where
-    neither applies."""
+    """x [M, K] @ weight.T as unrounded float32 sums of exact bf16 products, through the AMX kernel, the
+    feature-pair kernel or the AVX2 kernel (whichever `packed`, from `pack_weight(weight, onednn=False)`, is
+    for); None where none applies."""
     if packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1 \
             or x.shape[0] < 1 or x.stride(0) % 2:
         return None
+    if packed.avx2:
+        return avx2_linear(x, weight, None, torch.float32)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -183,9 +225,13 @@ def native_linear_f32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeigh
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): for a few rows the AMX kernel (else the streaming kernel), else oneDNN's packed
-    weight when there is one."""
+    weight when there is one; the AVX2 kernel where `packed` says so."""
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), weight, packed, bias).view(*x.shape[:-1], weight.shape[0])
+    if packed is not None and packed.avx2:
+        out = avx2_linear(x, weight, bias)
+        if out is not None:
+            return out
     if packed is None or packed.onednn is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]

@@ -64,6 +64,7 @@ static int quant_batch_residual_on = 1;
 #endif
 
 #include "quant_avx2.c" /* the AVX2 family, built where the AVX-512 ones are not */
+#include "tile_avx2.c" /* its float32 tiles (many rows), and the bf16 matmul they serve too */
 
 static const tl_quant_type *tl_quant_lookup(int type) {
 #if HAVE_QUANT_GEMM
