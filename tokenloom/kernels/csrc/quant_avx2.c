@@ -20,7 +20,7 @@
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2).
  * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
- * exactly to float32 and multiplied with float32 FMAs in register tiles (avx2_tile_linear), exact products
+ * exactly to float32 and multiplied with float32 FMAs in register tiles (tile_avx2.c), exact products
  * (Zen 3, two threads, bench/quant_gemm.py --int8: against the int16 terms 1.2-1.6x faster at 64-256 rows,
  * level at 16, 0.7-0.9x at 8; 120-133 GFLOP/s at 256 rows in a quiet phase, twice the old int8 form's).
  * Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit for bit.
