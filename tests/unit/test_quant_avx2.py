@@ -10,25 +10,11 @@ k * 2^-24 * sum_i |w_i x_i|; a bf16 output adds 2^-8 |o|.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.avx2_subprocess import has_avx2, run_avx2
 
-
-def _has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
-
-
-pytestmark = pytest.mark.skipif(not _has_avx2(), reason="the CPU has no AVX2/FMA/F16C")
+pytestmark = pytest.mark.skipif(not has_avx2(), reason="the CPU has no AVX2/FMA/F16C")
 
 PRELUDE = """
 import ctypes, sys
@@ -69,10 +55,7 @@ assert lib.quant_tile_m(-1) == 16
 
 
 def _run(body: str) -> None:
-    env = {**os.environ, "TOKENLOOM_CPU_KERNELS_ISA": "avx2", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + body + "\nprint('ok')\n"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_avx2(PRELUDE + body)
 
 
 def test_every_type_within_the_two_term_bound():

@@ -548,6 +548,46 @@ static void avx2_store(const float *sums, int64_t rs, int64_t js, int64_t m, int
         }
 }
 
+/* The sums of output features [n0, n1) for every activation row: sums[r * (n1 - n0) + j - n0]. */
+typedef void (*avx2_rows_fn)(const void *work, int64_t n0, int64_t n1, float *sums);
+
+/* out[m, n] from `rows`, run over chunks of AVX2_ROW_CHUNK output features split over the threads, each chunk's
+ * sums stored at once (bias, output dtype): QUANT_OK or QUANT_E_MEMORY. */
+static int avx2_by_chunks(avx2_rows_fn rows, const void *work, int64_t n, int64_t m, const void *bias,
+                          int bias_is_f32, void *out, int64_t out_stride, int out_is_f32, int threads) {
+    const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)") {
+        float local[AVX2_ACT_SPLIT * AVX2_ROW_CHUNK];
+        const int own = m > AVX2_ACT_SPLIT; /* else the sums fit the stack */
+        float *sums = own ? malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK)) : local;
+        if (sums == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (sums == NULL) continue;
+            const int64_t n0 = c * AVX2_ROW_CHUNK, n1 = n - n0 < AVX2_ROW_CHUNK ? n : n0 + AVX2_ROW_CHUNK;
+            rows(work, n0, n1, sums);
+            avx2_store(sums, n1 - n0, 1, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
+        }
+        if (own) free(sums);
+    }
+    return failed ? QUANT_E_MEMORY : QUANT_OK;
+}
+
+typedef struct {
+    const tl_quant_type *t;
+    const uint8_t *w;
+    int64_t k;
+    const avx2_act *a;
+} avx2_int8_work;
+
+static void avx2_int8_chunk(const void *work, int64_t n0, int64_t n1, float *sums) {
+    const avx2_int8_work *p = work;
+    avx2_int8_rows(p->t, p->w, p->k, p->a, n0, n1, sums);
+}
+
 /* quant_linear's int8 work on this family (quant_path 1: bf16 x; arguments already checked). */
 static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
                        int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
@@ -565,26 +605,11 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
         for (int64_t r = 0; r < m; ++r) avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
     }
     const avx2_act a = {q, dc, dc + m * nb, m, k};
-    const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads)") {
-        float local[AVX2_ACT_SPLIT * AVX2_ROW_CHUNK];
-        const int own = m > AVX2_ACT_SPLIT; /* else the sums fit the stack */
-        float *sums = own ? malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK)) : local;
-        if (sums == NULL) {
-            _Pragma("omp atomic write") failed = 1;
-        }
-        _Pragma("omp for schedule(static)")
-        for (int64_t c = 0; c < chunks; ++c) {
-            if (sums == NULL) continue;
-            const int64_t n0 = c * AVX2_ROW_CHUNK, n1 = n - n0 < AVX2_ROW_CHUNK ? n : n0 + AVX2_ROW_CHUNK;
-            avx2_int8_rows(t, w, k, &a, n0, n1, sums);
-            avx2_store(sums, n1 - n0, 1, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
-        }
-        if (own) free(sums);
-    }
+    const avx2_int8_work work = {t, w, k, &a};
+    const int rc = avx2_by_chunks(avx2_int8_chunk, &work, n, m, bias, bias_is_f32, out, out_stride, out_is_f32,
+                                  threads);
     free(dc);
-    return failed ? QUANT_E_MEMORY : QUANT_OK;
+    return rc;
 }
 #pragma GCC pop_options
 #else

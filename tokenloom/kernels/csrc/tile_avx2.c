@@ -195,6 +195,17 @@ static void avx2_bf16_stream(const uint16_t *w, int64_t k, const float *xf, int6
             }
         }
 }
+typedef struct {
+    const uint16_t *w;
+    int64_t k;
+    const float *xf;
+    int64_t m;
+} avx2_bf16_work;
+
+static void avx2_bf16_chunk(const void *work, int64_t n0, int64_t n1, float *sums) {
+    const avx2_bf16_work *p = work;
+    avx2_bf16_stream(p->w, p->k, p->xf, p->m, n0, n1, sums);
+}
 #pragma GCC pop_options
 #endif
 
@@ -230,26 +241,11 @@ KERNEL_API int avx2_bf16_linear(const uint16_t *x, int64_t x_stride, const uint1
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
     if (xf == NULL) return QUANT_E_MEMORY;
     for (int64_t r = 0; r < m; ++r) avx2_bf16_row(x + r * x_stride, k, xf + r * k);
-    const int64_t chunks = (n + AVX2_ROW_CHUNK - 1) / AVX2_ROW_CHUNK;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads)") {
-        float local[AVX2_ACT_SPLIT * AVX2_ROW_CHUNK];
-        const int own = m > AVX2_ACT_SPLIT; /* else the sums fit the stack */
-        float *sums = own ? malloc(sizeof(float) * (size_t)(m * AVX2_ROW_CHUNK)) : local;
-        if (sums == NULL) {
-            _Pragma("omp atomic write") failed = 1;
-        }
-        _Pragma("omp for schedule(static)")
-        for (int64_t c = 0; c < chunks; ++c) {
-            if (sums == NULL) continue;
-            const int64_t n0 = c * AVX2_ROW_CHUNK, n1 = n - n0 < AVX2_ROW_CHUNK ? n : n0 + AVX2_ROW_CHUNK;
-            avx2_bf16_stream(w, k, xf, m, n0, n1, sums);
-            avx2_store(sums, n1 - n0, 1, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
-        }
-        if (own) free(sums);
-    }
+    const avx2_bf16_work work = {w, k, xf, m};
+    const int rc = avx2_by_chunks(avx2_bf16_chunk, &work, n, m, bias, bias_is_f32, out, out_stride, out_is_f32,
+                                  threads);
     free(xf);
-    return failed ? QUANT_E_MEMORY : QUANT_OK;
+    return rc;
 #else
     (void)x; (void)x_stride; (void)w; (void)n; (void)k; (void)bias; (void)bias_is_f32; (void)out;
     (void)out_stride; (void)out_is_f32; (void)m; (void)threads;
