@@ -127,15 +127,6 @@ typedef struct {
     __m256i lo, hi;
 } avx2_wblock;
 
-/* 32 weight values as bytes (unsigned, or signed where is_signed) -> an unpacked block. */
-static inline __attribute__((always_inline)) avx2_wblock avx2_widen(__m256i bytes, const int is_signed) {
-    const __m128i b0 = _mm256_castsi256_si128(bytes), b1 = _mm256_extracti128_si256(bytes, 1);
-    avx2_wblock w;
-    w.lo = is_signed ? _mm256_cvtepi8_epi16(b0) : _mm256_cvtepu8_epi16(b0);
-    w.hi = is_signed ? _mm256_cvtepi8_epi16(b1) : _mm256_cvtepu8_epi16(b1);
-    return w;
-}
-
 /* Int32 lanes of the block's dot product with activation row r's block b (both terms in q's int16s). */
 static inline __attribute__((always_inline)) __m256i avx2_dot(const avx2_act *a, int64_t r, int64_t b,
                                                                const avx2_wblock *w) {
@@ -255,9 +246,10 @@ static inline __attribute__((always_inline)) avx2_wblock avx2_q6k_sub(const uint
     const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
     const int8_t *scales = (const int8_t *)(blk + 192);
-    avx2_wblock w = avx2_widen(q, 1);
-    w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(scales[2 * j]));
-    w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(scales[2 * j + 1]));
+    avx2_wblock w;
+    w.lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(scales[2 * j]));
+    w.hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                              _mm256_set1_epi16(scales[2 * j + 1]));
     return w;
 }
 
