@@ -14,13 +14,15 @@ import pytest
 import torch
 import transformers
 
+from tests.avx2_subprocess import has_avx2
 from tests.forward_steps import ForwardSteps
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
+from tokenloom.kernels import quant_gemm
 from tokenloom.layers import cpu_gemm
 
-pytestmark = pytest.mark.skipif(cpu_gemm._small_gemm() is None,
-                                reason="no AVX512-BF16 or no C compiler: the native step is not built")
+pytestmark = pytest.mark.skipif(cpu_gemm._small_gemm() is None and cpu_gemm._avx2() is None,
+                                reason="neither AVX512-BF16 nor AVX2, or no C compiler: the native step is not built")
 
 
 def _tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -139,7 +141,8 @@ def test_small_batches_match_modular_path(tiny_model_dir, batch):
 
     for step, (a, b) in enumerate(zip(run(True), run(False), strict=True)):
         assert a.shape == (batch, 256)
-        if runner.native_decode.uses_amx and batch <= cpu_gemm.AMX_M_MAX:  # the same matmul kernel
+        if runner.native_decode.uses_avx2 or runner.native_decode.uses_amx and batch <= cpu_gemm.AMX_M_MAX:
+            # the same matmul kernel in both paths
             assert torch.equal(a, b), f"step {step}"
         else:
             assert (a - b).abs().max().item() <= 0.05 * max(1.0, b.abs().max().item()), f"step {step}"
@@ -183,20 +186,34 @@ def test_positions_beyond_the_rotary_table_are_refused(tiny_model_dir):
         runner.native_decode.run(batch)
 
 
-def test_native_step_without_amx():
-    """Where the CPU has no AMX the native step streams the plain weights (csrc/small_gemm.c) for up to
-    MAX_BATCH requests: this file's other tests, rerun in a process with AMX turned off."""
-    import os
+def _rerun_this_file(env: dict[str, str], tests: str) -> None:
+    """This file's tests selected by `tests` (a pytest -k expression), in a fresh process with `env` added."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TOKENLOOM_DISABLE_AMX="1", PYTHONPATH=root)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-                             "-k", "not without_amx and not smollm2"], env=env, capture_output=True, text=True,
-                            timeout=600, cwd=root)
+                             "-k", tests], env=dict(os.environ, PYTHONPATH=root, **env), capture_output=True,
+                            text=True, timeout=600, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.skipif(cpu_gemm._amx() is None, reason="no AMX here: this file's other tests already run without it")
+def test_native_step_without_amx():
+    """Where the CPU has no AMX the native step streams the plain weights (csrc/small_gemm.c) for up to
+    MAX_BATCH requests: this file's other tests, rerun in a process with AMX turned off."""
+    _rerun_this_file({"TOKENLOOM_DISABLE_AMX": "1"}, "not without_amx and not avx2_build and not smollm2")
+
+
+@pytest.mark.skipif(cpu_gemm._avx2() is not None or not has_avx2(),
+                    reason="the kernels here are the AVX2 build already (this file's tests run it), or no AVX2")
+def test_native_step_on_the_avx2_build():
+    """On CPUs with AVX2 and no AVX-512 the native step's bf16 matmuls are csrc/tile_avx2.c's (the modular
+    path's there too) and its quantized ones quant_avx2.c's: the bit-identity tests, rerun in a process whose
+    kernels are built for AVX2."""
+    _rerun_this_file({"TOKENLOOM_CPU_KERNELS_ISA": "avx2"},
+                     "tiny_models or small_batches or quantized_weights_bit_identical or steps_aside")
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +284,8 @@ def test_qwen3_bit_identical_to_modular_path(family_model_dir):
     _compare_batch(runner, min(4, runner.native_decode.max_batch), 256)
 
 
+@pytest.mark.skipif(not quant_gemm.native_moe_supported(),
+                    reason="the experts' native block (csrc/quant_moe.c) is built for AVX-512 only")
 def test_qwen3_moe_gguf_bit_identical_to_modular_path(tmp_path_factory):
     """A Qwen3-MoE converted by llama.cpp (Q8_0: experts kept quantized) decodes in one native call: q/k norms,
     the router (softmax, top-2 of 8, renormalized) and the grouped experts in C, with the modular path's

@@ -10,7 +10,10 @@ csrc/paged_attention_fp8.c); `run(batch)` then replaces `model(batch, attn_backe
 are the AMX kernel (csrc/amx_gemm.c), which the modular path also picks up to `cpu_gemm.AMX_M_MAX` rows, so
 the two are bit-identical there; past that the modular path uses oneDNN. Without AMX the native step takes
 1-4 requests and streams the weights through csrc/small_gemm.c, bit-identical to the modular path at one row
-and equal up to float32 summation order at 2-4 (tests/integration/test_native_decode.py compares them).
+and equal up to float32 summation order at 2-4 (tests/integration/test_native_decode.py compares them). On
+x86 CPUs with AVX2 but no AVX-512 (no oneDNN bf16 matmul there) both paths run every bf16 matmul, the LM head's
+included, through csrc/tile_avx2.c's `avx2_bf16_linear` over the plain weight, so the two are bit-identical at
+every batch size and the step takes up to `QUANT_MAX_BATCH` requests.
 `--disable-native-decode` turns it off.
 
 Quantized weights (--quantization gguf): when every linear layer and the LM head are kept quantized, each one
@@ -50,6 +53,7 @@ from tokenloom.forward_batch import ForwardBatch
 from tokenloom.kernels import paged_attention, quant_gemm
 from tokenloom.kernels.cpu_build import load_library
 from tokenloom.kernels.quant_gemm import QuantMatrix
+from tokenloom.layers import cpu_gemm
 from tokenloom.layers.attention.cpu_paged import CpuDecodeMetadata, CpuPagedBackend
 from tokenloom.layers.int_quant import IntQuantMatrix
 from tokenloom.layers.moe import FusedMoE
@@ -197,13 +201,18 @@ class NativeDecode:
         head_packed = model.lm_head.packed  # the LM head's float32-output copy: AMX, else feature pairs
         self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None or self.quantized \
             else head_packed.pair
+        # AVX2 builds (no AVX-512): every bf16 matmul, the LM head's too, is csrc/tile_avx2.c's over the plain
+        # weight, in both paths at every row count
+        self.uses_avx2 = not self.quantized and not self.uses_amx and head_packed is not None and head_packed.avx2
+        self._lm_head_plain = model.lm_head.weight if self.uses_avx2 else None
         self._vocab = model.lm_head.vocab_size
         dense = [layer.mlp for layer in model.layers if not isinstance(layer.mlp, MoEBlock)]
         self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim,
                       dense[0].down_proj.in_local if dense else 0)
         self._eps = cfg.rms_norm_eps
         self._scale = attn.scaling  # the modular path's score scale, to the bit
-        self.max_batch = QUANT_MAX_BATCH if self.quantized else AMX_MAX_BATCH if self.uses_amx else MAX_BATCH
+        self.max_batch = (QUANT_MAX_BATCH if self.quantized or self.uses_avx2 else AMX_MAX_BATCH if self.uses_amx
+                          else MAX_BATCH)
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_pool, attn_backend, dtype: torch.dtype, device: torch.device,
@@ -219,14 +228,15 @@ class NativeDecode:
             reason = "the native kernels are not built on this machine"
         if reason is None and _quant_head_descriptor(model) is None:  # bf16 linears need the bf16 kernels
             ok_m, ok_k = ctypes.c_int(), ctypes.c_int()
-            if not lib.small_gemm_supported(ctypes.byref(ok_m), ctypes.byref(ok_k)):
-                reason = "the CPU lacks AVX512-BF16 (for bf16 weights; GGUF-quantized ones run on AVX2)"
+            if not lib.small_gemm_supported(ctypes.byref(ok_m), ctypes.byref(ok_k)) and cpu_gemm._avx2() is None:
+                reason = "the CPU has neither AVX512-BF16 nor AVX2 (for bf16 weights)"
         if reason is not None:
             logger.info("native decode step not used: %s", reason)
             return None
         native = cls(lib, model, kv_pool, parallel)
         logger.info("native decode step used for decode batches of up to %d request(s)%s", native.max_batch,
-                    " (quantized matmuls)" if native.quantized else " (AMX matmuls)" if native.uses_amx else "")
+                    " (quantized matmuls)" if native.quantized else " (AMX matmuls)" if native.uses_amx
+                    else " (AVX2 matmuls)" if native.uses_avx2 else "")
         return native
 
     @staticmethod
@@ -264,7 +274,7 @@ class NativeDecode:
                 return ("some weights are kept quantized and others not (or a type has no native kernel here); "
                         "the native step takes all-quantized or all-bf16 models")
         elif model.lm_head.packed is None:
-            return "the LM head has no float32-output kernel here (AMX or AVX512-BF16)"
+            return "the LM head has no float32-output kernel here (AMX, AVX512-BF16 or AVX2)"
         cfg, attn = model.cfg, model.layers[0].self_attn
         widths = (cfg.hidden_size, attn.num_heads * cfg.head_dim,
                   *(layer.mlp.down_proj.in_local for layer in model.layers if not isinstance(layer.mlp, MoEBlock)))
@@ -299,7 +309,9 @@ class NativeDecode:
             ptr(self._layer_ptrs.data_ptr()), ctypes.c_int(len(model.layers)), ptr(model.norm.weight.data_ptr()),
             ptr(None if self._lm_head_amx is None else self._lm_head_amx.data_ptr()),
             ptr(None if self._lm_head_pair is None else self._lm_head_pair.data_ptr()),
-            ptr(None if self._lm_head_q is None else self._lm_head_q.data_ptr()), ctypes.c_int64(self._vocab_rows),
+            ptr(None if self._lm_head_q is None else self._lm_head_q.data_ptr()),
+            ptr(None if self._lm_head_plain is None else self._lm_head_plain.data_ptr()),
+            ctypes.c_int64(self._vocab_rows),
             ptr(rotary.cos.data_ptr()), ptr(rotary.sin.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(heads),
             ctypes.c_int(kv_heads), ctypes.c_int(head_dim), ctypes.c_int(inter), ctypes.c_float(self._eps),
             ctypes.c_int64(self._kv_rows),

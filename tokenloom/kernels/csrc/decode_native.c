@@ -5,9 +5,10 @@
  * calls per step costs about as much as streaming the weights, so the layer loop runs here instead.
  *
  * It calls exactly the kernels the modular path calls for a few rows (rms_norm, the AMX linear when the
- * weights are packed for it, else linear_small, rope, paged attention with the fused K/V write,
- * silu_and_mul), in the same order with the same roundings, so its logits are bit-identical to the modular
- * path's wherever that path picks the same linear kernel. This file includes the kernels' sources and builds
+ * weights are packed for it, else linear_small, or on builds for AVX2 without AVX-512 tile_avx2.c's
+ * avx2_bf16_linear; rope, paged attention with the fused K/V write, silu_and_mul), in the same order with the
+ * same roundings, so its logits are bit-identical to the modular path's wherever that path picks the same
+ * linear kernel. This file includes the kernels' sources and builds
  * them as one library.
  *
  * Per layer l, `layer_ptrs[l * LAYER_FIELDS + f]` holds the address of field f (see enum below); a missing
@@ -70,17 +71,26 @@ static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx
                        const uint16_t *bias, uint16_t *out, int m, int64_t n, int64_t k, int threads) {
     if (q != NULL) return step_quant_linear(q, x, bias, out, 0, m, n, k, threads);
     if (amx != NULL) return amx_linear_bf16(x, k, amx, bias, out, n, m, n, k, threads);
+#if HAVE_QUANT_AVX2
+    return avx2_bf16_linear(x, k, w, n, k, bias, 0, out, n, 0, m, threads);
+#else
     return linear_small_bf16(x, k, w, bias, out, m, n, k, threads);
+#endif
 }
 
 /* The LM head: the float32 sums stored unrounded (logits are never rounded to bf16), through the quantized
- * kernel (`q` set), the AMX kernel (`amx` set) or the feature-pair kernel (`pair`, W packed by
- * pair_pack_weight). */
+ * kernel (`q` set), the AMX kernel (`amx` set), the feature-pair kernel (`pair`, W packed by
+ * pair_pack_weight) or, on AVX2 builds, the AVX2 kernel over the plain weight (`w`). */
 static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_t *pair, const int64_t *q,
-                           float *out, int m, int64_t n, int64_t k, int threads) {
+                           const uint16_t *w, float *out, int m, int64_t n, int64_t k, int threads) {
     if (q != NULL) return step_quant_linear(q, x, NULL, out, 1, m, n, k, threads);
     if (amx != NULL) return amx_linear_bf16_f32(x, k, amx, NULL, out, n, m, n, k, threads);
     if (pair != NULL) return pair_linear_bf16_f32(x, k, pair, out, n, m, n, k, threads);
+#if HAVE_QUANT_AVX2
+    if (w != NULL) return avx2_bf16_linear(x, k, w, n, k, NULL, 0, out, n, 1, m, threads);
+#else
+    (void)w;
+#endif
     return -1;
 }
 
@@ -136,7 +146,7 @@ static int step_moe(const int64_t *desc, const uint16_t *normed, uint16_t *out, 
  * when a shape is unsupported or memory runs out, or DECODE_COMM_FAILED (nothing meaningful is written then). */
 KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const uint16_t *final_norm,
                                    const uint16_t *lm_head_amx, const uint16_t *lm_head_pair,
-                                   const int64_t *lm_head_q, int64_t vocab_rows,
+                                   const int64_t *lm_head_q, const uint16_t *lm_head_w, int64_t vocab_rows,
                                    const float *cos_table, const float *sin_table, int hidden, int heads,
                                    int kv_heads, int head_dim, int inter, float eps, int64_t kv_rows, int m,
                                    const uint16_t *embedded,
@@ -204,7 +214,8 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     }
     if (rc == 0 && !comm_failed) {
         rms_norm_bf16_res32(x, hidden, residual, hidden, final_norm, normed, residual, m, hidden, eps, threads);
-        rc |= step_linear_f32(normed, lm_head_amx, lm_head_pair, lm_head_q, logits, m, vocab_rows, hidden, threads);
+        rc |= step_linear_f32(normed, lm_head_amx, lm_head_pair, lm_head_q, lm_head_w, logits, m, vocab_rows, hidden,
+                              threads);
     }
     free(scratch);
     if (comm_failed) return DECODE_COMM_FAILED;
