@@ -9,6 +9,7 @@ import ctypes
 import pytest
 import torch
 
+from tests.avx2_subprocess import has_avx2, run_avx2
 from tokenloom.kernels import paged_attention
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(torch.float32, 4, 64),
@@ -152,3 +153,13 @@ def test_bulk_kv_prefetch_changes_no_result(dtype):
     assert torch.equal(got[0], got[1 << 40])
     ref = _reference(q, k, v, indptr, indices, 0.125)
     assert (got[0].float() - ref).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.skipif(not has_avx2(), reason="the CPU has no AVX2/FMA/F16C")
+def test_avx2_build_matches_reference():
+    """The AVX2 path (CPUs without AVX-512: K rows widened 8 at a time, eight keys' dot products side by side),
+    bf16 and float32 K/V, against the same reference: this file's reference tests in a process whose kernels
+    are built for AVX2 (on an AVX2-only CPU they are the tests above already)."""
+    run_avx2("import pytest\n"
+             "assert pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/unit/test_paged_attention_kernel.py', '-k', "
+             "'matches_reference and not avx2 or split_into_chunks or fused_kv_write']) == 0")

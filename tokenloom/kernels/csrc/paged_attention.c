@@ -192,15 +192,17 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
         for (int d = 0; d < dim; ++d) qf[g * dim + d] = QLOAD(q + (int64_t)g * dim, d) * scale;               \
     for (int64_t l0 = 0; l0 < n; l0 += 8) {                                                                    \
         const int cnt = n - l0 < 8 ? (int)(n - l0) : 8;                                                        \
-        for (int j = 0; j < cnt; ++j)                                                                          \
-            for (int c = 0; c < nv; ++c) _mm256_store_ps(krow[j] + 8 * c, VLOAD(kh + idx[l0 + j] * dim + 8 * c)); \
+        for (int j = 0; j < 8; ++j) /* rows past the last key zero: their scores are never stored */           \
+            for (int c = 0; c < nv; ++c)                                                                       \
+                _mm256_store_ps(krow[j] + 8 * c,                                                               \
+                                j < cnt ? VLOAD(kh + idx[l0 + j] * dim + 8 * c) : _mm256_setzero_ps());        \
         for (int g = 0; g < group; ++g) {                                                                      \
+            /* the 8 keys' sums side by side (8 independent FMA chains, each still in c order) */              \
             __m256 dots[8];                                                                                    \
-            for (int j = 0; j < 8; ++j) {                                                                      \
-                __m256 acc = _mm256_setzero_ps();                                                              \
-                for (int c = 0; j < cnt && c < nv; ++c)                                                        \
-                    acc = _mm256_fmadd_ps(_mm256_load_ps(qf + g * dim + 8 * c), _mm256_load_ps(krow[j] + 8 * c), acc); \
-                dots[j] = acc;                                                                                 \
+            for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();                                         \
+            for (int c = 0; c < nv; ++c) {                                                                     \
+                const __m256 qv = _mm256_load_ps(qf + g * dim + 8 * c);                                        \
+                for (int j = 0; j < 8; ++j) dots[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(krow[j] + 8 * c), dots[j]); \
             }                                                                                                  \
             float got[8] __attribute__((aligned(32)));                                                         \
             _mm256_store_ps(got, v8_sum8(dots));                                                               \
