@@ -81,8 +81,11 @@ static inline __attribute__((always_inline)) void avx2_tile_micro(const float *w
             acc[j][v] = more && v < V ? _mm256_loadu_ps(sums_t + j * ld + 8 * v) : _mm256_setzero_ps();
     const float *x1 = xt0 + 8 * k, *x2 = xt0 + 16 * k;
     for (int64_t i = 0; i < len; ++i) {
-        const __m256 a0 = _mm256_loadu_ps(xt0 + 8 * i);
-        const __m256 a1 = V > 1 ? _mm256_loadu_ps(x1 + 8 * i) : a0, a2 = V > 2 ? _mm256_loadu_ps(x2 + 8 * i) : a0;
+        __m256 a0 = _mm256_loadu_ps(xt0 + 8 * i);
+        __m256 a1 = V > 1 ? _mm256_loadu_ps(x1 + 8 * i) : a0, a2 = V > 2 ? _mm256_loadu_ps(x2 + 8 * i) : a0;
+        /* in registers: left to itself gcc folds each load into every FMA that reads it (J loads of each
+         * vector instead of one), and the loads, not the FMAs, then bound the loop */
+        __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2));
         for (int j = 0; j < J; ++j) {
             const __m256 b = _mm256_broadcast_ss(w + j * k + i);
             acc[j][0] = _mm256_fmadd_ps(b, a0, acc[j][0]);
