@@ -186,15 +186,17 @@ def test_positions_beyond_the_rotary_table_are_refused(tiny_model_dir):
         runner.native_decode.run(batch)
 
 
-def _rerun_this_file(env: dict[str, str], tests: str) -> None:
-    """This file's tests selected by `tests` (a pytest -k expression), in a fresh process with `env` added."""
+def _rerun_this_file(env: dict[str, str], tests: str, plugins: tuple[str, ...] = ()) -> None:
+    """This file's tests selected by `tests` (a pytest -k expression), in a fresh process with `env` added
+    (and the pytest `plugins` loaded)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-                             "-k", tests], env=dict(os.environ, PYTHONPATH=root, **env), capture_output=True,
-                            text=True, timeout=600, cwd=root)
+    loads = [arg for plugin in plugins for arg in ("-p", plugin)]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *loads,
+                             os.path.abspath(__file__), "-k", tests], env=dict(os.environ, PYTHONPATH=root, **env),
+                            capture_output=True, text=True, timeout=600, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
 
@@ -211,9 +213,10 @@ def test_native_step_without_amx():
 def test_native_step_on_the_avx2_build():
     """On CPUs with AVX2 and no AVX-512 the native step's bf16 matmuls are csrc/tile_avx2.c's (the modular
     path's there too) and its quantized ones quant_avx2.c's: the bit-identity tests, rerun in a process whose
-    kernels are built for AVX2."""
+    kernels are built for AVX2 and oneDNN's bf16 matmul stood out (tests/avx2_only_cpu.py)."""
     _rerun_this_file({"TOKENLOOM_CPU_KERNELS_ISA": "avx2"},
-                     "tiny_models or small_batches or quantized_weights_bit_identical or steps_aside")
+                     "tiny_models or small_batches or quantized_weights_bit_identical or steps_aside",
+                     plugins=("tests.avx2_only_cpu",))
 
 
 @pytest.fixture(scope="module")

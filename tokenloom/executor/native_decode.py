@@ -202,8 +202,11 @@ class NativeDecode:
         self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None or self.quantized \
             else head_packed.pair
         # AVX2 builds (no AVX-512): every bf16 matmul, the LM head's too, is csrc/tile_avx2.c's over the plain
-        # weight, in both paths at every row count
-        self.uses_avx2 = not self.quantized and not self.uses_amx and head_packed is not None and head_packed.avx2
+        # weight, in both paths at every row count (where oneDNN has no bf16 matmul: the layers' weights carry
+        # the AVX2 mark; an AVX2 build on a CPU whose oneDNN has one, a test configuration, keeps MAX_BATCH)
+        self.uses_avx2 = (not self.quantized and not self.uses_amx and head_packed is not None and head_packed.avx2
+                          and all(getattr(lin, "packed", None) is not None and lin.packed.avx2
+                                  for group in linears for lin in group))
         self._lm_head_plain = model.lm_head.weight if self.uses_avx2 else None
         self._vocab = model.lm_head.vocab_size
         dense = [layer.mlp for layer in model.layers if not isinstance(layer.mlp, MoEBlock)]
