@@ -179,16 +179,22 @@ static inline __attribute__((always_inline)) avx2_wblock avx2_legacy_block(const
 }
 
 /* Q4_K / Q5_K: the 6-bit scales (bytes 0-7) and mins (bytes 8-15) of the eight sub-blocks, from the 12 packed
- * bytes (4 + 4 low six bits; their top two bits and the 4 + 4 nibbles of the last four). */
+ * bytes u (scales 0-3 and mins 0-3: the low six bits of u[0..3] and u[4..7]; scales / mins 4-7: the low / high
+ * nibbles of u[8..11] plus the top two bits of u[0..3] / u[4..7]), in vector registers: 16 bytes loaded (the 4
+ * past the 12 are the super-block's first quants, masked off). Against the scalar unpack it replaced (the same
+ * bytes): Q4_K one row 0.92x the time (one thread from cache; two threads from memory 0.91-0.92x), Q5_K 0.98x. */
 static inline __m128i avx2_k4_scales(const uint8_t *packed) {
-    uint32_t u[3], out[4];
-    memcpy(u, packed, 12);
-    const uint32_t low6 = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top2 = 0x03030303u;
-    out[0] = u[0] & low6;                                          /* scales 0-3 */
-    out[1] = (u[2] & nib) | (((u[0] >> 6) & top2) << 4);           /* scales 4-7 */
-    out[2] = u[1] & low6;                                          /* mins 0-3 */
-    out[3] = ((u[2] >> 4) & nib) | (((u[1] >> 6) & top2) << 4);    /* mins 4-7 */
-    return _mm_loadu_si128((const __m128i *)out);
+    const __m128i u = _mm_loadu_si128((const __m128i *)packed);
+    /* bytes 0-7: u[0..7] & 63; 8-11: u[8..11] & 15; 12-15: u[8..11] >> 4 */
+    const __m128i spread = _mm_shuffle_epi8(u, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11));
+    const __m128i low =
+        _mm_and_si128(spread, _mm_setr_epi8(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 0, 0, 0, 0));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(spread, 4),
+                                       _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    /* bytes 8-15: the top two bits of u[0..7], at bits 4-5 (bytes 0-7: zero) */
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(_mm_slli_si128(u, 8), 2), _mm_set1_epi8(0x30));
+    const __m128i v = _mm_or_si128(_mm_or_si128(low, high), top); /* sc0-3 mn0-3 sc4-7 mn4-7 */
+    return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
 }
 
 /* Q4_K / Q5_K: the 6-bit scale and min of sub-block j, one at a time (dequantize). */
