@@ -71,8 +71,8 @@ for name in TYPES:
         qm = matrix(name, 37, k, k + qtype)
         ref_w = qg.dequantize(qm)
         p = qg.prepare(qm)
-        relaid = not torch.equal(p.data, qm.data)  # legacy rows: quants, then scales; K rows: the file's
-        assert p.packed and p.nbytes == qm.nbytes and relaid == (qtype < 12), name
+        relaid = not torch.equal(p.data, qm.data)  # legacy rows: quants, then scales; K rows: lane order
+        assert p.packed and p.nbytes == qm.nbytes and relaid, name
         assert torch.equal(qg.dequantize(p), ref_w), name
         ids = torch.tensor([[3, 0], [36, 3]])
         assert torch.equal(qg.embedding(ids, p, torch.float32), ref_w[ids])

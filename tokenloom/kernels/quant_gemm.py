@@ -21,9 +21,9 @@ output <= sum_i |w_i| * d_x(i) / 256, d_x = the block's max|x| / 127); the other
 runs, Q6_K, every float32 x) multiply the exactly dequantized weight (rounded once to bf16 for bf16 x, as a
 bf16 copy of the GGUF would be; exact for float32 x) with float32 sums. csrc/quant_gemm.c's `quant_path`
 says which path a call takes. On x86 CPUs with AVX2 but without those AVX-512 families (`native_isa() == 1`:
-AMD Zen 2/3, Intel client cores) csrc/quant_avx2.c runs instead: the file layout kept (`prepare` copies the
-bytes as they are), bf16 x at any number of rows through the same two int8 terms (same bound), float32 x on
-the exact weight.
+AMD Zen 2/3, Intel client cores) csrc/quant_avx2.c runs instead: each type re-laid out once by `prepare`
+(same size: the legacy types' quants then scales, the K types' quants in lane order), bf16 x below
+quant_tile_m rows through the same two int8 terms (same bound), float32 x and more rows on the exact weight.
 `native_args(qm)` gives the C side (type, data pointer, rows, cols) of a prepared matrix for native callers.
 """
 
@@ -196,7 +196,7 @@ def _native() -> ctypes.CDLL | None:
 @functools.cache
 def native_isa() -> int:
     """The native kernel family this machine runs (csrc/quant_gemm.c's quant_isa): 2 the AVX-512 families (every
-    path, the fused MoE call), 1 the AVX2 one (csrc/quant_avx2.c: file layout, int8 terms for bf16 x at any
+    path, the fused MoE call), 1 the AVX2 one (csrc/quant_avx2.c: int8 terms for bf16 x at any
     row count, no fused MoE call), 0 none (the reference)."""
     lib = _native()
     return 0 if lib is None else int(lib.quant_isa())

@@ -1,22 +1,22 @@
 /*
  * GGUF-quantized matmul for x86 CPUs with AVX2, FMA and F16C but without the AVX-512 families quant_gemm.c
  * builds otherwise (AMD Zen 2/3, Intel client cores, Xeons without AVX512-BF16): the same entry points, the same
- * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows (the K types' in the file layout).
+ * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows, each re-laid out once at load (same size).
  *
  * bf16 x below quant_tile_m rows (quant_path 1: decode): x is quantized per 32-element block to int8 in two
  * terms exactly as quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale
  * d / 128), so the error bound is the same: |err| <= sum_i |w_i| * d_x(i) / 256 (d_x / 2 with one term,
  * quant_act_residual(0)). The two terms are stored joined, one int16 per element (128 q0 + q1: |q| <= 16320),
- * and each weight block is widened once per four activation rows to 32 int16 (Q6_K's times its 16-element
- * scales: |w| <= 4096, so a block's 32 products fit int32) and multiplied by vpmaddwd: two multiplies a block
- * and row where vpmaddubsw would take four and their int32 widening (1.2-1.6x faster at 1-4 rows on Zen 3,
- * the same integer sums); eight blocks' lanes are then reduced to one vector of their eight sums and scaled in
- * float32 by one multiply-add (the blocks' weight scales times the activation scales, both loaded as vectors:
- * hence the legacy types' row re-layout, all quants then all f16 scales, made once at load). The types'
- * offsets (Q4_0's -8, Q4_1's min, the K types' mins) multiply per-block activation sums prepared once per call.
- * One activation row against a legacy or Q4_K / Q5_K row (the decode step's case) unpacks each block right
- * where it is multiplied (avx2_legacy_row1, avx2_k4_row1), with the same sums in the same order as the
- * four-row form, so a row's result does not depend on the rows beside it.
+ * and each weight block is widened once per four activation rows to 32 int16 and multiplied by vpmaddwd: two
+ * multiplies a block and row where vpmaddubsw would take four and their int32 widening (1.2-1.6x faster at 1-4
+ * rows on Zen 3, the same integer sums). Legacy types: eight blocks' lanes are then reduced to one vector of
+ * their eight sums and scaled in float32 by one multiply-add (the blocks' weight scales times the activation
+ * scales, both loaded as vectors: hence their row re-layout, all quants then all f16 scales, made once at
+ * load). The K types' quants are re-laid out so that each int32 lane stays in one sub-block and needs no
+ * reduction (kquant_avx2.c). The types' offsets (Q4_0's -8, Q4_1's min, the K types' mins, Q6_K's -32)
+ * multiply per-block activation sums prepared once per call. One activation row against a legacy row (the
+ * decode step's case) unpacks each block right where it is multiplied (avx2_legacy_row1), with the same sums
+ * in the same order as the four-row form, so a row's result does not depend on the rows beside it.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2).
  * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
@@ -50,6 +50,7 @@ typedef struct {
     const int16_t *q;
     const float *dc;
     const float *xs;
+    const int32_t *s16; /* Q6_K: per row k / 16 sums of q (kquant_avx2.c) */
     int64_t m, k;
 } avx2_act;
 
@@ -197,41 +198,6 @@ static inline __m128i avx2_k4_scales(const uint8_t *packed) {
     return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
 }
 
-/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j, one at a time (dequantize). */
-static inline void avx2_scale_min_k4(const uint8_t *sc, int j, int *scale, int *min) {
-    if (j < 4) {
-        *scale = sc[j] & 63;
-        *min = sc[j + 4] & 63;
-    } else {
-        *scale = (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
-        *min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    }
-}
-
-/* Q4_K / Q5_K super-block blk: sub-blocks 2g and 2g + 1 unpacked into w[0], w[1] (the low and high nibbles of
- * the same 32 bytes; Q5_K's fifth bits: bit j of the 32 qh bytes, moved to bit 4). */
-static inline __attribute__((always_inline)) void avx2_k4_pair(const int type, const uint8_t *blk, const int g,
-                                                                avx2_wblock *w) {
-    const uint8_t *qs = blk + (type == TL_Q4_K ? 16 : 48);
-    const __m256i low4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
-    const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g)));
-    const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * g + 16)));
-    w[0].lo = _mm256_and_si256(v0, low4);
-    w[0].hi = _mm256_and_si256(v1, low4);
-    w[1].lo = _mm256_srli_epi16(v0, 4);
-    w[1].hi = _mm256_srli_epi16(v1, 4);
-    if (type != TL_Q5_K) return;
-    const __m256i qh_lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16)));
-    const __m256i qh_hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32)));
-    for (int h = 0; h < 2; ++h) {
-        const int j = 2 * g + h;
-        const __m256i b_lo = j <= 4 ? _mm256_slli_epi16(qh_lo, 4 - j) : _mm256_srli_epi16(qh_lo, j - 4);
-        const __m256i b_hi = j <= 4 ? _mm256_slli_epi16(qh_hi, 4 - j) : _mm256_srli_epi16(qh_hi, j - 4);
-        w[h].lo = _mm256_or_si256(w[h].lo, _mm256_and_si256(b_lo, bit4));
-        w[h].hi = _mm256_or_si256(w[h].hi, _mm256_and_si256(b_hi, bit4));
-    }
-}
-
 /* Q4_K / Q5_K super-block blk: its eight sub-blocks' scales (d times the 6-bit scale) and offsets (-dmin times
  * the 6-bit min). */
 static inline void avx2_k4_scale_off(const uint8_t *blk, __m256 *dw, __m256 *off) {
@@ -242,51 +208,7 @@ static inline void avx2_k4_scale_off(const uint8_t *blk, __m256 *dw, __m256 *off
     *off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk + 2)), mn));
 }
 
-/* Q6_K super-block blk (ql[128], qh[64], scales[16] int8, d): sub-block j = 4h + c unpacked, its quants minus 32
- * times their 16-element scales (|q * scale| <= 4096: a block's 32 products fit int32). */
-static inline __attribute__((always_inline)) avx2_wblock avx2_q6k_sub(const uint8_t *blk, const int j) {
-    const int h = j / 4, c = j % 4;
-    const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (c & 1)));
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-    const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0f));
-    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
-    const int8_t *scales = (const int8_t *)(blk + 192);
-    avx2_wblock w;
-    w.lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(scales[2 * j]));
-    w.hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
-                              _mm256_set1_epi16(scales[2 * j + 1]));
-    return w;
-}
-
-/* A Q4_K / Q5_K weight row . one activation row r: avx2_row_dot's work at MR = 1 with each pair of sub-blocks
- * unpacked right where it is multiplied (no eight unpacked sub-blocks held at once), the same sums in the same
- * order (Zen 3, one row: 0.82-0.91x the time; Q6_K's unpacking gains nothing so, 1.02-1.14x, and keeps the
- * eight-block form). */
-static inline __attribute__((always_inline)) float avx2_k4_row1(const int type, const uint8_t *row, int64_t k,
-                                                                 const avx2_act *a, int64_t r) {
-    const int bytes = type == TL_Q4_K ? 144 : 176;
-    const int64_t nb = k / 32;
-    const float *dc = a->dc + r * nb, *xs = a->xs + r * nb;
-    __m256 acc = _mm256_setzero_ps(), offs = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < k / 256; ++sb) {
-        const uint8_t *blk = row + sb * bytes;
-        __m256i t[4];
-        for (int p = 0; p < 4; ++p) {
-            avx2_wblock w[2];
-            avx2_k4_pair(type, blk, p, w);
-            t[p] = _mm256_hadd_epi32(avx2_dot(a, r, 8 * sb + 2 * p, &w[0]), avx2_dot(a, r, 8 * sb + 2 * p + 1, &w[1]));
-        }
-        const __m256i u0 = _mm256_hadd_epi32(t[0], t[1]), u1 = _mm256_hadd_epi32(t[2], t[3]);
-        const __m256i sums =
-            _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-        __m256 dw, off;
-        avx2_k4_scale_off(blk, &dw, &off);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(dc + 8 * sb)), acc);
-        offs = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + 8 * sb), offs);
-    }
-    return avx2_hsum(acc) + (avx2_hsum(offs) + 0.f);
-}
+#include "kquant_avx2.c" /* the K types, in the sub-block-per-lane layout */
 
 /* A legacy weight row (AVX2 row layout) . one activation row r: avx2_row_dot's work at MR = 1, each block
  * unpacked right where it is multiplied and the eight blocks' lanes reduced pairwise as they come (the same
@@ -335,7 +257,7 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
     for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
     const int64_t nb = k / 32;
     avx2_wblock w[8];
-    if (type == TL_Q4_0 || type == TL_Q4_1 || type == TL_Q8_0) {
+    {
         const int qb = avx2_legacy_qbytes(type);
         const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
         const int has_off = type != TL_Q8_0;
@@ -358,22 +280,6 @@ static inline __attribute__((always_inline)) void avx2_row_dot(const int type, c
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a->dc[at]), acc[i]);
                 if (has_off) tail[i] += off * a->xs[at];
             }
-        }
-    } else if (type == TL_Q4_K || type == TL_Q5_K) {
-        const int bytes = type == TL_Q4_K ? 144 : 176;
-        for (int64_t sb = 0; sb < k / 256; ++sb) {
-            const uint8_t *blk = row + sb * bytes;
-            for (int g = 0; g < 4; ++g) avx2_k4_pair(type, blk, g, &w[2 * g]);
-            __m256 dw, off;
-            avx2_k4_scale_off(blk, &dw, &off);
-            avx2_group(a, r0, MR, sb * 8, w, dw, 1, off, acc, offs);
-        }
-    } else { /* Q6_K */
-        for (int64_t sb = 0; sb < k / 256; ++sb) {
-            const uint8_t *blk = row + sb * 210;
-            for (int j = 0; j < 8; ++j) w[j] = avx2_q6k_sub(blk, j);
-            avx2_group(a, r0, MR, sb * 8, w, _mm256_set1_ps(avx2_h2f(blk + 208)), 0, _mm256_setzero_ps(), acc,
-                       offs);
         }
     }
     for (int i = 0; i < MR; ++i) out[i] = avx2_hsum(acc[i]) + (avx2_hsum(offs[i]) + tail[i]);
@@ -406,8 +312,9 @@ static const tl_quant_type AVX2_TYPES[] = {
     {TL_Q4_0, 32, 18, NULL, NULL, avx2_q4_0_repack, NULL, 32},
     {TL_Q4_1, 32, 20, NULL, NULL, avx2_q4_1_repack, NULL, 32},
     {TL_Q8_0, 32, 34, NULL, NULL, avx2_q8_0_repack, NULL, 32},
-    {TL_Q4_K, 256, 144, NULL, NULL, NULL, NULL, 32},
-    {TL_Q5_K, 256, 176, NULL, NULL, NULL, NULL, 32}, {TL_Q6_K, 256, 210, NULL, NULL, NULL, NULL, 16},
+    {TL_Q4_K, 256, 144, NULL, NULL, avx2_q4_k_repack, NULL, 32},
+    {TL_Q5_K, 256, 176, NULL, NULL, avx2_q5_k_repack, NULL, 32},
+    {TL_Q6_K, 256, 210, NULL, NULL, avx2_q6_k_repack, NULL, 16},
 };
 
 static const tl_quant_type *tl_avx2_type(int type) {
@@ -437,7 +344,6 @@ static inline void avx2_emit32(float *o, __m256i q, float s_lo, float s_hi, cons
 static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r, int64_t k, float *out) {
     const int64_t nb = k / t->block;
     const uint8_t *row = w + r * (nb * t->block_size);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     if (t->type == TL_Q4_0 || t->type == TL_Q4_1 || t->type == TL_Q8_0) {
         const int qb = avx2_legacy_qbytes(t->type);
         const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
@@ -451,42 +357,12 @@ static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r
             else
                 avx2_emit32(out + 32 * b, avx2_nibbles16(row + 16 * b), d, d, 1, avx2_h2f(mp + 2 * b));
         }
-    } else if (t->type == TL_Q4_K || t->type == TL_Q5_K) {
-        for (int64_t sb = 0; sb < nb; ++sb) {
-            const uint8_t *blk = row + sb * t->block_size;
-            const float d = avx2_h2f(blk), dmin = avx2_h2f(blk + 2);
-            const uint8_t *qs = blk + (t->type == TL_Q4_K ? 16 : 48);
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            for (int j = 0; j < 8; ++j) {
-                int sc, mn;
-                avx2_scale_min_k4(blk + 4, j, &sc, &mn);
-                const float ds = d * (float)sc, dm = dmin * (float)mn;
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
-                __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
-                if (t->type == TL_Q5_K)
-                    q = _mm256_or_si256(q, _mm256_slli_epi16(
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
-                avx2_emit32(out + 256 * sb + 32 * j, q, ds, ds, 1, -dm);
-            }
-        }
-    } else { /* Q6_K */
-        for (int64_t sb = 0; sb < nb; ++sb) {
-            const uint8_t *blk = row + sb * 210;
-            const int8_t *scales = (const int8_t *)(blk + 192);
-            const float d = avx2_h2f(blk + 208);
-            for (int h = 0; h < 2; ++h) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                for (int c = 0; c < 4; ++c) {
-                    const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (c & 1)));
-                    const __m256i nib = _mm256_and_si256(c < 2 ? lo : _mm256_srli_epi16(lo, 4), m4);
-                    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
-                    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi2, 4)),
-                                                      _mm256_set1_epi8(32));
-                    const int si = 8 * h + 2 * c;
-                    avx2_emit32(out + 256 * sb + 128 * h + 32 * c, q, d * (float)scales[si], d * (float)scales[si + 1],
-                                0, 0.f);
-                }
-            }
+    } else { /* K types: dequantized in lane order, then put back into file order */
+        float lanes[2048];
+        for (int64_t c = 0; c < k; c += 2048) {
+            const int64_t len = k - c < 2048 ? k - c : 2048;
+            avx2_k_dequant_lanes(t->type, row + c / 256 * t->block_size, len, lanes);
+            avx2_natural_f32(lanes, out + c, len, avx2_k_span(t->type));
         }
     }
 }
@@ -521,26 +397,32 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
             for (int64_t r = r0; r < r1; r += 4) {
                 float o[4] = {0.f, 0.f, 0.f, 0.f};
                 const int rows = r1 - r < 4 ? (int)(r1 - r) : 4;
-#define AVX2_ROWS(T)                                                                                           \
-    if (rows == 1 && T != TL_Q6_K) {                                                                           \
-        o[0] = T == TL_Q4_K || T == TL_Q5_K ? avx2_k4_row1(T, row, k, a, r)                                    \
-                                            : avx2_legacy_row1(T, row, k / 32, a, r);                          \
-        break;                                                                                                 \
-    }                                                                                                          \
+#define AVX2_ROWS(T, DOT)                                                                                      \
     switch (rows) {                                                                                            \
-    case 4: avx2_row_dot(T, row, k, a, r, 4, o); break;                                                        \
-    case 3: avx2_row_dot(T, row, k, a, r, 3, o); break;                                                        \
-    case 2: avx2_row_dot(T, row, k, a, r, 2, o); break;                                                        \
-    default: avx2_row_dot(T, row, k, a, r, 1, o); break;                                                       \
+    case 4: DOT(T, 4); break;                                                                                  \
+    case 3: DOT(T, 3); break;                                                                                  \
+    case 2: DOT(T, 2); break;                                                                                  \
+    default:                                                                                                   \
+        if (T == TL_Q4_0 || T == TL_Q4_1 || T == TL_Q8_0)                                                      \
+            o[0] = avx2_legacy_row1(T, row, k / 32, a, r);                                                     \
+        else                                                                                                   \
+            DOT(T, 1);                                                                                         \
+        break;                                                                                                 \
     }
+#define AVX2_LEGACY_DOT(T, MR) avx2_row_dot(T, row, k, a, r, MR, o)
+#define AVX2_K4_DOT(T, MR) avx2_k4_dot(T, row, k, a, r, MR, o)
+#define AVX2_Q6_DOT(T, MR) avx2_q6_dot(row, k, a, r, MR, o)
                 switch (t->type) {
-                case TL_Q4_0: AVX2_ROWS(TL_Q4_0) break;
-                case TL_Q4_1: AVX2_ROWS(TL_Q4_1) break;
-                case TL_Q8_0: AVX2_ROWS(TL_Q8_0) break;
-                case TL_Q4_K: AVX2_ROWS(TL_Q4_K) break;
-                case TL_Q5_K: AVX2_ROWS(TL_Q5_K) break;
-                default: AVX2_ROWS(TL_Q6_K) break;
+                case TL_Q4_0: AVX2_ROWS(TL_Q4_0, AVX2_LEGACY_DOT) break;
+                case TL_Q4_1: AVX2_ROWS(TL_Q4_1, AVX2_LEGACY_DOT) break;
+                case TL_Q8_0: AVX2_ROWS(TL_Q8_0, AVX2_LEGACY_DOT) break;
+                case TL_Q4_K: AVX2_ROWS(TL_Q4_K, AVX2_K4_DOT) break;
+                case TL_Q5_K: AVX2_ROWS(TL_Q5_K, AVX2_K4_DOT) break;
+                default: AVX2_ROWS(TL_Q6_K, AVX2_Q6_DOT) break;
                 }
+#undef AVX2_LEGACY_DOT
+#undef AVX2_K4_DOT
+#undef AVX2_Q6_DOT
 #undef AVX2_ROWS
                 for (int i = 0; i < rows; ++i) sums[(r + i) * span + (j - n0)] = o[i];
             }
@@ -609,18 +491,25 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
                        int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                        int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK;
-    const int terms = quant_act_residual_on ? 2 : 1;
-    /* one allocation: dc and xs (floats), then the int16 quants */
-    float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + sizeof(int16_t) * (size_t)(m * k));
+    const int terms = quant_act_residual_on ? 2 : 1, lanes = t->block == 256; /* K types: lane order */
+    /* one allocation: dc and xs (floats), Q6_K's per-16 sums, then the int16 quants */
+    const int64_t n16 = t->type == TL_Q6_K ? m * k / 16 : 0;
+    float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + sizeof(int32_t) * (size_t)n16 +
+                       sizeof(int16_t) * (size_t)(m * k));
     if (dc == NULL) return QUANT_E_MEMORY;
-    int16_t *q = (int16_t *)(dc + 2 * m * nb);
+    int32_t *s16 = (int32_t *)(dc + 2 * m * nb);
+    int16_t *q = (int16_t *)(s16 + n16);
     if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
         avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, 0, m);
+        for (int64_t r = 0; lanes && r < m; ++r) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
     } else {
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int64_t r = 0; r < m; ++r) avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
+        for (int64_t r = 0; r < m; ++r) {
+            avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
+            if (lanes) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
+        }
     }
-    const avx2_act a = {q, dc, dc + m * nb, m, k};
+    const avx2_act a = {q, dc, dc + m * nb, s16, m, k};
     const avx2_int8_work work = {t, w, k, &a};
     const int rc = avx2_by_chunks(avx2_int8_chunk, &work, n, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                                   threads);

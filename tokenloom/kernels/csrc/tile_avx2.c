@@ -118,6 +118,7 @@ static int avx2_tile_linear(const tl_quant_type *t, const uint8_t *w, int64_t n,
                             int64_t x_stride, int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out,
                             int64_t out_stride, int out_is_f32, int threads) {
     const int64_t groups = (m + 7) / 8, m_pad = 8 * groups, items = (n + AVX2_TILE_ROWS - 1) / AVX2_TILE_ROWS;
+    const int span = t != NULL && t->block == 256 ? avx2_k_span(t->type) : 0; /* K types: both in lane order */
     float *xt = malloc(sizeof(float) * (size_t)(m_pad * k));
     if (xt == NULL) return QUANT_E_MEMORY;
     int failed = 0;
@@ -129,14 +130,34 @@ static int avx2_tile_linear(const tl_quant_type *t, const uint8_t *w, int64_t n,
             _Pragma("omp atomic write") failed = 1;
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t g = 0; g < groups; ++g) avx2_pack_group(x, x_stride, x_is_f32, m, k, g, xt);
+        for (int64_t g = 0; g < groups; ++g) {
+            if (span == 0) {
+                avx2_pack_group(x, x_stride, x_is_f32, m, k, g, xt);
+            } else if (wbuf != NULL) { /* the rows into lane order first (wbuf is free until the items) */
+                for (int l = 0; l < 8; ++l) {
+                    const int64_t r = 8 * g + l;
+                    float *natural = wbuf + 8 * k, *dst = wbuf + l * k;
+                    if (r >= m)
+                        memset(dst, 0, sizeof(float) * (size_t)k);
+                    else if (x_is_f32)
+                        avx2_lanes_f32((const float *)x + r * x_stride, dst, k, span);
+                    else {
+                        avx2_bf16_row((const uint16_t *)x + r * x_stride, k, natural);
+                        avx2_lanes_f32(natural, dst, k, span);
+                    }
+                }
+                avx2_pack_group(wbuf, k, 1, 8, k, 0, xt + g * k * 8);
+            }
+        }
         _Pragma("omp for schedule(static)")
         for (int64_t item = 0; item < items; ++item) {
             if (wbuf == NULL) continue;
             const int64_t n0 = item * AVX2_TILE_ROWS, count = n - n0 < AVX2_TILE_ROWS ? n - n0 : AVX2_TILE_ROWS;
             const int64_t rows8 = (count + 7) / 8 * 8;
             for (int64_t j = 0; j < count; ++j) {
-                if (t != NULL)
+                if (span != 0)
+                    avx2_k_dequant_lanes(t->type, w + (n0 + j) * (k / 256 * t->block_size), k, wbuf + j * k);
+                else if (t != NULL)
                     avx2_dequant_row(t, w, n0 + j, k, wbuf + j * k);
                 else
                     avx2_bf16_row((const uint16_t *)w + (n0 + j) * k, k, wbuf + j * k);
