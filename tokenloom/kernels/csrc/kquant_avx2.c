@@ -9,8 +9,10 @@
  * a span (weights against the activations' int16 terms in the same order) then add up, lane j, to sub-block
  * j's integer sum: no horizontal reduction per sub-block, one int->float conversion and one multiply-add per
  * span and activation row with a vector of per-lane scales (the weight sub-block scales times the activation
- * blocks' scales). The horizontal-add tree it replaced cost more than the multiplies (Zen 3, one row of a
- * 2048 x 2048 Q4_K from cache: see docs/benchmarks.md, issue 30 session 42). The sums are the same integers
+ * blocks' scales). Against the file layout with a horizontal-add tree per eight sub-blocks (Zen 3, one thread
+ * from cache, 1B shapes): Q4_K four rows 0.62-0.67x the time, one row 0.89-1.0x; Q5_K 0.66-0.73x / 0.97x;
+ * Q6_K 0.86-0.88x / 0.78-0.79x; two threads from memory, one row, Q4_K 0.92-0.96x, Q6_K 0.79-0.82x; a ~1B
+ * Q4_K_M decode step 34.7 -> 30.7 ms. The sums are the same integers
  * and the same float operations in the same order as that form's for Q4_K / Q5_K (outputs bit-identical to
  * it); Q6_K now scales each 16-element sub-block on its own (its -32 offset enters as 32 times the
  * activations' per-16 sums, exact) instead of folding its scales into the int16 weights.
