@@ -54,7 +54,7 @@ typedef struct {
     int64_t m, k;
 } avx2_act;
 
-static inline float avx2_h2f(const uint8_t *p) {
+static inline __attribute__((always_inline)) float avx2_h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
@@ -118,7 +118,7 @@ static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t k, i
 }
 
 /* 16 bytes of 4-bit quants -> 32 bytes 0..15: the low nibbles, then the high ones. */
-static inline __m256i avx2_nibbles16(const uint8_t *p) {
+static inline __attribute__((always_inline)) __m256i avx2_nibbles16(const uint8_t *p) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
 }
@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) avx2_wblock avx2_legacy_block(const
  * nibbles of u[8..11] plus the top two bits of u[0..3] / u[4..7]), in vector registers: 16 bytes loaded (the 4
  * past the 12 are the super-block's first quants, masked off). Against the scalar unpack it replaced (the same
  * bytes): Q4_K one row 0.92x the time (one thread from cache; two threads from memory 0.91-0.92x), Q5_K 0.98x. */
-static inline __m128i avx2_k4_scales(const uint8_t *packed) {
+static inline __attribute__((always_inline)) __m128i avx2_k4_scales(const uint8_t *packed) {
     const __m128i u = _mm_loadu_si128((const __m128i *)packed);
     /* bytes 0-7: u[0..7] & 63; 8-11: u[8..11] & 15; 12-15: u[8..11] >> 4 */
     const __m128i spread = _mm_shuffle_epi8(u, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11));
