@@ -47,19 +47,25 @@ static void avx2_lanes_i16(int16_t *q, int span) {
     for (int i = 0; i < span; i += 2) memcpy(q + i, tmp + avx2_k_natural(span, i), 2 * sizeof(int16_t));
 }
 
-/* k float32 values (k a multiple of the span) from file order into lane order (src and dst apart). */
+/* k float32 values from file order into lane order, whole spans (the elements past the last one as they are;
+ * src and dst apart). */
 static void avx2_lanes_f32(const float *src, float *dst, int64_t k, int span) {
-    for (int64_t s = 0; s < k; s += span)
+    int64_t s = 0;
+    for (; s + span <= k; s += span)
         for (int i = 0; i < span; i += 2) memcpy(dst + s + i, src + s + avx2_k_natural(span, i), 2 * sizeof(float));
+    memcpy(dst + s, src + s, sizeof(float) * (size_t)(k - s));
 }
 
 /* k float32 values from lane order back into file order (src and dst apart). */
 static void avx2_natural_f32(const float *src, float *dst, int64_t k, int span) {
-    for (int64_t s = 0; s < k; s += span)
+    int64_t s = 0;
+    for (; s + span <= k; s += span)
         for (int i = 0; i < span; i += 2) memcpy(dst + s + avx2_k_natural(span, i), src + s + i, 2 * sizeof(float));
+    memcpy(dst + s, src + s, sizeof(float) * (size_t)(k - s));
 }
 
-/* Activation row q (k int16 terms, file order) into lane order for `type`; for Q6_K first its per-16 sums,
+/* Activation row q (k int16 terms, file order) into lane order for `type` (whole spans; the legacy types' tail
+ * of nb % 8 blocks stays in file order); for Q6_K first its per-16 sums,
  * s16[i] = the sum of elements 16 i .. 16 i + 15 (exact: |sum| <= 16 * 16384). */
 static void avx2_lanes_act(int type, int16_t *q, int64_t k, int32_t *s16) {
     const int span = avx2_k_span(type);
@@ -69,7 +75,7 @@ static void avx2_lanes_act(int type, int16_t *q, int64_t k, int32_t *s16) {
             for (int e = 0; e < 16; ++e) sum += q[16 * i + e];
             s16[i] = sum;
         }
-    for (int64_t s = 0; s < k; s += span) avx2_lanes_i16(q + s, span);
+    for (int64_t s = 0; s + span <= k; s += span) avx2_lanes_i16(q + s, span);
 }
 
 /* The 256 quants of a file-layout super-block in file order (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, unsigned). */

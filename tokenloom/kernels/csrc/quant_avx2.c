@@ -9,20 +9,21 @@
  * quant_act_residual(0)). The two terms are stored joined, one int16 per element (128 q0 + q1: |q| <= 16320),
  * and each weight block is widened once per four activation rows to 32 int16 and multiplied by vpmaddwd: two
  * multiplies a block and row where vpmaddubsw would take four and their int32 widening (1.2-1.6x faster at 1-4
- * rows on Zen 3, the same integer sums). Legacy types: eight blocks' lanes are then reduced to one vector of
- * their eight sums and scaled in float32 by one multiply-add (the blocks' weight scales times the activation
- * scales, both loaded as vectors: hence their row re-layout, all quants then all f16 scales, made once at
- * load). The K types' quants are re-laid out so that each int32 lane stays in one sub-block and needs no
- * reduction (kquant_avx2.c). The types' offsets (Q4_0's -8, Q4_1's min, the K types' mins, Q6_K's -32)
- * multiply per-block activation sums prepared once per call. One activation row against a legacy row (the
- * decode step's case) unpacks each block right where it is multiplied (avx2_legacy_row1), with the same sums
- * in the same order as the four-row form, so a row's result does not depend on the rows beside it.
+ * rows on Zen 3, the same integer sums). Every type's quants are re-laid out once at load (same size) in a lane
+ * order in which each int32 lane of the products stays in one block / sub-block, so a span's sums need no
+ * horizontal reduction and are scaled in float32 by one multiply-add with vectors of per-lane scales (the
+ * weights' times the activation blocks'): kquant_avx2.c (the order; the K types), legacy_avx2.c (Q4_0, Q4_1,
+ * Q8_0). The types' offsets (Q4_0's -8, Q4_1's min, the K types' mins, Q6_K's -32) multiply per-block
+ * activation sums prepared once per call. A row's result does not depend on the rows beside it: the one-row
+ * and four-row forms make the same sums in the same order.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
  * stay in L2).
  * float32 x, and bf16 x from quant_tile_m rows (quant_path 0: prefill, batched decode): weight rows dequantized
  * exactly to float32 and multiplied with float32 FMAs in register tiles (tile_avx2.c), exact products
- * (Zen 3, two threads, bench/quant_gemm.py --int8: against the int16 terms 1.2-1.6x faster at 64-256 rows,
- * level at 16, 0.7-0.9x at 8; 120-133 GFLOP/s at 256 rows in a quiet phase, twice the old int8 form's).
+ * (Zen 3, two threads, bench/quant_gemm.py --int8: against the int16 terms 1.2-1.6x faster at 64-256 rows;
+ * with those in lane order, level at 16-32 rows and 0.5-0.8x at 8-12; 120-133 GFLOP/s at 256 rows in a
+ * quiet phase). The K and legacy types' tiles read the weights dequantized in lane order and the activation
+ * rows put into the same order, so every product meets its partner.
  * Dequantize (embedding rows, the tile, the reference) is the gguf package's arithmetic, bit for bit.
  *
  * Included by quant_gemm.c (it uses its knobs and error codes); HAVE_QUANT_AVX2 is 0 where the AVX-512 families
@@ -117,68 +118,6 @@ static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t k, i
         }
 }
 
-/* 16 bytes of 4-bit quants -> 32 bytes 0..15: the low nibbles, then the high ones. */
-static inline __attribute__((always_inline)) __m256i avx2_nibbles16(const uint8_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
-}
-
-/* One unpacked weight block of 32 as int16: elements 0-15 and 16-31 (Q6_K's: times their sub-block scales). */
-typedef struct {
-    __m256i lo, hi;
-} avx2_wblock;
-
-/* Int32 lanes of the block's dot product with activation row r's block b (both terms in q's int16s). */
-static inline __attribute__((always_inline)) __m256i avx2_dot(const avx2_act *a, int64_t r, int64_t b,
-                                                               const avx2_wblock *w) {
-    const int16_t *xq = a->q + r * a->k + 32 * b;
-    return _mm256_add_epi32(_mm256_madd_epi16(w->lo, _mm256_loadu_si256((const __m256i *)xq)),
-                            _mm256_madd_epi16(w->hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-}
-
-/* Lane i: the sum of the 8 lanes of dots[i]. */
-static inline __m256i avx2_reduce8(const __m256i *dots) {
-    const __m256i t0 = _mm256_hadd_epi32(dots[0], dots[1]), t1 = _mm256_hadd_epi32(dots[2], dots[3]);
-    const __m256i t2 = _mm256_hadd_epi32(dots[4], dots[5]), t3 = _mm256_hadd_epi32(dots[6], dots[7]);
-    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
-/* Eight unpacked weight blocks (activation blocks b0 .. b0 + 7; block j's value dw[j] * quant + off[j]) against
- * activation rows r0 .. r0 + MR - 1: acc[i] += the 8 blocks' dw * dc * dot, offs[i] += off * xs (8 lanes). */
-static inline __attribute__((always_inline)) void avx2_group(const avx2_act *a, int64_t r0, const int MR,
-                                                              int64_t b0, const avx2_wblock *w, __m256 dw,
-                                                              const int has_off, __m256 off, __m256 *acc,
-                                                              __m256 *offs) {
-    const int64_t nb = a->k / TL_QK;
-    for (int i = 0; i < MR; ++i) {
-        __m256i dots[8];
-        for (int j = 0; j < 8; ++j) dots[j] = avx2_dot(a, r0 + i, b0 + j, &w[j]);
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + (r0 + i) * nb + b0));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(avx2_reduce8(dots)), scale, acc[i]);
-        if (has_off) offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + (r0 + i) * nb + b0), offs[i]);
-    }
-}
-
-/* The AVX2 row layout of the legacy types (made by avx2_legacy_repack): a row's nb blocks as all their quants
- * (16 bytes a Q4 block, 32 a Q8_0 one), then all the blocks' f16 d, then (Q4_1) all their f16 m. Same size. */
-static inline int avx2_legacy_qbytes(int type) { return type == TL_Q8_0 ? 32 : 16; }
-
-/* Legacy block b of `row` (AVX2 row layout) unpacked: Q8_0's signed quants, the Q4 types' nibbles (0..15). */
-static inline __attribute__((always_inline)) avx2_wblock avx2_legacy_block(const int type, const uint8_t *row,
-                                                                            int64_t b) {
-    avx2_wblock w;
-    if (type == TL_Q8_0) {
-        w.lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b)));
-        w.hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b + 16)));
-    } else {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * b)));
-        w.lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-        w.hi = _mm256_srli_epi16(v, 4);
-    }
-    return w;
-}
-
 /* Q4_K / Q5_K: the 6-bit scales (bytes 0-7) and mins (bytes 8-15) of the eight sub-blocks, from the 12 packed
  * bytes u (scales 0-3 and mins 0-3: the low six bits of u[0..3] and u[4..7]; scales / mins 4-7: the low / high
  * nibbles of u[8..11] plus the top two bits of u[0..3] / u[4..7]), in vector registers: 16 bytes loaded (the 4
@@ -209,104 +148,7 @@ static inline void avx2_k4_scale_off(const uint8_t *blk, __m256 *dw, __m256 *off
 }
 
 #include "kquant_avx2.c" /* the K types, in the sub-block-per-lane layout */
-
-/* A legacy weight row (AVX2 row layout) . one activation row r: avx2_row_dot's work at MR = 1, each block
- * unpacked right where it is multiplied and the eight blocks' lanes reduced pairwise as they come (the same
- * sums in the same order as the many-row form, so a row's result does not depend on the rows beside it). */
-static inline __attribute__((always_inline)) float avx2_legacy_row1(const int type, const uint8_t *row, int64_t nb,
-                                                                     const avx2_act *a, int64_t r) {
-    const int qb = avx2_legacy_qbytes(type);
-    const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
-    const float *dc = a->dc + r * nb, *xs = a->xs + r * nb;
-    __m256 acc = _mm256_setzero_ps(), offs = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        __m256i t[4];
-        for (int p = 0; p < 4; ++p) {
-            const avx2_wblock w0 = avx2_legacy_block(type, row, b + 2 * p);
-            const avx2_wblock w1 = avx2_legacy_block(type, row, b + 2 * p + 1);
-            t[p] = _mm256_hadd_epi32(avx2_dot(a, r, b + 2 * p, &w0), avx2_dot(a, r, b + 2 * p + 1, &w1));
-        }
-        const __m256i u0 = _mm256_hadd_epi32(t[0], t[1]), u1 = _mm256_hadd_epi32(t[2], t[3]);
-        const __m256i sums =
-            _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 2 * b)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(dc + b)), acc);
-        if (type == TL_Q4_1)
-            offs = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 2 * b))),
-                                   _mm256_loadu_ps(xs + b), offs);
-        else if (type == TL_Q4_0)
-            offs = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)), _mm256_loadu_ps(xs + b), offs);
-    }
-    float tail = 0.f;
-    for (; b < nb; ++b) { /* the last nb % 8 blocks one at a time */
-        const float dw = avx2_h2f(dp + 2 * b);
-        const avx2_wblock w = avx2_legacy_block(type, row, b);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(avx2_dot(a, r, b, &w)), _mm256_set1_ps(dw * dc[b]), acc);
-        if (type != TL_Q8_0) tail += (type == TL_Q4_1 ? avx2_h2f(mp + 2 * b) : -8.0f * dw) * xs[b];
-    }
-    return avx2_hsum(acc) + (avx2_hsum(offs) + tail);
-}
-
-/* out[i] = weight row `row` (k columns of GGUF type `type`, AVX2 row layout) . activation row r0 + i, i < MR. */
-static inline __attribute__((always_inline)) void avx2_row_dot(const int type, const uint8_t *row, int64_t k,
-                                                                const avx2_act *a, int64_t r0, const int MR,
-                                                                float *out) {
-    __m256 acc[4], offs[4];
-    float tail[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
-    const int64_t nb = k / 32;
-    avx2_wblock w[8];
-    {
-        const int qb = avx2_legacy_qbytes(type);
-        const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
-        const int has_off = type != TL_Q8_0;
-        int64_t b = 0;
-        for (; b + 8 <= nb; b += 8) {
-            for (int j = 0; j < 8; ++j) w[j] = avx2_legacy_block(type, row, b + j);
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 2 * b)));
-            const __m256 off = type == TL_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 2 * b)))
-                               : type == TL_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
-                                                 : _mm256_setzero_ps();
-            avx2_group(a, r0, MR, b, w, dw, has_off, off, acc, offs);
-        }
-        for (; b < nb; ++b) { /* the last nb % 8 blocks one at a time */
-            const avx2_wblock one = avx2_legacy_block(type, row, b);
-            const float dw = avx2_h2f(dp + 2 * b);
-            const float off = type == TL_Q4_1 ? avx2_h2f(mp + 2 * b) : -8.0f * dw;
-            for (int i = 0; i < MR; ++i) {
-                const int64_t at = (r0 + i) * nb + b;
-                const __m256i dot = avx2_dot(a, r0 + i, b, &one);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a->dc[at]), acc[i]);
-                if (has_off) tail[i] += off * a->xs[at];
-            }
-        }
-    }
-    for (int i = 0; i < MR; ++i) out[i] = avx2_hsum(acc[i]) + (avx2_hsum(offs[i]) + tail[i]);
-}
-
-/* Re-lays the n rows of a legacy type out in place (see avx2_legacy_qbytes); 0, or -1 without memory. */
-static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
-    const int bs = type == TL_Q4_0 ? 18 : type == TL_Q4_1 ? 20 : 34, qb = avx2_legacy_qbytes(type);
-    const int64_t nb = k / 32, row_bytes = nb * bs;
-    uint8_t *copy = malloc((size_t)row_bytes);
-    if (copy == NULL) return -1;
-    for (int64_t r = 0; r < n; ++r) {
-        uint8_t *row = data + r * row_bytes;
-        memcpy(copy, row, (size_t)row_bytes);
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = copy + b * bs;
-            memcpy(row + b * qb, blk + bs - qb, (size_t)qb);
-            memcpy(row + nb * qb + 2 * b, blk, 2);
-            if (type == TL_Q4_1) memcpy(row + nb * qb + 2 * nb + 2 * b, blk + 2, 2);
-        }
-    }
-    free(copy);
-    return 0;
-}
-static int avx2_q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_0, data, n, k); }
-static int avx2_q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_1, data, n, k); }
-static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q8_0, data, n, k); }
+#include "legacy_avx2.c" /* the legacy types, in the same lane order */
 
 static const tl_quant_type AVX2_TYPES[] = {
     {TL_Q4_0, 32, 18, NULL, NULL, avx2_q4_0_repack, NULL, 32},
@@ -328,43 +170,21 @@ static const tl_quant_type *tl_avx2_type(int type) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-/* o[0 .. 31] = s * q (s_lo for the first 16 values, s_hi for the last 16), plus `add` where has_add; q: 32 int8. */
-static inline void avx2_emit32(float *o, __m256i q, float s_lo, float s_hi, const int has_add, float add) {
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; ++i) {
-        const __m256 s = _mm256_set1_ps(i < 2 ? s_lo : s_hi);
-        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), s);
-        if (has_add) v = _mm256_add_ps(v, _mm256_set1_ps(add));
-        _mm256_storeu_ps(o + 8 * i, v);
-    }
-}
-
-/* Row r of w (type t, k columns; the legacy types in their AVX2 row layout) dequantized to float32. */
+/* Row r of w (type t, k columns, the AVX2 row layout) dequantized to float32 in file order: in lane order first
+ * (a stack buffer up to 4096 columns), then put back. */
 static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r, int64_t k, float *out) {
-    const int64_t nb = k / t->block;
-    const uint8_t *row = w + r * (nb * t->block_size);
-    if (t->type == TL_Q4_0 || t->type == TL_Q4_1 || t->type == TL_Q8_0) {
-        const int qb = avx2_legacy_qbytes(t->type);
-        const uint8_t *dp = row + nb * qb, *mp = dp + 2 * nb;
-        for (int64_t b = 0; b < nb; ++b) {
-            const float d = avx2_h2f(dp + 2 * b);
-            if (t->type == TL_Q8_0)
-                avx2_emit32(out + 32 * b, _mm256_loadu_si256((const __m256i *)(row + 32 * b)), d, d, 0, 0.f);
-            else if (t->type == TL_Q4_0)
-                avx2_emit32(out + 32 * b, _mm256_sub_epi8(avx2_nibbles16(row + 16 * b), _mm256_set1_epi8(8)), d, d,
-                            0, 0.f);
-            else
-                avx2_emit32(out + 32 * b, avx2_nibbles16(row + 16 * b), d, d, 1, avx2_h2f(mp + 2 * b));
-        }
-    } else { /* K types: dequantized in lane order, then put back into file order */
-        float lanes[2048];
-        for (int64_t c = 0; c < k; c += 2048) {
-            const int64_t len = k - c < 2048 ? k - c : 2048;
-            avx2_k_dequant_lanes(t->type, row + c / 256 * t->block_size, len, lanes);
-            avx2_natural_f32(lanes, out + c, len, avx2_k_span(t->type));
-        }
+    const uint8_t *row = w + r * (k / t->block * t->block_size);
+    float local[4096], *lanes = k <= 4096 ? local : malloc(sizeof(float) * (size_t)k);
+    if (lanes == NULL) { /* no memory for the buffer: NaN, never garbage that looks like weights */
+        for (int64_t i = 0; i < k; ++i) out[i] = __builtin_nanf("");
+        return;
     }
+    if (t->block == 256)
+        avx2_k_dequant_lanes(t->type, row, k, lanes);
+    else
+        avx2_legacy_dequant_lanes(t->type, row, k, lanes);
+    avx2_natural_f32(lanes, out, k, avx2_k_span(t->type));
+    if (lanes != local) free(lanes);
 }
 #pragma GCC pop_options
 
@@ -402,14 +222,9 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
     case 4: DOT(T, 4); break;                                                                                  \
     case 3: DOT(T, 3); break;                                                                                  \
     case 2: DOT(T, 2); break;                                                                                  \
-    default:                                                                                                   \
-        if (T == TL_Q4_0 || T == TL_Q4_1 || T == TL_Q8_0)                                                      \
-            o[0] = avx2_legacy_row1(T, row, k / 32, a, r);                                                     \
-        else                                                                                                   \
-            DOT(T, 1);                                                                                         \
-        break;                                                                                                 \
+    default: DOT(T, 1); break;                                                                                 \
     }
-#define AVX2_LEGACY_DOT(T, MR) avx2_row_dot(T, row, k, a, r, MR, o)
+#define AVX2_LEGACY_DOT(T, MR) avx2_legacy_dot(T, row, k, a, r, MR, o)
 #define AVX2_K4_DOT(T, MR) avx2_k4_dot(T, row, k, a, r, MR, o)
 #define AVX2_Q6_DOT(T, MR) avx2_q6_dot(row, k, a, r, MR, o)
                 switch (t->type) {
@@ -491,7 +306,7 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
                        int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
                        int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK;
-    const int terms = quant_act_residual_on ? 2 : 1, lanes = t->block == 256; /* K types: lane order */
+    const int terms = quant_act_residual_on ? 2 : 1;
     /* one allocation: dc and xs (floats), Q6_K's per-16 sums, then the int16 quants */
     const int64_t n16 = t->type == TL_Q6_K ? m * k / 16 : 0;
     float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + sizeof(int32_t) * (size_t)n16 +
@@ -501,12 +316,12 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
     int16_t *q = (int16_t *)(s16 + n16);
     if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
         avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, 0, m);
-        for (int64_t r = 0; lanes && r < m; ++r) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
+        for (int64_t r = 0; r < m; ++r) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
     } else {
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
         for (int64_t r = 0; r < m; ++r) {
             avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
-            if (lanes) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
+            avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
         }
     }
     const avx2_act a = {q, dc, dc + m * nb, s16, m, k};

@@ -118,7 +118,7 @@ static int avx2_tile_linear(const tl_quant_type *t, const uint8_t *w, int64_t n,
                             int64_t x_stride, int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out,
                             int64_t out_stride, int out_is_f32, int threads) {
     const int64_t groups = (m + 7) / 8, m_pad = 8 * groups, items = (n + AVX2_TILE_ROWS - 1) / AVX2_TILE_ROWS;
-    const int span = t != NULL && t->block == 256 ? avx2_k_span(t->type) : 0; /* K types: both in lane order */
+    const int span = t != NULL ? avx2_k_span(t->type) : 0; /* quantized: weights and x both in lane order */
     float *xt = malloc(sizeof(float) * (size_t)(m_pad * k));
     if (xt == NULL) return QUANT_E_MEMORY;
     int failed = 0;
@@ -155,10 +155,11 @@ static int avx2_tile_linear(const tl_quant_type *t, const uint8_t *w, int64_t n,
             const int64_t n0 = item * AVX2_TILE_ROWS, count = n - n0 < AVX2_TILE_ROWS ? n - n0 : AVX2_TILE_ROWS;
             const int64_t rows8 = (count + 7) / 8 * 8;
             for (int64_t j = 0; j < count; ++j) {
-                if (span != 0)
-                    avx2_k_dequant_lanes(t->type, w + (n0 + j) * (k / 256 * t->block_size), k, wbuf + j * k);
+                const uint8_t *row = t == NULL ? NULL : w + (n0 + j) * (k / t->block * t->block_size);
+                if (t != NULL && t->block == 256)
+                    avx2_k_dequant_lanes(t->type, row, k, wbuf + j * k);
                 else if (t != NULL)
-                    avx2_dequant_row(t, w, n0 + j, k, wbuf + j * k);
+                    avx2_legacy_dequant_lanes(t->type, row, k, wbuf + j * k);
                 else
                     avx2_bf16_row((const uint16_t *)w + (n0 + j) * k, k, wbuf + j * k);
             }

@@ -1,0 +1,194 @@
+/*
+ * The legacy types (Q4_0, Q4_1, Q8_0: blocks of 32 with an f16 scale d, Q4_1 an f16 min m too) of quant_avx2.c
+ * in kquant_avx2.c's lane order. A row's blocks are re-laid out once at load (same size) in spans of eight
+ * (256 elements) and one tail of the last nb % 8, each a run of its own, one after another:
+ *   span: its quants in lane order (Q4: chunk c's byte p, low nibble vector 2c's lane p, high nibble vector
+ *         2c + 1's; Q8_0: vector t's lane p at byte 16 t + p), then its eight f16 d, then (Q4_1) its eight m;
+ *   tail: its blocks' quants one block after another (Q4: the file's 16 bytes, low nibbles the first 16
+ *         elements), then their d, then (Q4_1) their m.
+ * Per span and activation row the 16 vpmaddwd add up, lane j, to block j's integer sum, scaled by d_j d_x(j) in
+ * one multiply-add; the offsets (Q4_0's -8 d_j, Q4_1's m_j) multiply the activation blocks' sums. These are
+ * the integers and float operations, in the same order, of the form this replaced (all quants of a row, then
+ * all d, then all m, with a horizontal-add tree per eight blocks): outputs bit-identical to it. Against that
+ * form (Zen 3, SmolLM2 and 1B shapes): one thread from cache, one row 0.74-0.99x the time, four rows
+ * 0.50-0.74x; two threads from memory, one row 0.88-1.0x, and 0.57x (Q4_1) / 0.75x (Q8_0) at k = 8192, whose
+ * rows the three separate runs of the old layout (4 KiB and more of quants, then the scales) had left to the
+ * hardware prefetchers at half the rate: each row is now one forward stream.
+ *
+ * Included by quant_avx2.c after kquant_avx2.c (the lane order and its helpers).
+ */
+
+static inline int avx2_legacy_qbytes(int type) { return type == TL_Q8_0 ? 32 : 16; }
+static inline int avx2_legacy_bytes(int type) { return type == TL_Q4_0 ? 18 : type == TL_Q4_1 ? 20 : 34; }
+
+/* Element i (< 32) of a file-layout block's quants: Q4 0..15, Q8_0 -127..127. */
+static inline int avx2_legacy_file_quant(int type, const uint8_t *blk, int i) {
+    if (type == TL_Q8_0) return (int8_t)blk[2 + i];
+    const uint8_t *qs = blk + (type == TL_Q4_1 ? 4 : 2);
+    return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+}
+
+/* Re-lays the n rows of a legacy type out in place (see the file comment); 0, or -1 without memory. */
+static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
+    const int bs = avx2_legacy_bytes(type), qb = avx2_legacy_qbytes(type);
+    const int64_t nb = k / 32, row_bytes = nb * bs;
+    uint8_t *copy = malloc((size_t)row_bytes);
+    if (copy == NULL) return -1;
+    for (int64_t r = 0; r < n; ++r) {
+        uint8_t *row = data + r * row_bytes;
+        memcpy(copy, row, (size_t)row_bytes);
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+            const int cnt = nb - b0 < 8 ? (int)(nb - b0) : 8;
+            const uint8_t *blk = copy + b0 * bs;
+            uint8_t *out = row + b0 * bs;
+            if (cnt == 8) {
+                int lane[256];
+                for (int i = 0; i < 256; ++i) {
+                    const int e = avx2_k_natural(256, i);
+                    lane[i] = avx2_legacy_file_quant(type, blk + e / 32 * bs, e % 32);
+                }
+                for (int i = 0; i < (type == TL_Q8_0 ? 256 : 128); ++i) {
+                    const int low = i / 16 * 32 + i % 16; /* Q4: chunk i / 16, lane i % 16 of its two vectors */
+                    out[i] = (uint8_t)(type == TL_Q8_0 ? lane[i] : lane[low] | lane[low + 16] << 4);
+                }
+            } else {
+                for (int j = 0; j < cnt; ++j) memcpy(out + j * qb, blk + j * bs + bs - qb, (size_t)qb);
+            }
+            for (int j = 0; j < cnt; ++j) {
+                memcpy(out + cnt * qb + 2 * j, blk + j * bs, 2);
+                if (type == TL_Q4_1) memcpy(out + cnt * qb + 2 * cnt + 2 * j, blk + j * bs + 2, 2);
+            }
+        }
+    }
+    free(copy);
+    return 0;
+}
+static int avx2_q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_0, data, n, k); }
+static int avx2_q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_1, data, n, k); }
+static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q8_0, data, n, k); }
+
+/* A tail block's quants (at p) as int16: elements 0-15 in lo, 16-31 in hi. */
+static inline __attribute__((always_inline)) void avx2_legacy_tail_block(const int type, const uint8_t *p,
+                                                                          __m256i *lo, __m256i *hi) {
+    if (type == TL_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+    } else {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(v, 4);
+    }
+}
+
+/* out[i] = legacy weight row `row` (k columns, the layout above) . activation row r0 + i, i < MR (the
+ * activations' spans in lane order, their tail in file order). */
+static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type, const uint8_t *row, int64_t k,
+                                                                   const avx2_act *a, int64_t r0, const int MR,
+                                                                   float *out) {
+    const int bs = avx2_legacy_bytes(type), qb = avx2_legacy_qbytes(type);
+    const int64_t nb = k / 32, spans = nb / 8;
+    __m256 acc[4], offs[4];
+    float tail[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < spans; ++s) {
+        const uint8_t *span = row + s * 8 * bs;
+        __m256i isum[4];
+        for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int c = 0; c < 8; ++c) {
+            __m256i w0, w1;
+            if (type == TL_Q8_0) {
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c)));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c + 16)));
+            } else {
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(span + 16 * c)));
+                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+                w1 = _mm256_srli_epi16(v, 4);
+            }
+            avx2_lane_madd(a, r0, MR, 256 * s + 32 * c, w0, w1, isum);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb)));
+        const __m256 off = type == TL_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb + 16)))
+                           : type == TL_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
+                                             : _mm256_setzero_ps();
+        for (int i = 0; i < MR; ++i) {
+            const int64_t at = (r0 + i) * nb + 8 * s;
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + at)),
+                                     acc[i]);
+            if (type != TL_Q8_0) offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + at), offs[i]);
+        }
+    }
+    const int cnt = (int)(nb - 8 * spans); /* the tail, block by block */
+    const uint8_t *tq = row + spans * 8 * bs, *td = tq + cnt * qb, *tm = td + 2 * cnt;
+    for (int b = 0; b < cnt; ++b) {
+        __m256i lo, hi;
+        avx2_legacy_tail_block(type, tq + b * qb, &lo, &hi);
+        const float dw = avx2_h2f(td + 2 * b);
+        const float off = type == TL_Q4_1 ? avx2_h2f(tm + 2 * b) : -8.0f * dw;
+        for (int i = 0; i < MR; ++i) {
+            const int64_t at = (r0 + i) * nb + 8 * spans + b;
+            const int16_t *xq = a->q + (r0 + i) * k + 32 * (8 * spans + b);
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
+                                                 _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a->dc[at]), acc[i]);
+            if (type != TL_Q8_0) tail[i] += off * a->xs[at];
+        }
+    }
+    for (int i = 0; i < MR; ++i) out[i] = avx2_hsum(acc[i]) + (avx2_hsum(offs[i]) + tail[i]);
+}
+
+/* Dequantize, exact (quant_avx2.c's rule: products and sums rounded one at a time, never fused). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* Legacy row `row` dequantized to float32 in lane order (spans in lane order, the tail in file order): the gguf
+ * package's values, bit for bit (Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q). */
+static void avx2_legacy_dequant_lanes(int type, const uint8_t *row, int64_t k, float *out) {
+    const int bs = avx2_legacy_bytes(type), qb = avx2_legacy_qbytes(type);
+    const int64_t nb = k / 32, spans = nb / 8;
+    const __m256 none = _mm256_setzero_ps();
+    for (int64_t s = 0; s < spans; ++s) {
+        const uint8_t *span = row + s * 8 * bs;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb)));
+        /* Q4_1 adds m: emit16 subtracts, so its negation (exact) */
+        const __m256 nm = type == TL_Q4_1 ? _mm256_sub_ps(none, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                              (const __m128i *)(span + 8 * qb + 16))))
+                                          : none;
+        const __m256 s_lo = avx2_pairs(d, 0), s_hi = avx2_pairs(d, 1), m_lo = avx2_pairs(nm, 0),
+                     m_hi = avx2_pairs(nm, 1);
+        for (int c = 0; c < 8; ++c) {
+            __m256i w0, w1;
+            if (type == TL_Q8_0) {
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c)));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c + 16)));
+            } else {
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(span + 16 * c)));
+                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+                w1 = _mm256_srli_epi16(v, 4);
+                if (type == TL_Q4_0) {
+                    w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
+                    w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
+                }
+            }
+            float *o = out + 256 * s + 32 * c;
+            avx2_emit16(o, w0, s_lo, s_hi, type == TL_Q4_1, m_lo, m_hi);
+            avx2_emit16(o + 16, w1, s_lo, s_hi, type == TL_Q4_1, m_lo, m_hi);
+        }
+    }
+    const int cnt = (int)(nb - 8 * spans);
+    const uint8_t *tq = row + spans * 8 * bs, *td = tq + cnt * qb, *tm = td + 2 * cnt;
+    for (int b = 0; b < cnt; ++b) {
+        __m256i lo, hi;
+        avx2_legacy_tail_block(type, tq + b * qb, &lo, &hi);
+        if (type == TL_Q4_0) {
+            lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+            hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+        }
+        const __m256 d = _mm256_set1_ps(avx2_h2f(td + 2 * b));
+        const __m256 nm = _mm256_set1_ps(type == TL_Q4_1 ? -avx2_h2f(tm + 2 * b) : 0.f);
+        float *o = out + 256 * spans + 32 * b;
+        avx2_emit16(o, lo, d, d, type == TL_Q4_1, nm, nm);
+        avx2_emit16(o + 16, hi, d, d, type == TL_Q4_1, nm, nm);
+    }
+}
+#pragma GCC pop_options
