@@ -67,6 +67,19 @@ static int avx2_q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_l
 static int avx2_q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_1, data, n, k); }
 static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q8_0, data, n, k); }
 
+/* Vectors 2c and 2c + 1 of a span's quants as int16 (lane order): Q8_0's signed, the Q4 types' 0..15. */
+static inline __attribute__((always_inline)) void avx2_legacy_vectors(const int type, const uint8_t *span,
+                                                                       const int c, __m256i *w0, __m256i *w1) {
+    if (type == TL_Q8_0) {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c + 16)));
+    } else {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(span + 16 * c)));
+        *w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        *w1 = _mm256_srli_epi16(v, 4);
+    }
+}
+
 /* A tail block's quants (at p) as int16: elements 0-15 in lo, 16-31 in hi. */
 static inline __attribute__((always_inline)) void avx2_legacy_tail_block(const int type, const uint8_t *p,
                                                                           __m256i *lo, __m256i *hi) {
@@ -97,14 +110,7 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
 #pragma GCC unroll 2
         for (int c = 0; c < 8; ++c) {
             __m256i w0, w1;
-            if (type == TL_Q8_0) {
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c)));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c + 16)));
-            } else {
-                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(span + 16 * c)));
-                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-                w1 = _mm256_srli_epi16(v, 4);
-            }
+            avx2_legacy_vectors(type, span, c, &w0, &w1);
             avx2_lane_madd(a, r0, MR, 256 * s + 32 * c, w0, w1, isum);
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb)));
@@ -158,17 +164,10 @@ static void avx2_legacy_dequant_lanes(int type, const uint8_t *row, int64_t k, f
                      m_hi = avx2_pairs(nm, 1);
         for (int c = 0; c < 8; ++c) {
             __m256i w0, w1;
-            if (type == TL_Q8_0) {
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c)));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c + 16)));
-            } else {
-                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(span + 16 * c)));
-                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-                w1 = _mm256_srli_epi16(v, 4);
-                if (type == TL_Q4_0) {
-                    w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
-                    w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
-                }
+            avx2_legacy_vectors(type, span, c, &w0, &w1);
+            if (type == TL_Q4_0) {
+                w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
+                w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
             }
             float *o = out + 256 * s + 32 * c;
             avx2_emit16(o, w0, s_lo, s_hi, type == TL_Q4_1, m_lo, m_hi);
