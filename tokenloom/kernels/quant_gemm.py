@@ -22,7 +22,7 @@ runs, Q6_K, every float32 x) multiply the exactly dequantized weight (rounded on
 bf16 copy of the GGUF would be; exact for float32 x) with float32 sums. csrc/quant_gemm.c's `quant_path`
 says which path a call takes. On x86 CPUs with AVX2 but without those AVX-512 families (`native_isa() == 1`:
 AMD Zen 2/3, Intel client cores) csrc/quant_avx2.c runs instead: each type re-laid out once by `prepare`
-(same size: the legacy types' quants then scales, the K types' quants in lane order), bf16 x below
+(same size, in a lane order: csrc/kquant_avx2.c, csrc/legacy_avx2.c), bf16 x below
 quant_tile_m rows through the same two int8 terms (same bound), float32 x and more rows on the exact weight.
 `native_args(qm)` gives the C side (type, data pointer, rows, cols) of a prepared matrix for native callers.
 """
@@ -196,8 +196,8 @@ def _native() -> ctypes.CDLL | None:
 @functools.cache
 def native_isa() -> int:
     """The native kernel family this machine runs (csrc/quant_gemm.c's quant_isa): 2 the AVX-512 families (every
-    path, the fused MoE call), 1 the AVX2 one (csrc/quant_avx2.c: int8 terms for bf16 x at any
-    row count, no fused MoE call), 0 none (the reference)."""
+    path, the fused MoE call), 1 the AVX2 one (csrc/quant_avx2.c: int8 terms for bf16 x below quant_tile_m
+    rows, float32 tiles from there, no fused MoE call), 0 none (the reference)."""
     lib = _native()
     return 0 if lib is None else int(lib.quant_isa())
 
