@@ -147,15 +147,19 @@ static inline __m256i avx2_q6_high(__m256i hv, const int s) {
     return _mm256_and_si256(at4, _mm256_set1_epi16(0x30));
 }
 
+/* 16 bytes of nibbles at p widened to int16: the low nibbles into lo, the high ones into hi (0..15). */
+static inline __attribute__((always_inline)) void avx2_nibble_pair(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+    *hi = _mm256_srli_epi16(v, 4);
+}
+
 /* Q4_K / Q5_K super-block blk: vectors 2c and 2c + 1 of its weights as int16 (lane order); hb0 / hb1 Q5_K's
  * widened fifth-bit chunks. */
 static inline __attribute__((always_inline)) void avx2_k4_vectors(const int type, const uint8_t *blk, const int c,
                                                                    __m256i hb0, __m256i hb1, __m256i *w0,
                                                                    __m256i *w1) {
-    const uint8_t *qs = blk + (type == TL_Q4_K ? 16 : 48);
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * c)));
-    *w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-    *w1 = _mm256_srli_epi16(v, 4);
+    avx2_nibble_pair(blk + (type == TL_Q4_K ? 16 : 48) + 16 * c, w0, w1);
     if (type == TL_Q5_K) {
         const __m256i hb = c < 4 ? hb0 : hb1;
         *w0 = _mm256_or_si256(*w0, avx2_q5_bit(hb, (2 * c) % 8));
@@ -166,9 +170,9 @@ static inline __attribute__((always_inline)) void avx2_k4_vectors(const int type
 /* Q6_K super-block blk: vectors 2c and 2c + 1 (unsigned 0..63, lane order); hv its widened qh chunk c / 2. */
 static inline __attribute__((always_inline)) void avx2_q6_vectors(const uint8_t *blk, const int c, __m256i hv,
                                                                    __m256i *w0, __m256i *w1) {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 * c)));
-    *w0 = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x0f)), avx2_q6_high(hv, 2 * (c % 2)));
-    *w1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), avx2_q6_high(hv, 2 * (c % 2) + 1));
+    avx2_nibble_pair(blk + 16 * c, w0, w1);
+    *w0 = _mm256_or_si256(*w0, avx2_q6_high(hv, 2 * (c % 2)));
+    *w1 = _mm256_or_si256(*w1, avx2_q6_high(hv, 2 * (c % 2) + 1));
 }
 
 /* isum[i] += vectors w0, w1 (at int16 offset `at` of the lane-ordered activation rows r0 + i) multiplied. */

@@ -67,29 +67,15 @@ static int avx2_q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_l
 static int avx2_q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_1, data, n, k); }
 static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q8_0, data, n, k); }
 
-/* Vectors 2c and 2c + 1 of a span's quants as int16 (lane order): Q8_0's signed, the Q4 types' 0..15. */
-static inline __attribute__((always_inline)) void avx2_legacy_vectors(const int type, const uint8_t *span,
-                                                                       const int c, __m256i *w0, __m256i *w1) {
-    if (type == TL_Q8_0) {
-        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c)));
-        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(span + 32 * c + 16)));
-    } else {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(span + 16 * c)));
-        *w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-        *w1 = _mm256_srli_epi16(v, 4);
-    }
-}
-
-/* A tail block's quants (at p) as int16: elements 0-15 in lo, 16-31 in hi. */
-static inline __attribute__((always_inline)) void avx2_legacy_tail_block(const int type, const uint8_t *p,
-                                                                          __m256i *lo, __m256i *hi) {
+/* 32 quants at p as two int16 vectors (Q8_0's signed, the Q4 types' 0..15): a span's vectors 2c and 2c + 1 at
+ * p = span + c * qbytes (lane order), or a tail block's elements 0-15 and 16-31 at its quants. */
+static inline __attribute__((always_inline)) void avx2_legacy_pair(const int type, const uint8_t *p, __m256i *lo,
+                                                                    __m256i *hi) {
     if (type == TL_Q8_0) {
         *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
     } else {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-        *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-        *hi = _mm256_srli_epi16(v, 4);
+        avx2_nibble_pair(p, lo, hi);
     }
 }
 
@@ -110,7 +96,7 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
 #pragma GCC unroll 2
         for (int c = 0; c < 8; ++c) {
             __m256i w0, w1;
-            avx2_legacy_vectors(type, span, c, &w0, &w1);
+            avx2_legacy_pair(type, span + c * qb, &w0, &w1);
             avx2_lane_madd(a, r0, MR, 256 * s + 32 * c, w0, w1, isum);
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb)));
@@ -128,7 +114,7 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
     const uint8_t *tq = row + spans * 8 * bs, *td = tq + cnt * qb, *tm = td + 2 * cnt;
     for (int b = 0; b < cnt; ++b) {
         __m256i lo, hi;
-        avx2_legacy_tail_block(type, tq + b * qb, &lo, &hi);
+        avx2_legacy_pair(type, tq + b * qb, &lo, &hi);
         const float dw = avx2_h2f(td + 2 * b);
         const float off = type == TL_Q4_1 ? avx2_h2f(tm + 2 * b) : -8.0f * dw;
         for (int i = 0; i < MR; ++i) {
@@ -164,7 +150,7 @@ static void avx2_legacy_dequant_lanes(int type, const uint8_t *row, int64_t k, f
                      m_hi = avx2_pairs(nm, 1);
         for (int c = 0; c < 8; ++c) {
             __m256i w0, w1;
-            avx2_legacy_vectors(type, span, c, &w0, &w1);
+            avx2_legacy_pair(type, span + c * qb, &w0, &w1);
             if (type == TL_Q4_0) {
                 w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
                 w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
@@ -178,7 +164,7 @@ static void avx2_legacy_dequant_lanes(int type, const uint8_t *row, int64_t k, f
     const uint8_t *tq = row + spans * 8 * bs, *td = tq + cnt * qb, *tm = td + 2 * cnt;
     for (int b = 0; b < cnt; ++b) {
         __m256i lo, hi;
-        avx2_legacy_tail_block(type, tq + b * qb, &lo, &hi);
+        avx2_legacy_pair(type, tq + b * qb, &lo, &hi);
         if (type == TL_Q4_0) {
             lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
             hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
