@@ -44,7 +44,7 @@ static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
             if (cnt == 8) {
                 int lane[256];
                 for (int i = 0; i < 256; ++i) {
-                    const int e = avx2_k_natural(256, i);
+                    const int e = avx2_k_natural(256, 2, i);
                     lane[i] = avx2_legacy_file_quant(type, blk + e / 32 * bs, e % 32);
                 }
                 for (int i = 0; i < (type == TL_Q8_0 ? 256 : 128); ++i) {

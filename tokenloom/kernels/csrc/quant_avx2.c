@@ -52,6 +52,7 @@ typedef struct {
     const float *dc;
     const float *xs;
     const int32_t *s16; /* Q6_K: per row k / 16 sums of q (kquant_avx2.c) */
+    const int8_t *q8;   /* the K types: per row 2 k int8, q as two terms in lane order (kquant_avx2.c) */
     int64_t m, k;
 } avx2_act;
 
@@ -183,7 +184,7 @@ static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r
         avx2_k_dequant_lanes(t->type, row, k, lanes);
     else
         avx2_legacy_dequant_lanes(t->type, row, k, lanes);
-    avx2_natural_f32(lanes, out, k, avx2_k_span(t->type));
+    avx2_natural_f32(lanes, out, k, t->type);
     if (lanes != local) free(lanes);
 }
 #pragma GCC pop_options
@@ -225,18 +226,25 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
     default: DOT(T, 1); break;                                                                                 \
     }
 #define AVX2_LEGACY_DOT(T, MR) avx2_legacy_dot(T, row, k, a, r, MR, o)
-#define AVX2_K4_DOT(T, MR) avx2_k4_dot(T, row, k, a, r, MR, o)
-#define AVX2_Q6_DOT(T, MR) avx2_q6_dot(row, k, a, r, MR, o)
+#define AVX2_Q4K_DOT(T, MR) avx2_q4k_dot(row, k, a, r, MR, o)
+/* Q5_K / Q6_K two rows at a time (their int16 sums per row and term fill the registers at four) */
+#define AVX2_Q5K_DOT(T, MR)                                                                                    \
+    avx2_q5k_dot(row, k, a, r, MR < 2 ? MR : 2, o);                                                            \
+    if (MR > 2) avx2_q5k_dot(row, k, a, r + 2, MR - 2, o + 2)
+#define AVX2_Q6_DOT(T, MR)                                                                                     \
+    avx2_q6_dot(row, k, a, r, MR < 2 ? MR : 2, o);                                                             \
+    if (MR > 2) avx2_q6_dot(row, k, a, r + 2, MR - 2, o + 2)
                 switch (t->type) {
                 case TL_Q4_0: AVX2_ROWS(TL_Q4_0, AVX2_LEGACY_DOT) break;
                 case TL_Q4_1: AVX2_ROWS(TL_Q4_1, AVX2_LEGACY_DOT) break;
                 case TL_Q8_0: AVX2_ROWS(TL_Q8_0, AVX2_LEGACY_DOT) break;
-                case TL_Q4_K: AVX2_ROWS(TL_Q4_K, AVX2_K4_DOT) break;
-                case TL_Q5_K: AVX2_ROWS(TL_Q5_K, AVX2_K4_DOT) break;
+                case TL_Q4_K: AVX2_ROWS(TL_Q4_K, AVX2_Q4K_DOT) break;
+                case TL_Q5_K: AVX2_ROWS(TL_Q5_K, AVX2_Q5K_DOT) break;
                 default: AVX2_ROWS(TL_Q6_K, AVX2_Q6_DOT) break;
                 }
 #undef AVX2_LEGACY_DOT
-#undef AVX2_K4_DOT
+#undef AVX2_Q4K_DOT
+#undef AVX2_Q5K_DOT
 #undef AVX2_Q6_DOT
 #undef AVX2_ROWS
                 for (int i = 0; i < rows; ++i) sums[(r + i) * span + (j - n0)] = o[i];
@@ -307,24 +315,25 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
                        int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK;
     const int terms = quant_act_residual_on ? 2 : 1;
-    /* one allocation: dc and xs (floats), Q6_K's per-16 sums, then the int16 quants */
-    const int64_t n16 = t->type == TL_Q6_K ? m * k / 16 : 0;
+    /* one allocation: dc and xs (floats), Q6_K's per-16 sums, the int16 quants, then the K types' int8 terms */
+    const int64_t n16 = t->type == TL_Q6_K ? m * k / 16 : 0, n8 = avx2_k_group(t->type) == 4 ? 2 * m * k : 0;
     float *dc = malloc(sizeof(float) * (size_t)(2 * m * nb) + sizeof(int32_t) * (size_t)n16 +
-                       sizeof(int16_t) * (size_t)(m * k));
+                       sizeof(int16_t) * (size_t)(m * k) + (size_t)n8);
     if (dc == NULL) return QUANT_E_MEMORY;
     int32_t *s16 = (int32_t *)(dc + 2 * m * nb);
     int16_t *q = (int16_t *)(s16 + n16);
+    int8_t *q8 = (int8_t *)(q + m * k);
     if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
         avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, 0, m);
-        for (int64_t r = 0; r < m; ++r) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
+        for (int64_t r = 0; r < m; ++r) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16), q8 + 2 * r * k);
     } else {
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
         for (int64_t r = 0; r < m; ++r) {
             avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
-            avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16));
+            avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16), q8 + 2 * r * k);
         }
     }
-    const avx2_act a = {q, dc, dc + m * nb, s16, m, k};
+    const avx2_act a = {q, dc, dc + m * nb, s16, q8, m, k};
     const avx2_int8_work work = {t, w, k, &a};
     const int rc = avx2_by_chunks(avx2_int8_chunk, &work, n, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                                   threads);

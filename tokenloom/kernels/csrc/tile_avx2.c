@@ -140,10 +140,10 @@ static int avx2_tile_linear(const tl_quant_type *t, const uint8_t *w, int64_t n,
                     if (r >= m)
                         memset(dst, 0, sizeof(float) * (size_t)k);
                     else if (x_is_f32)
-                        avx2_lanes_f32((const float *)x + r * x_stride, dst, k, span);
+                        avx2_lanes_f32((const float *)x + r * x_stride, dst, k, t->type);
                     else {
                         avx2_bf16_row((const uint16_t *)x + r * x_stride, k, natural);
-                        avx2_lanes_f32(natural, dst, k, span);
+                        avx2_lanes_f32(natural, dst, k, t->type);
                     }
                 }
                 avx2_pack_group(wbuf, k, 1, 8, k, 0, xt + g * k * 8);
