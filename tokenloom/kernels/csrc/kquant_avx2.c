@@ -1,32 +1,42 @@
 /*
- * The K types (Q4_K, Q5_K, Q6_K) of quant_avx2.c in the sub-block-per-lane layout: each super-block's quants
+ * The K types (Q4_K, Q5_K, Q6_K) of quant_avx2.c in a sub-block-per-lane layout: each super-block's quants
  * re-laid out once at load (same size: only the quant bytes move; the f16 scales and packed 6-bit scales stay
- * where the file has them) so that one vpmaddwd's eight int32 lanes each stay inside one sub-block.
+ * where the file has them) so that every int32 lane of the products stays inside one sub-block.
  *
  * Lane order. A span of S elements (Q4_K / Q5_K: a super-block's 256, eight sub-blocks of 32; Q6_K: half a
- * super-block, 128, eight sub-blocks of 16) is multiplied as S / 16 vectors of 16 int16: vector t's lanes
- * 2j and 2j + 1 hold elements S/8 j + 2t and S/8 j + 2t + 1, sub-block j's t-th pair. The S / 16 vpmaddwd of
- * a span (weights against the activations' int16 terms in the same order) then add up, lane j, to sub-block
- * j's integer sum: no horizontal reduction per sub-block, one int->float conversion and one multiply-add per
- * span and activation row with a vector of per-lane scales (the weight sub-block scales times the activation
- * blocks' scales). Against the file layout with a horizontal-add tree per eight sub-blocks (Zen 3, one thread
- * from cache, 1B shapes): Q4_K four rows 0.62-0.67x the time, one row 0.89-1.0x; Q5_K 0.66-0.73x / 0.97x;
- * Q6_K 0.86-0.88x / 0.78-0.79x; two threads from memory, one row, Q4_K 0.92-0.96x, Q6_K 0.79-0.82x; a ~1B
- * Q4_K_M decode step 34.7 -> 30.7 ms. The sums are the same integers
- * and the same float operations in the same order as that form's for Q4_K / Q5_K (outputs bit-identical to
- * it); Q6_K now scales each 16-element sub-block on its own (its -32 offset enters as 32 times the
- * activations' per-16 sums, exact) instead of folding its scales into the int16 weights.
+ * super-block, 128, eight sub-blocks of 16) is cut into vectors whose int32 lane j holds G consecutive
+ * elements of sub-block j (avx2_k_natural):
+ *   Q4_K, G = 2 (int16 form): S / 16 vectors of 16 int16, vector t's lanes 2j, 2j + 1 elements S/8 j + 2t,
+ *        + 1; the nibbles widened to int16 meet the activations as int16 (128 h + l joined) in vpmaddwd.
+ *   Q5_K / Q6_K, G = 4 (byte form): S / 32 vectors of 32 bytes, vector t's bytes 4j .. 4j + 3 elements
+ *        S/8 j + 4t .. + 3; vpmaddubsw multiplies the unsigned quants by each of the activations' two int8
+ *        terms (h, l: q = 128 h + l), the int16 pair sums add up over two (Q6_K) / four (Q5_K) vectors below
+ *        32768, and one vpmaddwd per term (by 128 and by 1) widens them into the sub-block's int32 lane.
+ * Either way a span's products add up, lane j, to sub-block j's integer sum: no horizontal reduction, one
+ * int->float conversion and one multiply-add per span and activation row with a vector of per-lane scales
+ * (the weight sub-block scales times the activation blocks' scales).
+ * Measured (Zen 3, bench/ab_kernels.py): the int16 form against the file layout with an add tree, one thread
+ * from cache, Q4_K four rows 0.62-0.67x the time, one row 0.89-1.0x, a ~1B Q4_K_M decode step 34.7 -> 30.7 ms;
+ * the byte form against the int16 one, one row: Q5_K 0.57-0.62x (one thread from cache) / 0.62-0.75x (two
+ * threads from memory), Q6_K 0.73-0.79x / 0.78-0.80x; two rows 0.78-0.95x; four rows 0.97-1.19x (two rows at a
+ * time: four rows' int16 sums do not fit the registers); the ~1B Q4_K_M step 33.1 -> 31.5 ms (its Q6_K).
+ * Q4_K stays in the int16 form: the byte form measured level at one row and 1.2-1.4x slower at 2-7 (the
+ * nibble unpack it saves is small against the super-block's scale work). Both forms make the same integer sums
+ * and the same float operations in the same order: below quant_tile_m rows outputs are bit-identical between
+ * them (the float32 tile sums a Q5_K / Q6_K row in the byte form's order: other roundings). Q6_K scales each
+ * 16-element sub-block on its own (its -32 offset enters as 32 times the activations' per-16 sums, exact).
  *
- * The activations are quantized per 32 exactly as for the legacy types and then put into lane order
- * (avx2_lanes_act: a transpose of element pairs per span, once per call and row); the float32 tile (prefill)
- * dequantizes the weights in lane order and puts its activation rows into the same order (avx2_lanes_f32),
- * so every product meets its partner; embedding rows and dequantize put them back into file order.
+ * The activations are quantized per 32 exactly as for the legacy types (avx2_lanes_act: the int16 form's in
+ * lane order in place, the byte form's split into the two int8 terms in lane order, once per call and row);
+ * the float32 tile (prefill) dequantizes the weights in lane order and puts its activation rows into the same
+ * order (avx2_lanes_f32), so every product meets its partner; embedding rows and dequantize put them back.
  *
- * Re-laid quant bytes (p = 2j + e, a lane's byte within a 16-byte chunk):
- *   Q4_K qs (bytes 16-143) / Q5_K qs (48-175): chunk c, byte p: low nibble vector 2c's lane p, high nibble
- *        vector 2c + 1's.  Q5_K qh (16-47): chunk h (0, 1), byte p, bit b: vector 8h + b's fifth bit at lane p.
- *   Q6_K ql (0-127): chunk c as Q4_K's qs, low four bits (vectors 0-7 span 0, 8-15 span 1); qh (128-191):
- *        chunk h (0-3), byte p, bits 2s and 2s + 1: the top two bits of vector 4h + s at lane p.
+ * Re-laid quant bytes:
+ *   Q4_K qs (bytes 16-143): chunk c of 16, byte p: low nibble vector 2c's lane p, high nibble vector 2c + 1's.
+ *   Q5_K qs (48-175) / Q6_K ql (0-127): chunk c of 32, byte p: low nibble vector 2c's byte p, high nibble
+ *        vector 2c + 1's (Q6_K: vectors 0-3 span 0, 4-7 span 1). Q5_K qh (16-47): byte p, bit b: vector b's
+ *        fifth bit at byte p. Q6_K qh (128-191): chunk h of 32, byte p, bits 2s, 2s + 1: the top two bits of
+ *        vector 4h + s at byte p.
  *
  * Included by quant_avx2.c (its activation struct and helpers).
  */

@@ -9,7 +9,9 @@
  * quant_act_residual(0)). The two terms are stored joined, one int16 per element (128 q0 + q1: |q| <= 16320),
  * and each weight block is widened once per four activation rows to 32 int16 and multiplied by vpmaddwd: two
  * multiplies a block and row where vpmaddubsw would take four and their int32 widening (1.2-1.6x faster at 1-4
- * rows on Zen 3, the same integer sums). Every type's quants are re-laid out once at load (same size) in a lane
+ * rows on Zen 3, the same integer sums). Q5_K and Q6_K, whose wider quants cost more to widen, take the other
+ * form: their bytes against the two terms split back into int8, by vpmaddubsw (kquant_avx2.c: 0.6-0.8x the time
+ * at one row). Every type's quants are re-laid out once at load (same size) in a lane
  * order in which each int32 lane of the products stays in one block / sub-block, so a span's sums need no
  * horizontal reduction and are scaled in float32 by one multiply-add with vectors of per-lane scales (the
  * weights' times the activation blocks'): kquant_avx2.c (the order; the K types), legacy_avx2.c (Q4_0, Q4_1,
