@@ -96,6 +96,34 @@ for name in TYPES:
 """)
 
 
+def test_largest_quants_and_activations_stay_exact():
+    """The K types with every quant at its largest (Q4_K 15, Q5_K 31, Q6_K 63: where Q5_K / Q6_K add the
+    vpmaddubsw pair sums in int16, the sums come nearest 32767) against activation rows at the largest terms
+    (every element the block's max, both signs, the first term 127 everywhere) and random rows: within the two
+    int8 terms' bound at 1-4 rows, so no int16 sum wrapped."""
+    _run("""
+full = {'Q4_K': [(16, 144)], 'Q5_K': [(16, 176)], 'Q6_K': [(0, 192)]}  # quant bytes of a file super-block
+for name, spans in full.items():
+    qtype = qg.TYPE_IDS[name]
+    k = 768
+    raw = make_blocks(qtype, 8, k, 11).copy()
+    blocks = raw.reshape(8 * k // 256, -1)  # a view: one super-block a row
+    for lo, hi in spans:
+        blocks[:, lo:hi] = 0xFF
+    qm = qg.QuantMatrix.from_gguf(qtype, (8, k), raw, 'test.' + name)
+    p = qg.prepare(qm)
+    w = qg.dequantize(qm).double()
+    g = torch.Generator().manual_seed(3)
+    ones = torch.ones(k)
+    rows = [ones, -ones, ones * torch.where(torch.arange(k) % 64 < 32, 1.0, -1.0), torch.randn(k, generator=g)]
+    for m in (1, 2, 3, 4):
+        x = torch.stack(rows[:m]).bfloat16()
+        ref = x.double() @ w.T
+        got = qg.linear(x, p, out_dtype=torch.float32).double()
+        assert bool(((got - ref).abs() <= int8_bound(x, w, 256)).all()), (name, m, (got - ref).abs().max())
+""")
+
+
 def test_second_term_is_used_and_one_term_stays_within_its_bound():
     """quant_act_residual(0) leaves one int8 term (llama.cpp's Q8 activations): within d / 2, and the default
     two terms cut that error by more than 30x on every type (the second term is really read)."""
