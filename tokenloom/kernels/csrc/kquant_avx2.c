@@ -231,6 +231,21 @@ static inline __attribute__((always_inline)) void avx2_lane_madd(const avx2_act 
     }
 }
 
+/* Q4_K / Q5_K super-block sb (at blk) of a row: its per-sub-block integer sums isum[i] (lane j = sub-block j) of
+ * activation rows r0 + i scaled into acc[i] += isum * (d sc_j) * d_x(j), and offs[i] += -dmin m_j * xs(j). */
+static inline __attribute__((always_inline)) void avx2_k4_scale_rows(const uint8_t *blk, const avx2_act *a,
+                                                                      int64_t r0, const int MR, int64_t nb,
+                                                                      int64_t sb, const __m256i *isum, __m256 *acc,
+                                                                      __m256 *offs) {
+    __m256 dw, off;
+    avx2_k4_scale_off(blk, &dw, &off);
+    for (int i = 0; i < MR; ++i) {
+        const int64_t at = (r0 + i) * nb + 8 * sb;
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + at)), acc[i]);
+        offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + at), offs[i]);
+    }
+}
+
 /* out[i] = Q4_K weight row `row` (int16 lane order) . activation row r0 + i, i < MR: per super-block the 16
  * vectors' products summed per lane (= per sub-block), then acc += sums * (d sc_j) * d_x(j) and
  * offs += -dmin m_j * xs(j). */
@@ -250,14 +265,7 @@ static inline __attribute__((always_inline)) void avx2_q4k_dot(const uint8_t *ro
             avx2_nibble_pair(blk + 16 + 16 * c, &w0, &w1);
             avx2_lane_madd(a, r0, MR, 256 * sb + 32 * c, w0, w1, isum);
         }
-        __m256 dw, off;
-        avx2_k4_scale_off(blk, &dw, &off);
-        for (int i = 0; i < MR; ++i) {
-            const int64_t at = (r0 + i) * nb + 8 * sb;
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + at)),
-                                     acc[i]);
-            offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + at), offs[i]);
-        }
+        avx2_k4_scale_rows(blk, a, r0, MR, nb, sb, isum, acc, offs);
     }
     for (int i = 0; i < MR; ++i) out[i] = avx2_hsum(acc[i]) + (avx2_hsum(offs[i]) + 0.f);
 }
@@ -313,14 +321,7 @@ static inline __attribute__((always_inline)) void avx2_q5k_dot(const uint8_t *ro
             avx2_u8_madd(a, r0, MR, 256 * sb + 64 * c + 32, w1, &sums);
             if (c % 2) avx2_u8_widen(MR, &sums, isum);
         }
-        __m256 dw, off;
-        avx2_k4_scale_off(blk, &dw, &off);
-        for (int i = 0; i < MR; ++i) {
-            const int64_t at = (r0 + i) * nb + 8 * sb;
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + at)),
-                                     acc[i]);
-            offs[i] = _mm256_fmadd_ps(off, _mm256_loadu_ps(a->xs + at), offs[i]);
-        }
+        avx2_k4_scale_rows(blk, a, r0, MR, nb, sb, isum, acc, offs);
     }
     for (int i = 0; i < MR; ++i) out[i] = avx2_hsum(acc[i]) + (avx2_hsum(offs[i]) + 0.f);
 }
