@@ -49,13 +49,18 @@ def load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.quant_linear.restype = ctypes.c_int
     lib.quant_repack.restype = ctypes.c_int
+    if hasattr(lib, "quant_packed_bytes"):
+        lib.quant_packed_bytes.restype = ctypes.c_int64
+        lib.quant_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
 def prepared_copies(lib: ctypes.CDLL, raws: list, n: int, k: int) -> list[torch.Tensor]:
     out = []
     for qm in raws:
-        data = qm.data.clone()
+        size = lib.quant_packed_bytes(qm.qtype, n, k) if hasattr(lib, "quant_packed_bytes") else qm.data.numel()
+        data = torch.empty(size, dtype=torch.uint8)  # a tree before quant_packed_bytes: the file's size
+        data[:qm.data.numel()] = qm.data.reshape(-1)
         rc = lib.quant_repack(qm.qtype, ctypes.c_void_p(data.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(k))
         if rc != 0:
             raise RuntimeError(f"quant_repack failed ({rc})")

@@ -1,7 +1,8 @@
 /*
  * GGUF-quantized matmul for x86 CPUs with AVX2, FMA and F16C but without the AVX-512 families quant_gemm.c
  * builds otherwise (AMD Zen 2/3, Intel client cores, Xeons without AVX512-BF16): the same entry points, the same
- * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows, each re-laid out once at load (same size).
+ * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows, each re-laid out once at load (the file's size;
+ * Q4_K / Q5_K 4 bytes a super-block more, their 6-bit scales unpacked).
  *
  * bf16 x below quant_tile_m rows (quant_path 1: decode): x is quantized per 32-element block to int8 in two
  * terms exactly as quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale
@@ -11,7 +12,7 @@
  * multiplies a block and row where vpmaddubsw would take four and their int32 widening (1.2-1.6x faster at 1-4
  * rows on Zen 3, the same integer sums). Q5_K and Q6_K, whose wider quants cost more to widen, take the other
  * form: their bytes against the two terms split back into int8, by vpmaddubsw (kquant_avx2.c: 0.6-0.8x the time
- * at one row). Every type's quants are re-laid out once at load (same size) in a lane
+ * at one row). Every type's quants are re-laid out once at load in a lane
  * order in which each int32 lane of the products stays in one block / sub-block, so a span's sums need no
  * horizontal reduction and are scaled in float32 by one multiply-add with vectors of per-lane scales (the
  * weights' times the activation blocks'): kquant_avx2.c (the order; the K types), legacy_avx2.c (Q4_0, Q4_1,
@@ -140,14 +141,22 @@ static inline __attribute__((always_inline)) __m128i avx2_k4_scales(const uint8_
     return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
 }
 
-/* Q4_K / Q5_K super-block blk: its eight sub-blocks' scales (d times the 6-bit scale) and offsets (-dmin times
- * the 6-bit min). */
-static inline void avx2_k4_scale_off(const uint8_t *blk, __m256 *dw, __m256 *off) {
-    const __m128i sm = avx2_k4_scales(blk + 4);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
-    *dw = _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk)), sc);
-    *off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(avx2_h2f(blk + 2)), mn));
+/* Re-laid-out Q4_K / Q5_K super-blocks (kquant_avx2.c): f16 d and dmin, the eight 6-bit scales and the eight
+ * mins unpacked to a byte each (16 bytes where the file packs 12), then the quants. */
+#define AVX2_Q4K_BYTES 148
+#define AVX2_Q5K_BYTES 180
+#define AVX2_K4_QUANTS 20 /* offset of the quants (Q5_K: its fifth bits, then the nibbles at 52) */
+
+/* Q4_K / Q5_K re-laid-out super-block blk: its eight sub-blocks' scales (d times the 6-bit scale) and min steps
+ * (dmin times the 6-bit min); d and dmin converted together (one vcvtph2ps). */
+static inline __attribute__((always_inline)) void avx2_k4_scale_min(const uint8_t *blk, __m256 *dw, __m256 *dm) {
+    const __m128i sm = _mm_loadu_si128((const __m128i *)(blk + 4));
+    int32_t both;
+    memcpy(&both, blk, 4);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(both)); /* lane 0 d, lane 1 dmin */
+    *dw = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    *dm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
 }
 
 #include "kquant_avx2.c" /* the K types, in the sub-block-per-lane layout */
@@ -157,8 +166,8 @@ static const tl_quant_type AVX2_TYPES[] = {
     {TL_Q4_0, 32, 18, NULL, NULL, avx2_q4_0_repack, NULL, 32},
     {TL_Q4_1, 32, 20, NULL, NULL, avx2_q4_1_repack, NULL, 32},
     {TL_Q8_0, 32, 34, NULL, NULL, avx2_q8_0_repack, NULL, 32},
-    {TL_Q4_K, 256, 144, NULL, NULL, avx2_q4_k_repack, NULL, 32},
-    {TL_Q5_K, 256, 176, NULL, NULL, avx2_q5_k_repack, NULL, 32},
+    {TL_Q4_K, 256, AVX2_Q4K_BYTES, NULL, NULL, avx2_q4_k_repack, NULL, 32},
+    {TL_Q5_K, 256, AVX2_Q5K_BYTES, NULL, NULL, avx2_q5_k_repack, NULL, 32},
     {TL_Q6_K, 256, 210, NULL, NULL, avx2_q6_k_repack, NULL, 16},
 };
 

@@ -148,7 +148,17 @@ KERNEL_API int quant_seq_m(int value) {
     return tl_quant_seq_max_m;
 }
 
-/* Re-lays out data [n rows of k columns] in place for the type's kernels (same size). */
+/* Bytes of a re-laid-out [n, k] matrix of `type` (the file's size but for the AVX2 family's Q4_K / Q5_K, whose
+ * scales it unpacks: 148 / 180 bytes a super-block where the file has 144 / 176), or -1 where the kernels do not
+ * take the type or shape. */
+KERNEL_API int64_t quant_packed_bytes(int type, int64_t n, int64_t k) {
+    const tl_quant_type *t = tl_quant_lookup(type);
+    if (check_shape(t, n, k) != QUANT_OK) return -1;
+    return n * (k / t->block) * t->block_size;
+}
+
+/* Re-lays out data [n rows of k columns] in place for the type's kernels: the file's bytes at its start, room
+ * for quant_packed_bytes. */
 KERNEL_API int quant_repack(int type, uint8_t *data, int64_t n, int64_t k) {
     const tl_quant_type *t = tl_quant_lookup(type);
     const int rc = check_shape(t, n, k);
