@@ -238,13 +238,16 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
     }
 #define AVX2_LEGACY_DOT(T, MR) avx2_legacy_dot(T, row, k, a, r, MR, o)
 #define AVX2_Q4K_DOT(T, MR) avx2_q4k_dot(row, k, a, r, MR, o)
-/* Q5_K / Q6_K two rows at a time (their int16 sums per row and term fill the registers at four) */
-#define AVX2_Q5K_DOT(T, MR)                                                                                    \
-    avx2_q5k_dot(row, k, a, r, MR < 2 ? MR : 2, o);                                                            \
-    if (MR > 2) avx2_q5k_dot(row, k, a, r + 2, MR - 2, o + 2)
-#define AVX2_Q6_DOT(T, MR)                                                                                     \
-    avx2_q6_dot(row, k, a, r, MR < 2 ? MR : 2, o);                                                             \
-    if (MR > 2) avx2_q6_dot(row, k, a, r + 2, MR - 2, o + 2)
+/* Q5_K / Q6_K up to three rows in one pass, four as two passes of two (four rows' int16 sums per term spill;
+ * against two rows at a time, three rows in one pass 0.85-0.92x the time, four as three and one 1.04-1.08x) */
+#define AVX2_BYTE_ROWS(DOT, MR)                                                                                \
+    if (MR == 4) {                                                                                             \
+        DOT(row, k, a, r, 2, o);                                                                               \
+        DOT(row, k, a, r + 2, 2, o + 2);                                                                       \
+    } else                                                                                                     \
+        DOT(row, k, a, r, MR, o)
+#define AVX2_Q5K_DOT(T, MR) AVX2_BYTE_ROWS(avx2_q5k_dot, MR)
+#define AVX2_Q6_DOT(T, MR) AVX2_BYTE_ROWS(avx2_q6_dot, MR)
                 switch (t->type) {
                 case TL_Q4_0: AVX2_ROWS(TL_Q4_0, AVX2_LEGACY_DOT) break;
                 case TL_Q4_1: AVX2_ROWS(TL_Q4_1, AVX2_LEGACY_DOT) break;
@@ -256,6 +259,7 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
 #undef AVX2_LEGACY_DOT
 #undef AVX2_Q4K_DOT
 #undef AVX2_Q5K_DOT
+#undef AVX2_BYTE_ROWS
 #undef AVX2_Q6_DOT
 #undef AVX2_ROWS
                 for (int i = 0; i < rows; ++i) sums[(r + i) * span + (j - n0)] = o[i];
