@@ -21,8 +21,9 @@
  * Measured (Zen 3, bench/ab_kernels.py): the int16 form against the file layout with an add tree, one thread
  * from cache, Q4_K four rows 0.62-0.67x the time, one row 0.89-1.0x, a ~1B Q4_K_M decode step 34.7 -> 30.7 ms;
  * the byte form against the int16 one, one row: Q5_K 0.57-0.62x (one thread from cache) / 0.62-0.75x (two
- * threads from memory), Q6_K 0.73-0.79x / 0.78-0.80x; two rows 0.78-0.95x; four rows 0.97-1.19x (two rows at a
- * time: four rows' int16 sums do not fit the registers); the ~1B Q4_K_M step 33.1 -> 31.5 ms (its Q6_K).
+ * threads from memory), Q6_K 0.73-0.79x / 0.78-0.80x; two rows 0.78-0.95x; three rows Q5_K 0.82-0.90x, Q6_K
+ * level; four rows Q5_K level, Q6_K 1.13-1.18x (four rows' int16 sums do not fit the registers: two passes of
+ * two, each repeating the unpack and scale work); the ~1B Q4_K_M step 33.1 -> 31.5 ms (its Q6_K).
  * Q4_K stays in the int16 form: the byte form measured level at one row and 1.2-1.4x slower at 2-7 (the
  * nibble unpack it saves is small against the super-block's scale work). Both forms make the same integer sums
  * and the same float operations in the same order: below quant_tile_m rows outputs are bit-identical between
