@@ -268,7 +268,8 @@ def prepare(qm: QuantMatrix) -> QuantMatrix:
     data = torch.empty(size, dtype=torch.uint8)
     data[:qm.nbytes] = qm.data.reshape(-1)
     _check(_native().quant_repack(qm.qtype, _ptr(data), qm.rows, qm.cols), where)
-    return QuantMatrix(qm.qtype, qm.rows, qm.cols, data.view(qm.rows, size // max(qm.rows, 1)), packed=True)
+    row_bytes = size // qm.rows if qm.rows else qm.data.shape[1]
+    return QuantMatrix(qm.qtype, qm.rows, qm.cols, data.view(qm.rows, row_bytes), packed=True)
 
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
