@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.avx2_subprocess import has_avx2, run_avx2
 from tokenloom.cache.kv_pool import to_kv_dtype
 from tokenloom.kernels import paged_attention
 
@@ -130,3 +131,13 @@ def test_fused_kv_write_stores_torchs_fp8_cast(kv, act):
     assert torch.equal(v.view(torch.uint8), v_ref.view(torch.uint8))
     ref = _reference(q, k_ref, v_ref, indptr, indices, 0.125)
     assert _close(out, ref, act, scale=100)  # |V| up to 448 here
+
+
+@pytest.mark.skipif(not has_avx2(), reason="the CPU has no AVX2/FMA/F16C")
+def test_avx2_build_matches_reference():
+    """The AVX2 path over fp8 rows (CPUs without AVX-512: rows widened 8 at a time through F16C, e4m3's 2^-8
+    folded into the query scale and the sums), e4m3 and e5m2, against the same reference: this file's reference
+    tests in a process whose kernels are built for AVX2 (on an AVX2-only CPU they are the tests above)."""
+    run_avx2("import pytest\n"
+             "assert pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/unit/test_paged_attention_fp8.py', '-k', "
+             "'matches_torch or chunks_and_shared or fused_kv_write']) == 0")

@@ -168,7 +168,9 @@ DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
 #define HAVE_AVX2_RANGE 1
 /* AVX2 path (CPUs without AVX-512), head_dim a multiple of 8: the scaled query rows in float32; K rows widened
  * 8 at a time into an L1 buffer, each group member's 8 dot products reduced to one vector of 8 scores; then
- * the softmax; P.V per query row with 64 of its accumulators in registers at a time. */
+ * the softmax; P.V up to four query rows at a time (avx2_pv: each V row widened once per four). KV_MUL: a
+ * power of two the widened rows come out divided by (paged_attention_fp8.c's e4m3), folded into the query
+ * scale and the weighted sums (exact: the same scores and sums as from the exactly widened rows). */
 static inline __m256 v8_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 v8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -182,14 +184,45 @@ static inline __m256 v8_sum8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-#define DEFINE_AVX2_RANGE(NAME, T, QLOAD, TKV, VLOAD)                                                          \
+/* avx2_pv: P.V of query rows g0 .. g0 + GB - 1 (one kv head's group members), head_dim 8 nv: CW accumulators per member
+ * in registers (GB CW <= 12), each V row's CW vectors widened once for all GB members; out[g][d] the sums over
+ * the keys in order (the same FMA chain per output whatever GB and CW). */
+#define DEFINE_AVX2_PV(NAME, TKV, VLOAD, KV_MUL)                                                               \
+static inline __attribute__((always_inline)) void NAME(const TKV *vh, const int64_t *idx, int64_t n,           \
+                                                       const float *scores, int g0, const int GB,              \
+                                                       const int CW, int nv, float *out) {                     \
+    const int dim = 8 * nv;                                                                                    \
+    for (int c0 = 0; c0 < nv; c0 += CW) {                                                                      \
+        const int cn = nv - c0 < CW ? nv - c0 : CW;                                                            \
+        __m256 acc[4][8];                                                                                      \
+        for (int g = 0; g < GB; ++g)                                                                           \
+            for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();                                      \
+        for (int64_t l = 0; l < n; ++l) {                                                                      \
+            const TKV *vp = vh + idx[l] * dim + 8 * c0;                                                        \
+            __m256 pl[4];                                                                                      \
+            for (int g = 0; g < GB; ++g) pl[g] = _mm256_set1_ps(scores[(int64_t)(g0 + g) * n + l]);            \
+            for (int c = 0; c < CW; ++c) {                                                                     \
+                if (c >= cn) break;                                                                            \
+                const __m256 v = VLOAD(vp + 8 * c);                                                            \
+                for (int g = 0; g < GB; ++g) acc[g][c] = _mm256_fmadd_ps(pl[g], v, acc[g][c]);                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int g = 0; g < GB; ++g)                                                                           \
+            for (int c = 0; c < cn; ++c)                                                                       \
+                _mm256_storeu_ps(out + (int64_t)(g0 + g) * dim + 8 * (c0 + c),                                 \
+                                 (KV_MUL) == 1.f ? acc[g][c] : _mm256_mul_ps(acc[g][c], _mm256_set1_ps(KV_MUL))); \
+    }                                                                                                          \
+}
+
+#define DEFINE_AVX2_RANGE(NAME, T, QLOAD, TKV, VLOAD, KV_MUL)                                                  \
+DEFINE_AVX2_PV(NAME##_pv, TKV, VLOAD, KV_MUL)                                                                  \
 static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, int64_t n, int group, int dim,  \
                  float scale, float *scores, Partial *part) {                                                  \
     const int nv = dim / 8;                                                                                    \
     float qf[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));                                                \
     float krow[8][MAX_DIM] __attribute__((aligned(32)));                                                       \
     for (int g = 0; g < group; ++g)                                                                            \
-        for (int d = 0; d < dim; ++d) qf[g * dim + d] = QLOAD(q + (int64_t)g * dim, d) * scale;               \
+        for (int d = 0; d < dim; ++d) qf[g * dim + d] = QLOAD(q + (int64_t)g * dim, d) * (scale * (KV_MUL));    \
     for (int64_t l0 = 0; l0 < n; l0 += 8) {                                                                    \
         const int cnt = n - l0 < 8 ? (int)(n - l0) : 8;                                                        \
         for (int j = 0; j < 8; ++j) /* rows past the last key zero: their scores are never stored */           \
@@ -210,24 +243,18 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
         }                                                                                                      \
     }                                                                                                          \
     softmax_rows(scores, n, group, part);                                                                      \
-    for (int g = 0; g < group; ++g) {                                                                          \
-        const float *p = scores + (int64_t)g * n;                                                              \
-        for (int c0 = 0; c0 < nv; c0 += 8) {                                                                   \
-            const int cn = nv - c0 < 8 ? nv - c0 : 8;                                                          \
-            __m256 acc[8];                                                                                     \
-            for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();                                          \
-            for (int64_t l = 0; l < n; ++l) {                                                                  \
-                const TKV *vp = vh + idx[l] * dim + 8 * c0;                                                    \
-                const __m256 pl = _mm256_set1_ps(p[l]);                                                        \
-                for (int c = 0; c < cn; ++c) acc[c] = _mm256_fmadd_ps(pl, VLOAD(vp + 8 * c), acc[c]);           \
-            }                                                                                                  \
-            for (int c = 0; c < cn; ++c) _mm256_storeu_ps(part->acc + (int64_t)g * dim + 8 * (c0 + c), acc[c]); \
+    for (int g0 = 0; g0 < group; g0 += 4) { /* four members at a time, 3-8 vectors of their sums at once */    \
+        switch (group - g0 < 4 ? group - g0 : 4) {                                                             \
+        case 1: NAME##_pv(vh, idx, n, scores, g0, 1, 8, nv, part->acc); break;                                 \
+        case 2: NAME##_pv(vh, idx, n, scores, g0, 2, 6, nv, part->acc); break;                                 \
+        case 3: NAME##_pv(vh, idx, n, scores, g0, 3, 4, nv, part->acc); break;                                 \
+        default: NAME##_pv(vh, idx, n, scores, g0, 4, 3, nv, part->acc); break;                                \
         }                                                                                                      \
     }                                                                                                          \
 }
 
-DEFINE_AVX2_RANGE(range_avx2_f32, float, load_f32, float, v8_f32)
-DEFINE_AVX2_RANGE(range_avx2_bf16, uint16_t, load_bf16, uint16_t, v8_bf16)
+DEFINE_AVX2_RANGE(range_avx2_f32, float, load_f32, float, v8_f32, 1.f)
+DEFINE_AVX2_RANGE(range_avx2_bf16, uint16_t, load_bf16, uint16_t, v8_bf16, 1.f)
 #else
 #define HAVE_AVX2_RANGE 0
 #endif
@@ -594,7 +621,7 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
 #else
 #define VECTOR_CALL(FN, NV) (void)0
 #endif
-#if HAVE_AVX2_RANGE /* bf16 and float32 KV (fp8 KV: the portable path) */
+#if HAVE_AVX2_RANGE /* bf16 and float32 KV (fp8 KV: paged_attention_fp8.c) */
 #define AVX2_CALL_f32 (range_avx2_f32(q, kh, vh, idx, n, group, dim, scale, scores, part), 1)
 #define AVX2_CALL_bf16 (range_avx2_bf16(q, kh, vh, idx, n, group, dim, scale, scores, part), 1)
 #else
