@@ -49,7 +49,7 @@ def int8_bound(x, w, divisor):
 
 
 lib = qg._native()
-assert qg.native_isa() == 1 and lib.quant_isa() == 1 and not qg.native_moe_supported()
+assert qg.native_isa() == 1 and lib.quant_isa() == 1 and qg.native_moe_supported()
 assert lib.quant_tile_m(-1) == 16
 """
 
@@ -185,4 +185,47 @@ qm = qg.prepare(matrix('Q8_0', 8, 64, 6))
 ids = torch.tensor([8], dtype=torch.int64)
 rows = torch.empty(1, 64)
 assert lib.quant_dequant_rows(8, qm.data.data_ptr(), 8, 64, ids.data_ptr(), 1, rows.data_ptr(), 0, 1) == -3
+""")
+
+
+def test_moe_experts_call_keeps_float32_between_projections():
+    """The fused MoE call on this family (csrc/quant_moe.c's avx2_moe_experts: expert by expert through the
+    matmuls above, float32 between gate_up and down), experts of mixed types, groups below quant_tile_m rows
+    (the two int8 terms, down's made from the float32 SwiGLU rows) and above it (the float32 tile), against
+    float64 over the dequantized experts: within 2e-4 of the output's norm, where rounding the SwiGLU output
+    to bf16 alone (the expert-by-expert layer's path) costs ~1e-3."""
+    _run("""
+hidden, inter, experts = 256, 512, 4
+kinds = [('Q8_0', 'Q4_K'), ('Q4_K', 'Q6_K'), ('Q4_1', 'Q8_0'), ('Q5_K', 'Q4_0')]
+gu = [qg.prepare(matrix(a, 2 * inter, hidden, 10 + e)) for e, (a, _) in enumerate(kinds)]
+dn = [qg.prepare(matrix(b, hidden, inter, 20 + e)) for e, (_, b) in enumerate(kinds)]
+deq_gu = [qg.dequantize(m).double() for m in gu]
+deq_dn = [qg.dequantize(m).double() for m in dn]
+g = torch.Generator().manual_seed(5)
+for tokens in (1, 3, 40):
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    active = torch.nonzero(counts).flatten()
+    group_start = torch.zeros(active.numel() + 1, dtype=torch.int64)
+    group_start[1:] = counts.index_select(0, active).cumsum(0)
+    table = lambda ms: (torch.tensor([ms[e].qtype for e in active.tolist()], dtype=torch.int32),
+                        torch.tensor([ms[e].data.data_ptr() for e in active.tolist()], dtype=torch.int64))
+    got = qg.moe_experts(x.contiguous(), order // 2, weights.flatten().float().index_select(0, order).contiguous(),
+                         group_start, table(gu), table(dn), inter).double()
+    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+    rounded = torch.zeros_like(ref)
+    for t in range(tokens):
+        for j in range(2):
+            e = int(ids[t, j])
+            h = deq_gu[e] @ x[t].double()
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            ref[t] += float(weights[t, j]) * (deq_dn[e] @ act)
+            rounded[t] += float(weights[t, j]) * (deq_dn[e] @ act.bfloat16().double())
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 2e-4, (tokens, err, float((rounded - ref).norm() / ref.norm()))
+    assert int(counts.max()) >= 16 or tokens < 40, 'a group at or past quant_tile_m rows'
 """)

@@ -209,8 +209,9 @@ def native_isa() -> int:
 
 
 def native_moe_supported() -> bool:
-    """Whether the fused MoE call (`moe`) runs here: the AVX-512 families only."""
-    return native_isa() == 2
+    """Whether the fused MoE call (`moe_experts`) runs here: either native family (the AVX2 one expert by expert,
+    csrc/quant_moe.c)."""
+    return native_isa() >= 1
 
 
 @functools.cache

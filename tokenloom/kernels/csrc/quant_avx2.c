@@ -82,17 +82,20 @@ static inline __m256i avx2_pack_i16(__m256i a, __m256i b) {
     return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
 }
 
-/* Rows r0 .. r1 - 1 of bf16 x [m, k] quantized (see the file comment) into q, dc, xs laid out as avx2_act. */
-static void avx2_quantize_rows(const uint16_t *x, int64_t x_stride, int64_t k, int terms, int16_t *q, float *dc,
-                               float *xs, int64_t r0, int64_t r1) {
+/* Rows r0 .. r1 - 1 of x [m, k] (bf16, or float32 where x_is_f32) quantized (see the file comment) into q, dc,
+ * xs laid out as avx2_act. */
+static void avx2_quantize_rows(const void *x, int64_t x_stride, int x_is_f32, int64_t k, int terms, int16_t *q,
+                               float *dc, float *xs, int64_t r0, int64_t r1) {
     const int64_t nb = k / TL_QK;
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t b = 0; b < nb; ++b) {
             __m256 v[4];
+            const int64_t at = r * x_stride + 32 * b;
             for (int i = 0; i < 4; ++i)
-                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + r * x_stride + 32 * b + 8 * i))), 16));
+                v[i] = x_is_f32 ? _mm256_loadu_ps((const float *)x + at + 8 * i)
+                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                      _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at + 8 * i))), 16));
             const __m256 mx =
                 _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
@@ -324,10 +327,11 @@ static void avx2_int8_chunk(const void *work, int64_t n0, int64_t n1, float *sum
     avx2_int8_rows(p->t, p->w, p->k, p->a, n0, n1, sums);
 }
 
-/* quant_linear's int8 work on this family (quant_path 1: bf16 x; arguments already checked). */
+/* quant_linear's int8 work on this family (quant_path 1: bf16 x; float32 x where x_is_f32, quant_moe.c's few
+ * rows between the projections; arguments already checked). */
 static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int64_t k, const void *x,
-                       int64_t x_stride, int64_t m, const void *bias, int bias_is_f32, void *out, int64_t out_stride,
-                       int out_is_f32, int threads) {
+                       int64_t x_stride, int x_is_f32, int64_t m, const void *bias, int bias_is_f32, void *out,
+                       int64_t out_stride, int out_is_f32, int threads) {
     const int64_t nb = k / TL_QK;
     const int terms = quant_act_residual_on ? 2 : 1;
     /* one allocation: dc and xs (floats), Q6_K's per-16 sums, the int16 quants, then the K types' int8 terms */
@@ -339,12 +343,12 @@ static int avx2_linear(const tl_quant_type *t, const uint8_t *w, int64_t n, int6
     int16_t *q = (int16_t *)(s16 + n16);
     int8_t *q8 = (int8_t *)(q + m * k);
     if (m < AVX2_ACT_SPLIT || threads < 2) { /* decode rows: no thread team for so little */
-        avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, 0, m);
+        avx2_quantize_rows(x, x_stride, x_is_f32, k, terms, q, dc, dc + m * nb, 0, m);
         for (int64_t r = 0; r < m; ++r) avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16), q8 + 2 * r * k);
     } else {
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
         for (int64_t r = 0; r < m; ++r) {
-            avx2_quantize_rows(x, x_stride, k, terms, q, dc, dc + m * nb, r, r + 1);
+            avx2_quantize_rows(x, x_stride, x_is_f32, k, terms, q, dc, dc + m * nb, r, r + 1);
             avx2_lanes_act(t->type, q + r * k, k, s16 + r * (k / 16), q8 + 2 * r * k);
         }
     }

@@ -684,7 +684,7 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     if (quant_path(type, m, k, x_is_f32) == 0)
         return avx2_tile_linear(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                                 threads);
-    return avx2_linear(t, w, n, k, x, x_stride, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
+    return avx2_linear(t, w, n, k, x, x_stride, 0, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #else
     (void)w; (void)x; (void)x_is_f32; (void)bias; (void)bias_is_f32; (void)out; (void)out_is_f32; (void)threads;
     return QUANT_E_TYPE;

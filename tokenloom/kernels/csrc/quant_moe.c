@@ -16,6 +16,9 @@
  *      the same element; the sum order is the pairs' order, so the result does not depend on the threads).
  * The numerics are quant_linear's small path (the same int8 terms and dot kernels) with float32 in place of
  * the modular path's bf16 roundings between the projections.
+ * On CPUs with AVX2 and no AVX-512 (quant_avx2.c's family) the same contract is met expert by expert through
+ * quant_linear (`avx2_moe_experts`: two OpenMP regions per expert, no Python between them), float32 between
+ * the projections too, and the sum E in the same pair order.
  *
  * Inputs: x bf16 [T, hidden]; pairs sorted by expert: pair_token[P] (row of x), pair_weight[P] (float32);
  * groups: group_start[G + 1] (pair offsets), per group the expert's gate_up ([2 * inter, hidden], gate rows
@@ -40,8 +43,6 @@ typedef struct {
     int64_t group, first, rows; /* pairs first .. first + rows - 1, all of expert group `group` */
 } tl_moe_sub;
 
-static inline float tl_silu(float v) { return v / (1.0f + expf(-v)); }
-
 /* Phases B and D: rows [64 chunk, 64 chunk + 64) of a weight [n, k] (type, repacked data) against the sub-batch's
  * int8 activation terms (stored from its first pair on, `terms` rows per pair, as quantize_act writes them);
  * the terms' sums go to dst [pairs, n] (float32) at the sub-batch's rows. */
@@ -62,11 +63,62 @@ static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64
 }
 #endif
 
+#if !HAVE_QUANT_GEMM && HAVE_QUANT_AVX2
+/* quant_moe on the AVX2 family (arguments checked, out zeroed, pairs > 0): per group, its pairs' x rows
+ * gathered; gate_up through quant_linear (float32 out); act = silu(gate) * up in float32, its int8 terms made
+ * from the float32 rows below AVX2_TILE_M rows (avx2_linear) and the float32 tile from there; then
+ * out[t] += weight_p * y_p over the group's pairs in order. */
+static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, const int64_t *pair_token,
+                            const float *pair_weight, int64_t groups, const int64_t *group_start,
+                            const int32_t *gu_type, const int64_t *gu_data, const int32_t *down_type,
+                            const int64_t *down_data, float *out, int threads) {
+    int64_t most = 0;
+    for (int64_t g = 0; g < groups; ++g)
+        most = group_start[g + 1] - group_start[g] > most ? group_start[g + 1] - group_start[g] : most;
+    uint16_t *xg = malloc(sizeof(uint16_t) * (size_t)(most * hidden));
+    float *gate_up = malloc(sizeof(float) * (size_t)(most * (2 * inter + hidden))); /* act in its gate half */
+    if (xg == NULL || gate_up == NULL) {
+        free(xg); free(gate_up);
+        return QUANT_E_MEMORY;
+    }
+    float *y = gate_up + most * 2 * inter;
+    int rc = QUANT_OK;
+    for (int64_t g = 0; g < groups && rc == QUANT_OK; ++g) {
+        const int64_t first = group_start[g], rows = group_start[g + 1] - first;
+        if (rows == 0) continue;
+        for (int64_t r = 0; r < rows; ++r)
+            memcpy(xg + r * hidden, x + pair_token[first + r] * hidden, sizeof(uint16_t) * (size_t)hidden);
+        rc = quant_linear(gu_type[g], (const uint8_t *)(intptr_t)gu_data[g], 2 * inter, hidden, xg, hidden, 0, rows,
+                          NULL, 0, gate_up, 2 * inter, 1, threads);
+        if (rc != QUANT_OK) break;
+        const int team = rows * inter >= (1 << 16) ? threads : 1;
+        _Pragma("omp parallel for schedule(static) num_threads(team)")
+        for (int64_t r = 0; r < rows; ++r) {
+            float *row = gate_up + r * 2 * inter;
+            for (int64_t j = 0; j < inter; ++j) row[j] = silu_f32(row[j]) * row[inter + j];
+        }
+        const uint8_t *dw = (const uint8_t *)(intptr_t)down_data[g];
+        rc = rows < quant_tile_m(-1) ? avx2_linear(tl_quant_lookup(down_type[g]), dw, hidden, inter, gate_up,
+                                                   2 * inter, 1, rows, NULL, 0, y, hidden, 1, threads)
+                                     : quant_linear(down_type[g], dw, hidden, inter, gate_up, 2 * inter, 1, rows, NULL,
+                                                    0, y, hidden, 1, threads);
+        for (int64_t r = 0; rc == QUANT_OK && r < rows; ++r) {
+            float *dst = out + pair_token[first + r] * hidden;
+            const float w = pair_weight[first + r];
+            for (int64_t j = 0; j < hidden; ++j) dst[j] += w * y[r * hidden + j];
+        }
+    }
+    free(xg);
+    free(gate_up);
+    return rc;
+}
+#endif
+
 KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const uint16_t *x, int64_t pairs,
                          const int64_t *pair_token, const float *pair_weight, int64_t groups,
                          const int64_t *group_start, const int32_t *gu_type, const int64_t *gu_data,
                          const int32_t *down_type, const int64_t *down_data, float *out, int threads) {
-#if HAVE_QUANT_GEMM
+#if HAVE_QUANT_GEMM || HAVE_QUANT_AVX2
     if (t_rows < 0 || pairs < 0 || groups < 0 || hidden % TL_QK || inter % TL_QK) return QUANT_E_SHAPE;
     for (int64_t g = 0; g < groups; ++g) {
         const tl_quant_type *gu = tl_quant_lookup(gu_type[g]), *dn = tl_quant_lookup(down_type[g]);
@@ -80,7 +132,8 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
         if (pair_token[p] < 0 || pair_token[p] >= t_rows) return QUANT_E_INDEX;
     memset(out, 0, sizeof(float) * (size_t)(t_rows * hidden));
     if (pairs == 0) return QUANT_OK;
-
+#endif
+#if HAVE_QUANT_GEMM
     const int residual = quant_act_residual_on, terms = residual ? 2 : 1;
     int64_t subs = 0;
     for (int64_t g = 0; g < groups; ++g) subs += (group_start[g + 1] - group_start[g] + SUB_ROWS - 1) / SUB_ROWS;
@@ -139,7 +192,7 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
             const tl_moe_sub s = sub[i];
             for (int64_t r = 0; r < s.rows; ++r) {
                 float *row = gate_up + (s.first + r) * 2 * inter;
-                for (int64_t j = 0; j < inter; ++j) row[j] = tl_silu(row[j]) * row[inter + j];
+                for (int64_t j = 0; j < inter; ++j) row[j] = silu_f32(row[j]) * row[inter + j];
             }
             quantize_act(gate_up + s.first * 2 * inter, 2 * inter, 1, s.rows, inter, residual,
                          qa + terms * s.first * inter, da + terms * s.first * nba, sa + terms * s.first * nba);
@@ -163,6 +216,9 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
     free(sub); free(xg); free(qx); free(dx); free(sx); free(gate_up); free(qa); free(da); free(sa); free(y);
     free(lx); free(la);
     return QUANT_OK;
+#elif HAVE_QUANT_AVX2
+    return avx2_moe_experts(hidden, inter, x, pair_token, pair_weight, groups, group_start, gu_type, gu_data,
+                            down_type, down_data, out, threads);
 #else
     (void)t_rows; (void)hidden; (void)inter; (void)x; (void)pairs; (void)pair_token; (void)pair_weight;
     (void)groups; (void)group_start; (void)gu_type; (void)gu_data; (void)down_type; (void)down_data; (void)out;
