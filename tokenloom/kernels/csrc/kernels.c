@@ -12,6 +12,7 @@
 #include "quant_legacy.c"
 #include "quant_kquants.c"
 #include "quant_gemm.c"
+#include "moe_avx2.c"
 #include "quant_moe.c"
 #include "extend_attention.c"
 #include "shm_allreduce.c"

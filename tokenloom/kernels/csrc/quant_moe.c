@@ -16,9 +16,8 @@
  *      the same element; the sum order is the pairs' order, so the result does not depend on the threads).
  * The numerics are quant_linear's small path (the same int8 terms and dot kernels) with float32 in place of
  * the modular path's bf16 roundings between the projections.
- * On CPUs with AVX2 and no AVX-512 (quant_avx2.c's family) the same contract is met expert by expert through
- * quant_linear (`avx2_moe_experts`: two OpenMP regions per expert, no Python between them), float32 between
- * the projections too, and the sum E in the same pair order.
+ * On CPUs with AVX2 and no AVX-512 (quant_avx2.c's family) moe_avx2.c meets the same contract with that
+ * family's kernels (the same phases in one region; float32 between the projections; the sum E in pair order).
  *
  * Inputs: x bf16 [T, hidden]; pairs sorted by expert: pair_token[P] (row of x), pair_weight[P] (float32);
  * groups: group_start[G + 1] (pair offsets), per group the expert's gate_up ([2 * inter, hidden], gate rows
@@ -63,56 +62,6 @@ static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64
 }
 #endif
 
-#if !HAVE_QUANT_GEMM && HAVE_QUANT_AVX2
-/* quant_moe on the AVX2 family (arguments checked, out zeroed, pairs > 0): per group, its pairs' x rows
- * gathered; gate_up through quant_linear (float32 out); act = silu(gate) * up in float32, its int8 terms made
- * from the float32 rows below AVX2_TILE_M rows (avx2_linear) and the float32 tile from there; then
- * out[t] += weight_p * y_p over the group's pairs in order. */
-static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, const int64_t *pair_token,
-                            const float *pair_weight, int64_t groups, const int64_t *group_start,
-                            const int32_t *gu_type, const int64_t *gu_data, const int32_t *down_type,
-                            const int64_t *down_data, float *out, int threads) {
-    int64_t most = 0;
-    for (int64_t g = 0; g < groups; ++g)
-        most = group_start[g + 1] - group_start[g] > most ? group_start[g + 1] - group_start[g] : most;
-    uint16_t *xg = malloc(sizeof(uint16_t) * (size_t)(most * hidden));
-    float *gate_up = malloc(sizeof(float) * (size_t)(most * (2 * inter + hidden))); /* act in its gate half */
-    if (xg == NULL || gate_up == NULL) {
-        free(xg); free(gate_up);
-        return QUANT_E_MEMORY;
-    }
-    float *y = gate_up + most * 2 * inter;
-    int rc = QUANT_OK;
-    for (int64_t g = 0; g < groups && rc == QUANT_OK; ++g) {
-        const int64_t first = group_start[g], rows = group_start[g + 1] - first;
-        if (rows == 0) continue;
-        for (int64_t r = 0; r < rows; ++r)
-            memcpy(xg + r * hidden, x + pair_token[first + r] * hidden, sizeof(uint16_t) * (size_t)hidden);
-        rc = quant_linear(gu_type[g], (const uint8_t *)(intptr_t)gu_data[g], 2 * inter, hidden, xg, hidden, 0, rows,
-                          NULL, 0, gate_up, 2 * inter, 1, threads);
-        if (rc != QUANT_OK) break;
-        const int team = rows * inter >= (1 << 16) ? threads : 1;
-        _Pragma("omp parallel for schedule(static) num_threads(team)")
-        for (int64_t r = 0; r < rows; ++r) {
-            float *row = gate_up + r * 2 * inter;
-            for (int64_t j = 0; j < inter; ++j) row[j] = silu_f32(row[j]) * row[inter + j];
-        }
-        const uint8_t *dw = (const uint8_t *)(intptr_t)down_data[g];
-        rc = rows < quant_tile_m(-1) ? avx2_linear(tl_quant_lookup(down_type[g]), dw, hidden, inter, gate_up,
-                                                   2 * inter, 1, rows, NULL, 0, y, hidden, 1, threads)
-                                     : quant_linear(down_type[g], dw, hidden, inter, gate_up, 2 * inter, 1, rows, NULL,
-                                                    0, y, hidden, 1, threads);
-        for (int64_t r = 0; rc == QUANT_OK && r < rows; ++r) {
-            float *dst = out + pair_token[first + r] * hidden;
-            const float w = pair_weight[first + r];
-            for (int64_t j = 0; j < hidden; ++j) dst[j] += w * y[r * hidden + j];
-        }
-    }
-    free(xg);
-    free(gate_up);
-    return rc;
-}
-#endif
 
 KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const uint16_t *x, int64_t pairs,
                          const int64_t *pair_token, const float *pair_weight, int64_t groups,
@@ -217,7 +166,7 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
     free(lx); free(la);
     return QUANT_OK;
 #elif HAVE_QUANT_AVX2
-    return avx2_moe_experts(hidden, inter, x, pair_token, pair_weight, groups, group_start, gu_type, gu_data,
+    return avx2_moe_experts(hidden, inter, x, pairs, pair_token, pair_weight, groups, group_start, gu_type, gu_data,
                             down_type, down_data, out, threads);
 #else
     (void)t_rows; (void)hidden; (void)inter; (void)x; (void)pairs; (void)pair_token; (void)pair_weight;
