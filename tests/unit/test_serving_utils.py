@@ -86,8 +86,11 @@ def test_abort_error_only_for_aborts_with_status():
 
 
 def test_sse_frames_json():
-    assert sse({"text": "é"}) == 'data: {"text": "é"}\n\n'
+    assert sse({"text": "é"}) == 'data: {"text":"é"}\n\n'
     assert json.loads(sse([1])[len("data: "):]) == [1]
+    # integer keys as strings (as the stdlib writes them); what orjson refuses falls back to the stdlib encoder
+    assert json.loads(sse({1: [2**70, -0.5]})[len("data: "):-2]) == {"1": [2**70, -0.5]}
+    assert json.loads(sse({"ids": list(range(300)), "t": "x" * 5000})[len("data: "):-2])["ids"][-1] == 299
 
 
 # --- streams and tasks -------------------------------------------------------------------------------
