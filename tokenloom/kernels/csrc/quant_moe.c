@@ -62,7 +62,6 @@ static void tl_moe_dot_chunk(int type, int64_t data, int64_t k, int64_t n, int64
 }
 #endif
 
-
 KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const uint16_t *x, int64_t pairs,
                          const int64_t *pair_token, const float *pair_weight, int64_t groups,
                          const int64_t *group_start, const int32_t *gu_type, const int64_t *gu_data,
