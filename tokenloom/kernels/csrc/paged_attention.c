@@ -163,6 +163,20 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
 DEFINE_SCALAR_RANGE(range_scalar_f32, float, load_f32, float, load_f32)
 DEFINE_SCALAR_RANGE(range_scalar_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
 
+#if defined(__x86_64__)
+/* Bring a K/V row of `bytes` into L1 ahead of use (paged slots need not be contiguous, so the hardware
+ * prefetcher cannot always guess the next row). Written as asm: gcc 12 -O3 compiled the _mm_prefetch form out
+ * of the vector and AVX512-BF16 paths (range_dpbf16 had no prefetch instruction at all; only range_amx64
+ * kept its own), and a decode step's attention was bound by the V loads' misses (bench/attention_layout.py:
+ * 64 x 320 tokens, 34 -> 29 ms per step without AMX). */
+static inline void prefetch_row(const void *row, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)row + o)));
+}
+static inline void prefetch_row_l2(const void *row, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht1 %0" : : "m"(*((const char *)row + o)));
+}
+#endif
+
 #if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2_RANGE 1
@@ -198,6 +212,8 @@ static inline __attribute__((always_inline)) void NAME(const TKV *vh, const int6
         for (int g = 0; g < GB; ++g)                                                                           \
             for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();                                      \
         for (int64_t l = 0; l < n; ++l) {                                                                      \
+            if (sizeof(TKV) > 1 && c0 == 0 && l + PREFETCH_AHEAD < n)                                          \
+                prefetch_row(vh + idx[l + PREFETCH_AHEAD] * dim, dim * (int)sizeof(TKV));                      \
             const TKV *vp = vh + idx[l] * dim + 8 * c0;                                                        \
             __m256 pl[4];                                                                                      \
             for (int g = 0; g < GB; ++g) pl[g] = _mm256_set1_ps(scores[(int64_t)(g0 + g) * n + l]);            \
@@ -225,6 +241,8 @@ static void NAME(const T *q, const TKV *kh, const TKV *vh, const int64_t *idx, i
         for (int d = 0; d < dim; ++d) qf[g * dim + d] = QLOAD(q + (int64_t)g * dim, d) * (scale * (KV_MUL));    \
     for (int64_t l0 = 0; l0 < n; l0 += 8) {                                                                    \
         const int cnt = n - l0 < 8 ? (int)(n - l0) : 8;                                                        \
+        for (int64_t l = l0 + PREFETCH_AHEAD; sizeof(TKV) > 1 && l < l0 + PREFETCH_AHEAD + 8 && l < n; ++l)   \
+            prefetch_row(kh + idx[l] * dim, dim * (int)sizeof(TKV));                                           \
         for (int j = 0; j < 8; ++j) /* rows past the last key zero: their scores are never stored */           \
             for (int c = 0; c < nv; ++c)                                                                       \
                 _mm256_store_ps(krow[j] + 8 * c,                                                               \
@@ -260,17 +278,6 @@ DEFINE_AVX2_RANGE(range_avx2_bf16, uint16_t, load_bf16, uint16_t, v8_bf16, 1.f)
 #endif
 
 #if HAVE_AVX512
-/* Bring a K/V row of `bytes` into L1 ahead of use (paged slots need not be contiguous, so the hardware
- * prefetcher cannot always guess the next row). Written as asm: gcc 12 -O3 compiled the _mm_prefetch form out
- * of the vector and AVX512-BF16 paths (range_dpbf16 had no prefetch instruction at all; only range_amx64
- * kept its own), and a decode step's attention was bound by the V loads' misses (bench/attention_layout.py:
- * 64 x 320 tokens, 34 -> 29 ms per step without AMX). */
-static inline void prefetch_row(const void *row, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)row + o)));
-}
-static inline void prefetch_row_l2(const void *row, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht1 %0" : : "m"(*((const char *)row + o)));
-}
 
 static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 vload_bf16(const uint16_t *p) {
