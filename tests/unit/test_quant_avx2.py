@@ -189,11 +189,11 @@ assert lib.quant_dequant_rows(8, qm.data.data_ptr(), 8, 64, ids.data_ptr(), 1, r
 
 
 def test_moe_experts_call_keeps_float32_between_projections():
-    """The fused MoE call on this family (csrc/quant_moe.c's avx2_moe_experts: expert by expert through the
-    matmuls above, float32 between gate_up and down), experts of mixed types, groups below quant_tile_m rows
-    (the two int8 terms, down's made from the float32 SwiGLU rows) and above it (the float32 tile), against
-    float64 over the dequantized experts: within 2e-4 of the output's norm, where rounding the SwiGLU output
-    to bf16 alone (the expert-by-expert layer's path) costs ~1e-3."""
+    """The fused MoE call on this family (csrc/moe_avx2.c: the small experts in one region of the int8 terms, the
+    large ones through quant_linear; float32 between gate_up and down), experts of mixed types, groups below
+    quant_tile_m rows (the two int8 terms, down's made from the float32 SwiGLU rows), above it (the float32 tile)
+    and both in one call, against float64 over the dequantized experts: within 2e-4 of the output's norm, where
+    rounding the SwiGLU output to bf16 alone (the expert-by-expert layer's path) costs ~1e-3."""
     _run("""
 hidden, inter, experts = 256, 512, 4
 kinds = [('Q8_0', 'Q4_K'), ('Q4_K', 'Q6_K'), ('Q4_1', 'Q8_0'), ('Q5_K', 'Q4_0')]
@@ -202,9 +202,12 @@ dn = [qg.prepare(matrix(b, hidden, inter, 20 + e)) for e, (_, b) in enumerate(ki
 deq_gu = [qg.dequantize(m).double() for m in gu]
 deq_dn = [qg.dequantize(m).double() for m in dn]
 g = torch.Generator().manual_seed(5)
-for tokens in (1, 3, 40):
+for tokens in (1, 3, 40, 24):
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    if tokens == 24:  # expert 0 in every token (past quant_tile_m), the others below it: both kinds in one call
+        others = torch.randint(1, experts, (tokens,), generator=g)
+        ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), others], 1)
     weights = torch.rand(tokens, 2, generator=g)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -227,5 +230,6 @@ for tokens in (1, 3, 40):
             rounded[t] += float(weights[t, j]) * (deq_dn[e] @ act.bfloat16().double())
     err = float((got - ref).norm() / ref.norm())
     assert err < 2e-4, (tokens, err, float((rounded - ref).norm() / ref.norm()))
-    assert int(counts.max()) >= 16 or tokens < 40, 'a group at or past quant_tile_m rows'
+    assert int(counts.max()) >= 16 or tokens < 24, 'a group at or past quant_tile_m rows'
+    assert tokens != 24 or int(counts[1:].min()) < 16, 'and groups below it'
 """)

@@ -21,7 +21,8 @@
 
 #define AVX2_MOE_ROWS 32 /* weight rows per work item of phases B and D */
 
-/* One expert's quantized activation rows for one weight type, inside the call's buffers (rows at `first`). */
+/* One expert's quantized activation rows for one weight type, inside the call's term buffers (from row `first`
+ * of them). */
 static avx2_act avx2_moe_rows(const tl_quant_type *t, const void *x, int64_t x_stride, int x_is_f32, int64_t rows,
                               int64_t first, int64_t k, int terms, int16_t *q, float *dc, float *xs, int32_t *s16,
                               int8_t *q8) {
@@ -46,29 +47,37 @@ static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, in
                             const int32_t *down_type, const int64_t *down_data, float *out, int threads) {
     const int terms = quant_act_residual_on ? 2 : 1;
     const int64_t kmax = hidden > inter ? hidden : inter, tile_from = quant_tile_m(-1);
+    /* the experts below quant_tile_m pairs (their own phases) and where their pairs' int8 terms start */
+    int64_t *small = malloc(sizeof(int64_t) * (size_t)(2 * groups + 1));
+    if (small == NULL) return QUANT_E_MEMORY;
+    int64_t *term_at = small + groups, n_small = 0, term_rows = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t rows = group_start[g + 1] - group_start[g];
+        if (rows < tile_from && rows < AVX2_TILE_M) { /* (sums below holds AVX2_TILE_M - 1 rows) */
+            term_at[n_small] = term_rows;
+            small[n_small++] = g;
+            term_rows += rows;
+        }
+    }
+    const int64_t tr = term_rows > 0 ? term_rows : 1; /* the int8 terms only for the small experts' pairs */
     uint16_t *xg = malloc(sizeof(uint16_t) * (size_t)(pairs * hidden));
     float *gate_up = malloc(sizeof(float) * (size_t)(pairs * (2 * inter + hidden))); /* then y */
-    int16_t *q = malloc(sizeof(int16_t) * (size_t)(pairs * kmax));
-    float *dc = malloc(sizeof(float) * (size_t)(2 * pairs * (kmax / TL_QK)));
-    int32_t *s16 = malloc(sizeof(int32_t) * (size_t)(pairs * (kmax / 16)));
-    int8_t *q8 = malloc((size_t)(2 * pairs * kmax));
-    avx2_act *acts = malloc(sizeof(avx2_act) * (size_t)groups);
-    int64_t *small = malloc(sizeof(int64_t) * (size_t)(groups + 1));
+    int16_t *q = malloc(sizeof(int16_t) * (size_t)(tr * kmax));
+    float *dc = malloc(sizeof(float) * (size_t)(2 * tr * (kmax / TL_QK)));
+    int32_t *s16 = malloc(sizeof(int32_t) * (size_t)(tr * (kmax / 16)));
+    int8_t *q8 = malloc((size_t)(2 * tr * kmax));
+    avx2_act *acts = malloc(sizeof(avx2_act) * (size_t)(groups + 1));
     if (!xg || !gate_up || !q || !dc || !s16 || !q8 || !acts || !small) {
         free(xg); free(gate_up); free(q); free(dc); free(s16); free(q8); free(acts); free(small);
         return QUANT_E_MEMORY;
     }
-    float *xs = dc + pairs * (kmax / TL_QK), *y = gate_up + pairs * 2 * inter;
-    int64_t n_small = 0;
+    float *xs = dc + tr * (kmax / TL_QK), *y = gate_up + pairs * 2 * inter;
     int rc = QUANT_OK;
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t first = group_start[g], rows = group_start[g + 1] - first;
         for (int64_t r = 0; r < rows; ++r)
             memcpy(xg + (first + r) * hidden, x + pair_token[first + r] * hidden, sizeof(uint16_t) * (size_t)hidden);
-        if (rows < tile_from && rows < AVX2_TILE_M) { /* (sums below holds AVX2_TILE_M - 1 rows) */
-            small[n_small++] = g;
-            continue;
-        }
+        if (rows < tile_from && rows < AVX2_TILE_M) continue; /* a small expert: the region below */
         float *gu = gate_up + first * 2 * inter;
         rc = quant_linear(gu_type[g], (const uint8_t *)(intptr_t)gu_data[g], 2 * inter, hidden, xg + first * hidden,
                           hidden, 0, rows, NULL, 0, gu, 2 * inter, 1, threads);
@@ -92,7 +101,7 @@ static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, in
             for (int64_t i = 0; i < n_small; ++i) { /* A */
                 const int64_t g = small[i], first = group_start[g];
                 acts[g] = avx2_moe_rows(tl_quant_lookup(gu_type[g]), xg + first * hidden, hidden, 0,
-                                        group_start[g + 1] - first, first, hidden, terms, q, dc, xs, s16, q8);
+                                        group_start[g + 1] - first, term_at[i], hidden, terms, q, dc, xs, s16, q8);
             }
             _Pragma("omp for schedule(static)")
             for (int64_t i = 0; i < gu_items; ++i) { /* B */
@@ -111,8 +120,8 @@ static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, in
                 for (int64_t r = 0; r < rows; ++r)
                     for (int64_t j = 0; j < inter; ++j)
                         gu[r * 2 * inter + j] = silu_f32(gu[r * 2 * inter + j]) * gu[r * 2 * inter + inter + j];
-                acts[g] = avx2_moe_rows(tl_quant_lookup(down_type[g]), gu, 2 * inter, 1, rows, first, inter, terms, q,
-                                        dc, xs, s16, q8);
+                acts[g] = avx2_moe_rows(tl_quant_lookup(down_type[g]), gu, 2 * inter, 1, rows, term_at[i], inter,
+                                        terms, q, dc, xs, s16, q8);
             }
             _Pragma("omp for schedule(static)")
             for (int64_t i = 0; i < dn_items; ++i) { /* D */
