@@ -29,6 +29,12 @@
  * times 1e-36 either way, above it unchanged. Every SwiGLU here (silu_and_mul, the MoE experts) uses it. */
 static inline float silu_f32(float v) { return v / (1.f + expf(-(v < -88.f ? -88.f : v))); }
 
+/* A float32 [gate | up] row of 2 inter values turned in place into silu(gate) * up in its first inter (the MoE
+ * calls' SwiGLU between their projections). */
+static inline void swiglu_row_f32(float *row, int64_t inter) {
+    for (int64_t j = 0; j < inter; ++j) row[j] = silu_f32(row[j]) * row[inter + j];
+}
+
 
 #define LOAD_f32(x) (x)
 #define STORE_f32(x) (x)

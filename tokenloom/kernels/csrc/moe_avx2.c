@@ -84,9 +84,7 @@ static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, in
         if (rc != QUANT_OK) break;
         const int team = rows * inter >= (1 << 16) ? threads : 1;
         _Pragma("omp parallel for schedule(static) num_threads(team)")
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < inter; ++j)
-                gu[r * 2 * inter + j] = silu_f32(gu[r * 2 * inter + j]) * gu[r * 2 * inter + inter + j];
+        for (int64_t r = 0; r < rows; ++r) swiglu_row_f32(gu + r * 2 * inter, inter);
         rc = quant_linear(down_type[g], (const uint8_t *)(intptr_t)down_data[g], hidden, inter, gu, 2 * inter, 1,
                           rows, NULL, 0, y + first * hidden, hidden, 1, threads);
         if (rc != QUANT_OK) break;
@@ -117,9 +115,7 @@ static int avx2_moe_experts(int64_t hidden, int64_t inter, const uint16_t *x, in
             for (int64_t i = 0; i < n_small; ++i) { /* C */
                 const int64_t g = small[i], first = group_start[g], rows = group_start[g + 1] - first;
                 float *gu = gate_up + first * 2 * inter;
-                for (int64_t r = 0; r < rows; ++r)
-                    for (int64_t j = 0; j < inter; ++j)
-                        gu[r * 2 * inter + j] = silu_f32(gu[r * 2 * inter + j]) * gu[r * 2 * inter + inter + j];
+                for (int64_t r = 0; r < rows; ++r) swiglu_row_f32(gu + r * 2 * inter, inter);
                 acts[g] = avx2_moe_rows(tl_quant_lookup(down_type[g]), gu, 2 * inter, 1, rows, term_at[i], inter,
                                         terms, q, dc, xs, s16, q8);
             }

@@ -138,10 +138,7 @@ KERNEL_API int quant_moe(int64_t t_rows, int64_t hidden, int64_t inter, const ui
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < subs; ++i) { /* C */
             const tl_moe_sub s = sub[i];
-            for (int64_t r = 0; r < s.rows; ++r) {
-                float *row = gate_up + (s.first + r) * 2 * inter;
-                for (int64_t j = 0; j < inter; ++j) row[j] = silu_f32(row[j]) * row[inter + j];
-            }
+            for (int64_t r = 0; r < s.rows; ++r) swiglu_row_f32(gate_up + (s.first + r) * 2 * inter, inter);
             quantize_act(gate_up + s.first * 2 * inter, 2 * inter, 1, s.rows, inter, residual,
                          qa + terms * s.first * inter, da + terms * s.first * nba, sa + terms * s.first * nba);
             if (la != NULL)
