@@ -13,11 +13,13 @@ import torch
 from tests.forward_steps import ForwardSteps
 from tests.llama_cpp_convert import convert
 from tests.moe_factory import FAMILIES, make_tiny_moe
+from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.kernels.quant_gemm import native_moe_supported
 from tokenloom.layers.moe import FusedMoE
-from tokenloom.layers.quant_linear import QuantWeight
+from tokenloom.layers.quant_linear import QuantWeight, quantized_weights
+from tokenloom.models.gguf_file import GGUFFile
 
 GGUF_FAMILIES = [f for f in FAMILIES if not f.endswith("_mixed")]  # llama.cpp cannot write a mixed Qwen3-MoE
 # Q8_0 (experts kept quantized): the shared expert's, and Mixtral's Q/K rows llama.cpp permuted (each
@@ -108,6 +110,13 @@ def test_gguf_f32_and_q8_0_match(moe_model, gguf_files, family):
     kept, runner = _logits(gguf_files(family, "q8_0"), prompt)
     moe = next(m for m in runner.model.modules() if isinstance(m, FusedMoE))
     assert moe.w13 is None and all(isinstance(q, QuantWeight) for q in moe.quant13)  # experts stay Q8_0
+    # the experts count in the load line and in the memory the weights hold (the KV pool is sized after it)
+    model = runner.model
+    params = sum(p.numel() for p in model.parameters()) + quantized_weights(model)[0]
+    assert params == sum(p.numel() for p in hf.parameters())
+    rotary = sum(b.numel() * b.element_size() for b in model.buffers())
+    file_bytes = sum(int(t.n_bytes) for t in GGUFFile(gguf_files(family, "q8_0")).reader.tensors)
+    assert 0.9 * file_bytes < model_nbytes(model) - rotary < 1.1 * file_bytes
     dequantized, _ = _logits(gguf_files(family, "q8_0"), prompt, quantization="none")
     assert (kept - dequantized).abs().max().item() < 1e-4
     assert (kept - ref).abs().max().item() < 0.05

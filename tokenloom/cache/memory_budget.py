@@ -45,7 +45,8 @@ def kv_pool_bytes(memory_at_start: int, weight_bytes: int, mem_fraction_static: 
 
 def model_nbytes(model: torch.nn.Module) -> int:
     """Bytes of the tensors `model` holds: parameters, buffers, and tensors kept in module attributes (the
-    packed weight copies, directly or in a dataclass). Shared storage (tied embeddings, views) counts once."""
+    packed weight copies, directly, in a dataclass, or in a list of them: a MoE layer's per-expert weights).
+    Shared storage (tied embeddings, views) counts once."""
     seen: set[int] = set()
     total = 0
 
@@ -75,5 +76,5 @@ def model_nbytes(model: torch.nn.Module) -> int:
         add(t)
     for module in model.modules():
         for value in vars(module).values():
-            walk(value, 4)
+            walk(value, 6)  # list -> QuantWeight -> segments -> segment -> matrix -> tensor
     return total

@@ -110,7 +110,7 @@ def quantized_weights(model: nn.Module) -> tuple[int, Counter[str]]:
     """(parameters held quantized, file tensors kept quantized by type name) of `model`'s layers."""
     params, types = 0, Counter[str]()
     for module in model.modules():
-        for value in vars(module).values():
+        for value in _held_values(module):
             if isinstance(value, QuantWeight):
                 params += sum(s.weight.shape[0] * s.weight.shape[1] for s in value.segments
                               if isinstance(s.weight, QUANT_MATRICES))
@@ -120,6 +120,16 @@ def quantized_weights(model: nn.Module) -> tuple[int, Counter[str]]:
                 params += value.rows * value.cols
                 types[value.name] += 1
     return params, types
+
+
+def _held_values(module: nn.Module):
+    """The values of `module`'s attributes, the items of its lists and tuples among them (a MoE layer keeps one
+    QuantWeight per expert in a list)."""
+    for value in vars(module).values():
+        if isinstance(value, list | tuple):
+            yield from value
+        else:
+            yield value
 
 
 def format_types(types: Counter[str]) -> str:

@@ -148,13 +148,30 @@ def _reader(path: str) -> Any:
 
 
 class GGUFFile:
+    """A parsed GGUF file: its metadata (the model's config, tokenizer fields) and its tensors, read through the
+    gguf package's memory map of the whole file. Every tensor handed out is a copy, so `release()` after
+    loading drops the map without touching the model."""
+
     def __init__(self, path: str) -> None:
         self.path = path
-        self.reader = _reader(path)
+        self._reader = _reader(path)
         self.arch = self.field("general.architecture")
         if self.arch not in _GGUF_ARCH:
             raise ModelConfigError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
                                    f"supported: {', '.join(_GGUF_ARCH)}")
+
+    @property
+    def reader(self) -> Any:
+        """The gguf package's reader, parsed again if `release()` dropped it."""
+        if self._reader is None:
+            self._reader = _reader(self.path)
+        return self._reader
+
+    def release(self) -> None:
+        """Drop the reader and its memory map of the file. A process that keeps the map keeps every page of the
+        file it read in its resident memory for its life (a 1.6 GB MoE file: 1.6 GB of RSS beside the weights'
+        own copies); the page cache still holds the file for a later parse."""
+        self._reader = None
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)

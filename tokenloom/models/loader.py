@@ -14,6 +14,7 @@ or `--quantization w8a8_int8` (`ModelSource.quantize_at_load`: every linear laye
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
 import logging
@@ -164,6 +165,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
     elif source.load_format == "gguf":
         gguf = source.gguf or GGUFFile(source.path)
         model.load_weights(progress.track(gguf.tensors(source.config, keep_quantized=source.quantization == "gguf")))
+        gguf.release()  # the model holds copies; the map would keep the whole file resident
     else:
         tensors = _safetensors_tensors(source.path)
         model.load_weights(progress.track(convert(tensors, source.prequant) if source.prequant else tensors))
@@ -175,9 +177,20 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ct
     for module in model.modules():
         if hasattr(module, "prepare_for_inference"):
             module.prepare_for_inference()
+    _return_freed_heap()
     progress.finished(model, dtype, model_nbytes(model),
                       what="random, --load-format dummy" if source.load_format == "dummy" else "")
     return model
+
+
+def _return_freed_heap() -> None:
+    """Give the heap memory the load freed (each tensor's first copy before its repacking) back to the system.
+    glibc keeps freed blocks below its mmap threshold in its heap: after a 1.6 GB Q4_K_M MoE file (6144 expert
+    matrices of ~0.25 MB) the process held 0.35 GB more than its tensors until trimmed. Not glibc: nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _safetensors_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
