@@ -50,7 +50,8 @@ def int8_bound(x, w, divisor):
 
 lib = qg._native()
 assert qg.native_isa() == 1 and lib.quant_isa() == 1 and qg.native_moe_supported()
-assert lib.quant_tile_m(-1) == 16
+assert lib.quant_tile_m(-1) == 16 and lib.quant_i8_tile_m(-1) == 32
+I8_TYPES = ('Q4_0', 'Q4_1', 'Q4_K', 'Q5_K')  # the one-term int8 tile's (rows of whole 256-element spans)
 """
 
 
@@ -62,8 +63,9 @@ def test_every_type_within_the_two_term_bound():
     """All six types at 1-70 rows, k one to several blocks: every type's rows are re-laid out (Q4_K / Q5_K 4
     bytes a super-block larger, their scales unpacked), dequantize and embedding rows are the gguf package's bit
     for bit, bf16 x is within the two int8 terms' bound below quant_tile_m rows (quant_path 1) and within float32
-    summation's from there (the float32 tile, quant_path 0), into float32 or bf16 and with a bias; float32 x
-    (quant_path 0 at any row count) within float32 summation's."""
+    summation's from there (the float32 tile, quant_path 0) and within one term's from quant_i8_tile_m rows on
+    where the one-term int8 tile runs (quant_path 3), into float32 or bf16 and with a bias; float32 x (quant_path
+    0 at any row count) within float32 summation's."""
     _run("""
 for name in TYPES:
     qtype = qg.TYPE_IDS[name]
@@ -83,10 +85,12 @@ for name in TYPES:
         bias = torch.randn(37, generator=g)
         for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 25, 70):
             tile = m >= lib.quant_tile_m(-1)
-            assert lib.quant_path(qtype, m, k, 0) == (0 if tile else 1) and lib.quant_path(qtype, m, k, 1) == 0
+            i8 = m >= lib.quant_i8_tile_m(-1) and name in I8_TYPES and k % 256 == 0
+            path = 3 if i8 else 0 if tile else 1
+            assert lib.quant_path(qtype, m, k, 0) == path and lib.quant_path(qtype, m, k, 1) == 0
             x = torch.randn(m, k, generator=g).bfloat16()
             ref = x.double() @ w.T + bias.double()
-            bound = f32_bound(x, w) if tile else int8_bound(x, w, 256)
+            bound = int8_bound(x, w, 2) if i8 else f32_bound(x, w) if tile else int8_bound(x, w, 256)
             got = qg.linear(x, p, bias, out_dtype=torch.float32).double()
             assert bool(((got - ref).abs() <= bound).all()), (name, k, m)
             got16 = qg.linear(x, p, bias).double()
@@ -156,6 +160,7 @@ def test_rows_and_threads_change_no_result():
     _run("""
 from tests.thread_counts import at_thread_counts
 tile_m = lib.quant_tile_m(-1)
+lib.quant_i8_tile_m(0)  # the one-term int8 tile: its own test below
 for name in TYPES:
     qtype = qg.TYPE_IDS[name]
     k = 576 if qtype < 12 else 768
@@ -172,6 +177,66 @@ for name in TYPES:
                 assert torch.equal(part, runs[1][rows]), (name, tile, rows)
         finally:
             lib.quant_tile_m(tile_m)
+lib.quant_i8_tile_m(32)
+""")
+
+
+def test_one_term_int8_tile():
+    """bf16 x from quant_i8_tile_m (32) rows on against Q4_0 / Q4_1 / Q4_K / Q5_K rows of whole 256-element spans
+    takes the one-term int8 tile (quant_path 3; Q8_0, Q6_K, a legacy row with a tail of nb % 8 blocks, float32 x
+    and fewer rows do not): within one int8 term's bound sum_i |w_i| d(i) / 2 at 32-70 rows and several spans,
+    into float32 and bf16 with a bias; a row's result does not depend on the rows beside it nor on the thread
+    count, bit for bit; every quant at its largest (Q4 15, Q5_K 31: the int16 sums of eight / four vectors
+    nearest 32767) against rows of +-1 stays within the bound (no int16 sum wrapped); quant_i8_tile_m(0) and
+    TOKENLOOM_QUANT_I8_TILE_M=0 turn it off."""
+    _run("""
+import os, subprocess
+from tests.thread_counts import at_thread_counts
+assert [lib.quant_path(qg.TYPE_IDS[t], 32, 512, 0) for t in TYPES] == [3, 3, 0, 3, 3, 0]
+assert [lib.quant_path(2, m, k, x32) for m, k, x32 in ((31, 512, 0), (32, 576, 0), (32, 512, 1))] == [0, 0, 0]
+for name in I8_TYPES:
+    qtype = qg.TYPE_IDS[name]
+    for k in (256, 1024):
+        qm = matrix(name, 45, k, k + qtype)
+        w = qg.dequantize(qm).double()
+        p = qg.prepare(qm)
+        g = torch.Generator().manual_seed(k)
+        bias = torch.randn(45, generator=g)
+        for m in (32, 33, 70):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            assert lib.quant_path(qtype, m, k, 0) == 3
+            ref = x.double() @ w.T + bias.double()
+            bound = int8_bound(x, w, 2)
+            got = qg.linear(x, p, bias, out_dtype=torch.float32).double()
+            assert bool(((got - ref).abs() <= bound).all()), (name, k, m)
+            got16 = qg.linear(x, p, bias).double()
+            assert bool(((got16 - ref).abs() <= bound + 2.0 ** -8 * ref.abs()).all()), (name, k, m)
+        x = torch.randn(70, k, generator=g).bfloat16()
+        runs = at_thread_counts(lambda: qg.linear(x, p, out_dtype=torch.float32), (1, 2, 3))
+        assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3]), name
+        for rows in (slice(0, 32), slice(5, 40), slice(31, 70)):
+            assert torch.equal(qg.linear(x[rows], p, out_dtype=torch.float32), runs[1][rows]), (name, rows)
+full = {'Q4_K': (16, 144), 'Q5_K': (16, 176), 'Q4_0': (2, 18), 'Q4_1': (4, 20)}  # quant bytes of a file block
+for name, (lo, hi) in full.items():
+    qtype = qg.TYPE_IDS[name]
+    if qtype >= 12:
+        raw = make_blocks(qtype, 8, 512, 11).copy()
+        raw.reshape(8 * 2, -1)[:, lo:hi] = 0xFF
+    else:
+        raw = matrix(name, 8, 512, 11).data.numpy().copy()
+        raw.reshape(8 * 16, -1)[:, lo:hi] = 0xFF
+    qm = qg.QuantMatrix.from_gguf(qtype, (8, 512), raw, 'test.' + name)
+    w = qg.dequantize(qm).double()
+    ones = torch.ones(512)
+    x = torch.stack([ones, -ones] * 16).bfloat16()
+    got = qg.linear(x, qg.prepare(qm), out_dtype=torch.float32).double()
+    assert bool(((got - x.double() @ w.T).abs() <= int8_bound(x, w, 2)).all()), name
+lib.quant_i8_tile_m(0)
+assert lib.quant_path(2, 64, 512, 0) == 0
+lib.quant_i8_tile_m(32)
+code = "from tokenloom.kernels import quant_gemm as qg; print(qg._native().quant_i8_tile_m(-1))"
+env = {**os.environ, 'TOKENLOOM_QUANT_I8_TILE_M': '0'}
+assert subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True).stdout.strip() == '0'
 """)
 
 

@@ -74,11 +74,12 @@ def _small_limit() -> int:
 
 
 def _int8_path(qm: qg.QuantMatrix, m: int, x_dtype: torch.dtype) -> bool:
-    """Whether quant_linear takes one of the int8 paths (the small stream or the many-row tile) here."""
+    """Whether quant_linear takes one of the int8 paths (the small stream, the many-row path, the AVX2 one-term
+    tile) here."""
     path = qg._native().quant_path(ctypes.c_int(qm.qtype), ctypes.c_int64(m), ctypes.c_int64(qm.cols),
                                    ctypes.c_int(x_dtype == torch.float32))
-    assert path in (0, 1, 2)
-    return path in (1, 2)
+    assert path in (0, 1, 2, 3)
+    return path in (1, 2, 3)
 
 
 @pytest.mark.parametrize("name", LEGACY)

@@ -257,15 +257,17 @@ def test_public_linear(qtype, m, k, x_dtype):
     ref = xd @ w.T + bias.double()
     mag = xd.abs() @ w.abs().T
     path = qg._native().quant_path(ct.c_int(qtype), ct.c_int64(m), ct.c_int64(k), ct.c_int(x.dtype == torch.float32))
-    small = path in (1, 2)  # an int8 path: the small stream or the many-row tile
+    small = path in (1, 2, 3)  # an int8 path: the small stream, the many-row path or the AVX2 one-term tile
     lib = qg._native()
     batch_from, tile_from = lib.quant_batch_m(ct.c_int(-1)), lib.quant_tile_m(ct.c_int(-1))
     # the many-row int8 path: off where AMX runs, and from tile_from rows on where vdpbf16ps keeps pace
     batch = batch_from > 0 and m >= batch_from and (tile_from == 0 or m < tile_from)
     if qg.native_isa() == 2:
         assert path == (0 if x.dtype == torch.float32 else 1 if m <= 4 else 2 if batch else 0)
-    else:  # the AVX2 family: bf16 x through the int8 terms below tile_from rows, else its float32 tile
-        assert path == (0 if x.dtype == torch.float32 or m >= tile_from else 1)
+    else:  # the AVX2 family: bf16 x through the int8 terms below tile_from rows, else its float32 tile, or its
+        # one-term int8 tile from i8_from rows on (Q4_K / Q5_K)
+        i8 = x.dtype != torch.float32 and qtype != Q6_K and 0 < lib.quant_i8_tile_m(ct.c_int(-1)) <= m
+        assert path == (3 if i8 else 0 if x.dtype == torch.float32 or m >= tile_from else 1)
     if x.dtype == torch.float32 or (path == 0 and qg.native_isa() == 1):  # exact weights, float32 sums
         tol = k * 2.0 ** -24 * mag
     elif small:

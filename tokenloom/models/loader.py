@@ -14,6 +14,7 @@ or `--quantization w8a8_int8` (`ModelSource.quantize_at_load`: every linear laye
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -187,10 +188,8 @@ def _return_freed_heap() -> None:
     """Give the heap memory the load freed (each tensor's first copy before its repacking) back to the system.
     glibc keeps freed blocks below its mmap threshold in its heap: after a 1.6 GB Q4_K_M MoE file (6144 expert
     matrices of ~0.25 MB) the process held 0.35 GB more than its tensors until trimmed. Not glibc: nothing."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _safetensors_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -65,6 +65,7 @@ static int quant_batch_residual_on = 1;
 
 #include "quant_avx2.c" /* the AVX2 family, built where the AVX-512 ones are not */
 #include "tile_avx2.c" /* its float32 tiles (many rows), and the bf16 matmul they serve too */
+#include "tile_i8_avx2.c" /* its one-term int8 tile (bf16 x, many rows) */
 
 static const tl_quant_type *tl_quant_lookup(int type) {
 #if HAVE_QUANT_GEMM
@@ -633,8 +634,24 @@ KERNEL_API int quant_tile_m(int value) {
     return quant_tile_min_rows;
 }
 
+/* Rows from which the AVX2 family's one-term int8 tile (tile_i8_avx2.c) replaces its float32 tile for bf16 x:
+ * read (value < 0) or set it (0: never). Elsewhere 0. */
+static int quant_i8_tile_min_rows = -1;
+KERNEL_API int quant_i8_tile_m(int value) {
+    if (value >= 0)
+        quant_i8_tile_min_rows = value;
+    else if (quant_i8_tile_min_rows < 0)
+#if HAVE_QUANT_AVX2
+        quant_i8_tile_min_rows = AVX2_I8_TILE_M;
+#else
+        quant_i8_tile_min_rows = 0;
+#endif
+    return quant_i8_tile_min_rows;
+}
+
 /* The path quant_linear takes for these arguments: 1 the small int8 stream, 2 the many-row int8 path, 0 the
- * dequantized tile; -1 for a type this build lacks (tests pick each path's error bound with it). */
+ * dequantized tile, 3 the AVX2 one-term int8 tile; -1 for a type this build lacks (tests pick each path's error
+ * bound with it). */
 KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
 #if HAVE_QUANT_GEMM
     const tl_quant_type *t = tl_quant_lookup(type);
@@ -649,9 +666,9 @@ KERNEL_API int quant_path(int type, int64_t m, int64_t k, int x_is_f32) {
 #endif
     return 0;
 #elif HAVE_QUANT_AVX2
-    (void)k;
     if (tl_quant_lookup(type) == NULL) return -1;
-    const int tile_from = quant_tile_m(-1);
+    const int tile_from = quant_tile_m(-1), i8_from = quant_i8_tile_m(-1);
+    if (!x_is_f32 && i8_from > 0 && m >= i8_from && avx2_i8_supported(type, k)) return 3;
     return x_is_f32 || (tile_from > 0 && m >= tile_from) ? 0 : 1;
 #else
     (void)type; (void)m; (void)k; (void)x_is_f32;
@@ -681,7 +698,11 @@ KERNEL_API int quant_linear(int type, const uint8_t *w, int64_t n, int64_t k, co
     }
     return tile_path(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
 #elif HAVE_QUANT_AVX2
-    if (quant_path(type, m, k, x_is_f32) == 0)
+    const int path = quant_path(type, m, k, x_is_f32);
+    if (path == 3)
+        return avx2_i8_tile_linear(t, w, n, k, (const uint16_t *)x, x_stride, m, bias, bias_is_f32, out, out_stride,
+                                   out_is_f32, threads);
+    if (path == 0)
         return avx2_tile_linear(t, w, n, k, x, x_stride, x_is_f32, m, bias, bias_is_f32, out, out_stride, out_is_f32,
                                 threads);
     return avx2_linear(t, w, n, k, x, x_stride, 0, m, bias, bias_is_f32, out, out_stride, out_is_f32, threads);
