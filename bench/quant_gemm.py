@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefetch-l1-ab", action="store_true",
                    help="also time the quantized kernel with its software prefetch filling L1 instead of L2, "
                         "in the same rounds")
+    p.add_argument("--i8-tile-ab", action="store_true",
+                   help="AVX2: also time the float32 tile with the one-term int8 tile off, in the same rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     lib = qg._native()
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     tiled_linear = linear_with(lib.quant_seq_m, 0, seq_m)  # the row tiles instead of the row-sequential stream
     tile_linear = linear_with(lib.quant_batch_m, 0, batch_m)  # the many-row int8 path off: the bf16 tile
     int8_linear = linear_with(lib.quant_tile_m, 0, tile_m)  # the many-row int8 path wherever it applies
+    i8_tile_m = lib.quant_i8_tile_m(ctypes.c_int(-1))
+    f32_tile_linear = linear_with(lib.quant_i8_tile_m, 0, i8_tile_m)  # AVX2: the one-term int8 tile off
 
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
                     fns["rowtiles"] = lambda x=x, qms=qms: [tiled_linear(x, q) for q in qms]
                 if args.prefetch_ab:
                     fns["noprefetch"] = lambda x=x, qms=qms: [unprefetched_linear(x, q) for q in qms]
+                if args.i8_tile_ab:
+                    fns["f32tile"] = lambda x=x, qms=qms: [f32_tile_linear(x, q) for q in qms]
                 if args.prefetch_l1_ab:
                     fns["l1prefetch"] = lambda x=x, qms=qms: [l1_prefetch_linear(x, q) for q in qms]
                 best = time_pair(fns, args.rounds, args.round_ms,
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["noprefetch_ms"] = best["noprefetch"] / args.copies * 1e3
                 if args.prefetch_l1_ab:
                     row["l1prefetch_ms"] = best["l1prefetch"] / args.copies * 1e3
+                if args.i8_tile_ab:
+                    row["f32tile_ms"] = best["f32tile"] / args.copies * 1e3
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
                       f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
@@ -228,12 +236,14 @@ def main(argv: list[str] | None = None) -> None:
                       + (f" prefetch off {row['noprefetch_ms']:.3f} ms ({row['noprefetch_ms'] / row['quant_ms']:.2f}x)"
                          if args.prefetch_ab else "")
                       + (f" to L1 {row['l1prefetch_ms']:.3f} ms ({row['l1prefetch_ms'] / row['quant_ms']:.2f}x)"
-                         if args.prefetch_l1_ab else ""), flush=True)
+                         if args.prefetch_l1_ab else "")
+                      + (f" float32 tile {row['f32tile_ms']:.3f} ms ({row['f32tile_ms'] / row['quant_ms']:.2f}x)"
+                         if args.i8_tile_ab else ""), flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                                for r in results], "threads": args.threads, "small_m": small_m,
-                      "batch_m": batch_m, "tile_m": tile_m, "seq_m": seq_m,
+                      "batch_m": batch_m, "tile_m": tile_m, "seq_m": seq_m, "i8_tile_m": i8_tile_m,
                       "bf16_dot_cost": round(dot_cost, 3), "copies": args.copies, "clock": args.clock,
                       "other_cpu_fraction": round(other, 3)}))
 

@@ -17,8 +17,9 @@
  * keeps one accumulator a pair, lane j its sum over block j: per span (Q5_K: per half) one vpmaddwd, one
  * conversion and one multiply-add by the weight and activation scales, the offsets one more, the 8 lanes
  * summed at the end. Every output's sums follow one order whatever the rows beside it and the thread count.
- * Zen 3, two threads, against the float32 tile (bench/quant_gemm.py --i8-tile): Q4 types 1.4-2.0x at 16-256
- * rows on 1B shapes, Q5_K 1.1-1.6x; Q6_K (16-element scales, int16 sums of two vectors) measured 0.9-1.2x and
+ * Zen 3, two threads, against the float32 tile (bench/quant_gemm.py --i8-tile-ab): Q4_0 / Q4_1 / Q4_K 1.6-2.2x
+ * at 32-256 rows on 1B shapes and SmolLM2's 576x1536, Q5_K 1.3-1.5x; Q6_K (16-element scales, int16 sums of two
+ * vectors) measured 0.9-1.2x and
  * Q8_0 (signed quants) is not taken: both stay on the float32 tile.
  *
  * Included by quant_gemm.c after tile_avx2.c.
