@@ -50,7 +50,7 @@ def int8_bound(x, w, divisor):
 
 lib = qg._native()
 assert qg.native_isa() == 1 and lib.quant_isa() == 1 and qg.native_moe_supported()
-assert lib.quant_tile_m(-1) == 16 and lib.quant_i8_tile_m(-1) == 32
+assert lib.quant_tile_m(-1) == 16 and lib.quant_i8_tile_m(-1) == 0  # the one-term int8 tile: opt-in
 I8_TYPES = ('Q4_0', 'Q4_1', 'Q4_K', 'Q5_K')  # the one-term int8 tile's (rows of whole 256-element spans)
 """
 
@@ -85,7 +85,7 @@ for name in TYPES:
         bias = torch.randn(37, generator=g)
         for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 25, 70):
             tile = m >= lib.quant_tile_m(-1)
-            i8 = m >= lib.quant_i8_tile_m(-1) and name in I8_TYPES and k % 256 == 0
+            i8 = 0 < lib.quant_i8_tile_m(-1) <= m and name in I8_TYPES and k % 256 == 0
             path = 3 if i8 else 0 if tile else 1
             assert lib.quant_path(qtype, m, k, 0) == path and lib.quant_path(qtype, m, k, 1) == 0
             x = torch.randn(m, k, generator=g).bfloat16()
@@ -160,7 +160,6 @@ def test_rows_and_threads_change_no_result():
     _run("""
 from tests.thread_counts import at_thread_counts
 tile_m = lib.quant_tile_m(-1)
-lib.quant_i8_tile_m(0)  # the one-term int8 tile: its own test below
 for name in TYPES:
     qtype = qg.TYPE_IDS[name]
     k = 576 if qtype < 12 else 768
@@ -177,21 +176,22 @@ for name in TYPES:
                 assert torch.equal(part, runs[1][rows]), (name, tile, rows)
         finally:
             lib.quant_tile_m(tile_m)
-lib.quant_i8_tile_m(32)
 """)
 
 
 def test_one_term_int8_tile():
-    """bf16 x from quant_i8_tile_m (32) rows on against Q4_0 / Q4_1 / Q4_K / Q5_K rows of whole 256-element spans
-    takes the one-term int8 tile (quant_path 3; Q8_0, Q6_K, a legacy row with a tail of nb % 8 blocks, float32 x
-    and fewer rows do not): within one int8 term's bound sum_i |w_i| d(i) / 2 at 32-70 rows and several spans,
-    into float32 and bf16 with a bias; a row's result does not depend on the rows beside it nor on the thread
-    count, bit for bit; every quant at its largest (Q4 15, Q5_K 31: the int16 sums of eight / four vectors
-    nearest 32767) against rows of +-1 stays within the bound (no int16 sum wrapped); quant_i8_tile_m(0) and
-    TOKENLOOM_QUANT_I8_TILE_M=0 turn it off."""
+    """Turned on (quant_i8_tile_m 32), bf16 x from 32 rows on against Q4_0 / Q4_1 / Q4_K / Q5_K rows of whole
+    256-element spans takes the one-term int8 tile (quant_path 3; Q8_0, Q6_K, a legacy row with a tail of nb % 8
+    blocks, float32 x and fewer rows do not): within one int8 term's bound sum_i |w_i| d(i) / 2 at 32-70 rows and
+    several spans, into float32 and bf16 with a bias; a row's result does not depend on the rows beside it nor on
+    the thread count, bit for bit; every quant at its largest (Q4 15, Q5_K 31: the int16 sums of eight / four
+    vectors nearest 32767) against rows of +-1 stays within the bound (no int16 sum wrapped). It is off by default
+    (quant_i8_tile_m 0: the float32 tile) and TOKENLOOM_QUANT_I8_TILE_M sets it."""
     _run("""
 import os, subprocess
 from tests.thread_counts import at_thread_counts
+assert lib.quant_path(2, 64, 512, 0) == 0
+lib.quant_i8_tile_m(32)
 assert [lib.quant_path(qg.TYPE_IDS[t], 32, 512, 0) for t in TYPES] == [3, 3, 0, 3, 3, 0]
 assert [lib.quant_path(2, m, k, x32) for m, k, x32 in ((31, 512, 0), (32, 576, 0), (32, 512, 1))] == [0, 0, 0]
 for name in I8_TYPES:
@@ -233,10 +233,9 @@ for name, (lo, hi) in full.items():
     assert bool(((got - x.double() @ w.T).abs() <= int8_bound(x, w, 2)).all()), name
 lib.quant_i8_tile_m(0)
 assert lib.quant_path(2, 64, 512, 0) == 0
-lib.quant_i8_tile_m(32)
 code = "from tokenloom.kernels import quant_gemm as qg; print(qg._native().quant_i8_tile_m(-1))"
-env = {**os.environ, 'TOKENLOOM_QUANT_I8_TILE_M': '0'}
-assert subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True).stdout.strip() == '0'
+env = {**os.environ, 'TOKENLOOM_QUANT_I8_TILE_M': '32'}
+assert subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True).stdout.strip() == '32'
 """)
 
 

@@ -196,7 +196,7 @@ def _native() -> ctypes.CDLL | None:
     tile_m = os.environ.get("TOKENLOOM_QUANT_TILE_M")  # rows from which the bf16 tile replaces the int8 path (A/B runs)
     if tile_m is not None:
         lib.quant_tile_m(ctypes.c_int(int(tile_m)))
-    i8_tile_m = os.environ.get("TOKENLOOM_QUANT_I8_TILE_M")  # AVX2: rows from which the int8 tile runs (0: never)
+    i8_tile_m = os.environ.get("TOKENLOOM_QUANT_I8_TILE_M")  # AVX2: rows from which the one-term int8 tile runs
     if i8_tile_m is not None:
         lib.quant_i8_tile_m(ctypes.c_int(int(i8_tile_m)))
     return lib

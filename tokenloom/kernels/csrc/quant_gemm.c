@@ -635,7 +635,7 @@ KERNEL_API int quant_tile_m(int value) {
 }
 
 /* Rows from which the AVX2 family's one-term int8 tile (tile_i8_avx2.c) replaces its float32 tile for bf16 x:
- * read (value < 0) or set it (0: never). Elsewhere 0. */
+ * read (value < 0) or set it (0: never, the default; 32 where measured). Elsewhere 0. */
 static int quant_i8_tile_min_rows = -1;
 KERNEL_API int quant_i8_tile_m(int value) {
     if (value >= 0)

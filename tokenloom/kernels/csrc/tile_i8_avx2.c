@@ -1,5 +1,5 @@
 /*
- * The one-term int8 tile of the AVX2 family (quant_path 3): bf16 x from quant_i8_tile_m rows on (prefill) against
+ * The one-term int8 tile of the AVX2 family (quant_path 3), opt-in: bf16 x from quant_i8_tile_m rows on against
  * Q4_0, Q4_1, Q4_K and Q5_K weights, by vpmaddubsw (32 unsigned-quant by int8 products an instruction) instead of
  * the float32 tile's FMAs (8 an instruction). Without VNNI this is AVX2's densest multiply: a quant (0..31) times
  * an activation (-127..127) summed in pairs stays exact in int16, and the pair sums of up to 8 (Q4) or 4 (Q5_K)
@@ -26,7 +26,11 @@
  */
 #if HAVE_QUANT_AVX2
 
-#define AVX2_I8_TILE_M 32 /* bf16 rows from which this tile replaces the float32 one (quant_i8_tile_m) */
+/* Off by default (quant_i8_tile_m 0; TOKENLOOM_QUANT_I8_TILE_M=32 turns it on): the one int8 term adds ~1% relative
+ * noise to each activation row (bf16 alone 0.2%), which on the default SmolLM2-135M Q4_1 file moved perplexity
+ * against the file in float32 from +0.08% to +0.13% and greedy agreement from 0.84 to 0.72, and turned its answer
+ * to "What is the capital of France?" from Paris to something else: a speed for an accuracy users did not ask for. */
+#define AVX2_I8_TILE_M 0
 #define AVX2_I8_R 5       /* activation rows of a register tile */
 #define AVX2_I8_J 1       /* weight rows of a register tile */
 #define AVX2_I8_KC 2048   /* elements of a chunk of the activation rows (in L1 while an item's rows pass) */
