@@ -112,10 +112,12 @@ def test_gguf_f32_and_q8_0_match(moe_model, gguf_files, family):
     assert moe.w13 is None and all(isinstance(q, QuantWeight) for q in moe.quant13)  # experts stay Q8_0
     # the experts count in the load line and in the memory the weights hold (the KV pool is sized after it)
     model = runner.model
-    params = sum(p.numel() for p in model.parameters()) + quantized_weights(model)[0]
-    assert params == sum(p.numel() for p in hf.parameters())
+    quant_params, types = quantized_weights(model)
+    assert sum(p.numel() for p in model.parameters()) + quant_params == sum(p.numel() for p in hf.parameters())
+    reader = GGUFFile(gguf_files(family, "q8_0")).reader
+    assert types == {"Q8_0": sum(t.tensor_type.name == "Q8_0" for t in reader.tensors)}  # file tensors, not experts
     rotary = sum(b.numel() * b.element_size() for b in model.buffers())
-    file_bytes = sum(int(t.n_bytes) for t in GGUFFile(gguf_files(family, "q8_0")).reader.tensors)
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     assert 0.9 * file_bytes < model_nbytes(model) - rotary < 1.1 * file_bytes
     dequantized, _ = _logits(gguf_files(family, "q8_0"), prompt, quantization="none")
     assert (kept - dequantized).abs().max().item() < 1e-4

@@ -110,26 +110,28 @@ def quantized_weights(model: nn.Module) -> tuple[int, Counter[str]]:
     """(parameters held quantized, file tensors kept quantized by type name) of `model`'s layers."""
     params, types = 0, Counter[str]()
     for module in model.modules():
-        for value in _held_values(module):
+        for value, counted in _held_values(module):
             if isinstance(value, QuantWeight):
                 params += sum(s.weight.shape[0] * s.weight.shape[1] for s in value.segments
                               if isinstance(s.weight, QUANT_MATRICES))
                 kinds = {s.weight.name for s in value.segments if isinstance(s.weight, IntQuantMatrix)}
-                types.update(t for t in value.part_types if t in quant_gemm.TYPE_IDS or t in kinds)
+                if counted:
+                    types.update(t for t in value.part_types if t in quant_gemm.TYPE_IDS or t in kinds)
             elif isinstance(value, QuantMatrix):
                 params += value.rows * value.cols
-                types[value.name] += 1
+                types[value.name] += counted
     return params, types
 
 
 def _held_values(module: nn.Module):
-    """The values of `module`'s attributes, the items of its lists and tuples among them (a MoE layer keeps one
-    QuantWeight per expert in a list)."""
+    """(value, counted) for `module`'s attributes, the items of its lists and tuples among them: a MoE layer keeps
+    one QuantWeight per expert in a list, cut from one file tensor per projection, so only a list's first item
+    counts toward the file's tensors (`counted`)."""
     for value in vars(module).values():
         if isinstance(value, list | tuple):
-            yield from value
+            yield from ((item, i == 0) for i, item in enumerate(value))
         else:
-            yield value
+            yield value, True
 
 
 def format_types(types: Counter[str]) -> str:
