@@ -17,8 +17,9 @@ whole in memory in float32; SmolLM2's tokenizer beside it), `moe2b-bf16.gguf` (c
 
 The run: both servers up on the Q4_K_M file at once (tokenloom with AMX off, as on the AMD EPYC this project
 targets), measured in turns so that the machine's load hits both alike. Per turn and server: the batch-1 ITL
-(one request, a 64-token prompt; the difference of a long and a 1-token answer, so prefill and HTTP cancel
-out) and the output throughput of `--concurrency` (32) requests at once; medians over `--repeats` turns.
+(one request, a 64-token prompt; the median of `--itl-samples` differences of a long and a 1-token answer,
+so prefill and HTTP cancel out) and the output throughput of `--concurrency` (32) requests at once; medians
+over `--repeats` turns.
 Beside them, the bandwidth bound of a batch-1 step: the bytes of the active experts (top-k of each expert
 tensor), attention and LM head over the read bandwidth measured in the same run.
 """
@@ -188,7 +189,7 @@ def _throughput(generate, concurrency: int, new_tokens: int) -> float:
         return concurrency * new_tokens / (time.perf_counter() - t0)
 
 
-def run_pair(path: str, threads: int, new_tokens: int, repeats: int, concurrency: int
+def run_pair(path: str, threads: int, new_tokens: int, repeats: int, concurrency: int, itl_samples: int = 5
              ) -> dict[str, dict[str, float]]:
     """Both servers up on `path` at once, measured in turns (tokenloom, llama.cpp, tokenloom, ...), so a
     load that comes and goes hits both alike: per server the median over `repeats` turns of the batch-1 ITL
@@ -224,7 +225,7 @@ def run_pair(path: str, threads: int, new_tokens: int, repeats: int, concurrency
         runs: dict[str, dict[str, list[float]]] = {n: {"itl_ms": [], "throughput_tok_s": []} for n in servers}
         for turn in range(repeats):
             for name, (_, generate) in servers.items():
-                runs[name]["itl_ms"].append(_itl_ms(generate, new_tokens, 1))
+                runs[name]["itl_ms"].append(_itl_ms(generate, new_tokens, itl_samples))
                 runs[name]["throughput_tok_s"].append(_throughput(generate, concurrency, new_tokens))
                 print(f"turn {turn}: {name} ITL {runs[name]['itl_ms'][-1]:.2f} ms, {concurrency} concurrent "
                       f"{runs[name]['throughput_tok_s'][-1]:.1f} tok/s", flush=True)
@@ -266,6 +267,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--new-tokens", type=int, default=33)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--itl-samples", type=int, default=5,
+                   help="(long - short) answer differences a turn, their median its ITL (one alone swung 10-17 ms)")
     p.add_argument("--concurrency", type=int, default=32)
     args = p.parse_args()
     path = ensure_files()
@@ -275,7 +278,7 @@ def main() -> int:
           f"{gguf_step_bytes(path) / 1e9:.2f} GB (all experts)", flush=True)
     if args.make:
         return 0
-    r = run_pair(path, args.threads, args.new_tokens, args.repeats, args.concurrency)
+    r = run_pair(path, args.threads, args.new_tokens, args.repeats, args.concurrency, args.itl_samples)
     ours, peer = r["tokenloom"], r["llama.cpp"]
     print(json.dumps({**r, "itl_speedup": peer["itl_ms"] / ours["itl_ms"],
                       "throughput_ratio": ours["throughput_tok_s"] / peer["throughput_tok_s"],
