@@ -19,8 +19,7 @@
  * summed at the end. Every output's sums follow one order whatever the rows beside it and the thread count.
  * Zen 3, two threads, against the float32 tile (bench/quant_gemm.py --i8-tile-ab): Q4_0 / Q4_1 / Q4_K 1.6-2.2x
  * at 32-256 rows on 1B shapes and SmolLM2's 576x1536, Q5_K 1.3-1.5x; Q6_K (16-element scales, int16 sums of two
- * vectors) measured 0.9-1.2x and
- * Q8_0 (signed quants) is not taken: both stay on the float32 tile.
+ * vectors) measured 0.9-1.2x and Q8_0 (signed quants) is not taken: both stay on the float32 tile.
  *
  * Included by quant_gemm.c after tile_avx2.c.
  */
@@ -29,7 +28,7 @@
 /* Off by default (quant_i8_tile_m 0; TOKENLOOM_QUANT_I8_TILE_M=32 turns it on): the one int8 term adds ~1% relative
  * noise to each activation row (bf16 alone 0.2%), which on the default SmolLM2-135M Q4_1 file moved perplexity
  * against the file in float32 from +0.08% to +0.13% and greedy agreement from 0.84 to 0.72, and turned its answer
- * to "What is the capital of France?" from Paris to something else: a speed for an accuracy users did not ask for. */
+ * to "What is the capital of France?" from Paris to something else: too high a price for a default. */
 #define AVX2_I8_TILE_M 0
 #define AVX2_I8_R 5       /* activation rows of a register tile */
 #define AVX2_I8_J 1       /* weight rows of a register tile */
@@ -49,7 +48,7 @@ static inline __m256i avx2_i8_nibble_chunk(const uint8_t *p) {
     return _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
 }
 
-/* Weight row `row` (k columns, re-laid out) unpacked: spans x (block / 4) vectors of 32 bytes at u, per span 8
+/* Weight row `row` (k columns, re-laid out) unpacked: per span of 256 elements 8 vectors of 32 bytes at u, and 8
  * scales then 8 offsets at sc. */
 static void avx2_i8_unpack_row(int type, const uint8_t *row, int64_t k, uint8_t *u, float *sc) {
     if (type == TL_Q4_K || type == TL_Q5_K) {
