@@ -271,13 +271,15 @@ static inline __attribute__((always_inline)) void avx2_k4_scale_rows(const uint8
  * vectors' products summed per lane (= per sub-block), then acc += sums * (d sc_j) * d_x(j) and
  * offs += -dmin m_j * xs(j). */
 static inline __attribute__((always_inline)) void avx2_q4k_dot(const uint8_t *row, int64_t k, const avx2_act *a,
-                                                                int64_t r0, const int MR, float *out) {
+                                                                int64_t r0, const int MR, float *out,
+                                                               int64_t ahead) {
     const int bytes = AVX2_Q4K_BYTES;
     const int64_t nb = k / 32;
     __m256 acc[4], offs[4];
     for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < k / 256; ++sb) {
         const uint8_t *blk = row + sb * bytes;
+        if (ahead > 0) avx2_prefetch_bytes(blk + ahead, bytes);
         __m256i isum[4];
         for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2 /* fully unrolled, gcc hoists all 16 weight vectors and spills them */
@@ -324,13 +326,15 @@ static inline __attribute__((always_inline)) void avx2_u8_widen(const int MR, av
  * vectors' products summed per lane (= per sub-block) in int16 four at a time (4 * 2 * 31 * 127 < 32768), then
  * acc += sums * (d sc_j) * d_x(j) and offs += -dmin m_j * xs(j). */
 static inline __attribute__((always_inline)) void avx2_q5k_dot(const uint8_t *row, int64_t k, const avx2_act *a,
-                                                                int64_t r0, const int MR, float *out) {
+                                                                int64_t r0, const int MR, float *out,
+                                                               int64_t ahead) {
     const int bytes = AVX2_Q5K_BYTES;
     const int64_t nb = k / 32;
     __m256 acc[4], offs[4];
     for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < k / 256; ++sb) {
         const uint8_t *blk = row + sb * bytes;
+        if (ahead > 0) avx2_prefetch_bytes(blk + ahead, bytes);
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + AVX2_K4_QUANTS));
         __m256i isum[4];
         avx2_u8_acc sums;
@@ -357,12 +361,14 @@ static inline __m256 avx2_dup4(const float *p) {
  * at a time, 2 * 2 * 63 * 127 < 32768), minus 32 times the sub-block's activation sum, then
  * acc += sums * (d sc_j) * d_x(block of j). */
 static inline __attribute__((always_inline)) void avx2_q6_dot(const uint8_t *row, int64_t k, const avx2_act *a,
-                                                               int64_t r0, const int MR, float *out) {
+                                                               int64_t r0, const int MR, float *out,
+                                                              int64_t ahead) {
     const int64_t nb = k / 32, n16 = k / 16;
     __m256 acc[4];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < k / 256; ++sb) {
         const uint8_t *blk = row + sb * 210;
+        if (ahead > 0) avx2_prefetch_bytes(blk + ahead, 210);
         const __m256 d = _mm256_set1_ps(avx2_h2f(blk + 208));
         for (int g = 0; g < 2; ++g) {
             __m256i isum[4];

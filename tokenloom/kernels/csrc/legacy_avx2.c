@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void avx2_legacy_pair(const int typ
  * activations' spans in lane order, their tail in file order). */
 static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type, const uint8_t *row, int64_t k,
                                                                    const avx2_act *a, int64_t r0, const int MR,
-                                                                   float *out) {
+                                                                   float *out, int64_t ahead) {
     const int bs = avx2_legacy_bytes(type), qb = avx2_legacy_qbytes(type);
     const int64_t nb = k / 32, spans = nb / 8;
     __m256 acc[4], offs[4];
@@ -91,6 +91,7 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
     for (int i = 0; i < MR; ++i) acc[i] = offs[i] = _mm256_setzero_ps();
     for (int64_t s = 0; s < spans; ++s) {
         const uint8_t *span = row + s * 8 * bs;
+        if (ahead > 0) avx2_prefetch_bytes(span + ahead, 8 * bs);
         __m256i isum[4];
         for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2

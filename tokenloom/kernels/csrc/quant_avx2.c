@@ -162,6 +162,12 @@ static inline __attribute__((always_inline)) void avx2_k4_scale_min(const uint8_
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
 }
 
+/* The 64-byte lines of [p, p + bytes) prefetched (TL_QUANT_PREFETCH: into L2 by default). */
+static inline void avx2_prefetch_bytes(const uint8_t *p, int64_t bytes) {
+    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t line = first; line < end; line += 64) TL_QUANT_PREFETCH((const char *)line);
+}
+
 #include "kquant_avx2.c" /* the K types, in the sub-block-per-lane layout */
 #include "legacy_avx2.c" /* the legacy types, in the same lane order */
 
@@ -211,12 +217,12 @@ static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r
  * 0.84x / level with it: their long runs the hardware prefetchers follow alone. */
 #define AVX2_PREFETCH_AHEAD 2048
 #define AVX2_PREFETCH_ROW_MAX 4096
+/* Longer rows prefetch as they go instead: each span (a super-block, 8 legacy blocks) as the dot product reaches
+ * it asks for the span this many bytes on into L2. Zen 3, two threads, weights from memory, 2048x8192 one row
+ * (bench/quant_gemm.py --prefetch-ab): Q4_K / Q6_K 0.87-0.92x the time without; on rows of a few hundred
+ * bytes to 4 KiB (2048 wide) the same in-row prefetch was level to 1.1x slower than the row-start one above. */
+#define AVX2_PREFETCH_IN_ROW 2048
 
-/* The 64-byte lines of [p, p + bytes) prefetched (TL_QUANT_PREFETCH: into L2 by default). */
-static inline void avx2_prefetch_bytes(const uint8_t *p, int64_t bytes) {
-    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + (uintptr_t)bytes;
-    for (uintptr_t line = first; line < end; line += 64) TL_QUANT_PREFETCH((const char *)line);
-}
 
 /* bf16 x rows through the int8 terms: sums[r][j - n0] for weight rows j of [n0, n1), all activation rows. */
 static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, const avx2_act *a, int64_t n0,
@@ -224,6 +230,8 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
     const int64_t row_bytes = k / t->block * t->block_size, span = n1 - n0;
     const int64_t ahead = row_bytes <= AVX2_PREFETCH_ROW_MAX ? (int64_t)tl_quant_prefetch_tiles * AVX2_PREFETCH_AHEAD
                                                               : 0;
+    const int64_t in_row = row_bytes > AVX2_PREFETCH_ROW_MAX ? (int64_t)tl_quant_prefetch_tiles * AVX2_PREFETCH_IN_ROW
+                                                             : 0;
     for (int64_t r0 = 0; r0 < a->m; r0 += AVX2_ACT_CHUNK) {
         const int64_t r1 = a->m - r0 < AVX2_ACT_CHUNK ? a->m : r0 + AVX2_ACT_CHUNK;
         for (int64_t j = n0; j < n1; ++j) {
@@ -232,6 +240,7 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
             for (int64_t r = r0; r < r1; r += 4) {
                 float o[4] = {0.f, 0.f, 0.f, 0.f};
                 const int rows = r1 - r < 4 ? (int)(r1 - r) : 4;
+                const int64_t pf = r == 0 ? in_row : 0; /* the row's first pass streams it from memory */
 #define AVX2_ROWS(T, DOT)                                                                                      \
     switch (rows) {                                                                                            \
     case 4: DOT(T, 4); break;                                                                                  \
@@ -239,16 +248,16 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
     case 2: DOT(T, 2); break;                                                                                  \
     default: DOT(T, 1); break;                                                                                 \
     }
-#define AVX2_LEGACY_DOT(T, MR) avx2_legacy_dot(T, row, k, a, r, MR, o)
-#define AVX2_Q4K_DOT(T, MR) avx2_q4k_dot(row, k, a, r, MR, o)
+#define AVX2_LEGACY_DOT(T, MR) avx2_legacy_dot(T, row, k, a, r, MR, o, pf)
+#define AVX2_Q4K_DOT(T, MR) avx2_q4k_dot(row, k, a, r, MR, o, pf)
 /* Q5_K / Q6_K up to three rows in one pass, four as two passes of two (four rows' int16 sums per term spill;
  * against two rows at a time, three rows in one pass 0.85-0.92x the time, four as three and one 1.04-1.08x) */
 #define AVX2_BYTE_ROWS(DOT, MR)                                                                                \
     if (MR == 4) {                                                                                             \
-        DOT(row, k, a, r, 2, o);                                                                               \
-        DOT(row, k, a, r + 2, 2, o + 2);                                                                       \
+        DOT(row, k, a, r, 2, o, pf);                                                                           \
+        DOT(row, k, a, r + 2, 2, o + 2, 0);                                                                    \
     } else                                                                                                     \
-        DOT(row, k, a, r, MR, o)
+        DOT(row, k, a, r, MR, o, pf)
 #define AVX2_Q5K_DOT(T, MR) AVX2_BYTE_ROWS(avx2_q5k_dot, MR)
 #define AVX2_Q6_DOT(T, MR) AVX2_BYTE_ROWS(avx2_q6_dot, MR)
                 switch (t->type) {
