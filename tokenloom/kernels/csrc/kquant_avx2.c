@@ -272,7 +272,7 @@ static inline __attribute__((always_inline)) void avx2_k4_scale_rows(const uint8
  * offs += -dmin m_j * xs(j). */
 static inline __attribute__((always_inline)) void avx2_q4k_dot(const uint8_t *row, int64_t k, const avx2_act *a,
                                                                 int64_t r0, const int MR, float *out,
-                                                               int64_t ahead) {
+                                                                int64_t ahead) {
     const int bytes = AVX2_Q4K_BYTES;
     const int64_t nb = k / 32;
     __m256 acc[4], offs[4];
@@ -327,7 +327,7 @@ static inline __attribute__((always_inline)) void avx2_u8_widen(const int MR, av
  * acc += sums * (d sc_j) * d_x(j) and offs += -dmin m_j * xs(j). */
 static inline __attribute__((always_inline)) void avx2_q5k_dot(const uint8_t *row, int64_t k, const avx2_act *a,
                                                                 int64_t r0, const int MR, float *out,
-                                                               int64_t ahead) {
+                                                                int64_t ahead) {
     const int bytes = AVX2_Q5K_BYTES;
     const int64_t nb = k / 32;
     __m256 acc[4], offs[4];
@@ -362,7 +362,7 @@ static inline __m256 avx2_dup4(const float *p) {
  * acc += sums * (d sc_j) * d_x(block of j). */
 static inline __attribute__((always_inline)) void avx2_q6_dot(const uint8_t *row, int64_t k, const avx2_act *a,
                                                                int64_t r0, const int MR, float *out,
-                                                              int64_t ahead) {
+                                                               int64_t ahead) {
     const int64_t nb = k / 32, n16 = k / 16;
     __m256 acc[4];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
