@@ -370,11 +370,13 @@ static inline __attribute__((always_inline)) void avx2_q6_dot(const uint8_t *row
         const uint8_t *blk = row + sb * 210;
         if (ahead > 0) avx2_prefetch_bytes(blk + ahead, 210);
         const __m256 d = _mm256_set1_ps(avx2_h2f(blk + 208));
+#pragma GCC unroll 2
         for (int g = 0; g < 2; ++g) {
             __m256i isum[4];
             avx2_u8_acc sums;
             for (int i = 0; i < MR; ++i) isum[i] = sums.h[i] = sums.l[i] = _mm256_setzero_si256();
             const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * g));
+#pragma GCC unroll 2
             for (int c = 2 * g; c < 2 * g + 2; ++c) {
                 __m256i w0, w1;
                 avx2_q6_vectors(blk, c, hv, &w0, &w1);
