@@ -12,8 +12,8 @@ after a pause (the idle side's OpenMP threads stop spinning) and one untimed ste
 point is the median over rounds of the within-round ratio (new / base), next to each side's median step.
 
 The workers drive `bench/forward_engines.TokenloomEngine` of their own checkout (a `ModelRunner` with hand-built
-decode batches and a pre-filled KV pool), default model, bf16 unless `--dtype`. `--base` makes a git worktree
-of that commit under a temporary folder (removed at the end). The last line is one JSON object.
+decode batches and a pre-filled KV pool), the default model unless `--model`, bf16 unless `--dtype`. `--base`
+makes a git worktree of that commit under a temporary folder (removed at the end). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ SETTLE_S = 0.2
 
 # Runs inside each checkout: reads one JSON command per line, answers one JSON line.
 WORKER = r"""
-import json, sys, time, torch
+import functools, json, sys, time, torch
 sys.path.insert(0, ".")
+import bench.forward_engines as engines
 from bench.forward_engines import TokenloomEngine
 cfg = json.loads(sys.argv[1])
+if cfg.get("model"):  # (patched in, so that a checkout whose engine takes no model path runs it too)
+    engines.ServerArgs = functools.partial(engines.ServerArgs, model_path=cfg["model"])
 engine = TokenloomEngine(cfg["dtype"], cfg["max_total_tokens"], cfg["max_requests"], cfg["threads"])
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
@@ -121,6 +124,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--model", default=None, help="model path for both (default: the packaged default GGUF)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="batch 1 and 64, 7 rounds")
     args = p.parse_args()
@@ -134,7 +138,7 @@ def main() -> int:
         subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", base_dir, args.base], check=True,
                        capture_output=True)
     extra = rounds * (args.steps + 1) + args.warmup + 1
-    cfg = {"dtype": args.dtype, "threads": args.threads, "max_requests": max(batches),
+    cfg = {"dtype": args.dtype, "threads": args.threads, "max_requests": max(batches), "model": args.model,
            "max_total_tokens": max(batches) * (args.context + extra) + 64}
     workers: list[Worker] = []
     try:
@@ -153,7 +157,7 @@ def main() -> int:
         print(f"{pt['batch']:5d} {pt['base_ms']:9.2f} {pt['new_ms']:9.2f} {pt['ratio']:9.3f} "
               f"{pt['ratio_min']:7.3f}-{pt['ratio_max']:.3f}")
     print(json.dumps({"bench": "ab_decode", "base": args.base or base_dir, "context": args.context,
-                      "dtype": args.dtype, "rounds": rounds, "points": points}))
+                      "dtype": args.dtype, "model": args.model, "rounds": rounds, "points": points}))
     return 0
 
 
