@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 # libgomp reads its wait policy once, when torch loads it: set before the import below. The test process shares
-# two cores with the servers it starts; OpenMP threads spinning for ~100 ms after each op would take a core from
-# them (the launcher sets the same for its ranks: tokenloom/executor/cpu_threads.py).
+# two cores with the servers it starts; OpenMP threads spinning for ~30 ms after each op would take a core from
+# them. The servers' rank processes inherit it (a user's setting wins over the launcher's ~1 ms spin,
+# tokenloom/executor/cpu_threads.py): several processes share these two cores in the tests.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import pytest  # noqa: E402

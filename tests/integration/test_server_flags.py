@@ -224,7 +224,7 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
 
 
 @pytest.mark.parametrize("user_env, expected, thp, tunables", [
-    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}, "1", "glibc.malloc.hugetlb=1"),
+    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}, "1", "glibc.malloc.hugetlb=1"),
     ({"OMP_WAIT_POLICY": "PASSIVE", "THP_MEM_ALLOC_ENABLE": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
      {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}, "0", "glibc.malloc.hugetlb=0"),
 ])

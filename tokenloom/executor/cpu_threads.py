@@ -10,10 +10,19 @@ spinning for it, at every barrier: decode fell 10-30x (issue 30).
 
 The wait policy: a rank's libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, when torch loads it, so the
 launcher puts `GOMP_SPINCOUNT=SPIN_COUNT` in the environment its rank processes start with (`rank_omp_env`),
-unless the user set either variable. 1000 rounds (~0.1 ms) keep the waits between the regions of one step
-(microseconds apart) spinning, and put a thread to sleep soon when its peer is not running or the step has
-ended. bench/shared_machine.py measured, with the machine loaded by other work and one more busy process:
-libgomp's default 2 tok/s, 10k rounds 21-28, 1000 rounds 127-172, no spinning (PASSIVE) 56-198.
+unless the user set either variable. 10000 rounds (~1 ms) keep a thread spinning through the waits of one step
+(its regions are microseconds apart, a thread's share of a matmul ends up to a few hundred microseconds before its
+peer's, the step's Python work between two native calls takes ~1 ms) and put it to sleep soon when its peer is
+not running or the server has no step to run. Why not less: a sleeping thread is woken through the kernel, and
+on a virtual machine through the hypervisor (its idle core halted), tens of microseconds each time. With 1000
+rounds (~0.1 ms; sessions 25-45) a ~1B Q4_K_M batch-1 step made ~33 context switches and left the cores idle
+~9% of the served step; 10000 rounds: served batch-1 ITL 0.938x (~1B Q4_K_M) and 0.927x (the default model),
+50000 level with 10000 (bench/ab_serve.py --new-env GOMP_SPINCOUNT=..., session 46, AMD EPYC Zen 3). Why not
+libgomp's default (300k rounds, ~30 ms): before the adaptive thread count (below), bench/shared_machine.py
+measured with the machine loaded by other work and one more busy process libgomp's default 2 tok/s, 10k rounds
+21-28, 1000 rounds 127-172, no spinning (PASSIVE) 56-198; with the adaptive count, which leaves one thread (no
+barrier to wait at) while another process keeps a core busy, 10k rounds slow the one-hog run no more than 1000
+do (session 46: throughput 1.77x / ITL 1.33x against 1.66x / 1.48x, medians of 3 rounds; the target is 2.5x).
 
 The adaptive thread count (the default; `fixed` keeps the configured count): every `INTERVAL_S`, on a
 thread of its own, `CpuShare` measures how much of this process's cores (its affinity mask) other processes
@@ -61,7 +70,7 @@ INTERVAL_S = 0.5
 DROP_BELOW = 0.5
 RAISE_SHORT = 0.3
 PROC_STAT = "/proc/stat"
-SPIN_COUNT = 1000
+SPIN_COUNT = 10000
 OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # /proc/stat's per-CPU columns after the name: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY_COLUMNS = (0, 2, 5, 6, 7)
