@@ -219,10 +219,10 @@ static void avx2_dequant_row(const tl_quant_type *t, const uint8_t *w, int64_t r
 #define AVX2_PREFETCH_ROW_MAX 4096
 /* Longer rows prefetch as they go instead: each span (a super-block, 8 legacy blocks) as the dot product reaches
  * it asks for the span this many bytes on into L2. Zen 3, two threads, weights from memory, 2048x8192 one row
- * (bench/quant_gemm.py --prefetch-ab): Q4_K / Q6_K 0.87-0.92x the time without; on rows of a few hundred
- * bytes to 4 KiB (2048 wide) the same in-row prefetch was level to 1.1x slower than the row-start one above. */
+ * (bench/quant_gemm.py --prefetch-ab, two runs): Q4_K / Q5_K / Q6_K 0.83-0.88x the time without, Q4_0 0.89-0.91x,
+ * Q8_0 level; four rows 0.92-0.99x. On rows up to 4 KiB (2048 wide) the same in-row prefetch was level to 1.1x
+ * slower than the row-start one above. */
 #define AVX2_PREFETCH_IN_ROW 2048
-
 
 /* bf16 x rows through the int8 terms: sums[r][j - n0] for weight rows j of [n0, n1), all activation rows. */
 static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, const avx2_act *a, int64_t n0,
