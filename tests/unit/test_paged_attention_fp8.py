@@ -118,7 +118,13 @@ def test_fused_kv_write_stores_torchs_fp8_cast(kv, act):
     num_heads, num_kv, dim = 9, 3, 64
     q0, k, v, indptr, indices = _case(act, kv, num_heads, num_kv, dim, [5, 40, 1, 77], 11)
     batch = q0.shape[0]
-    packed = (torch.randn(batch, (num_heads + 2 * num_kv) * dim) * 100).to(act)  # some past e4m3's 448
+    # K and V new rows scaled so that some pass e4m3's 448; the queries stay near 1 (at |q| ~ 100 the scores reach
+    # ~1e4 and their float32 rounding, summed in another order than the reference's, moved the softmax past the
+    # tolerance for about 1 draw in 100)
+    g = torch.Generator().manual_seed(12)
+    packed = torch.randn(batch, (num_heads + 2 * num_kv) * dim, generator=g) * 100
+    packed[:, : num_heads * dim] /= 100
+    packed = packed.to(act)
     q = packed[:, : num_heads * dim].view(batch, num_heads, dim)
     k_new = packed[:, num_heads * dim: (num_heads + num_kv) * dim].view(batch, num_kv, dim)
     v_new = packed[:, (num_heads + num_kv) * dim:].view(batch, num_kv, dim)
