@@ -223,20 +223,22 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("user_env, expected, thp, tunables", [
-    ({}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}, "1", "glibc.malloc.hugetlb=1"),
+@pytest.mark.parametrize("user_env, policy, expected, thp, tunables", [
+    ({}, "adaptive", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}, "1", "glibc.malloc.hugetlb=1"),
+    ({}, "fixed", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}, "1", "glibc.malloc.hugetlb=1"),
     ({"OMP_WAIT_POLICY": "PASSIVE", "THP_MEM_ALLOC_ENABLE": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
-     {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}, "0", "glibc.malloc.hugetlb=0"),
+     "fixed", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}, "0", "glibc.malloc.hugetlb=0"),
 ])
-def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypatch, user_env, expected, thp,
-                                                   tunables):
+def test_rank_processes_start_with_the_wait_policy(tiny_runtime_model, monkeypatch, user_env, policy, expected,
+                                                   thp, tunables):
     from tokenloom import Engine
 
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in user_env.items():
         monkeypatch.setenv(name, value)
-    with Engine(tiny_runtime_model, dtype="float32", max_total_tokens=512, log_level="warning") as eng:
+    with Engine(tiny_runtime_model, dtype="float32", max_total_tokens=512, log_level="warning",
+                cpu_threads_policy=policy) as eng:
         info = eng.tokenizer_manager.scheduler_info
         assert info["rank_omp_env"] == expected  # the rank environment
         assert info["thp_mem_alloc_enable"] == thp  # torch's huge-page allocation, unless the user said no

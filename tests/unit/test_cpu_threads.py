@@ -131,6 +131,13 @@ def test_rank_omp_env_leaves_the_users_settings():
     assert cpu_threads.rank_omp_env({}) == {"GOMP_SPINCOUNT": str(cpu_threads.SPIN_COUNT)}
     assert cpu_threads.rank_omp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
     assert cpu_threads.rank_omp_env({"GOMP_SPINCOUNT": "0"}) == {}
+    assert cpu_threads.rank_omp_env({"GOMP_SPINCOUNT": "0"}, "fixed") == {}
+
+
+def test_rank_omp_env_spins_less_with_fixed_threads():
+    # fixed threads meet a preempted peer at every barrier: a short spin; the adaptive count drops that peer
+    assert cpu_threads.rank_omp_env({}, "adaptive") == {"GOMP_SPINCOUNT": "10000"}
+    assert cpu_threads.rank_omp_env({}, "fixed") == {"GOMP_SPINCOUNT": "1000"}
 
 
 def test_child_environment_restores(monkeypatch):

@@ -143,7 +143,8 @@ class RuntimeLauncher:
             for key, label, target, args, extra in targets:
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=target, args=(*args, writer, *extra), name=f"tokenloom-{key}", daemon=True)
-                with child_environment({**rank_omp_env(os.environ), **rank_memory_env(os.environ),
+                with child_environment({**rank_omp_env(os.environ, self.args.cpu_threads_policy),
+                                        **rank_memory_env(os.environ),
                                         SERVER_PID_ENV: str(os.getpid())}):
                     proc.start()
                 writer.close()

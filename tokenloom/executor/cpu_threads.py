@@ -23,6 +23,12 @@ measured with the machine loaded by other work and one more busy process libgomp
 21-28, 1000 rounds 127-172, no spinning (PASSIVE) 56-198; with the adaptive count, which leaves one thread (no
 barrier to wait at) while another process keeps a core busy, 10k rounds slow the one-hog run no more than 1000
 do (session 46: throughput 1.77x / ITL 1.33x against 1.66x / 1.48x, medians of 3 rounds; the target is 2.5x).
+With `--cpu-threads-policy fixed` both threads stay while a busy process holds one core, so the running thread
+meets its preempted peer at every barrier and spins for it: the ranks get `SPIN_COUNT_FIXED` (1000 rounds)
+instead. bench/shared_machine.py on the AMD EPYC Zen 4, one busy process, fixed threads (session 47, medians of
+3 rounds): 10000 rounds slowed throughput 5.7-6.0x and batch-1 ITL 19x, 3000 2.85x / 7.0x, 1000 1.81x / 3.6x;
+the adaptive default 1.68x / 1.22x, and unloaded the two spins served level there (bench/ab_serve.py,
+--base-env GOMP_SPINCOUNT=1000: 0.985x the default model, 1.011x the ~1B Q4_K_M).
 
 The adaptive thread count (the default; `fixed` keeps the configured count): every `INTERVAL_S`, on a
 thread of its own, `CpuShare` measures how much of this process's cores (its affinity mask) other processes
@@ -70,7 +76,8 @@ INTERVAL_S = 0.5
 DROP_BELOW = 0.5
 RAISE_SHORT = 0.3
 PROC_STAT = "/proc/stat"
-SPIN_COUNT = 10000
+SPIN_COUNT = 10000  # libgomp's spin rounds for the rank processes under the adaptive thread count
+SPIN_COUNT_FIXED = 1000  # ... and under --cpu-threads-policy fixed (see the module docstring)
 OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # /proc/stat's per-CPU columns after the name: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY_COLUMNS = (0, 2, 5, 6, 7)
@@ -211,9 +218,10 @@ def adaptive_threads(policy: str, device_type: str, max_threads: int) -> Adaptiv
     return AdaptiveThreads(max_threads, share).start()
 
 
-def rank_omp_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+def rank_omp_env(environ: dict[str, str] | os._Environ, policy: str = "adaptive") -> dict[str, str]:
     """Environment variables to add for the rank processes (libgomp's wait policy), given the launcher's
-    environment: none when the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins)."""
+    environment and `--cpu-threads-policy`: none when the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs
+    wins); else the spin for that policy (SPIN_COUNT, or SPIN_COUNT_FIXED for fixed threads)."""
     if any(name in environ for name in OMP_WAIT_VARS):
         return {}
-    return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    return {"GOMP_SPINCOUNT": str(SPIN_COUNT_FIXED if policy == "fixed" else SPIN_COUNT)}
