@@ -12,11 +12,12 @@ sequential streamed /generate requests (random `--prompt-len` token prompts, gre
 ignore_eos) to one server, then the same prompts to the other (who goes first alternates), after one short
 warm-up request each. A request's ITL is (last chunk − first chunk) / (chunks − 1); a round's figure is the
 median over its requests, and the result is the median over rounds of the within-round ratio new / base,
-next to each side's median. The idle server is idle: each round measures one server alone. Each side's CPU time
-per generated token is measured too (Linux: /proc/<pid>/task/*/schedstat over its round's requests, warm-up
-excluded), for the HTTP server process and for its children (the scheduler rank: the step's threads): on two
-cores what the server process spends beside the step is taken from the step, and its CPU time varies much less
-from round to round than the ITL. The last line is one JSON object.
+next to each side's median; the tail too: per round the 99th percentile and the largest gap between two
+chunks over its requests, their medians over rounds. The idle server is idle: each round measures one server
+alone. Each side's CPU time per generated token is measured too (Linux: /proc/<pid>/task/*/schedstat over its
+round's requests, warm-up excluded), for the HTTP server process and for its children (the scheduler rank: the
+step's threads): on two cores what the server process spends beside the step is taken from the step, and its
+CPU time varies much less from round to round than the ITL. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ class Server:
             return 0, 0
         return _process_cpu_ns(self.proc.pid), sum(_process_cpu_ns(int(c)) for c in children.split())
 
-    def generate(self, ids: list[int], output_len: int) -> tuple[float, float]:
-        """(TTFT s, ITL s) of one streamed greedy request."""
+    def generate(self, ids: list[int], output_len: int) -> tuple[float, float, list[float]]:
+        """(TTFT s, ITL s, every gap between two chunks s) of one streamed greedy request."""
         body = json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}}).encode()
         request = urllib.request.Request(self.url + "/generate", data=body,
@@ -101,7 +102,8 @@ class Server:
                     chunks.append(time.perf_counter())
         if len(chunks) < 2:
             raise RuntimeError(f"{self.name}: {len(chunks)} chunks streamed for {output_len} tokens")
-        return chunks[0] - start, (chunks[-1] - chunks[0]) / (len(chunks) - 1)
+        gaps = [b - a for a, b in zip(chunks, chunks[1:], strict=False)]
+        return chunks[0] - start, (chunks[-1] - chunks[0]) / (len(chunks) - 1), gaps
 
 
 def _process_cpu_ns(pid: int) -> int:
@@ -147,6 +149,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     itl: dict[str, list[float]] = {"base": [], "new": []}
     ttft: dict[str, list[float]] = {"base": [], "new": []}
+    tail: dict[str, dict[str, list[float]]] = {name: {"p99": [], "max": []} for name in ("base", "new")}
     cpu_us: dict[str, dict[str, list[float]]] = {name: {"server": [], "children": []} for name in ("base", "new")}
     try:
         for server in servers.values():
@@ -165,6 +168,9 @@ def main() -> int:
                 cpu_us[name]["children"].append((after[1] - before[1]) / tokens / 1e3)
                 itl[name].append(statistics.median(x[1] for x in results) * 1e3)
                 ttft[name].append(statistics.median(x[0] for x in results) * 1e3)
+                gaps = sorted(g for x in results for g in x[2])
+                tail[name]["p99"].append(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3)
+                tail[name]["max"].append(gaps[-1] * 1e3)
             print(f"round {r + 1}: base {itl['base'][-1]:.2f} ms, new {itl['new'][-1]:.2f} ms, "
                   f"new/base {itl['new'][-1] / itl['base'][-1]:.3f}", flush=True)
     finally:
@@ -173,6 +179,9 @@ def main() -> int:
     ratios = [n / b for n, b in zip(itl["new"], itl["base"], strict=True)]
     print(f"median ITL: base {statistics.median(itl['base']):.2f} ms, new {statistics.median(itl['new']):.2f} ms; "
           f"new/base {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    tails = {name: {q: statistics.median(values) for q, values in parts.items()} for name, parts in tail.items()}
+    print(f"median over rounds of a round's p99 / max gap between chunks: base {tails['base']['p99']:.2f} / "
+          f"{tails['base']['max']:.2f} ms, new {tails['new']['p99']:.2f} / {tails['new']['max']:.2f} ms", flush=True)
     cpu = {name: {part: statistics.median(values) for part, values in parts.items()} for name, parts in cpu_us.items()}
     print(f"median CPU per token (server process / its children): base {cpu['base']['server']:.0f} / "
           f"{cpu['base']['children']:.0f} us, new {cpu['new']['server']:.0f} / {cpu['new']['children']:.0f} us",
@@ -183,7 +192,7 @@ def main() -> int:
                       "base_itl_ms": statistics.median(itl["base"]), "new_itl_ms": statistics.median(itl["new"]),
                       "ratio": statistics.median(ratios), "ratios": ratios,
                       "base_ttft_ms": statistics.median(ttft["base"]), "new_ttft_ms": statistics.median(ttft["new"]),
-                      "cpu_us_per_token": cpu}))
+                      "itl_tail_ms": tails, "cpu_us_per_token": cpu}))
     return 0
 
 

@@ -161,8 +161,9 @@ class ServerArgs:
     cpu_threads_policy: str = _flag(
         "adaptive", "CPU: adaptive (the default) lowers each rank's forward threads while other processes keep "
         "the rank's cores busy and raises them again within a second of their stopping (executor/cpu_threads.py: "
-        "one busy neighbour on two cores slows batch-1 decode 1.4x instead of 2.5x); fixed keeps --num-threads' "
-        "count whatever else runs.", CPU_THREADS_POLICIES)
+        "one busy neighbour on two cores slows batch-1 decode 1.4x instead of 2.5x), and while the count equals "
+        "the rank's cores binds its threads one to a core (executor/team_placement.py); fixed keeps "
+        "--num-threads' count whatever else runs and binds nothing.", CPU_THREADS_POLICIES)
     watchdog_timeout: float = _flag(300.0, "Seconds one forward step may run before the rank's watchdog declares "
                                     "it hung: the rank reports the reason and exits, and the server reports "
                                     "unhealthy and exits non-zero (SGLang's flag and default).")

@@ -39,7 +39,8 @@ process, its ranks, its detokenizer), over the wall time. Processes at a positiv
 19: ~1.5%) (unless this process is itself niced; then they count). `choose_threads` turns the free cores into
 a thread count with hysteresis, so a measure near a boundary does not flip the count every interval; the
 count is set on the forward thread before its next step (`torch.set_num_threads`, which every C kernel reads
-per call; the default model's logits are bitwise the same at 1 and 2 threads).
+per call; the default model's logits are bitwise the same at 1 and 2 threads). While the count equals the
+rank's cores, its forward threads are bound one to a core (team_placement.py; released at any other count).
 
 Why it is the default (bench/shared_machine.py, two cores, medians of 3 rounds, session 26): with one busy
 process beside the server, batch-1 ITL slowed 1.40x and 8-request throughput 1.52x, against 2.54x and 2.03x
@@ -65,6 +66,7 @@ from collections.abc import Callable
 
 from tokenloom.config import CPU_THREADS_POLICIES
 from tokenloom.executor.process_tree import ProcessTree, server_root_pid
+from tokenloom.executor.team_placement import TeamPlacement, team_placement
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +153,10 @@ class AdaptiveThreads:
     (one thread for its first interval: 0.8-0.9x unloaded throughput in bench/shared_machine.py)."""
 
     def __init__(self, max_threads: int, share: CpuShare, interval_s: float = INTERVAL_S,
-                 set_threads: Callable[[int], None] | None = None) -> None:
+                 set_threads: Callable[[int], None] | None = None, placement: TeamPlacement | None = None) -> None:
         import torch
 
+        self.placement = placement  # one forward thread a core while the count equals the cores (team_placement)
         self.max_threads = max_threads
         self.threads = max_threads  # the count the forward thread runs with
         self.target = max_threads   # the count the last measure chose
@@ -179,6 +182,13 @@ class AdaptiveThreads:
             self._set_threads(target)
             self.threads = target
             self.changes += 1
+        if self.placement is not None:
+            self.placement.apply(self.threads)
+            self.placement.step_started()
+
+    def after_step(self) -> None:
+        if self.placement is not None:
+            self.placement.step_finished()
 
     def start(self) -> AdaptiveThreads:
         """Measure every interval on a daemon thread, until `close()` or this object is collected."""
@@ -215,7 +225,7 @@ def adaptive_threads(policy: str, device_type: str, max_threads: int) -> Adaptiv
         share = CpuShare(cores, own_cpu_s=ProcessTree(server_root_pid(), cores).seconds)
     except (AttributeError, OSError, ValueError):
         return None
-    return AdaptiveThreads(max_threads, share).start()
+    return AdaptiveThreads(max_threads, share, placement=team_placement(cores)).start()
 
 
 def rank_omp_env(environ: dict[str, str] | os._Environ, policy: str = "adaptive") -> dict[str, str]:

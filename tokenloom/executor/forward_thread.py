@@ -88,6 +88,8 @@ class StepGuard:
                 self._test_hook()
             return run(step)
         finally:
+            if self.threads is not None:
+                self.threads.after_step()
             if watchdog is not None:
                 watchdog.step_finished()
 

@@ -18,3 +18,4 @@
 #include "shm_allreduce.c"
 #include "decode_native.c"
 #include "kv_indices.c"
+#include "omp_team.c"
