@@ -5,6 +5,7 @@ reports it)."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 
@@ -55,6 +56,20 @@ def test_one_thread_a_core_while_the_count_equals_the_cores():
     assert len(team.calls) == calls + 1  # no master binding while nothing is bound
     p.apply(2)
     assert team.masks[101] == {3} and p.bound
+
+
+def test_a_dropped_or_closed_placement_releases_its_workers():
+    team = FakeTeam()
+    p = placement([0, 1], team)
+    p.apply(2)
+    assert team.masks == {101: {1}}
+    del p
+    gc.collect()
+    assert team.masks == {101: {0, 1}}
+    p = placement([0, 1], team)
+    p.apply(2)
+    p.close()
+    assert team.masks == {101: {0, 1}} and not p.bound
 
 
 def test_no_binding_when_threads_and_cores_differ():

@@ -198,6 +198,8 @@ class AdaptiveThreads:
 
     def close(self) -> None:
         self._stop.set()
+        if self.placement is not None:
+            self.placement.close()
 
 
 def _measure_every_interval(ref: weakref.ref[AdaptiveThreads], interval_s: float, stop: threading.Event) -> None:

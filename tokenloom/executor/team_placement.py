@@ -20,7 +20,7 @@ process holds a core) every member gets the whole mask back: one thread must be 
 Invariants: binding never leaves the cores the rank started with; between steps the master's mask is all of
 them; nothing is bound when the user set libgomp's own binding (`BINDING_VARS`) or the native kernels are not
 built; a failed bind (a core taken out of the rank's cpuset meanwhile) releases what it bound, logs once and
-turns placement off, never failing the step.
+turns placement off, never failing the step; `close()`, or the placement being collected, releases its workers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,10 @@ class TeamPlacement:
         self._members = members
         self._set_affinity = set_affinity
         self.threads: int | None = None  # the count the team was last placed for
-        self.bound_workers: list[int] = []  # kernel thread ids of the workers bound now
+        self.bound_workers: list[int] = []  # kernel thread ids of the workers bound now (changed in place)
         self.enabled = True
+        # a harness that drops its loop leaves no worker bound for the rest of its process
+        self.close = weakref.finalize(self, _release_workers, self.bound_workers, self.cores, set_affinity)
 
     @property
     def bound(self) -> bool:
@@ -103,17 +106,25 @@ class TeamPlacement:
                 self._give_up(exc)
 
     def _release(self) -> None:
-        for tid in self.bound_workers:
-            self._set_affinity(tid, set(self.cores))
-        self.bound_workers = []
+        while self.bound_workers:
+            self._set_affinity(self.bound_workers[-1], set(self.cores))
+            self.bound_workers.pop()
 
     def _give_up(self, exc: OSError) -> None:
         logger.warning("binding the forward threads to cores %s failed (%s); they stay unbound", self.cores, exc)
         self.enabled = False
-        bound, self.bound_workers = self.bound_workers, []
-        for tid in [0, *bound]:
-            with contextlib.suppress(OSError):  # a worker that is gone, a core that left the cpuset: nothing more
-                self._set_affinity(tid, set(self.cores))
+        with contextlib.suppress(OSError):
+            self._set_affinity(0, set(self.cores))
+        _release_workers(self.bound_workers, self.cores, self._set_affinity)
+
+
+def _release_workers(workers: list[int], cores: list[int], set_affinity: SetAffinity) -> None:
+    """Every worker in `workers` back on all `cores` (emptying the list); one that is gone, or a core that left
+    the cpuset, is skipped: nothing more to release."""
+    for tid in workers:
+        with contextlib.suppress(OSError):
+            set_affinity(tid, set(cores))
+    workers.clear()
 
 
 def team_placement(cores: Iterable[int], environ: Mapping[str, str] | None = None) -> TeamPlacement | None:
