@@ -205,6 +205,10 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
             assert threads is None and "forward_threads" not in h.scheduler.internal_state(h.loop.info())
             return
         assert threads.max_threads == 2 and threads.threads == 2
+        h.submit("warm", [5, 6, 7], {"max_new_tokens": 3, "temperature": 0})
+        assert len(h.run()["warm"].output_ids) == 3
+        two_cores = len(os.sched_getaffinity(0)) == 2  # one forward thread a core (executor/team_placement.py)
+        assert h.scheduler.internal_state(h.loop.info())["forward_threads_bound"] is two_cores
 
         class Busy:  # other processes keep both cores busy
             cores = {0, 1}
@@ -219,6 +223,7 @@ def test_cpu_threads_policy_reaches_the_forward(folder, policy):
         assert threads.threads == 1 and torch.get_num_threads() == 1  # set on the thread that ran the step
         state = h.scheduler.internal_state(h.loop.info())  # what /get_server_info reports
         assert (state["forward_threads"], state["forward_thread_changes"]) == (1, 1)
+        assert state["forward_threads_bound"] is False  # one thread: free to move away from the busy cores
     finally:
         torch.set_num_threads(old)
 

@@ -123,7 +123,8 @@ class LoopBase:
     def info(self) -> dict:
         threads = self.cpu_threads
         return {"step_profile": self.profiler.summary(), "loop_wall_s": time.perf_counter() - self._started,
-                **({"forward_threads": threads.threads, "forward_thread_changes": threads.changes}
+                **({"forward_threads": threads.threads, "forward_thread_changes": threads.changes,
+                    "forward_threads_bound": threads.placement is not None and threads.placement.bound}
                    if threads is not None else {}),
                 **self.totals}
 
