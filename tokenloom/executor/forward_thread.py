@@ -16,10 +16,10 @@ idle-fraction reporting).
 
 `StepGuard` wraps every step these executors run, and the normal loop's inline steps, so it is the one place
 a forward runs through: it applies `--cpu-threads-policy adaptive` (executor/cpu_threads.py: the thread count
-for the next steps, on the thread that runs them), marks the step's start and end for the rank's `ForwardWatchdog`
-(scheduler/watchdog.py) and carries the test hook `TOKENLOOM_TEST_HANG_FORWARD_AFTER=N` (for tests only: the
-first N steps run, every later one blocks forever, as a hung kernel would; read once, costs one `is None`
-test per step when unset).
+for the next steps, on the thread that runs them, and the threads' binding to cores around each step), marks
+the step's start and end for the rank's `ForwardWatchdog` (scheduler/watchdog.py) and carries the test hook
+`TOKENLOOM_TEST_HANG_FORWARD_AFTER=N` (for tests only: the first N steps run, every later one blocks forever, as
+a hung kernel would; read once, costs one `is None` test per step when unset).
 """
 
 from __future__ import annotations
