@@ -94,15 +94,21 @@ def test_a_stream_refused_for_a_full_queue_gets_503_not_a_200_stream(small_pool_
                     await resp.read()
                     return resp.status
 
+            # 24 fill the running batch, 48 the queue. Requests that arrive together can all be queued before
+            # the scheduler admits any (the later ones are then refused) and retraction moves running ones back
+            # to the queue, so the queue is topped up until it holds 48.
             holders = [asyncio.ensure_future(hold()) for _ in range(24 + 48)]
             deadline = time.monotonic() + 60
             while True:
+                await asyncio.sleep(0.5)
                 async with session.get(url + "/get_server_info") as resp:
                     info = await resp.json()
-                if info["num_waiting_reqs"] >= 48:
+                state = {key: info[key] for key in ("num_running_reqs", "num_waiting_reqs")}
+                if state["num_waiting_reqs"] >= 48:
                     break
-                assert time.monotonic() < deadline, info
-                await asyncio.sleep(0.1)
+                assert time.monotonic() < deadline, state
+                in_flight = sum(not holder.done() for holder in holders)
+                holders += [asyncio.ensure_future(hold()) for _ in range(24 + 48 - in_flight)]
             answers = []
             for route, stream_body in (("/generate", {"text": "Hi", "stream": True}),
                                        ("/v1/completions", {"prompt": "Hi", "stream": True}),
