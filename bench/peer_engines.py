@@ -4,14 +4,15 @@ client talks to it.
 Engines (each skipped with a note when it is not installed, its file cannot be made, or it does not start):
 - tokenloom-bf16 (`tokenloom` is another name for it, the engine of the earlier runs): `python -m
   tokenloom.launch_server` on a Hugging Face folder of the default GGUF's weights dequantized to bf16.
-- tokenloom-q4_1, tokenloom-q8_0: tokenloom on the very GGUF file llama.cpp-q4_1 / llama.cpp-q8_0 serve
+- tokenloom-q4_1, tokenloom-q8_0, tokenloom-q4_k_m: tokenloom on the very GGUF file llama.cpp-q4_1 /
+  llama.cpp-q8_0 / llama.cpp-q4_k_m serve
   (`--model-path FILE.gguf`, the file's types kept: tokenloom's default for a GGUF since issue 30).
 - tokenloom-1b-q4_k_m, tokenloom-1b-q8_0 and llama.cpp-1b-q4_k_m, llama.cpp-1b-q8_0: the ~1B bandwidth-bound
   model of `bench/llama1b.py`, the same file for both servers.
 - transformers: `transformers serve --continuous-batching` on the bf16 folder.
-- llama.cpp-bf16, llama.cpp-q8_0, llama.cpp-q4_1: `llama-server` on the default model's GGUFs
+- llama.cpp-bf16, llama.cpp-q8_0, llama.cpp-q4_1, llama.cpp-q4_k_m: `llama-server` on the default model's GGUFs
   (`bench/llama_server.py`).
-Group names for `--engines`: `llama.cpp` (its three default-model GGUFs), `pairs` (tokenloom and llama.cpp on
+Group names for `--engines`: `llama.cpp` (its four default-model GGUFs), `pairs` (tokenloom and llama.cpp on
 the Q4_1 and the Q8_0 file, and tokenloom-bf16), `1b` (both servers on both ~1B files).
 
 Invariants: every engine that serves a GGUF file has `file` set to it (the weight-bound arithmetic reads the
@@ -39,7 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 STARTUP_TIMEOUT_S = 600
 LLAMA_ENGINES = tuple(f"llama.cpp-{kind}" for kind in GGUF_KINDS)
-FILE_KINDS = ("q4_1", "q8_0")  # the default model's files both servers run
+FILE_KINDS = ("q4_1", "q8_0", "q4_k_m")  # the default model's files both servers run
+PAIR_KINDS = ("q4_1", "q8_0")  # the `pairs` group's
 L1B_KINDS = ("q4_k_m", "q8_0")
 TOKENLOOM_FILE_ENGINES = tuple(f"tokenloom-{kind}" for kind in FILE_KINDS)
 L1B_ENGINES = tuple(f"{server}-1b-{kind}" for kind in L1B_KINDS for server in ("tokenloom", "llama.cpp"))
@@ -47,7 +49,7 @@ ENGINES = ("tokenloom-bf16", *TOKENLOOM_FILE_ENGINES, "transformers", *LLAMA_ENG
 ALIASES = {
     "tokenloom": ("tokenloom-bf16",),
     "llama.cpp": LLAMA_ENGINES,
-    "pairs": (*(f"{s}-{k}" for k in FILE_KINDS for s in ("tokenloom", "llama.cpp")), "tokenloom-bf16"),
+    "pairs": (*(f"{s}-{k}" for k in PAIR_KINDS for s in ("tokenloom", "llama.cpp")), "tokenloom-bf16"),
     "1b": L1B_ENGINES,
 }
 
@@ -236,11 +238,12 @@ def _files(names: list[str], gguf: str, llama_server: str | None, notes: list[st
     if kinds & {"q4_1"}:
         files["q4_1"] = gguf
     exe = find_llama_server(llama_server)
-    if kinds & {"bf16", "q8_0"}:
+    if kinds & {"bf16", "q8_0", "q4_k_m"}:
         if exe is None:
             notes.append("q8_0/bf16 files: not made (no llama-server: build it as bench/llama_server.py says)")
         else:
-            files.update(ensure_ggufs(gguf, find_quantize(exe), notes))
+            files.update(ensure_ggufs(gguf, find_quantize(exe), notes,
+                                      tuple(k for k in ("bf16", "q8_0", "q4_k_m") if k in kinds)))
     if any(k.startswith("1b-") for k in kinds):
         from bench.llama1b import ensure_llama1b
 

@@ -21,7 +21,7 @@ _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
-KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+KQUANT_BYTES = {"Q2_K": 84, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -47,6 +47,9 @@ def random_kquant(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
 
     if qtype == "Q6_K":  # ql[128] qh[64] scales[16] (int8) d
         raw[:, 208:210] = f16(rng.uniform(2e-4, 6e-4, blocks))
+    elif qtype == "Q2_K":  # scales[16] qs[64] d dmin (a type tokenloom refuses to keep quantized)
+        raw[:, 80:82] = f16(rng.uniform(1e-4, 3e-4, blocks))
+        raw[:, 82:84] = f16(rng.uniform(1e-4, 3e-4, blocks))
     else:  # d, dmin first, then the 6-bit scales and mins
         raw[:, 0:2] = f16(rng.uniform(1e-4, 3e-4, blocks))
         raw[:, 2:4] = f16(rng.uniform(1e-4, 3e-4, blocks))

@@ -88,8 +88,8 @@ class ServerArgs:
     load_format: str = _flag("auto", "Weight format.", LOAD_FORMATS)
     dtype: str = _flag("auto", "Compute dtype; auto = bfloat16 on the CPU (see docs/benchmarks.md).", DTYPES)
     quantization: str | None = _flag(
-        None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, "
-        "Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
+        None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+        "Q4_K, Q5_K, Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
         "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder); gptq "
         "and awq load those 4-bit checkpoints (detected from config.json when unset); w8a8_int8 quantizes a "
         "float checkpoint's linear weights to int8 per output channel at load and the activations to int8 per "

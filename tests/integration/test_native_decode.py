@@ -222,7 +222,8 @@ def test_native_step_on_the_avx2_build():
 @pytest.fixture(scope="module")
 def quantized_files(tmp_path_factory):
     """variant -> a tiny GGUF whose linears are kept quantized: SmolLM2's mix (Q8_0 tied embedding, Q4_1 layers,
-    a QKV whose parts differ in type) and a Q4_K_M-like mix of K types."""
+    a QKV whose parts differ in type), Q5_0 / Q5_1 layers (a Q4_K_M file's rows that are not whole super-blocks)
+    and a Q4_K_M-like mix of K types."""
     from tests.gguf_factory import write_gguf
     from tests.model_factory import TINY
 
@@ -232,7 +233,11 @@ def quantized_files(tmp_path_factory):
     def kquant(name: str) -> str:
         return "Q6_K" if "embed" in name or "v_proj" in name else "Q5_K" if "down_proj" in name else "Q4_K"
 
+    def q5(name: str) -> str:
+        return "Q8_0" if "embed" in name else "Q5_1" if "down_proj" in name or "v_proj" in name else "Q5_0"
+
     variants = {"mixed": (dict(vocab_size=256, tie_word_embeddings=True), mixed),
+                "q5": (dict(vocab_size=256, tie_word_embeddings=True), q5),
                 "kquant": (dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                 tie_word_embeddings=True), kquant)}
     paths = {}
@@ -244,12 +249,15 @@ def quantized_files(tmp_path_factory):
     return paths
 
 
-@pytest.mark.parametrize("variant", ["mixed", "kquant"])
+@pytest.mark.parametrize("variant", ["mixed", "q5", "kquant"])
 def test_quantized_weights_bit_identical_to_modular_path(quantized_files, variant):
     """Kept quantized, every matmul of the native step is the modular path's quant_linear with the same rows:
     the logits and the KV written are bit-identical, one request and a batch of 16."""
     runner = ModelRunner(ServerArgs(model_path=quantized_files[variant], dtype="bfloat16", max_total_tokens=2048,
                                     max_running_requests=16))
+    if variant == "q5" and not quant_gemm.native_supported(quant_gemm.TYPE_IDS["Q5_0"]):
+        assert runner.native_decode is None  # no Q5 kernels in this build (AVX2): the modular path's reference
+        return
     assert runner.native_decode is not None and runner.native_decode.quantized
     _compare_paths(runner, _tokens(40, 4, 256), prompt=17)
     _compare_batch(runner, 16, 256)

@@ -3,7 +3,8 @@ weights dequantized compute.
 
 The files are written here (tests/gguf_factory.py) from tiny random Llamas: Q8_0 / Q4_0 / Q4_1 through the
 `gguf` package's quantizer, Q/K rows permuted as llama.cpp's converter does, merged layers with parts of
-different types (as llama.cpp's Q4_K_M files have), K-quants as random blocks. References, independent of
+different types (as llama.cpp's Q4_K_M files have), Q5_0 / Q5_1 (what a Q4_K_M file holds where rows are not whole
+super-blocks), K-quants as random blocks. References, independent of
 tokenloom's quantized path: transformers on the float32 weights the `gguf` package dequantizes the file to,
 the same file run dequantized (`--quantization none --dtype float32`), TP=1 for TP=2. Also: a TP split that
 cuts a block is refused naming the tensor, memory held ≈ the file's tensor bytes, an unsupported type is
@@ -55,12 +56,21 @@ def _types_kquant(name: str) -> str:
     return "Q5_K" if "down_proj" in name else "Q4_K"
 
 
+def _types_q5(name: str) -> str:
+    """What llama-quantize writes for Q4_K_M / Q5_K_M where rows are not whole 256-element super-blocks: Q5_0
+    (for Q4_K) and Q5_1 (for Q5_K); the embedding Q8_0 (for Q6_K)."""
+    if "embed" in name or "lm_head" in name:
+        return "Q8_0"
+    return "Q5_1" if "down_proj" in name or "v_proj" in name else "Q5_0"
+
+
 VARIANTS = {
     # name: (config overrides, types)
     "mixed_tied": (dict(vocab_size=200, tie_word_embeddings=True), _types_mixed),
     "q4_0_untied": (dict(vocab_size=256, tie_word_embeddings=False), lambda n: "Q8_0" if "lm_head" in n else "Q4_0"),
     "kquant": (dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                     tie_word_embeddings=True), _types_kquant),
+    "q5": (dict(vocab_size=192, tie_word_embeddings=True), _types_q5),
 }
 
 
@@ -112,8 +122,9 @@ def test_quantized_logits_match_the_dequantized_file(files, variant):
     assert (dense - ref).abs().max().item() < 2e-5 * max(1.0, scale)
 
 
-def test_quantized_bf16_activations_stay_close(files):
-    path, hf = files("mixed_tied")
+@pytest.mark.parametrize("variant", ["mixed_tied", "q5"])
+def test_quantized_bf16_activations_stay_close(files, variant):
+    path, hf = files(variant)
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0]
     mine = _prefill_logits(_runner(path, dtype="bfloat16"))
@@ -154,7 +165,7 @@ def _tp_rank(rank: int, path: str, port: int, results) -> None:
         results.put((rank, {"error": traceback.format_exc()}))
 
 
-@pytest.mark.parametrize("variant", ["mixed_tied", "q4_0_untied"])
+@pytest.mark.parametrize("variant", ["mixed_tied", "q4_0_untied", "q5"])
 def test_tensor_parallel_two_ranks_match_tp1(files, variant):
     path, _ = files(variant)
     reference = _prefill_logits(_runner(path))
@@ -238,12 +249,12 @@ def test_memory_held_by_weights_is_the_files_bytes(files, variant):
 
 
 def test_unsupported_type_is_refused_naming_the_tensor(tmp_path):
-    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": 128, "tie_word_embeddings": True})
+    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": 128, "tie_word_embeddings": True, "hidden_size": 256})
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
-    path = str(tmp_path / "q5_0.gguf")
-    write_gguf(path, hf, lambda n: "Q5_0" if "gate_proj" in n else "Q8_0")
-    with pytest.raises(QuantTypeError, match=r"blk\.0\.ffn_gate\.weight .*is Q5_0.*--quantization none"):
+    path = str(tmp_path / "q2_k.gguf")
+    write_gguf(path, hf, lambda n: "Q2_K" if "gate_proj" in n else "Q8_0")
+    with pytest.raises(QuantTypeError, match=r"blk\.0\.ffn_gate\.weight .*is Q2_K.*--quantization none"):
         _runner(path)
     assert _runner(path, quantization="none").model.layers[0].mlp.gate_up_proj.quant is None
 

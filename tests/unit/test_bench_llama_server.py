@@ -73,6 +73,20 @@ def test_ensure_ggufs_makes_bf16_then_q8_0_once(tmp_path, monkeypatch):
     assert len((tmp_path / "calls.txt").read_text().splitlines()) == 2
 
 
+def test_ensure_ggufs_makes_only_the_wanted_kinds(tmp_path, monkeypatch):
+    """Q4_K_M alone: made from the bf16 file (made first, as its source), no Q8_0."""
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "m.Q4_1.gguf"
+    source.write_text("w")
+    quantize = executable(tmp_path / "llama-quantize", FAKE_QUANTIZE)
+    notes: list[str] = []
+    paths = llama_server.ensure_ggufs(str(source), quantize, notes, ("q4_k_m",))
+    gguf_dir = tmp_path / "cache" / "gguf"
+    assert notes == [] and sorted(paths) == ["bf16", "q4_1", "q4_k_m"]
+    assert (gguf_dir / "m-q4_k_m.gguf").read_text() == f"Q4_K_M from {paths['bf16']}"
+    assert sorted(os.listdir(gguf_dir)) == ["m-bf16.gguf", "m-q4_k_m.gguf"]
+
+
 def test_ensure_ggufs_without_quantize_or_on_failure(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
     source = tmp_path / "m.Q4_1.gguf"

@@ -8,9 +8,10 @@ projections (QKV, gate/up) concatenate rows of the same type. `prepare` may re-l
 kernel (same byte count, same information: memory stays the file's size); after that the matrix is
 read-only and cannot be sliced.
 
-Supported types: Q4_0, Q4_1, Q8_0 (32-element blocks) and Q4_K, Q5_K, Q6_K (256-element super-blocks): the
-types of llama.cpp's Q4_0 / Q4_1 / Q8_0 / Q4_K_M / Q5_K_M files. Any other type is a `QuantTypeError` that
-names the tensor and the type.
+Supported types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-element blocks) and Q4_K, Q5_K, Q6_K (256-element
+super-blocks): the types of llama.cpp's Q4_0 / Q4_1 / Q8_0 / Q4_K_M / Q5_K_M files (in these, llama-quantize
+writes Q5_0 / Q5_1 for the tensors whose rows are not whole super-blocks). Any other type is a `QuantTypeError`
+that names the tensor and the type.
 
 The operations run the native kernels (csrc/quant_gemm.c and its per-type families) where the library builds
 and has the type; elsewhere the reference implementation (dequantize with the `gguf` package, then a float32
@@ -24,7 +25,8 @@ says which path a call takes. On x86 CPUs with AVX2 but without those AVX-512 fa
 AMD Zen 2/3, Intel client cores) csrc/quant_avx2.c runs instead: each type re-laid out once by `prepare`
 (in a lane order: csrc/kquant_avx2.c, csrc/legacy_avx2.c; the file's size but for Q4_K / Q5_K, whose
 scales it unpacks: 2.8% / 2.3% more), bf16 x below
-quant_tile_m rows through the same two int8 terms (same bound), float32 x and more rows on the exact weight.
+quant_tile_m rows through the same two int8 terms (same bound), float32 x and more rows on the exact weight;
+it has no Q5_0 / Q5_1 kernels (csrc/quant_q5.c needs AVX512-VNNI): those take the reference there.
 `native_args(qm)` gives the C side (type, data pointer, rows, cols) of a prepared matrix for native callers.
 """
 
@@ -44,6 +46,8 @@ from tokenloom.kernels.cpu_build import load_library
 QUANT_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),

@@ -11,6 +11,7 @@
 #include "amx_gemm.c"
 #include "quant_legacy.c"
 #include "quant_kquants.c"
+#include "quant_q5.c"
 #include "quant_gemm.c"
 #include "moe_avx2.c"
 #include "quant_moe.c"

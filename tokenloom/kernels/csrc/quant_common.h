@@ -19,7 +19,7 @@
 #define TL_QK 32 /* activation block */
 
 /* GGUF type ids (gguf.constants.GGMLQuantizationType) */
-enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q8_0 = 8, TL_Q4_K = 12, TL_Q5_K = 13, TL_Q6_K = 14 };
+enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q5_0 = 6, TL_Q5_1 = 7, TL_Q8_0 = 8, TL_Q4_K = 12, TL_Q5_K = 13, TL_Q6_K = 14 };
 
 /* m rows of quantized activations, k columns (k % 32 == 0): row r's quants at q + r * k, its block scales at
  * d + r * (k / 32), its block sums at s + r * (k / 32). `lanes`: the same quants' full spans in the order the Q4

@@ -1,7 +1,7 @@
 /*
  * The GGUF-quantized matmul driver: out[m, n] = x[m, k] . W^T (+ bias) with W kept quantized (one row of GGUF
  * blocks per output feature, re-laid-out by the type's repack), plus row dequantize (embedding lookup, full
- * dequantize). The per-type work is in the family files (quant_legacy.c, quant_kquants.c; quant_common.h).
+ * dequantize). The per-type work is in the family files (quant_legacy.c, quant_kquants.c, quant_q5.c; quant_common.h).
  *
  * Three paths, chosen by the number of rows m (quant_path):
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
@@ -32,7 +32,8 @@
 #include <string.h>
 #include <time.h>
 
-/* built inside kernels.c, after pair_gemm.c (group_rows) and the family files (quant_legacy.c, quant_kquants.c) */
+/* built inside kernels.c, after pair_gemm.c (group_rows) and the family files (quant_legacy.c, quant_kquants.c,
+ * quant_q5.c) */
 
 enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, QUANT_E_MEMORY = -4 };
 
@@ -70,7 +71,8 @@ static int quant_batch_residual_on = 1;
 static const tl_quant_type *tl_quant_lookup(int type) {
 #if HAVE_QUANT_GEMM
     const tl_quant_type *t = tl_legacy_type(type);
-    return t != NULL ? t : tl_kquant_type(type);
+    if (t == NULL) t = tl_kquant_type(type);
+    return t != NULL ? t : tl_q5_type(type);
 #elif HAVE_QUANT_AVX2
     return tl_avx2_type(type);
 #else
