@@ -259,6 +259,29 @@ def test_unsupported_type_is_refused_naming_the_tensor(tmp_path):
     assert _runner(path, quantization="none").model.layers[0].mlp.gate_up_proj.quant is None
 
 
+def test_a_malformed_block_is_refused_at_load(tmp_path):
+    """A block whose f16 scale is NaN (here the fourth block of layer 0's up projection: two blocks a row, so row
+    1) stops the load with the tensor named: kept quantized, the block and its row; dequantized at load
+    (--quantization none), the tensor's NaN values. Never a model that answers NaN."""
+    import gguf
+
+    from tokenloom.models.gguf_file import GGUFError
+
+    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": 128, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    path = str(tmp_path / "bad.gguf")
+    write_gguf(path, hf, lambda n: "Q8_0" if "embed" in n else "Q4_1")
+    target = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    with open(path, "r+b") as f:
+        f.seek(int(target.data_offset) + 3 * 20)  # Q4_1 blocks of 20 bytes; d first
+        f.write(bytes([0x00, 0x7E]))  # f16 NaN
+    with pytest.raises(QuantTypeError, match=r"blk\.0\.ffn_up\.weight: malformed Q4_1 block 3 \(row 1\)"):
+        _runner(path)
+    with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight \(Q4_1\) holds NaN or infinite values"):
+        _runner(path, quantization="none")
+
+
 def test_quant_matrix_rows_keep_the_files_bytes(files):
     """The loader's un-permute moves whole block rows: q_proj's rows are the file's rows, reordered."""
     path, _ = files("mixed_tied")

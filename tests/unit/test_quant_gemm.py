@@ -436,3 +436,30 @@ def test_one_row_sums_its_two_terms_as_one(name, n, k):
     sum_i |w_i| d(i) / 256."""
     qm = qg.prepare(_matrix(name, n, k, 71))
     check_one_row_pairs(qm, torch.randn(1, k, generator=torch.Generator().manual_seed(71)).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_non_finite_block_scale_is_refused(name):
+    """A block whose f16 scale (or minimum) is NaN or infinite is a malformed block: QuantMatrix.from_gguf refuses
+    it naming the tensor, the type, the block and its row (checked on every f16 field of the type), where the
+    kernels would have turned it into NaN outputs; the same blocks with finite scales load."""
+    from tests.gguf_factory import KQUANT_BYTES, random_kquant
+
+    qtype = qg.TYPE_IDS[name]
+    n, k = 6, 512
+    if name in KQUANT_BYTES:
+        raw = random_kquant(name, n, k, seed=3)
+    else:
+        w = np.random.default_rng(3).standard_normal((n, k)).astype(np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    qg.QuantMatrix.from_gguf(qtype, (n, k), raw, "blk.0.ffn_up.weight")  # valid
+    size = qg.QUANT_TYPES[qtype][2]
+    per_row = raw.shape[1] // size
+    for offset in qg.F16_FIELDS[qtype]:
+        for bits in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
+            bad = raw.copy()
+            block = 2 * per_row + 1  # row 2, its second block
+            bad[2, size + offset:size + offset + 2] = np.array([bits & 0xFF, bits >> 8], dtype=np.uint8)
+            with pytest.raises(qg.QuantTypeError, match=rf"blk\.0\.ffn_up\.weight: malformed {name} block {block} "
+                                                         rf"\(row 2\): its f16 field at byte {offset} is"):
+                qg.QuantMatrix.from_gguf(qtype, (n, k), bad, "blk.0.ffn_up.weight")

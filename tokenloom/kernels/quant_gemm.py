@@ -54,6 +54,10 @@ QUANT_TYPES: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
 }
 TYPE_IDS = {name: tid for tid, (name, _, _) in QUANT_TYPES.items()}
+# Byte offsets of each type's f16 fields in a block (d, and m / dmin where the type has one): ggml's block
+# structs. Every other field is an integer whose every value is valid.
+F16_FIELDS: dict[int, tuple[int, ...]] = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2),
+                                          14: (208,)}
 
 
 class QuantTypeError(ValueError):
@@ -123,7 +127,9 @@ class QuantMatrix:
         if cols % block or data.numel() != rows * (cols // block) * size:
             raise QuantTypeError(f"{tensor_name}: {type_name(qtype)} data of {data.numel()} bytes does not fit "
                                  f"shape [{rows}, {cols}] ({block}-element blocks of {size} bytes)")
-        return cls(qtype, rows, cols, data.reshape(rows, -1).view(torch.uint8).clone())
+        data = data.reshape(rows, -1).view(torch.uint8).clone()
+        check_block_scales(qtype, data, tensor_name)
+        return cls(qtype, rows, cols, data)
 
     def _check_unpacked(self) -> None:
         if self.packed:
@@ -162,6 +168,24 @@ class QuantMatrix:
         self._check_unpacked()
         return QuantMatrix(self.qtype, self.rows, self.cols, self.data.index_select(0, order).contiguous())
 
+
+
+def check_block_scales(qtype: int, data: torch.Tensor, tensor_name: str = "") -> None:
+    """Refuse file-layout blocks (uint8 [rows, row_bytes]) with a NaN or infinite f16 scale or minimum (an f16
+    whose exponent bits are all ones): the kernels would turn them into NaN outputs. A `QuantTypeError` that names
+    the tensor, the type, the first such block and its row."""
+    size = QUANT_TYPES[qtype][2]
+    blocks = data.reshape(-1, size)
+    for offset in F16_FIELDS[qtype]:
+        bits = blocks[:, offset:offset + 2].contiguous().view(torch.int16).reshape(-1)
+        bad = (bits & 0x7C00) == 0x7C00
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            per_row = blocks.shape[0] // max(1, data.shape[0])
+            raise QuantTypeError(
+                f"{tensor_name}: malformed {type_name(qtype)} block {first} (row {first // max(1, per_row)}): its f16 "
+                f"field at byte {offset} is {int(bits[first]) & 0xFFFF:#06x}, not a finite number (NaN or Inf); the "
+                f"file is corrupt or was written wrong")
 
 
 # csrc/quant_gemm.c's return codes

@@ -265,6 +265,9 @@ class GGUFFile:
                 array = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
             except ValueError as e:
                 raise GGUFError(f"{self.path}: tensor {t.name} data does not fit shape {shape}: {e}") from None
+            if not np.isfinite(array).all():
+                raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) holds NaN or infinite values: "
+                                "the file is corrupt or was written wrong")
             tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
             if heads is not None:
                 tensor = unpermute_qk(tensor, heads)
@@ -290,6 +293,9 @@ class GGUFFile:
         except (NotImplementedError, ValueError) as e:
             raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) cannot be read as {shape}: {e}"
                             ) from None
+        if not np.isfinite(array).all():
+            raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) holds NaN or infinite values: "
+                            "the file is corrupt or was written wrong")
         for e in range(experts):
             yield f"{base}.{e}.{kind}.weight", torch.from_numpy(array[e].copy())
 
