@@ -86,7 +86,12 @@ class ServerArgs:
         None, "A Jinja chat template file used instead of the model's own (SGLang's flag; its built-in template "
         "names are not available): e.g. one that renders `tools` for a model whose template does not.")
     load_format: str = _flag("auto", "Weight format.", LOAD_FORMATS)
-    dtype: str = _flag("auto", "Compute dtype; auto = bfloat16 on the CPU (see docs/benchmarks.md).", DTYPES)
+    dtype: str = _flag("auto", "Compute dtype of activations and float weights; auto = bfloat16 on the CPU (see "
+                       "docs/benchmarks.md). Weights kept quantized (a .gguf) stay in their blocks, their scales at "
+                       "the file's f16 precision applied in float32; bfloat16 activations meet them as int8 in two "
+                       "terms (decode; prefill too where the CPU's int8 dot products outrun its bf16 ones) or as "
+                       "weight tiles dequantized to bfloat16 (prefill elsewhere), float32 activations as exact "
+                       "float32 weights (the README says which CPU takes which).", DTYPES)
     quantization: str | None = _flag(
         None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "

@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 
+from tests.avx2_subprocess import has_avx2, run_avx2
 from tests.forward_steps import ForwardSteps
 from tests.gguf_factory import load_reference, write_gguf
 from tests.model_factory import TINY
@@ -177,6 +178,56 @@ def test_tensor_parallel_two_ranks_match_tp1(files, variant):
         assert (logits - reference).abs().max().item() < 1e-4 * max(1.0, reference.abs().max().item())
 
 
+def _tp_native_rank(rank: int, path: str, port: int, results) -> None:
+    """One TP rank in bf16 (the default): prefill, then decode steps through the native one-call step (its
+    o_proj / down_proj all-reduces on the shared-memory communicator) and again through the modular path."""
+    import traceback
+
+    from tests.integration.test_native_decode import _decode_run
+    from tokenloom.distributed.groups import destroy_distributed, init_distributed
+
+    try:
+        ctx = init_distributed(2, 1, rank, f"127.0.0.1:{port}", "cpu")
+        torch.set_num_threads(1)
+        args = ServerArgs(model_path=path, dtype="bfloat16", max_total_tokens=512, max_running_requests=2, tp_size=2)
+        runner = ModelRunner(args, parallel=ctx)
+        native = runner.native_decode
+        report: dict = {"native": native is not None and native.quantized}
+        tokens = [(7 * i + 3) % 150 for i in range(24)]
+        report["fast"] = [t.numpy().copy() for t in _decode_run(runner, tokens, 17)[0]]
+        runner.native_decode = None
+        report["slow"] = [t.numpy().copy() for t in _decode_run(runner, tokens, 17)[0]]
+        results.put((rank, report))
+        destroy_distributed()
+    except Exception:
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.parametrize("variant", ["mixed_tied", "q5"])
+def test_native_decode_step_at_tp2_with_quantized_weights(files, variant):
+    """The default configuration (bf16, weights kept quantized, the native decode step) at --tp-size 2: on each
+    rank the native step's logits equal the modular path's bit for bit, both ranks agree, and they stay within
+    bf16 noise of TP=1's native step (the shards sum in another order)."""
+    from tests.integration.test_native_decode import _decode_run
+
+    path, _ = files(variant)
+    single = ModelRunner(ServerArgs(model_path=path, dtype="bfloat16", max_total_tokens=512, max_running_requests=2))
+    if single.native_decode is None:
+        pytest.skip("no native decode step for these weights on this machine")
+    tokens = [(7 * i + 3) % 150 for i in range(24)]
+    tp1 = _decode_run(single, tokens, 17)[0]
+    got, _ = run_ranks(_tp_native_rank, 2, path, join_s=240)
+    for rank in range(2):
+        assert "error" not in got[rank], got[rank].get("error")
+        assert got[rank]["native"]
+        for a, b in zip(got[rank]["fast"], got[rank]["slow"], strict=True):
+            assert np.array_equal(a, b)
+    for a, b, ref in zip(got[0]["fast"], got[1]["fast"], tp1, strict=True):
+        assert np.array_equal(a, b)
+        tv = 0.5 * (torch.from_numpy(a).softmax(-1) - ref.softmax(-1)).abs().sum().item()
+        assert tv <= 0.08, tv
+
+
 def test_split_that_cuts_a_block_is_refused(files):
     path, _ = files("kquant")  # o_proj / down_proj: 256 and 512 input features, 256-element blocks
     source = resolve_model_source(ServerArgs(model_path=path))
@@ -215,6 +266,28 @@ def test_without_native_kernels_a_gguf_is_dequantized_at_load(files):
 
     kept = resolve_model_source(ServerArgs(model_path=path)).quantization == "gguf"
     assert kept == (quant_gemm.native_isa() > 0)
+
+
+@pytest.mark.skipif(not has_avx2(), reason="no AVX2: the AVX2 build does not run here")
+def test_a_type_without_kernels_here_dequantizes_the_file_at_load(files):
+    """Where the native kernels run but lack a type the file holds (the AVX2 build has no Q5_0 / Q5_1), a .gguf
+    is loaded dequantized by default, with a warning naming the types, rather than running those tensors through
+    the reference on every call; --quantization gguf still keeps it quantized. A file of types the build has
+    stays quantized. Checked in a process whose kernels are built for AVX2."""
+    q5, mixed = files("q5")[0], files("mixed_tied")[0]
+    run_avx2("import logging\n"
+             "seen = []\n"
+             "class Seen(logging.Handler):\n"
+             "    def emit(self, record): seen.append(record.getMessage())\n"
+             "logging.getLogger().addHandler(Seen(logging.WARNING))\n"
+             "from tokenloom.config import ServerArgs\n"
+             "from tokenloom.kernels import quant_gemm as qg\n"
+             "from tokenloom.models.loader import resolve_model_source\n"
+             "assert qg.native_isa() == 1 and not qg.native_supported(qg.TYPE_IDS['Q5_0'])\n"
+             f"assert resolve_model_source(ServerArgs(model_path={q5!r})).quantization == 'none'\n"
+             f"assert resolve_model_source(ServerArgs(model_path={q5!r}, quantization='gguf')).quantization == 'gguf'\n"
+             "assert any('no Q5_0 / Q5_1 kernel' in m and 'dequantized at load' in m for m in seen), seen\n"
+             f"assert resolve_model_source(ServerArgs(model_path={mixed!r})).quantization == 'gguf'\n")
 
 
 def test_split_refused_at_server_start(files):

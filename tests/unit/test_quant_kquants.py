@@ -202,29 +202,31 @@ def test_public_small_path_work_items_change_no_result(qtype):
     from tokenloom.kernels import quant_gemm as qg
 
     n, k = 1000, 512
-    qm = qg.prepare(_quant_matrix(qtype, n, k, seed=61))
+    raw = _quant_matrix(qtype, n, k, seed=61)
+    qm = qg.prepare(raw)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(61)).bfloat16()
     got = at_thread_counts(lambda: [qg.linear(x[:m], qm, out_dtype=torch.float32) for m in (1, 3)], (1, 2, 3))
     for t in (2, 3):
         for a, b in zip(got[1], got[t], strict=True):
             assert torch.equal(a, b)
-    ref = x.float() @ qg.dequantize(qm).T
+    ref = x.float() @ qg.dequantize(raw).T  # the gguf package's
     assert float((got[1][1] - ref).norm() / ref.norm()) < 0.01
 
 
 @public
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
-def test_public_dequantize_and_embedding_bit_equal(qtype):
+@pytest.mark.parametrize("k", [768, 2048, 8192])
+def test_public_dequantize_and_embedding_bit_equal(qtype, k):
     import torch
 
     from tokenloom.kernels import quant_gemm as qg
 
-    qm = _quant_matrix(qtype, 29, 768, seed=qtype)
+    qm = _quant_matrix(qtype, 29, k, seed=qtype + k)
     ref = qg.dequantize(qm)  # unprepared: the gguf package
     prepared = qg.prepare(qm)
     relaid = prepared.data.shape != qm.data.shape or not torch.equal(prepared.data, qm.data)  # both families
     # the AVX2 family unpacks Q4_K / Q5_K scales: 4 more bytes a super-block; otherwise the file's size
-    grow = 4 * 29 * 768 // 256 if qg.native_isa() == 1 and qtype != Q6_K else 0
+    grow = 4 * 29 * k // 256 if qg.native_isa() == 1 and qtype != Q6_K else 0
     assert prepared.packed and prepared.nbytes == qm.nbytes + grow and relaid
     assert torch.equal(qg.dequantize(prepared), ref)
     ids = torch.tensor([[3, 0], [28, 3]])
@@ -247,8 +249,9 @@ def test_public_linear(qtype, m, k, x_dtype):
     from tokenloom.kernels import quant_gemm as qg
 
     n = 37
-    qm = qg.prepare(_quant_matrix(qtype, n, k, seed=m + k))
-    w = qg.dequantize(qm).double()
+    raw = _quant_matrix(qtype, n, k, seed=m + k)
+    w = qg.dequantize(raw).double()  # the gguf package's dequantize of the file layout, before any re-layout
+    qm = qg.prepare(raw)
     g = torch.Generator().manual_seed(m * k)
     x = torch.randn(m, k, generator=g).to(getattr(torch, x_dtype))
     bias = torch.randn(n, generator=g)
@@ -294,8 +297,9 @@ def test_many_row_int8_path(qtype):
     from tokenloom.kernels import quant_gemm as qg
 
     n, k = 45, 768
-    qm = qg.prepare(_quant_matrix(qtype, n, k, seed=9))
-    w = qg.dequantize(qm).double()
+    raw = _quant_matrix(qtype, n, k, seed=9)
+    w = qg.dequantize(raw).double()  # the gguf package's
+    qm = qg.prepare(raw)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(9)).bfloat16()
     ref = x.double() @ w.T
     lib = qg._native()
@@ -339,7 +343,8 @@ def test_row_stream_equals_the_row_tiles(qtype):
     lib = qg._native()
     default = lib.quant_seq_m(ct.c_int(-1))
     for n, k in ((37, 1280), (9, 8192)):
-        qm = qg.prepare(_quant_matrix(qtype, n, k, seed=qtype + k))
+        raw = _quant_matrix(qtype, n, k, seed=qtype + k)
+        qm = qg.prepare(raw)
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).bfloat16()
         got = {}
         try:
@@ -350,7 +355,7 @@ def test_row_stream_equals_the_row_tiles(qtype):
             lib.quant_seq_m(ct.c_int(default))
         for a, b in zip(got[0], got[16], strict=True):
             assert torch.equal(a, b)
-        ref = x.float() @ qg.dequantize(qm).T
+        ref = x.float() @ qg.dequantize(raw).T  # the gguf package's
         assert float((got[16][2] - ref).norm() / ref.norm()) < 0.01
 
 

@@ -33,7 +33,7 @@ from tokenloom.models.default_model import resolve_model_path
 from tokenloom.models.gguf_file import GGUFFile
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.load_progress import LoadProgress
-from tokenloom.models.prequant import PrequantConfig, convert, read_quant_config
+from tokenloom.models.prequant import PrequantConfig, convert, read_quant_config, sidecar_quant_config
 from tokenloom.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
         gguf = GGUFFile(path)
         # Quantized kernels exist for the CPU only: on CUDA a .gguf is dequantized unless gguf is asked for.
         on_cpu = args.device == "cpu"
-        quantization = args.quantization or ("gguf" if fmt != "dummy" and on_cpu and _quant_kernels(path) else "none")
+        quantization = args.quantization or ("gguf" if fmt != "dummy" and on_cpu and _quant_kernels(path, gguf)
+                                             else "none")
         if quantization == "gguf" and not on_cpu:
             raise ModelConfigError(f"{path}: --quantization gguf (weights kept quantized) runs on the CPU only; "
                                    f"use --quantization none with --device {args.device}")
@@ -99,7 +100,10 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     if args.quantization == "gguf":
         raise ModelConfigError(f"{path}: --quantization gguf needs a .gguf file; a Hugging Face folder holds float "
                                "weights (leave --quantization unset, or none)")
-    prequant = read_quant_config(raw, cfg_path) if fmt != "dummy" else None
+    quant_source = cfg_path
+    if not raw.get("quantization_config") and (sidecar := sidecar_quant_config(path)) is not None:
+        raw, quant_source = {**raw, "quantization_config": sidecar[0]}, sidecar[1]  # AutoGPTQ / AutoAWQ's file
+    prequant = read_quant_config(raw, quant_source) if fmt != "dummy" else None
     _check_hf_quantization(args, prequant, path)
     at_load = args.torchao_config or ("w8a8_int8" if args.quantization == "w8a8_int8" else None)
     return ModelSource("hf", path, _with_context(config, args), "dummy" if fmt == "dummy" else "safetensors",
@@ -107,18 +111,28 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
                        quantize_at_load=at_load, prequant=prequant)
 
 
-def _quant_kernels(path: str) -> bool:
-    """Whether this CPU runs the native quantized kernels (x86 with AVX2 or AVX-512, and a C compiler). Without
-    them a kept-quantized weight is dequantized on every call (the reference), far slower than dequantizing the
-    file once: a .gguf is then loaded dequantized unless --quantization gguf asks otherwise."""
+def _quant_kernels(path: str, gguf: GGUFFile) -> bool:
+    """Whether this CPU runs the native quantized kernels (x86 with AVX2 or AVX-512, and a C compiler) for every
+    quantized type in the file. Without them a kept-quantized weight is dequantized on every call (the
+    reference), far slower than dequantizing the file once: a .gguf is then loaded dequantized unless
+    --quantization gguf asks otherwise."""
     from tokenloom.kernels import quant_gemm
 
-    if quant_gemm.native_isa() > 0:
-        return True
-    logger.warning("%s: this CPU has no native quantized kernels (they need x86 AVX2 or AVX-512 and a C "
-                   "compiler); the weights are dequantized at load (--quantization none); --quantization gguf "
-                   "keeps them quantized through the slow reference path", path)
-    return False
+    if quant_gemm.native_isa() == 0:
+        logger.warning("%s: this CPU has no native quantized kernels (they need x86 AVX2 or AVX-512 and a C "
+                       "compiler); the weights are dequantized at load (--quantization none); --quantization gguf "
+                       "keeps them quantized through the slow reference path", path)
+        return False
+    missing = sorted({quant_gemm.type_name(int(t.tensor_type)) for t in gguf.reader.tensors
+                      if int(t.tensor_type) in quant_gemm.QUANT_TYPES
+                      and not quant_gemm.native_supported(int(t.tensor_type))})
+    if missing:
+        logger.warning("%s: this CPU's native quantized kernels have no %s kernel (Q5_0 / Q5_1 need "
+                       "AVX512-VNNI); the weights are dequantized at load (--quantization none); --quantization "
+                       "gguf keeps them quantized, those tensors through the slow reference path", path,
+                       " / ".join(missing))
+        return False
+    return True
 
 
 def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, path: str) -> None:

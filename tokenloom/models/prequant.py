@@ -43,6 +43,32 @@ class PrequantConfig:
         return f"{self.method}-int4-g{self.group}"
 
 
+# Files older quantizers wrote beside config.json instead of its `quantization_config`, and the method each
+# means when the file does not say: AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json.
+SIDECAR_CONFIGS = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def sidecar_quant_config(folder: str) -> tuple[dict[str, Any], str] | None:
+    """(the quantization config, its file) from a sidecar file in `folder` when there is one, its
+    `quant_method` filled in from the file's name where it has none; None otherwise."""
+    import json
+    import os
+
+    for name, method in SIDECAR_CONFIGS:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                qc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(qc, dict):
+            raise ModelConfigError(f"{path}: expected a JSON object")
+        return {"quant_method": method, **qc}, path
+    return None
+
+
 def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None:
     """The checkpoint's quantization (config.json's `quantization_config`), or None for a float checkpoint.
     Raises ModelConfigError, with the reason, for anything not implemented."""
