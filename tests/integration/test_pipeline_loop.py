@@ -133,10 +133,11 @@ def test_pipeline_times_tensor_parallel(tiny4, reference):
     _assert_same(_run(tiny4, 2, 0, tp_size=2, max_total_tokens=4096), reference)
 
 
-def _bf16_run(model: str, pp_size: int) -> dict:
+def _bf16_run(model: str, pp_size: int, **flags) -> dict:
     """The default dtype (bf16), one request at a time (the same 1-row steps at either size)."""
     out: dict = {"tokens": [], "logprobs": []}
-    with Engine(model, pp_size=pp_size, log_level="warning", max_total_tokens=4096) as eng:
+    with Engine(model, pp_size=pp_size, log_level="warning", max_total_tokens=4096, **flags) as eng:
+        out["weight_quantization"] = eng.tokenizer_manager.scheduler_info.get("weight_quantization")
         for prompt in PROMPTS[:3]:
             o = eng.generate(prompt, GREEDY, return_logprob=True)
             out["tokens"].append(o["output_ids"])
@@ -149,6 +150,32 @@ def test_default_bf16_pipeline_matches_pp1(tiny4):
     pp1, pp2 = _bf16_run(tiny4, 1), _bf16_run(tiny4, 2)
     for a, b, la, lb in zip(pp2["tokens"], pp1["tokens"], pp2["logprobs"], pp1["logprobs"], strict=True):
         assert a[:6] == b[:6]  # bf16 rounding may part them later, never this early on a well-separated model
+        assert la[:6] == pytest.approx(lb[:6], abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny4_gguf(tiny4, tmp_path_factory) -> str:
+    """tiny4 as a GGUF of the types a Q4_K_M file holds at widths that are not whole super-blocks (Q5_0, Q5_1
+    for ffn_down, Q8_0 embedding and head); its tokenizer stays in tiny4's folder (--tokenizer-path)."""
+    import transformers
+
+    from tests.gguf_factory import write_gguf
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny4).eval()
+    path = str(tmp_path_factory.mktemp("tiny_pp4_gguf") / "tiny4.gguf")
+    write_gguf(path, hf, lambda n: "Q8_0" if "embed" in n or "lm_head" in n else "Q5_1" if "down_proj" in n
+               else "Q5_0")
+    return path
+
+
+def test_default_bf16_pipeline_with_quantized_weights_matches_pp1(tiny4, tiny4_gguf):
+    """The default configuration on a GGUF kept quantized (bf16 activations on the quantized kernels) at PP=2:
+    every stage keeps its layers quantized, and the outputs follow PP=1's as in the bf16 test above."""
+    pp1 = _bf16_run(tiny4_gguf, 1, tokenizer_path=tiny4)
+    pp2 = _bf16_run(tiny4_gguf, 2, tokenizer_path=tiny4)
+    assert "Q5_0" in pp1["weight_quantization"] and "Q5_0" in pp2["weight_quantization"]
+    for a, b, la, lb in zip(pp2["tokens"], pp1["tokens"], pp2["logprobs"], pp1["logprobs"], strict=True):
+        assert a[:6] == b[:6]
         assert la[:6] == pytest.approx(lb[:6], abs=0.05)
 
 

@@ -111,7 +111,8 @@ def test_load_format_each_value(folder, tmp_path, monkeypatch):
     with pytest.raises(ModelConfigError, match="--load-format gguf needs a .gguf file"):
         fmt(folder, "gguf")
     config = resolve_model_source(ServerArgs(model_path=folder)).config
-    monkeypatch.setattr(loader, "GGUFFile", lambda path: SimpleNamespace(model_config=lambda: config))
+    monkeypatch.setattr(loader, "GGUFFile", lambda path: SimpleNamespace(model_config=lambda: config,
+                                                                         tensor_types=lambda: set()))
     gguf = tmp_path / "model.gguf"  # parsing a real file is test_load_errors' job; here only the choice
     gguf.write_bytes(b"")
     assert [fmt(str(gguf), f) for f in ("auto", "gguf", "dummy")] == ["gguf", "gguf", "dummy"]

@@ -326,6 +326,10 @@ class GGUFFile:
             qm = qm.permute_rows(unpermute_qk(torch.arange(qm.rows), heads))
         return qm
 
+    def tensor_types(self) -> set[int]:
+        """The GGML type ids of the file's tensors (F32, F16, the quantized ones)."""
+        return {int(t.tensor_type) for t in self.reader.tensors}
+
     def check_tp_split(self, tp_size: int, ep_size: int = 1) -> None:
         """Refuse, before any rank loads, a --tp-size whose row-parallel split (input features) of a
         kept-quantized tensor would cut a block; the rank's own load raises the same. Split that way: o_proj,
