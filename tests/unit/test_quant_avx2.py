@@ -259,6 +259,7 @@ def test_moe_experts_call_keeps_float32_between_projections():
     and both in one call, against float64 over the dequantized experts: within 2e-4 of the output's norm, where
     rounding the SwiGLU output to bf16 alone (the expert-by-expert layer's path) costs ~1e-3."""
     _run("""
+from tests.expert_groups import expert_groups
 hidden, inter, experts = 256, 512, 4
 kinds = [('Q8_0', 'Q4_K'), ('Q4_K', 'Q6_K'), ('Q4_1', 'Q8_0'), ('Q5_K', 'Q4_0')]
 gu = [qg.prepare(matrix(a, 2 * inter, hidden, 10 + e)) for e, (a, _) in enumerate(kinds)]
@@ -273,12 +274,7 @@ for tokens in (1, 3, 40, 24):
         others = torch.randint(1, experts, (tokens,), generator=g)
         ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), others], 1)
     weights = torch.rand(tokens, 2, generator=g)
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
-    active = torch.nonzero(counts).flatten()
-    group_start = torch.zeros(active.numel() + 1, dtype=torch.int64)
-    group_start[1:] = counts.index_select(0, active).cumsum(0)
+    order, counts, active, group_start = expert_groups(ids, experts)
     table = lambda ms: (torch.tensor([ms[e].qtype for e in active.tolist()], dtype=torch.int32),
                         torch.tensor([ms[e].data.data_ptr() for e in active.tolist()], dtype=torch.int64))
     got = qg.moe_experts(x.contiguous(), order // 2, weights.flatten().float().index_select(0, order).contiguous(),

@@ -101,14 +101,21 @@ def test_dequantize_bit_exact(name, k):
 @pytest.mark.parametrize("k", [32 * 3, 576, 32 * 12, 32 * 31])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_linear_within_bound(name, m, k, x_dtype):
-    n = 77
-    qm = _matrix(name, n, k, m * 7 + k)
-    w_ref = qg.dequantize(qm)
+    qm = _matrix(name, 77, k, m * 7 + k)
+    check_linear_within_bound(qm, qg.dequantize(qm), m, x_dtype, m + k)
+
+
+def check_linear_within_bound(qm: qg.QuantMatrix, w_ref: torch.Tensor, m: int, x_dtype: torch.dtype,
+                              seed: int) -> None:
+    """`m` random rows of `x_dtype` through the file-layout `qm` prepared, with and without a bias, into float32
+    and x's dtype: within the path's bound (module docstring) of a float32 matmul with `w_ref` (the gguf
+    package's dequantize); the matrix unprepared (prepared per call) gives the same numbers."""
+    n, k = qm.rows, qm.cols
     prepared = qg.prepare(qm)
-    g = torch.Generator().manual_seed(m + k)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     bias = torch.randn(n, generator=g).to(x_dtype)
-    small = _int8_path(qm, m, x_dtype)
+    small = _int8_path(prepared, m, x_dtype)
     for b in (None, bias):
         ref = x.float() @ w_ref.T + (0 if b is None else b.float())
         for out_dtype in (torch.float32, x_dtype):
@@ -117,7 +124,6 @@ def test_linear_within_bound(name, m, k, x_dtype):
             err = (got.float() - ref).abs()
             tol = _expected_error(x, w_ref, small, ref, out_dtype)
             assert bool((err <= tol).all()), f"max excess {float((err - tol).max())}"
-    # the same matrix unprepared (prepared per call) gives the same numbers
     assert torch.equal(qg.linear(x, qm, bias), qg.linear(x, prepared, bias))
 
 

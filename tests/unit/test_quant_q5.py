@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.act_pairs import check_one_row_pairs
+from tests.expert_groups import expert_groups
 from tests.thread_counts import at_thread_counts
-from tests.unit.test_quant_gemm import _expected_error, _int8_path
+from tests.unit.test_quant_gemm import _expected_error, _int8_path, check_linear_within_bound
 from tokenloom.kernels import quant_gemm as qg
 
 Q5 = ["Q5_0", "Q5_1"]
@@ -58,21 +59,8 @@ def test_dequantize_bit_exact(name, k):
 @pytest.mark.parametrize("k", WIDTHS)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_linear_within_bound(name, m, k, x_dtype):
-    n = 77
-    qm, w_ref = _matrix(name, n, k, m * 7 + k)
-    prepared = qg.prepare(qm)
-    g = torch.Generator().manual_seed(m + k)
-    x = torch.randn(m, k, generator=g).to(x_dtype)
-    bias = torch.randn(n, generator=g).to(x_dtype)
-    small = _int8_path(prepared, m, x_dtype)
-    for b in (None, bias):
-        ref = x.float() @ w_ref.T + (0 if b is None else b.float())
-        for out_dtype in (torch.float32, x_dtype):
-            got = qg.linear(x, prepared, b, out_dtype)
-            assert got.dtype == out_dtype and got.shape == (m, n)
-            tol = _expected_error(x, w_ref, small, ref, out_dtype)
-            err = (got.float() - ref).abs()
-            assert bool((err <= tol).all()), f"max excess {float((err - tol).max())}"
+    qm, w_ref = _matrix(name, 77, k, m * 7 + k)
+    check_linear_within_bound(qm, w_ref, m, x_dtype, m + k)
 
 
 @pytest.mark.parametrize("name", Q5)
@@ -171,12 +159,7 @@ def test_moe_experts_call_with_q5_experts():
         x = torch.randn(tokens, hidden, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
         weights = torch.rand(tokens, 2, generator=g)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=experts)
-        active = torch.nonzero(counts).flatten()
-        group_start = torch.zeros(active.numel() + 1, dtype=torch.int64)
-        group_start[1:] = counts.index_select(0, active).cumsum(0)
+        order, counts, active, group_start = expert_groups(ids, experts)
 
         used = active.tolist()
         tables = [(torch.tensor([ms[e].qtype for e in used], dtype=torch.int32),

@@ -269,6 +269,21 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
     }
 }
 
+/* CALL(MB, PAIRED) for the pass's mb activation rows (a pair: MB 2, PAIRED 1), the constants the inlined passes
+ * are specialized on. */
+#define Q5_BY_ROWS(CALL)                                                                                         \
+    switch (mb) {                                                                                                \
+    case 4: CALL(4, 0); break;                                                                                   \
+    case 3: CALL(3, 0); break;                                                                                   \
+    case 2:                                                                                                      \
+        if (paired)                                                                                              \
+            CALL(2, 1);                                                                                          \
+        else                                                                                                     \
+            CALL(2, 0);                                                                                          \
+        break;                                                                                                   \
+    default: CALL(1, 0); break;                                                                                  \
+    }
+
 /* tl_dot_rows_fn: activation rows Q5_MAX_MB at a time (a pair as one), spans in passes whose prepared
  * activations fit the stack buffer (one pass for k up to 8192 at 4 rows), then the tail pass. */
 static inline __attribute__((always_inline)) void q5_dot(const int one, const uint8_t *w, int64_t n, int64_t n0,
@@ -288,35 +303,17 @@ static inline __attribute__((always_inline)) void q5_dot(const int one, const ui
             const int add = s0 > 0;
             q5_prep(one, a, r0, mb, paired, s0, s1, prep);
 #define Q5_ROWS(MB, PAIRED) q5_rows(one, MB, PAIRED, w, n, n0, n1, nb, s0, s1, prep, r0, add, out, out_stride)
-            switch (mb) {
-            case 4: Q5_ROWS(4, 0); break;
-            case 3: Q5_ROWS(3, 0); break;
-            case 2:
-                if (paired)
-                    Q5_ROWS(2, 1);
-                else
-                    Q5_ROWS(2, 0);
-                break;
-            default: Q5_ROWS(1, 0); break;
-            }
+            Q5_BY_ROWS(Q5_ROWS)
 #undef Q5_ROWS
         }
         if (nb % 16 == 0) continue;
 #define Q5_TAIL(MB, PAIRED) q5_tail_pass(one, MB, PAIRED, w, n, nb, n0, n1, a, r0, out, out_stride)
-        switch (mb) {
-        case 4: Q5_TAIL(4, 0); break;
-        case 3: Q5_TAIL(3, 0); break;
-        case 2:
-            if (paired)
-                Q5_TAIL(2, 1);
-            else
-                Q5_TAIL(2, 0);
-            break;
-        default: Q5_TAIL(1, 0); break;
-        }
+        Q5_BY_ROWS(Q5_TAIL)
 #undef Q5_TAIL
     }
 }
+
+#undef Q5_BY_ROWS
 
 static void q5_0_dot(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
                      float *out, int64_t out_stride) {
