@@ -203,31 +203,39 @@ static inline __attribute__((always_inline)) void q5_rows(const int one, const i
 
 /* ---- the tail, in bands of rows ---- */
 
-/* Tail block t of a band of `lanes` rows (rec: its record) against activation row `row` (tail block t: block
- * F + t of the row, F = nb / 16 * 16): each lane's (row's) integer dot product, with Q5_0's -16 s_x in it. */
-static inline __attribute__((always_inline)) __m512i q5_band_dot(const int one, const uint8_t *rec, int lanes,
-                                                                 const tl_act_q8 *a, int64_t row, int64_t blk) {
+/* Tail block t of a band of `lanes` rows (rec: its record) as 8 vectors of quants with their fifth bits, lane
+ * = row: vector 2 U + h holds elements 16 h + 4 U .. + 3 of each row (U: the 4-byte unit of the block's qs). */
+static inline __attribute__((always_inline)) void q5_band_quants(const uint8_t *rec, int lanes, __m512i v[8]) {
     const __mmask64 bytes = lanes == 16 ? ~(__mmask64)0 : ((__mmask64)1 << (4 * lanes)) - 1;
     const __m512i nib = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-    const int8_t *xq = a->q + row * a->k + 32 * blk;
     const __m512i hb = _mm512_maskz_loadu_epi8(bytes, rec + 16 * lanes);
-    __m512i c0 = one ? _mm512_setzero_si512() : _mm512_set1_epi32(-16 * a->s[row * (a->k / TL_QK) + blk]);
-    __m512i c1 = _mm512_setzero_si512();
     for (int U = 0; U < 4; ++U) {
         const __m512i q = _mm512_maskz_loadu_epi8(bytes, rec + 4 * lanes * U);
         for (int h = 0; h < 2; ++h) {
             const int s = 2 * U + h; /* bit s of hb's bytes -> bit 4 */
             const __m512i b = s < 4 ? _mm512_slli_epi16(hb, 4 - s) : s > 4 ? _mm512_srli_epi16(hb, s - 4) : hb;
             const __m512i n = h ? tl_high_nibbles(q) : _mm512_and_si512(q, nib);
-            int32_t x4;
-            memcpy(&x4, xq + 16 * h + 4 * U, 4);
-            const __m512i v = _mm512_ternarylogic_epi32(n, b, bit4, 0xF8);
-            if (h)
-                c1 = _mm512_dpbusd_epi32(c1, v, _mm512_set1_epi32(x4));
-            else
-                c0 = _mm512_dpbusd_epi32(c0, v, _mm512_set1_epi32(x4));
+            v[s] = _mm512_ternarylogic_epi32(n, b, bit4, 0xF8);
         }
     }
+}
+
+/* The band's decoded tail block v (q5_band_quants) against activation row `row` (its block blk): each lane's
+ * (weight row's) integer dot product, with Q5_0's -16 s_x in it. */
+static inline __attribute__((always_inline)) __m512i q5_band_dot(const int one, const __m512i v[8],
+                                                                 const tl_act_q8 *a, int64_t row, int64_t blk) {
+    const int8_t *xq = a->q + row * a->k + 32 * blk;
+    __m512i c0 = one ? _mm512_setzero_si512() : _mm512_set1_epi32(-16 * a->s[row * (a->k / TL_QK) + blk]);
+    __m512i c1 = _mm512_setzero_si512();
+    for (int U = 0; U < 4; ++U)
+        for (int h = 0; h < 2; ++h) {
+            int32_t x4;
+            memcpy(&x4, xq + 16 * h + 4 * U, 4);
+            if (h)
+                c1 = _mm512_dpbusd_epi32(c1, v[2 * U + 1], _mm512_set1_epi32(x4));
+            else
+                c0 = _mm512_dpbusd_epi32(c0, v[2 * U], _mm512_set1_epi32(x4));
+        }
     return _mm512_add_epi32(c0, c1);
 }
 
@@ -248,7 +256,9 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
             const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, rec + 20 * R.lanes));
             const __m512 mw = one ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, rec + 22 * R.lanes)) : dw;
             __m512i dot[Q5_MAX_MB];
-            for (int j = 0; j < MB; ++j) dot[j] = q5_band_dot(one, rec, R.lanes, a, r0 + j, full + t);
+            __m512i v[8];
+            q5_band_quants(rec, R.lanes, v); /* decoded once for every activation row */
+            for (int j = 0; j < MB; ++j) dot[j] = q5_band_dot(one, v, a, r0 + j, full + t);
             if (PAIRED) dot[0] = _mm512_add_epi32(_mm512_slli_epi32(dot[0], TL_TERM2_SHIFT), dot[1]);
             for (int j = 0; j < (PAIRED ? 1 : MB); ++j) {
                 const int64_t o = (r0 + j) * (a->k / TL_QK) + full + t;
