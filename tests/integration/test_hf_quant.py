@@ -25,7 +25,8 @@ from tokenloom.cache.memory_budget import model_nbytes
 from tokenloom.config import ConfigError, ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.executor.model_runner import ModelRunner
-from tokenloom.kernels.quant_gemm import QuantSplitError, QuantTypeError
+from tokenloom.kernels import quant_gemm
+from tokenloom.kernels.quant_gemm import QuantMatrix, QuantSplitError, QuantTypeError
 from tokenloom.layers.int_quant import IntQuantMatrix
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.loader import _safetensors_tensors, resolve_model_source
@@ -73,6 +74,17 @@ TORCHAO_TOL = {"int8wo": (0.03, 0.95), "int4wo-32": (0.25, 0.6), "int4wo-64": (0
                "int4wo-128": (0.36, 0.6), "int4wo-256": (0.36, 0.6), "w8a8_int8": (0.05, 0.9)}
 
 
+def _block_type(method: str) -> str:
+    """The GGUF type layers/int_quant.py re-expresses `method`'s weights in (int8wo: 8 bits; the others: 4)."""
+    return "Q8_0" if method == "int8wo" else "Q4_1"
+
+
+def _as_blocks(method: str, dtype: str) -> bool:
+    """Whether layers/int_quant.py re-expresses `method`'s weights as GGUF blocks at `dtype` on this machine."""
+    return dtype != "float32" and method != "w8a8_int8" \
+        and quant_gemm.native_supported(quant_gemm.TYPE_IDS[_block_type(method)])
+
+
 def _flags(method: str) -> dict[str, str]:
     return {"quantization": method} if method == "w8a8_int8" else {"torchao_config": method}
 
@@ -84,8 +96,12 @@ def test_torchao_logits_close_to_the_float_model(float_folder, method, dtype):
     ref = _reference(hf)
     runner = _runner(folder, **_flags(method), dtype=dtype)
     qkv = runner.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight is None and isinstance(qkv.quant.segments[0].weight, IntQuantMatrix)
-    assert qkv.quant.segments[0].weight.name == method
+    held = qkv.quant.segments[0].weight
+    assert qkv.weight is None and qkv.quant.quant_types == [method]
+    if _as_blocks(method, dtype):  # bf16 activations: re-expressed as GGUF blocks on the native kernels
+        assert isinstance(held, QuantMatrix) and held.packed and held.name == _block_type(method)
+    else:  # float32 activations (exact scales) and w8a8_int8: torch's kernels
+        assert isinstance(held, IntQuantMatrix) and held.name == method
     assert runner.model.lm_head.weight is not None  # the LM head and embedding stay in --dtype
     mine = _logits(runner)
     tol, top1 = TORCHAO_TOL[method]
@@ -117,8 +133,12 @@ def test_torchao_greedy_generation_runs_through_the_engine_loop(float_folder, me
     folder, hf = float_folder
     with caplog.at_level(logging.INFO, logger="tokenloom"):
         runner = _runner(folder, **_flags(method), dtype="bfloat16")
-    assert runner.native_decode is None  # declined, with the reason logged: the weights are kept quantized
-    assert "native decode step not used: the weights are a Hugging Face checkpoint's integer weights" in caplog.text
+    if _as_blocks(method, "bfloat16"):  # GGUF blocks: the one-call step runs them (a float LM head beside)
+        assert runner.native_decode is not None and runner.native_decode.quantized
+        assert runner.native_decode._lm_head_q is None
+    else:  # declined, with the reason logged: torch's kernels have no native descriptor
+        assert runner.native_decode is None
+        assert "native decode step not used: the weights are integer weights on torch's kernels" in caplog.text
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     ours = generate_in_process(runner, [PROMPT, PROMPT[:10]], [params, params])
     assert [len(o) for o in ours] == [8, 8]
@@ -137,7 +157,10 @@ def test_torchao_weight_bytes_and_load_line(float_folder, caplog):
                         (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     held = sum(m.quant.segments[0].weight.nbytes for m in
                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    assert held == linear_params // 2 + linear_params // 64 * 2 * 2  # nibbles + bf16 (scale, zero) per group
+    if _as_blocks("int4wo-64", "bfloat16"):  # Q4_1 blocks: nibbles + f16 (d, m) per 32 weights
+        assert held == linear_params // 32 * 20
+    else:  # torch's int4 form: nibbles + bf16 (scale, zero) per group
+        assert held == linear_params // 2 + linear_params // 64 * 2 * 2
     # The model's memory accounting (the KV budget's) sees the int4 bytes, and no float copy of the linears.
     dense = _runner(folder, dtype="bfloat16").model
     assert model_nbytes(dense) - model_nbytes(runner.model) >= 2 * (2 * linear_params) - 2 * held
@@ -297,8 +320,8 @@ def _tp_rank(rank: int, path: str, flags: dict, port: int, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         torch.set_num_threads(1)
-        args = ServerArgs(model_path=path, dtype="float32", max_total_tokens=256, max_running_requests=2,
-                          tp_size=2, **flags)
+        args = ServerArgs(model_path=path, **{"dtype": "float32", "max_total_tokens": 256, "max_running_requests": 2,
+                                              "tp_size": 2, **flags})
         runner = ModelRunner(args, parallel=ParallelContext(tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD))
         results.put((rank, {"logits": _logits(runner).numpy().copy()}))
         dist.destroy_process_group()
@@ -306,25 +329,48 @@ def _tp_rank(rank: int, path: str, flags: dict, port: int, results) -> None:
         results.put((rank, {"error": traceback.format_exc()}))
 
 
-@pytest.mark.parametrize("which", ["awq", "torchao", "w8a8"])
+@pytest.mark.parametrize("which", ["awq", "awq_bf16", "torchao", "torchao_bf16", "w8a8"])
 def test_tensor_parallel_two_ranks_match_tp1(prequant, float_folder, which):
     """TP=2 against TP=1 on the same weights: the int4 checkpoints to float32 rounding. w8a8_int8 quantizes the
     activations per token, and at TP=2 each rank's row-parallel layer (o_proj, down_proj) takes that scale from
     its own half of the input features (as SGLang's w8a8 layers do): the two differ by int8 activation rounding,
-    so within a few per cent of the logits' range, with the same greedy tokens."""
-    path = prequant("awq")[0] if which == "awq" else float_folder[0]
-    flags = {"awq": {}, "torchao": {"torchao_config": "int4wo-64"}, "w8a8": {"quantization": "w8a8_int8"}}[which]
+    so within a few per cent of the logits' range, with the same greedy tokens. bf16 activations (the GGUF
+    blocks, each rank holding its shard's blocks): the int8 activation blocks are the same 32 features on
+    either side of the split, so the two differ by float32 summation order and the bf16 rounding of the
+    partial sums all-reduced."""
+    path = prequant("awq")[0] if which.startswith("awq") else float_folder[0]
+    flags = {"awq": {}, "torchao": {"torchao_config": "int4wo-64"}, "w8a8": {"quantization": "w8a8_int8"}}[
+        which.removesuffix("_bf16")]
+    if which.endswith("_bf16"):
+        flags = {**flags, "dtype": "bfloat16"}
     reference = _logits(_runner(path, **flags))
     got, _ = run_ranks(_tp_rank, 2, path, flags, join_s=180)
     for rank in range(2):
         assert "error" not in got[rank], got[rank].get("error")
         logits = torch.from_numpy(got[rank]["logits"])
         scale = max(1.0, reference.abs().max().item())
-        if which == "w8a8":
+        if which == "w8a8" or which.endswith("_bf16"):
             assert (logits - reference).abs().max().item() < 0.03 * scale
             assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.9
         else:
             assert (logits - reference).abs().max().item() < 1e-4 * scale
+
+
+@pytest.mark.parametrize("which", ["int4wo-64", "int8wo", "gptq_v1_asym", "awq"])
+def test_native_decode_step_bit_identical_to_modular_path(prequant, float_folder, which):
+    """bf16 (the default): the integer weights as GGUF blocks are the one-call step's quantized linears, beside
+    the float LM head, and every decode step's logits and KV equal the modular path's bit for bit."""
+    from tests.integration.test_native_decode import _compare_paths, _tokens
+
+    path = prequant(which)[0] if which in PREQUANT else float_folder[0]
+    flags = {} if which in PREQUANT else {"torchao_config": which}
+    runner = _runner(path, dtype="bfloat16", max_total_tokens=2048, max_running_requests=4, **flags)
+    if not _as_blocks(PREQUANT[which][0] if which in PREQUANT else which, "bfloat16") \
+            or runner.native_decode is None:
+        pytest.skip("no native quantized kernels or decode step on this machine")
+    assert runner.native_decode.quantized and runner.native_decode._lm_head_q is None
+    _compare_paths(runner, _tokens(60, 1, 256), prompt=21)
+    assert runner.token_allocator.available_size() == runner.max_total_num_tokens
 
 
 def test_engine_serves_a_checkpoint_quantized_at_load(tiny_runtime_model):

@@ -11,13 +11,23 @@ import pytest
 import torch
 
 from tests.hf_quant_factory import dequant, pack, quantize_groups
-from tokenloom.kernels.quant_gemm import QuantSplitError, QuantTypeError
+from tokenloom.kernels.quant_gemm import (
+    TYPE_IDS,
+    QuantMatrix,
+    QuantSplitError,
+    QuantTypeError,
+    _native,
+    dequantize,
+    native_supported,
+)
 from tokenloom.layers.int_quant import (
     INT8PACK_MAX_ROWS,
+    IntQuantMatrix,
     quantize_for_method,
     quantize_int4_grouped,
     quantize_int8_per_channel,
 )
+from tokenloom.layers.quant_linear import QuantWeight
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models.prequant import PrequantConfig, convert, read_quant_config, unpack_awq, unpack_gptq
 
@@ -125,3 +135,79 @@ def test_w8a8_kernel_matches_float_matmul_of_the_quantized_activations_and_weigh
     y = qm.prepare(torch.bfloat16).linear(x, None, torch.float32)
     assert (y - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert torch.equal(qm.kernel_weight(torch.bfloat16), qm.dequantize())  # float32 weight scales, unrounded
+
+
+_NATIVE_BLOCKS = pytest.mark.skipif(not (native_supported(TYPE_IDS["Q4_1"]) and native_supported(TYPE_IDS["Q8_0"])),
+                                    reason="no native Q4_1 / Q8_0 kernels on this machine")
+
+
+@_NATIVE_BLOCKS
+@pytest.mark.parametrize("method,v1", [("gptq", True), ("awq", False)])
+@pytest.mark.parametrize("group", [32, 128])
+def test_gguf_blocks_of_a_checkpoints_int4_weights(method, v1, group):
+    """GPTQ/AWQ codes (fp16 scales, integer zero points) as Q4_1 blocks: d is the scale exactly, the minimum
+    -z s is rounded once to f16, so every weight is within half an f16 ulp of |z s| (at most 1/128 of the
+    group's step) of (q - z) s; the file's bytes are the gguf package's Q4_1 blocks (its dequantize agrees)."""
+    q, z, s = quantize_groups(_w(48, 256), group, False)
+    t = pack(method, q, z, s, group, v1)
+    qm = (unpack_gptq if method == "gptq" else unpack_awq)(t["qweight"], t["qzeros"], t["scales"],
+                                                         PrequantConfig(method, group, v1), "x")
+    blocks = qm.as_gguf_blocks(torch.bfloat16)
+    assert blocks.name == "Q4_1" and blocks.shape == (48, 256) and blocks.nbytes == 48 * 256 // 32 * 20
+    exact = dequant(q, z, s, group).double()
+    got = dequantize(blocks).double()  # the gguf package's reading of the bytes
+    zs = (z.double() * s.double()).repeat_interleave(group, dim=1)
+    assert ((got - exact).abs() <= zs * 2.0 ** -11 + 1e-12).all()
+    assert ((got - exact).abs() <= s.double().repeat_interleave(group, dim=1) / 128).all()
+    d = torch.from_numpy(blocks.data.numpy().reshape(48, 8, 20)[..., :2].copy()).view(torch.float16)[..., 0]
+    assert torch.equal(d, s.repeat_interleave(group // 32, dim=1))  # the scales, bit for bit
+    assert torch.equal(qm.kernel_weight(torch.bfloat16), got.float())
+
+
+@_NATIVE_BLOCKS
+@pytest.mark.parametrize("method", ["int8wo", "int4wo-64"])
+@pytest.mark.parametrize("m", [1, 4, 64])
+def test_bf16_layers_run_the_gguf_blocks_within_the_int8_activation_bound(method, m):
+    """`QuantWeight.prepare` with bf16 activations takes the blocks (Q8_0 for int8wo, scale in f16; Q4_1 for
+    int4wo) and runs the native kernels: against a float64 matmul of the blocks' weight, within the two int8
+    activation terms' bound (sum_i |w_i| d_x(i) / 256, d_x = the 32-block's max|x| / 127) on the int8 paths and
+    within the bf16 rounding of the weight tile on the many-row one (quant_path 0); float32 activations keep
+    torch's kernels (exact float32 scales)."""
+    w = _w(96, 256)
+    x = (torch.randn(m, 256, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    qw = QuantWeight.from_parts([quantize_for_method(w, method)])
+    qw.prepare(torch.bfloat16)
+    held = qw.segments[0].weight
+    assert isinstance(held, QuantMatrix) and held.packed and held.name == ("Q8_0" if method == "int8wo" else "Q4_1")
+    assert qw.quant_types == [method]
+    ref_w = quantize_for_method(w, method).kernel_weight(torch.bfloat16).double()
+    ref = x.double() @ ref_w.t()
+    mag = x.double().abs() @ ref_w.abs().t()
+    if _native().quant_path(held.qtype, m, 256, 0) == 0:  # many rows: the weight tile rounded once to bf16
+        bound = 2.0 ** -8 * mag + 1e-6
+    else:  # the int8 paths: the two activation terms' rounding
+        dx = x.double().abs().view(m, 8, 32).amax(-1).repeat_interleave(32, dim=1) / 127
+        bound = (dx / 256) @ ref_w.abs().t() + 1e-5 * mag + 1e-6
+    y = qw.linear(x, None, torch.float32).double()
+    assert ((y - ref).abs() <= bound).all()
+    # int8wo: the row scale once in f16 (torch's int8 kernel holds it in bf16: 3 bits fewer)
+    if method == "int8wo":
+        int8 = quantize_for_method(w, method)
+        assert torch.equal(ref_w.float(), int8.q.float() * int8.scales.half().float())
+    f32 = QuantWeight.from_parts([quantize_for_method(w, method)])
+    f32.prepare(torch.float32)
+    assert isinstance(f32.segments[0].weight, IntQuantMatrix)
+
+
+@_NATIVE_BLOCKS
+def test_weights_the_blocks_cannot_hold_stay_on_torchs_kernels():
+    w = _w(32, 64)
+    assert quantize_for_method(w, "w8a8_int8").as_gguf_blocks(torch.bfloat16) is None  # activations per token
+    assert quantize_for_method(_w(32, 48), "int8wo").as_gguf_blocks(torch.bfloat16) is None  # not whole blocks
+    huge = quantize_int4_grouped(w, 32)
+    huge.scales.fill_(1e4)  # the minimum -z s leaves f16's range
+    huge.zeros.fill_(15)
+    assert huge.as_gguf_blocks(torch.bfloat16) is None
+    qw = QuantWeight.from_parts([huge])
+    qw.prepare(torch.bfloat16)
+    assert isinstance(qw.segments[0].weight, IntQuantMatrix)

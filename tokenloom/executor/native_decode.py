@@ -16,12 +16,15 @@ included, through csrc/tile_avx2.c's `avx2_bf16_linear` over the plain weight, s
 every batch size and the step takes up to `QUANT_MAX_BATCH` requests.
 `--disable-native-decode` turns it off.
 
-Quantized weights (--quantization gguf): when every linear layer and the LM head are kept quantized, each one
-is passed as a segment descriptor and its matmul is csrc/quant_gemm.c's quant_linear, the kernel the modular
-path's `quant_gemm.linear` calls, with the same row-count rule, so the two paths are bit-identical at every
-batch size. Then the step takes up to `QUANT_MAX_BATCH` requests. A model that mixes quantized and float
-linears (or a quantized layer holding a float part) decodes through the modular path, as does a model with a
-Hugging Face checkpoint's integer weights (layers/int_quant.py: torch's kernels, no native descriptor).
+Quantized weights (--quantization gguf, and a Hugging Face checkpoint's integer weights re-expressed as GGUF
+blocks: layers/int_quant.py): when every linear layer is kept quantized, each one is passed as a segment
+descriptor and its matmul is csrc/quant_gemm.c's quant_linear, the kernel the modular path's
+`quant_gemm.linear` calls, with the same row-count rule; the LM head is quantized the same way or (a float head
+beside quantized layers, as GPTQ/AWQ/--torchao-config leave it) the float32-output kernel the modular path's
+LM head calls. So the two paths are bit-identical at every batch size, and the step takes up to
+`QUANT_MAX_BATCH` requests. A model that mixes quantized and float linear layers (or a quantized layer holding
+a float part) decodes through the modular path, as does one whose integer weights stay on torch's kernels
+(w8a8_int8; no native descriptor).
 
 Qwen3 and mixture-of-experts models (Qwen3-MoE-style: routed experts, per-head q/k norms, dense layers among
 the sparse ones): the q/k norms are cpu_ops' in-place kernel and an MoE layer is csrc/quant_moe.c's block (the
@@ -167,10 +170,10 @@ class NativeDecode:
         # modular path then picks the same kernel at these row counts, and the two stay bit-identical).
         self.uses_amx = all(_amx_copy(lin) is not None for group in linears for lin in group) \
             and _amx_copy(model.lm_head) is not None
-        # Quantized: every linear and the LM head (all or none; `_unsupported` refused a mix).
+        # Quantized: every linear layer (all or none; `_unsupported` refused a mix), the LM head quantized or not.
         quant = [[_quant_descriptor(lin.quant) for lin in group] for group in linears]
         self._lm_head_q = _quant_head_descriptor(model)
-        self.quantized = self._lm_head_q is not None
+        self.quantized = all(d is not None for group in quant for d in group) and bool(quant)
         self._quant_descriptors = [d for group in quant for d in group]  # kept alive: their addresses are passed
         self._moe_descriptors = [_moe_descriptor(lib, layer.mlp.experts) if isinstance(layer.mlp, MoEBlock)
                                  else None for layer in model.layers]
@@ -197,17 +200,19 @@ class NativeDecode:
         self._kv_rows = kv_pool.k_buffers[0].shape[1]
         self._vocab_rows = model.lm_head.local_vocab
         self._kv_format = KV_FORMATS[kv_pool.dtype]
-        self._lm_head_amx = _amx_copy(model.lm_head) if self.uses_amx else None
+        float_head = self._lm_head_q is None  # (beside quantized layers: its kernel is the modular path's)
+        self._lm_head_amx = _amx_copy(model.lm_head) if self.uses_amx or (self.quantized and float_head) else None
         head_packed = model.lm_head.packed  # the LM head's float32-output copy: AMX, else feature pairs
-        self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None or self.quantized \
-            else head_packed.pair
+        self._lm_head_pair = None if self._lm_head_amx is not None or head_packed is None \
+            or self._lm_head_q is not None else head_packed.pair
         # AVX2 builds (no AVX-512): every bf16 matmul, the LM head's too, is csrc/tile_avx2.c's over the plain
         # weight, in both paths at every row count (where oneDNN has no bf16 matmul: the layers' weights carry
         # the AVX2 mark; an AVX2 build on a CPU whose oneDNN has one, a test configuration, keeps MAX_BATCH)
         self.uses_avx2 = (not self.quantized and not self.uses_amx and head_packed is not None and head_packed.avx2
                           and all(getattr(lin, "packed", None) is not None and lin.packed.avx2
                                   for group in linears for lin in group))
-        self._lm_head_plain = model.lm_head.weight if self.uses_avx2 else None
+        float_head_avx2 = float_head and head_packed is not None and head_packed.avx2
+        self._lm_head_plain = model.lm_head.weight if self.uses_avx2 or float_head_avx2 else None
         self._vocab = model.lm_head.vocab_size
         dense = [layer.mlp for layer in model.layers if not isinstance(layer.mlp, MoEBlock)]
         self._dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, cfg.head_dim,
@@ -263,20 +268,19 @@ class NativeDecode:
             return ("its experts are not all kept quantized in types the native kernels run (the one-call step "
                     "runs GGUF-quantized experts only)")
         if _has_int_weights(model):
-            return ("the weights are a Hugging Face checkpoint's integer weights (gptq, awq, w8a8_int8 or "
-                    "--torchao-config), for which the native step has no kernel")
+            return ("the weights are integer weights on torch's kernels (w8a8_int8, or a shape the GGUF blocks "
+                    "do not take), for which the native step has no kernel")
         if not isinstance(attn_backend, CpuPagedBackend):
             return "needs the `cpu` attention backend"
         if model.rotary.cos.dtype != torch.float32:
             return "the rotary tables are not float32"
         if model.rotary.long_after is not None:
             return "LongRoPE picks a table per request, which the native step does not"
-        if quantized_weights(model)[1]:
-            linears = [lin for layer in model.layers for lin in _layer_linears(layer)]
-            if any(_quant_descriptor(lin.quant) is None for lin in linears) or _quant_head_descriptor(model) is None:
-                return ("some weights are kept quantized and others not (or a type has no native kernel here); "
-                        "the native step takes all-quantized or all-bf16 models")
-        elif model.lm_head.packed is None:
+        linears = [lin for layer in model.layers for lin in _layer_linears(layer)]
+        if quantized_weights(model)[1] and any(_quant_descriptor(lin.quant) is None for lin in linears):
+            return ("some linear layers are kept quantized and others not (or a type has no native kernel here); "
+                    "the native step takes all-quantized or all-bf16 linear layers")
+        if _quant_head_descriptor(model) is None and model.lm_head.packed is None:
             return "the LM head has no float32-output kernel here (AMX, AVX512-BF16 or AVX2)"
         cfg, attn = model.cfg, model.layers[0].self_attn
         widths = (cfg.hidden_size, attn.num_heads * cfg.head_dim,

@@ -11,7 +11,16 @@ y = acc * s_x[row] * s_w[col] in float32 (SGLang's w8a8_int8 scheme).
 Form before `prepare` (sliceable, like `QuantMatrix`): `q` [rows, cols] integer codes (int8 in [-127, 127]
 for 8 bits; uint8 in [0, 15] for 4 bits), `scales` and `zeros` float32 [rows, cols // group]; the weight is
     w[r, c] = (q[r, c] - zeros[r, c // group]) * scales[r, c // group]       (zeros None = symmetric, 0).
-`prepare(dtype)` packs for the kernel: 8 bits keeps `q` and per-row scales in `dtype`
+With bf16 / fp16 activations, where the native quantized kernels run (kernels/quant_gemm.py), the weight is
+re-expressed in GGUF blocks instead (`as_gguf_blocks`, which layers/quant_linear.py's `QuantWeight.prepare`
+prefers) and runs those kernels (the native decode step included): 4 bits as Q4_1, each 32-element block of a
+group d = s and m = -z s in f16 (w = q d + m; GPTQ/AWQ scales are f16 already and stay exact, the minimum m is
+rounded once to f16: at most 1/128 of the group's step, since |z| <= 16), 8 bits weight-only as Q8_0 (d = the
+row's scale in f16). Against torch's int4 op, whose scales and zero points are rounded to bf16 (8 bits of
+mantissa), this keeps 3 more bits and runs the AVX-512 / AVX2 kernels (bench/hf_quant.py); it holds 5 bits a
+weight (Q4_1) where a group of 128 takes 4.25 (a GPTQ file: 1.17x its bytes). float32 activations keep torch's
+kernels, whose float32 scales are exact.
+`prepare(dtype)` packs for torch's kernels: 8 bits keeps `q` and per-row scales in `dtype`
 (`aten._weight_int8pack_mm`); 4 bits packs `q` with `aten._convert_weight_to_int4pack_for_cpu` and folds the
 zero points into torch's form w = (q - 8) * s + z' (`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros
 [groups, rows, 2] in `dtype`). `kernel_weight()` is that weight as float32 (the dequantized weight with
@@ -29,8 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenloom.kernels.quant_gemm import QuantSplitError, QuantTypeError
+from tokenloom.kernels import quant_gemm
+from tokenloom.kernels.quant_gemm import QuantMatrix, QuantSplitError, QuantTypeError
 
+BLOCK = 32  # elements per Q4_1 / Q8_0 block
+Q4_1, Q8_0 = quant_gemm.TYPE_IDS["Q4_1"], quant_gemm.TYPE_IDS["Q8_0"]
 INT4_GROUPS = (32, 64, 128, 256)  # torchao int4wo's group sizes (and GPTQ/AWQ's usual ones)
 # Above this many rows the int8 kernel (its time grows with the rows) loses to converting the weight to the
 # activation dtype and one float matmul (2048x2048, 1 thread, CPU time: 8 rows 0.80 vs 1.56 ms, 12 rows 1.20 vs
@@ -110,6 +122,36 @@ class IntQuantMatrix:
         z = 0.0 if self.zeros is None else self.zeros.unsqueeze(-1)
         return ((q - z) * self.scales.unsqueeze(-1)).reshape(self.rows, self.cols)
 
+    def as_gguf_blocks(self, dtype: torch.dtype) -> QuantMatrix | None:
+        """This weight as GGUF blocks for activations of `dtype` where the native quantized kernels run them (see
+        the module docstring: 4 bits -> Q4_1, 8 bits weight-only -> Q8_0), else None (float32 activations,
+        w8a8_int8, widths that are not whole 32-element blocks, scales f16 cannot hold)."""
+        self._check_unpacked()
+        if dtype == torch.float32 or self.act_quant or self.cols % BLOCK:
+            return None
+        if self.bits == 8 and (self.zeros is not None or self.group != self.cols):
+            return None
+        qtype = Q4_1 if self.bits == 4 else Q8_0
+        if not quant_gemm.native_supported(qtype):
+            return None
+        nb = self.cols // BLOCK
+        s = self.scales.double().repeat_interleave(self.group // BLOCK if self.bits == 4 else nb, dim=1)
+        d = s.to(torch.float16)
+        fields = [d]
+        if self.bits == 4:
+            z = 0.0 if self.zeros is None else self.zeros.double().repeat_interleave(self.group // BLOCK, dim=1)
+            fields.append((-z * s).to(torch.float16))
+        if not all(bool(torch.isfinite(f).all()) for f in fields) or bool(((d == 0) & (s != 0)).any()):
+            return None  # a scale or minimum out of f16's range: torch's kernels keep the weight
+        head = torch.stack(fields, -1).view(torch.uint8).view(self.rows, nb, 2 * len(fields))
+        q = self.q.view(self.rows, nb, BLOCK)
+        if self.bits == 4:  # Q4_1's 16 bytes: element j in the low nibble of byte j, element j + 16 in its high one
+            codes = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+        else:
+            codes = q.to(torch.int8).view(torch.uint8)
+        data = torch.cat([head, codes], -1).reshape(self.rows, -1)
+        return QuantMatrix(qtype, self.rows, self.cols, data.contiguous())
+
     def _kernel_params(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scales, z') rounded to `dtype` as the kernels hold them (z' only for 4 bits: w = (q - 8) s + z')."""
         if self.bits == 8:
@@ -118,8 +160,11 @@ class IntQuantMatrix:
         return self.scales.to(dtype), ((8.0 - z) * self.scales).to(dtype)
 
     def kernel_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """float32 [rows, cols]: the weight the prepared kernels multiply by (scales and zeros in `dtype`)."""
-        self._check_unpacked()
+        """float32 [rows, cols]: the weight the prepared kernels multiply by (the GGUF blocks' where
+        `as_gguf_blocks` gives them, else torch's: scales and zeros in `dtype`)."""
+        blocks = self.as_gguf_blocks(dtype)
+        if blocks is not None:
+            return quant_gemm.dequantize(blocks)
         s, zp = self._kernel_params(dtype)
         if self.bits == 8:
             return self.q.float() * (self.scales if self.act_quant else s.float().unsqueeze(1))

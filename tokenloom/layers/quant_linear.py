@@ -6,7 +6,8 @@ of consecutive parts of one type (the parts joined with `cat_rows`) and runs one
 segment, writing each segment's output into its slice of the output features. A part the file stores as
 floats (F16/F32) inside an otherwise quantized layer is a float segment in the model dtype. A Hugging Face
 checkpoint's integer weights (GPTQ/AWQ, --torchao-config, w8a8_int8: `IntQuantMatrix`, layers/int_quant.py)
-are segments of the same kind, run by their own `linear`.
+are segments of the same kind: `prepare` turns them into GGUF blocks where the native kernels take them
+(`IntQuantMatrix.as_gguf_blocks`), else they run torch's kernels through their own `linear`.
 
 Invariants: segments cover the local rows [0, rows) in order without gaps; once `prepare`d, the matrices
 are the kernel's (read-only); the layer keeps no float copy of a quantized part (memory = the file's bytes).
@@ -43,6 +44,7 @@ class QuantSegment:
 class QuantWeight:
     segments: list[QuantSegment]
     part_types: list[str] = field(default_factory=list)  # the file type of each part (for the load summary)
+    quant_types: list[str] = field(default_factory=list)  # the types of its quantized parts (as loaded)
 
     @property
     def rows(self) -> int:
@@ -64,7 +66,7 @@ class QuantWeight:
                 run.append(part)
                 row += part.shape[0]
         types = [p.name if isinstance(p, QUANT_MATRICES) else str(p.dtype).removeprefix("torch.") for p in parts]
-        return cls(segments, types)
+        return cls(segments, types, [p.name for p in parts if isinstance(p, QUANT_MATRICES)])
 
     def prepare(self, dtype: torch.dtype, what: str = "") -> None:
         """Each quantized segment in its kernel's form (`dtype`: the activations', for integer weights)."""
@@ -72,7 +74,8 @@ class QuantWeight:
             if isinstance(seg.weight, QuantMatrix):
                 seg.weight = quant_gemm.prepare(seg.weight)
             elif isinstance(seg.weight, IntQuantMatrix):
-                seg.weight = seg.weight.prepare(dtype, what)
+                blocks = seg.weight.as_gguf_blocks(dtype)  # the native kernels' form where they take it
+                seg.weight = seg.weight.prepare(dtype, what) if blocks is None else quant_gemm.prepare(blocks)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """x [..., cols] -> [..., rows] in `out_dtype`, each segment's output in its slice."""
@@ -114,9 +117,8 @@ def quantized_weights(model: nn.Module) -> tuple[int, Counter[str]]:
             if isinstance(value, QuantWeight):
                 params += sum(s.weight.shape[0] * s.weight.shape[1] for s in value.segments
                               if isinstance(s.weight, QUANT_MATRICES))
-                kinds = {s.weight.name for s in value.segments if isinstance(s.weight, IntQuantMatrix)}
                 if counted:
-                    types.update(t for t in value.part_types if t in quant_gemm.TYPE_IDS or t in kinds)
+                    types.update(value.quant_types)
             elif isinstance(value, QuantMatrix):
                 params += value.rows * value.cols
                 types[value.name] += counted
