@@ -345,13 +345,65 @@ static void q4_1_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k,
     q4_dequant_bf16(w, n, r, k, out, 1);
 }
 
+/* A full Q8_0 span's 16 blocks in the file's order: its eight 64-byte vectors (vector U holds unit U, bytes
+ * 4 U .. 4 U + 3, of every block, lane i = block i) transposed by three rounds of two-source permutes into
+ * out[o] = blocks 2 o and 2 o + 1, 32 bytes each (24 permutes a span where gathering each block's eight units
+ * took eight loads and seven inserts). */
+static inline void q8_span_blocks(const uint8_t *span, __m512i out[8]) {
+    __m512i a[8], b[8], c[8];
+    for (int U = 0; U < 8; ++U) a[U] = _mm512_loadu_si512(span + 64 * U);
+    /* b[2 p] / b[2 p + 1]: units 2 p, 2 p + 1 of blocks 0..7 / 8..15, one 64-bit lane a block */
+    const __m512i lo1 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int p = 0; p < 4; ++p) {
+        b[2 * p] = _mm512_permutex2var_epi32(a[2 * p], lo1, a[2 * p + 1]);
+        b[2 * p + 1] = _mm512_permutex2var_epi32(a[2 * p], hi1, a[2 * p + 1]);
+    }
+    /* c[g] / c[g + 4]: units 0..3 / 4..7 of blocks 4 g .. 4 g + 3, one 128-bit lane a block */
+    const __m512i lo2 = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
+    const __m512i hi2 = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    for (int half = 0; half < 2; ++half) { /* units 0..3 from b[0..3], units 4..7 from b[4..7] */
+        const __m512i *s = b + 4 * half;
+        c[4 * half + 0] = _mm512_permutex2var_epi64(s[0], lo2, s[2]);
+        c[4 * half + 1] = _mm512_permutex2var_epi64(s[0], hi2, s[2]);
+        c[4 * half + 2] = _mm512_permutex2var_epi64(s[1], lo2, s[3]);
+        c[4 * half + 3] = _mm512_permutex2var_epi64(s[1], hi2, s[3]);
+    }
+    const __m512i lo3 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i hi3 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int g = 0; g < 4; ++g) {
+        out[2 * g] = _mm512_permutex2var_epi64(c[g], lo3, c[g + 4]);
+        out[2 * g + 1] = _mm512_permutex2var_epi64(c[g], hi3, c[g + 4]);
+    }
+}
+
+/* One Q8_0 block's 32 quants (q + 128, in the file's order: two 16-byte halves) times d, rounded to bf16. */
+static inline void q8_block_bf16(const __m128i q0, const __m128i q1, const float d, uint16_t *out) {
+    const __m512i flip = _mm512_set1_epi32(128);
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 v0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q0), flip)));
+    const __m512 v1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q1), flip)));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+}
+
 static void q8_0_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k, uint16_t *out) {
     const int64_t nb = k / TL_QK;
     const legacy_mat R = legacy_view(2, w, n, k, r);
     float dsc[nb];
     legacy_row_scales(&R, 0, dsc);
+    for (int64_t b0 = 0; b0 < R.full; b0 += 16) {
+        __m512i pairs[8];
+        q8_span_blocks(R.q + 32 * b0, pairs);
+        for (int o = 0; o < 8; ++o) {
+            const int64_t b = b0 + 2 * o;
+            q8_block_bf16(_mm512_extracti32x4_epi32(pairs[o], 0), _mm512_extracti32x4_epi32(pairs[o], 1), dsc[b],
+                          out + 32 * b);
+            q8_block_bf16(_mm512_extracti32x4_epi32(pairs[o], 2), _mm512_extracti32x4_epi32(pairs[o], 3),
+                          dsc[b + 1], out + 32 * (b + 1));
+        }
+    }
     const __m512i flip = _mm512_set1_epi32(128);
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = R.full; b < nb; ++b) { /* the tail blocks, from the row's band */
         const __m512 d = _mm512_set1_ps(dsc[b]);
         __m512 v[2];
         const __m256i bytes = legacy_block_vec(&R, b);
