@@ -3,6 +3,7 @@
     .venv/bin/python bench/ab_serve.py --base-dir /path/to/old/checkout               # this tree against it
     .venv/bin/python bench/ab_serve.py --base-dir . --new-env GLIBC_TUNABLES=glibc.malloc.hugetlb=0
     .venv/bin/python bench/ab_serve.py --base-dir /old --model /path/to/file.gguf --rounds 8 --quick
+    .venv/bin/python bench/ab_serve.py --base-dir /old --model /path/to/hf --server-args "--torchao-config int8wo"
 
 Why: `bench/ab_decode.py` times the decode step inside one process; a served token also pays for the scheduler's
 Python step, the process hops and the memory the serving processes touch after the step's weight stream, and
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,12 +59,13 @@ def parse_env(items: list[str]) -> dict[str, str]:
 class Server:
     """`python -m tokenloom.launch_server` started from `checkout` (its code is the one imported)."""
 
-    def __init__(self, name: str, checkout: str, model: str, env_extra: dict[str, str], log_dir: str) -> None:
+    def __init__(self, name: str, checkout: str, model: str, env_extra: dict[str, str], log_dir: str,
+                 server_args: list[str]) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"server_{name}.log")
         cmd = [sys.executable, "-m", "tokenloom.launch_server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--max-total-tokens", "2048", "--log-level", "warning"]
+               "--port", str(self.port), "--max-total-tokens", "2048", "--log-level", "warning", *server_args]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=checkout, env={**os.environ, **env_extra}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -131,6 +134,8 @@ def main() -> int:
     p.add_argument("--base-env", action="append", default=[], metavar="KEY=VALUE", help="added to the base server's")
     p.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE", help="added to the new server's")
     p.add_argument("--model", default=None, help="model path for both (default: the packaged default GGUF)")
+    p.add_argument("--server-args", default="", help="more server flags for both, one string "
+                   "(e.g. \"--torchao-config int4wo-64\")")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--requests", type=int, default=4, help="sequential requests per server per round")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -144,8 +149,11 @@ def main() -> int:
         from tokenloom.models.default_model import default_model_file
         args.model = str(default_model_file())
     log_dir = tempfile.mkdtemp(prefix="ab_serve-")
-    servers = {"base": Server("base", os.path.abspath(args.base_dir), args.model, parse_env(args.base_env), log_dir),
-               "new": Server("new", os.path.abspath(args.new_dir), args.model, parse_env(args.new_env), log_dir)}
+    extra = shlex.split(args.server_args)
+    servers = {"base": Server("base", os.path.abspath(args.base_dir), args.model, parse_env(args.base_env), log_dir,
+                              extra),
+               "new": Server("new", os.path.abspath(args.new_dir), args.model, parse_env(args.new_env), log_dir,
+                             extra)}
     rng = random.Random(args.seed)
     itl: dict[str, list[float]] = {"base": [], "new": []}
     ttft: dict[str, list[float]] = {"base": [], "new": []}
@@ -187,7 +195,8 @@ def main() -> int:
           f"{cpu['base']['children']:.0f} us, new {cpu['new']['server']:.0f} / {cpu['new']['children']:.0f} us",
           flush=True)
     print(json.dumps({"bench": "ab_serve", "base": args.base_dir, "new": args.new_dir, "model": args.model,
-                      "base_env": args.base_env, "new_env": args.new_env, "rounds": args.rounds,
+                      "server_args": args.server_args, "base_env": args.base_env, "new_env": args.new_env,
+                      "rounds": args.rounds,
                       "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
                       "base_itl_ms": statistics.median(itl["base"]), "new_itl_ms": statistics.median(itl["new"]),
                       "ratio": statistics.median(ratios), "ratios": ratios,

@@ -180,6 +180,12 @@ def transformers_engine(path: str, dtype: torch.dtype, chunks: list[list[int]], 
 
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=dtype).eval()
+    return run_transformers(model, chunks, prompts, new_tokens)
+
+
+def run_transformers(model: Any, chunks: list[list[int]], prompts: list[list[int]], new_tokens: int
+                     ) -> dict[str, Any]:
+    """A transformers model's negative log-likelihoods over `chunks` and greedy continuations of `prompts`."""
     nlls: list[float] = []
     with torch.no_grad():
         for chunk in chunks:
@@ -219,14 +225,15 @@ def _free_port() -> int:
 
 
 class TokenloomServer:
-    """`python -m tokenloom.launch_server` with the given flags on a free port, until `close`."""
+    """`python -m tokenloom.launch_server` with the given flags on a free port, until `close`, started from
+    `checkout` (its code is the one imported; default: this tree)."""
 
-    def __init__(self, flags: list[str], log_dir: str) -> None:
+    def __init__(self, flags: list[str], log_dir: str, checkout: str = REPO) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(log_dir, f"tokenloom-{self.port}.log"), "w")  # noqa: SIM115 - closed in close
         self.proc = subprocess.Popen([sys.executable, "-m", "tokenloom.launch_server", "--port", str(self.port),
-                                      *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+                                      *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=checkout)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -258,8 +265,8 @@ class TokenloomServer:
 
 
 def tokenloom_engine(flags: list[str], chunks: list[list[int]], prompts: list[list[int]], new_tokens: int,
-                     log_dir: str) -> dict[str, Any]:
-    server = TokenloomServer(flags, log_dir)
+                     log_dir: str, checkout: str = REPO) -> dict[str, Any]:
+    server = TokenloomServer(flags, log_dir, checkout)
     try:
         nlls: list[float] = []
         for chunk in chunks:
