@@ -118,8 +118,8 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
     started = time.time()
     engines = {
         "served": lambda: tokenloom_engine(flags, chunks, prompts, args.new_tokens, log_dir),
-        "served fp32": lambda: tokenloom_engine([*flags, "--dtype", "float32"], chunks, prompts, args.new_tokens,
-                                                log_dir),
+        **({} if args.no_served_fp32 else {"served fp32": lambda: tokenloom_engine(
+            [*flags, "--dtype", "float32"], chunks, prompts, args.new_tokens, log_dir)}),
         "transformers fp32": lambda: run_transformers(ref_model, chunks, prompts, args.new_tokens),
         "transformers bf16": lambda: run_transformers(copy.deepcopy(ref_model).to(torch.bfloat16), chunks,
                                                       prompts, args.new_tokens),
@@ -157,6 +157,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--base-dir", default=None, help="an older checkout: its server as \"served base\"")
     parser.add_argument("--make-only", action="store_true", help="make the checkpoints, print their folders")
+    parser.add_argument("--no-served-fp32", action="store_true",
+                        help="leave out \"served fp32\" (torch's int4 kernel in float32 is the slowest engine)")
     parser.add_argument("--quick", action="store_true", help="8 chunks, 6 greedy prompts")
     parser.add_argument("--chunks", type=int, default=24)
     parser.add_argument("--chunk-len", type=int, default=256)

@@ -75,8 +75,9 @@ TORCHAO_TOL = {"int8wo": (0.03, 0.95), "int4wo-32": (0.25, 0.6), "int4wo-64": (0
 
 
 def _block_type(method: str) -> str:
-    """The GGUF type layers/int_quant.py re-expresses `method`'s weights in (int8wo: 8 bits; the others: 4)."""
-    return "Q8_0" if method == "int8wo" else "Q4_1"
+    """The GGUF type layers/int_quant.py re-expresses `method`'s weights in (int8wo: 8 bits; symmetric GPTQ,
+    "gptq_sym", every zero point 8; the others: 4 bits with a minimum)."""
+    return {"int8wo": "Q8_0", "gptq_sym": "Q4_0"}.get(method, "Q4_1")
 
 
 def _as_blocks(method: str, dtype: str) -> bool:
@@ -356,19 +357,22 @@ def test_tensor_parallel_two_ranks_match_tp1(prequant, float_folder, which):
             assert (logits - reference).abs().max().item() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("which", ["int4wo-64", "int8wo", "gptq_v1_asym", "awq"])
+@pytest.mark.parametrize("which", ["int4wo-64", "int8wo", "gptq_v1_asym", "gptq_v1_sym", "awq"])
 def test_native_decode_step_bit_identical_to_modular_path(prequant, float_folder, which):
-    """bf16 (the default): the integer weights as GGUF blocks are the one-call step's quantized linears, beside
-    the float LM head, and every decode step's logits and KV equal the modular path's bit for bit."""
+    """bf16 (the default): the integer weights as GGUF blocks (Q4_1; Q4_0 for symmetric GPTQ; Q8_0 for int8wo)
+    are the one-call step's quantized linears, beside the float LM head, and every decode step's logits and KV
+    equal the modular path's bit for bit."""
     from tests.integration.test_native_decode import _compare_paths, _tokens
 
     path = prequant(which)[0] if which in PREQUANT else float_folder[0]
     flags = {} if which in PREQUANT else {"torchao_config": which}
     runner = _runner(path, dtype="bfloat16", max_total_tokens=2048, max_running_requests=4, **flags)
-    if not _as_blocks(PREQUANT[which][0] if which in PREQUANT else which, "bfloat16") \
-            or runner.native_decode is None:
+    kind = "gptq_sym" if which == "gptq_v1_sym" else PREQUANT[which][0] if which in PREQUANT else which
+    if not _as_blocks(kind, "bfloat16") or runner.native_decode is None:
         pytest.skip("no native quantized kernels or decode step on this machine")
     assert runner.native_decode.quantized and runner.native_decode._lm_head_q is None
+    held = runner.model.layers[0].mlp.down_proj.quant.segments[0].weight
+    assert isinstance(held, QuantMatrix) and held.name == _block_type(kind)
     _compare_paths(runner, _tokens(60, 1, 256), prompt=21)
     assert runner.token_allocator.available_size() == runner.max_total_num_tokens
 

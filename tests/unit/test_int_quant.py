@@ -165,6 +165,19 @@ def test_gguf_blocks_of_a_checkpoints_int4_weights(method, v1, group):
 
 
 @_NATIVE_BLOCKS
+@pytest.mark.parametrize("group", [32, 128])
+def test_symmetric_gptq_weights_are_q4_0_blocks_exactly(group):
+    """Every zero point 8 (GPTQ sym=True): Q4_0 blocks, w = (q - 8) d with d the fp16 scale, bit for bit the
+    checkpoint's weight (no minimum to round), 4.5 bits a weight."""
+    q, z, s = quantize_groups(_w(48, 256), group, True)
+    t = pack("gptq", q, z, s, group, True)
+    qm = unpack_gptq(t["qweight"], t["qzeros"], t["scales"], PrequantConfig("gptq", group, True), "x")
+    blocks = qm.as_gguf_blocks(torch.bfloat16)
+    assert blocks.name == "Q4_0" and blocks.nbytes == 48 * 256 // 32 * 18
+    assert torch.equal(dequantize(blocks), dequant(q, z, s, group))
+
+
+@_NATIVE_BLOCKS
 @pytest.mark.parametrize("method", ["int8wo", "int4wo-64"])
 @pytest.mark.parametrize("m", [1, 4, 64])
 def test_bf16_layers_run_the_gguf_blocks_within_the_int8_activation_bound(method, m):

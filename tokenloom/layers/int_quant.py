@@ -15,11 +15,12 @@ With bf16 / fp16 activations, where the native quantized kernels run (kernels/qu
 re-expressed in GGUF blocks instead (`as_gguf_blocks`, which layers/quant_linear.py's `QuantWeight.prepare`
 prefers) and runs those kernels (the native decode step included): 4 bits as Q4_1, each 32-element block of a
 group d = s and m = -z s in f16 (w = q d + m; GPTQ/AWQ scales are f16 already and stay exact, the minimum m is
-rounded once to f16: at most 1/128 of the group's step, since |z| <= 16), 8 bits weight-only as Q8_0 (d = the
-row's scale in f16). Against torch's int4 op, whose scales and zero points are rounded to bf16 (8 bits of
+rounded once to f16: at most 1/128 of the group's step, since |z| <= 16), or as Q4_0 where every zero point is
+8 (symmetric GPTQ, AutoGPTQ's default: w = (q - 8) d, exact, 4.5 bits a weight), 8 bits weight-only as Q8_0
+(d = the row's scale in f16). Against torch's int4 op, whose scales and zero points are rounded to bf16 (8 bits of
 mantissa), this keeps 3 more bits and runs the AVX-512 / AVX2 kernels (bench/hf_quant.py); it holds 5 bits a
-weight (Q4_1) where a group of 128 takes 4.25 (a GPTQ file: 1.17x its bytes). float32 activations keep torch's
-kernels, whose float32 scales are exact.
+weight (Q4_1) or 4.5 (Q4_0) where a group of 128 takes 4.25 (a GPTQ file: 1.17x / 1.06x its bytes). float32
+activations keep torch's kernels, whose float32 scales are exact.
 `prepare(dtype)` packs for torch's kernels: 8 bits keeps `q` and per-row scales in `dtype`
 (`aten._weight_int8pack_mm`); 4 bits packs `q` with `aten._convert_weight_to_int4pack_for_cpu` and folds the
 zero points into torch's form w = (q - 8) * s + z' (`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros
@@ -41,8 +42,8 @@ import torch.nn.functional as F
 from tokenloom.kernels import quant_gemm
 from tokenloom.kernels.quant_gemm import QuantMatrix, QuantSplitError, QuantTypeError
 
-BLOCK = 32  # elements per Q4_1 / Q8_0 block
-Q4_1, Q8_0 = quant_gemm.TYPE_IDS["Q4_1"], quant_gemm.TYPE_IDS["Q8_0"]
+BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
+Q4_0, Q4_1, Q8_0 = (quant_gemm.TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
 INT4_GROUPS = (32, 64, 128, 256)  # torchao int4wo's group sizes (and GPTQ/AWQ's usual ones)
 # Above this many rows the int8 kernel (its time grows with the rows) loses to converting the weight to the
 # activation dtype and one float matmul (2048x2048, 1 thread, CPU time: 8 rows 0.80 vs 1.56 ms, 12 rows 1.20 vs
@@ -124,28 +125,30 @@ class IntQuantMatrix:
 
     def as_gguf_blocks(self, dtype: torch.dtype) -> QuantMatrix | None:
         """This weight as GGUF blocks for activations of `dtype` where the native quantized kernels run them (see
-        the module docstring: 4 bits -> Q4_1, 8 bits weight-only -> Q8_0), else None (float32 activations,
-        w8a8_int8, widths that are not whole 32-element blocks, scales f16 cannot hold)."""
+        the module docstring: 4 bits -> Q4_0 when every zero point is 8, else Q4_1; 8 bits weight-only -> Q8_0),
+        else None (float32 activations, w8a8_int8, widths that are not whole 32-element blocks, scales f16
+        cannot hold)."""
         self._check_unpacked()
         if dtype == torch.float32 or self.act_quant or self.cols % BLOCK:
             return None
         if self.bits == 8 and (self.zeros is not None or self.group != self.cols):
             return None
-        qtype = Q4_1 if self.bits == 4 else Q8_0
+        symmetric = self.bits == 4 and self.zeros is not None and bool((self.zeros == 8).all())
+        qtype = Q8_0 if self.bits == 8 else Q4_0 if symmetric else Q4_1
         if not quant_gemm.native_supported(qtype):
             return None
         nb = self.cols // BLOCK
         s = self.scales.double().repeat_interleave(self.group // BLOCK if self.bits == 4 else nb, dim=1)
         d = s.to(torch.float16)
         fields = [d]
-        if self.bits == 4:
+        if qtype == Q4_1:
             z = 0.0 if self.zeros is None else self.zeros.double().repeat_interleave(self.group // BLOCK, dim=1)
             fields.append((-z * s).to(torch.float16))
         if not all(bool(torch.isfinite(f).all()) for f in fields) or bool(((d == 0) & (s != 0)).any()):
             return None  # a scale or minimum out of f16's range: torch's kernels keep the weight
         head = torch.stack(fields, -1).view(torch.uint8).view(self.rows, nb, 2 * len(fields))
         q = self.q.view(self.rows, nb, BLOCK)
-        if self.bits == 4:  # Q4_1's 16 bytes: element j in the low nibble of byte j, element j + 16 in its high one
+        if self.bits == 4:  # Q4's 16 bytes: element j in the low nibble of byte j, element j + 16 in its high one
             codes = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         else:
             codes = q.to(torch.int8).view(torch.uint8)
