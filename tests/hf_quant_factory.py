@@ -57,16 +57,17 @@ def _pack_awq(codes: np.ndarray) -> np.ndarray:
     return words.view(np.int32)
 
 
-def pack(method: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int, v1: bool = True
-         ) -> dict[str, torch.Tensor]:
-    """The module's checkpoint tensors (without the prefix)."""
+def pack(method: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int, v1: bool = True,
+         g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The module's checkpoint tensors (without the prefix); `g_idx`: GPTQ's group of each input feature
+    (default k // group)."""
     qn, zn = q.numpy(), z.numpy()
     if method == "gptq":
         stored_z = (zn - 1) & 15 if v1 else zn
         return {"qweight": torch.from_numpy(_pack_rows_of_8(qn.T.copy())),
                 "qzeros": torch.from_numpy(_pack_zeros_gptq(stored_z.T.copy())),
                 "scales": s.t().contiguous(),
-                "g_idx": torch.arange(q.shape[1], dtype=torch.int32) // group}
+                "g_idx": (torch.arange(q.shape[1]) // group if g_idx is None else g_idx).to(torch.int32)}
     return {"qweight": torch.from_numpy(_pack_awq(qn.T.copy())), "qzeros": torch.from_numpy(_pack_awq(zn.T.copy())),
             "scales": s.t().contiguous()}
 
@@ -79,9 +80,25 @@ def _pack_zeros_gptq(zt: np.ndarray) -> np.ndarray:
     return words.view(np.int32)
 
 
+_SHARED_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in",
+                 "up_proj": "mlp_in"}
+
+
+def _input_order(module: str, k: int) -> torch.Tensor:
+    """A random order of the module's k input features, the same for the projections that share an input."""
+    layer, kind = module.rsplit(".", 2)[0], module.rsplit(".", 1)[-1]
+    key = f"{layer}.{_SHARED_INPUT.get(kind, kind)}"
+    seed = sum(ord(c) * (i + 1) for i, c in enumerate(key))
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+
+
 def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sym: bool = False,
                    v1: bool = True, desc_act: bool = False) -> tuple[dict[str, tuple], torch.nn.Module]:
-    """Write `hf` as a `method` checkpoint in `folder`; return ({module: (q, z, s)}, the float reference)."""
+    """Write `hf` as a `method` checkpoint in `folder`; return ({module: (q, z, s)}, the float reference).
+    `desc_act` (GPTQ act-order): each layer input's features are quantized in a random order (one order per
+    input, shared by the projections that read it, as GPTQ's Hessian order is), group i of the order being
+    positions [i group, (i + 1) group); g_idx names each feature's group. Then `known` holds the codes in that
+    order, (q', z, s, order)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -91,12 +108,26 @@ def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sy
     for name, t in state.items():
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
-            q, z, s = quantize_groups(t, group, sym)
-            known[module] = (q, z, s)
-            for part, value in pack(method, q, z, s, group, v1).items():
+            if desc_act:
+                order = _input_order(module, t.shape[1])
+                q, z, s = quantize_groups(t[:, order], group, sym)
+                known[module] = (q, z, s, order)
+                codes = torch.empty_like(q)
+                codes[:, order] = q
+                g_idx = torch.empty(t.shape[1], dtype=torch.int64)
+                g_idx[order] = torch.arange(t.shape[1]) // group
+                packed = pack(method, codes, z, s, group, v1, g_idx)
+                w = torch.empty_like(t)
+                w[:, order] = dequant(q, z, s, group)
+            else:
+                q, z, s = quantize_groups(t, group, sym)
+                known[module] = (q, z, s)
+                packed = pack(method, q, z, s, group, v1)
+                w = dequant(q, z, s, group)
+            for part, value in packed.items():
                 tensors[f"{module}.{part}"] = value
             with torch.no_grad():
-                t.copy_(dequant(q, z, s, group))
+                t.copy_(w)
         else:
             tensors[name] = t.detach().clone().contiguous()
     if hf.config.tie_word_embeddings:

@@ -202,6 +202,7 @@ PREQUANT = {  # name: (method, group, sym, v1)
     "gptq_v2": ("gptq", 32, False, False),
     "awq": ("awq", 64, False, False),
 }
+ACT_ORDER = "gptq_act_order"  # desc_act true: (gptq, 32, asymmetric, v1), each input's features in a random order
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +211,10 @@ def prequant(tmp_path_factory):
 
     def get(name: str) -> tuple[str, dict, torch.nn.Module]:
         if name not in cache:
-            method, group, sym, v1 = PREQUANT[name]
+            method, group, sym, v1 = PREQUANT[name] if name != ACT_ORDER else ("gptq", 32, False, True)
             folder = str(tmp_path_factory.mktemp(name))
-            known, ref = write_prequant(folder, _hf(seed=2, tie_word_embeddings=True), method, group, sym, v1)
+            known, ref = write_prequant(folder, _hf(seed=2, tie_word_embeddings=True), method, group, sym, v1,
+                                        desc_act=name == ACT_ORDER)
             cache[name] = (folder, known, ref)
         return cache[name]
 
@@ -275,6 +277,44 @@ def test_prequant_config_in_a_sidecar_file(prequant, tmp_path, name, sidecar):
         json.dump({**side, "bits": 8, "w_bit": 8}, f)
     with pytest.raises(ModelConfigError, match=rf"{sidecar}: {method} with bits=8"):
         _runner(copy)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_act_order_gptq_matches_the_dequantized_model(prequant, dtype):
+    """desc_act true: each layer's codes follow its own order of the input features (g_idx). Loaded, the columns
+    are sorted by group and the layer gathers its input in that order: the dequantized weight is the reference's
+    exactly, float32 logits equal transformers on it to summation order, bf16 (Q4_1 blocks, the gather before
+    the native kernels) within bf16 noise; the native decode step steps aside, with the reason logged."""
+    folder, known, ref_model = prequant(ACT_ORDER)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = read_quant_config(json.load(f), "config.json")
+    assert cfg.act_order
+    loaded = dict(convert(_safetensors_tensors(folder), cfg))
+    got = loaded["model.layers.1.mlp.down_proj.weight"]
+    assert got.in_perm is not None
+    assert torch.equal(got.dequantize(), ref_model.model.layers[1].mlp.down_proj.weight.detach())
+    runner = _runner(folder, dtype=dtype)
+    seg = runner.model.layers[0].self_attn.qkv_proj.quant.segments[0]  # q/k/v share their input's order
+    ref = _reference(ref_model)
+    mine = _logits(runner)
+    if dtype == "float32":
+        assert isinstance(seg.weight, IntQuantMatrix) and seg.weight.in_perm is not None
+        assert (mine - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+        return
+    if _as_blocks("gptq", dtype):
+        assert isinstance(seg.weight, QuantMatrix) and seg.in_perm is not None
+    assert (mine - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert runner.native_decode is None
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    assert len(generate_in_process(_runner(folder, dtype=dtype), [PROMPT], [params])[0]) == 6
+
+
+def test_act_order_rows_split_by_input_features_are_refused(prequant):
+    from tokenloom.models.loader import load_model
+
+    source = resolve_model_source(ServerArgs(model_path=prequant(ACT_ORDER)[0]))
+    with pytest.raises(QuantSplitError, match=r"_proj\.weight at --tp-size 2: an act-order .* --tp-size 1"):
+        load_model(source, torch.float32, torch.device("cpu"), ParallelContext(tp_rank=0, tp_size=2))
 
 
 def test_prequant_greedy_generation_matches_transformers(prequant):

@@ -99,15 +99,14 @@ def test_convert_streams_weights_and_checks_g_idx():
     named = [(f"model.layers.0.mlp.up_proj.{k}", v) for k, v in t.items()] + [("model.norm.weight", torch.ones(4))]
     out = dict(convert(iter(named), cfg))
     assert set(out) == {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
-    t["g_idx"] = t["g_idx"].flip(0)  # act-order
-    with pytest.raises(ModelConfigError, match=r"up_proj.g_idx: .*act-order"):
+    t["g_idx"] = t["g_idx"].flip(0)  # act-order, in a checkpoint that says desc_act false
+    with pytest.raises(ModelConfigError, match=r"up_proj.g_idx: .*desc_act false"):
         list(convert(iter([("model.layers.0.mlp.up_proj.g_idx", t["g_idx"])]), cfg))
     with pytest.raises(ModelConfigError, match="up_proj: gptq checkpoint lacks qzeros, scales"):
         list(convert(iter([("model.layers.0.mlp.up_proj.qweight", t["qweight"])]), cfg))
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act true .*act-order"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8; only 4-bit"),
     ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
@@ -120,6 +119,57 @@ def test_quant_configs_outside_the_implementation_are_refused(qc, match):
     good = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64,
                                                       "desc_act": False, "checkpoint_format": "gptq_v2"}}, "c")
     assert good == PrequantConfig("gptq", 64, False)
+    act_order = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                                           "desc_act": True}}, "c")
+    assert act_order == PrequantConfig("gptq", 128, True, act_order=True)
+
+
+def _act_order_module(n: int = 48, k: int = 256, group: int = 32, seed: int = 7):
+    """GPTQ codes of a weight quantized in a random order of its input features: (packed tensors, float
+    reference in the features' own order)."""
+    w = _w(n, k)
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    q, z, s = quantize_groups(w[:, order], group, False)
+    codes = torch.empty_like(q)
+    codes[:, order] = q
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // group
+    ref = torch.empty(n, k)
+    ref[:, order] = dequant(q, z, s, group)
+    return pack("gptq", codes, z, s, group, True, g_idx), ref
+
+
+def test_act_order_gptq_loads_sorted_by_group():
+    """desc_act: the columns sorted by g_idx (each group contiguous, `in_perm` their order); dequantize gives the
+    weight in the input features' own order exactly; the torch kernel (float32) and the GGUF blocks (bf16) both
+    gather x in that order; a g_idx whose groups are not group_size features each, a split of the input
+    features, and joining rows of another order are refused."""
+    t, ref = _act_order_module()
+    cfg = PrequantConfig("gptq", 32, True, act_order=True)
+    named = [(f"model.layers.0.mlp.up_proj.{k}", v) for k, v in t.items()]
+    qm = dict(convert(iter(named), cfg))["model.layers.0.mlp.up_proj.weight"]
+    assert qm.in_perm is not None and torch.equal(qm.dequantize(), ref)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    f32 = QuantWeight.from_parts([qm])
+    f32.prepare(torch.float32)
+    err = (f32.linear(x, None, torch.float32) - x @ ref.t()).abs().max().item()
+    assert err <= 1e-5 * (x.abs() @ ref.abs().t()).max().item()
+    if native_supported(TYPE_IDS["Q4_1"]):
+        bf16 = QuantWeight.from_parts([qm])
+        bf16.prepare(torch.bfloat16)
+        assert isinstance(bf16.segments[0].weight, QuantMatrix) and bf16.segments[0].in_perm is not None
+        xb = x.to(torch.bfloat16)
+        exact = xb.double() @ qm.kernel_weight(torch.bfloat16).double().t()
+        assert (bf16.linear(xb, None, torch.float32).double() - exact).abs().max().item() <= 0.01 * exact.abs().max()
+    with pytest.raises(QuantSplitError, match="act-order"):
+        qm.narrow_cols(0, 128, "up_proj")
+    assert qm.narrow_cols(0, 256).in_perm is qm.in_perm  # tp-size 1: the whole width
+    other = dict(convert(iter([(f"m.{k}", v) for k, v in _act_order_module(seed=9)[0].items()]), cfg))["m.weight"]
+    with pytest.raises(QuantTypeError, match="act-order"):
+        type(qm).cat_rows([qm, other])
+    bad = dict(t, g_idx=torch.zeros(256, dtype=torch.int32))  # every feature in group 0
+    with pytest.raises(ModelConfigError, match="do not each hold group_size"):
+        list(convert(iter([(f"m.{k}", v) for k, v in bad.items()]), cfg))
 
 
 @pytest.mark.parametrize("m", [1, 5, 33])

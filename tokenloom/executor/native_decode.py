@@ -99,7 +99,7 @@ def _quant_descriptor(weight: QuantWeight | None) -> torch.Tensor | None:
         return None
     values = [len(weight.segments)]
     for seg in weight.segments:
-        if not isinstance(seg.weight, QuantMatrix) or not seg.weight.packed \
+        if not isinstance(seg.weight, QuantMatrix) or not seg.weight.packed or seg.in_perm is not None \
                 or not quant_gemm.native_supported(seg.weight.qtype):
             return None
         qtype, address, rows, _ = quant_gemm.native_args(seg.weight)
@@ -277,6 +277,8 @@ class NativeDecode:
         if model.rotary.long_after is not None:
             return "LongRoPE picks a table per request, which the native step does not"
         linears = [lin for layer in model.layers for lin in _layer_linears(layer)]
+        if any(seg.in_perm is not None for lin in linears if lin.quant is not None for seg in lin.quant.segments):
+            return "act-order (desc_act) GPTQ weights gather each layer's input features; the native step does not"
         if quantized_weights(model)[1] and any(_quant_descriptor(lin.quant) is None for lin in linears):
             return ("some linear layers are kept quantized and others not (or a type has no native kernel here); "
                     "the native step takes all-quantized or all-bf16 linear layers")

@@ -67,6 +67,8 @@ class IntQuantMatrix:
     sz: torch.Tensor | None = None  # prepared 4 bits: scales_and_zeros [groups, rows, 2]
     dtype: torch.dtype | None = None  # prepared: the activation dtype the kernels take
     act_quant: bool = False  # w8a8_int8: activations quantized per row to int8 too
+    # act-order (GPTQ desc_act): the columns are the input features in this order (x[..., in_perm] meets them)
+    in_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.packed:
@@ -87,7 +89,8 @@ class IntQuantMatrix:
             raise RuntimeError("a prepared IntQuantMatrix cannot be sliced or joined")
 
     def _with(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> IntQuantMatrix:
-        return IntQuantMatrix(self.bits, self.group, q, scales, zeros, self.name, act_quant=self.act_quant)
+        return IntQuantMatrix(self.bits, self.group, q, scales, zeros, self.name, act_quant=self.act_quant,
+                              in_perm=self.in_perm)
 
     def narrow_rows(self, start: int, length: int) -> IntQuantMatrix:
         self._check_unpacked()
@@ -97,6 +100,10 @@ class IntQuantMatrix:
     def narrow_cols(self, start: int, length: int, what: str = "") -> IntQuantMatrix:
         """Input features [start, start + length), on group boundaries (QuantSplitError otherwise)."""
         self._check_unpacked()
+        if self.in_perm is not None and (start, length) != (0, self.cols):
+            raise QuantSplitError(f"{what or 'tensor'}: an act-order (desc_act) layer's groups gather input "
+                                  f"features from all over its {self.cols}; its input features cannot be split "
+                                  "across tensor-parallel ranks (use --tp-size 1, or a desc_act false checkpoint)")
         if start % self.group or length % self.group:
             raise QuantSplitError(f"{what or 'tensor'}: splitting its {self.cols} input features at {start} "
                                   f"(+{length}) cuts a {self.name} group of {self.group}; choose a tp-size that "
@@ -113,15 +120,28 @@ class IntQuantMatrix:
             if p.name != first.name or p.cols != first.cols or (p.zeros is None) != (first.zeros is None):
                 raise QuantTypeError(f"cannot join {p.name} [{p.rows}, {p.cols}] to {first.name} rows of "
                                      f"width {first.cols}")
+            if (p.in_perm is None) != (first.in_perm is None) or (
+                    p.in_perm is not None and not torch.equal(p.in_perm, first.in_perm)):
+                raise QuantTypeError(f"cannot join {p.name} rows whose act-order (g_idx) differs from the rows "
+                                     "beside them in one merged projection")
         zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
         return first._with(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zeros)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols]: (q - zeros) * scales, unrounded (before `prepare`)."""
+        """float32 [rows, cols]: (q - zeros) * scales, unrounded (before `prepare`), in the input features'
+        own order."""
         self._check_unpacked()
         q = self.q.float().view(self.rows, -1, self.group)
         z = 0.0 if self.zeros is None else self.zeros.unsqueeze(-1)
-        return ((q - z) * self.scales.unsqueeze(-1)).reshape(self.rows, self.cols)
+        return self._unpermuted(((q - z) * self.scales.unsqueeze(-1)).reshape(self.rows, self.cols))
+
+    def _unpermuted(self, w: torch.Tensor) -> torch.Tensor:
+        """Columns in `in_perm` order -> the input features' own order."""
+        if self.in_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.in_perm] = w
+        return out
 
     def as_gguf_blocks(self, dtype: torch.dtype) -> QuantMatrix | None:
         """This weight as GGUF blocks for activations of `dtype` where the native quantized kernels run them (see
@@ -167,12 +187,13 @@ class IntQuantMatrix:
         `as_gguf_blocks` gives them, else torch's: scales and zeros in `dtype`)."""
         blocks = self.as_gguf_blocks(dtype)
         if blocks is not None:
-            return quant_gemm.dequantize(blocks)
+            return self._unpermuted(quant_gemm.dequantize(blocks))
         s, zp = self._kernel_params(dtype)
         if self.bits == 8:
             return self.q.float() * (self.scales if self.act_quant else s.float().unsqueeze(1))
         q = self.q.float().view(self.rows, -1, self.group)
-        return ((q - 8.0) * s.float().unsqueeze(-1) + zp.float().unsqueeze(-1)).reshape(self.rows, self.cols)
+        w = (q - 8.0) * s.float().unsqueeze(-1) + zp.float().unsqueeze(-1)
+        return self._unpermuted(w.reshape(self.rows, self.cols))
 
     def prepare(self, dtype: torch.dtype, what: str = "") -> IntQuantMatrix:
         """The kernel's form for activations of `dtype` (a new, read-only matrix)."""
@@ -191,7 +212,7 @@ class IntQuantMatrix:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32).contiguous(), 8)
         sz = torch.stack([s, zp], -1).transpose(0, 1).contiguous()
         return IntQuantMatrix(4, self.group, packed, None, None, self.name, self.rows, self.cols,
-                              packed=True, sz=sz, dtype=dtype)
+                              packed=True, sz=sz, dtype=dtype, in_perm=self.in_perm)
 
     @property
     def nbytes(self) -> int:
@@ -204,7 +225,10 @@ class IntQuantMatrix:
             raise RuntimeError(f"{self.name}: linear() needs a prepared matrix")
         if self.act_quant:
             return self._linear_w8a8(x, bias, out_dtype)
-        x2 = x.reshape(-1, self.cols).to(self.dtype).contiguous()
+        x2 = x.reshape(-1, self.cols)
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
+        x2 = x2.to(self.dtype).contiguous()
         if self.bits == 8:
             if x2.shape[0] <= INT8PACK_MAX_ROWS:
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)

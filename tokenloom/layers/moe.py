@@ -173,7 +173,8 @@ class FusedMoE(nn.Module):
                 if len(q.segments) != 1:
                     return None
                 w = q.segments[0].weight
-                if not isinstance(w, QuantMatrix) or not w.packed or not quant_gemm.native_supported(w.qtype):
+                if not isinstance(w, QuantMatrix) or not w.packed or not quant_gemm.native_supported(w.qtype) \
+                        or q.segments[0].in_perm is not None:  # (act-order: the fused call gathers no input)
                     return None
                 tables[slot].append(w.qtype)
                 tables[slot + 1].append(w.data.data_ptr())

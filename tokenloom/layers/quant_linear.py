@@ -7,7 +7,8 @@ segment, writing each segment's output into its slice of the output features. A 
 floats (F16/F32) inside an otherwise quantized layer is a float segment in the model dtype. A Hugging Face
 checkpoint's integer weights (GPTQ/AWQ, --torchao-config, w8a8_int8: `IntQuantMatrix`, layers/int_quant.py)
 are segments of the same kind: `prepare` turns them into GGUF blocks where the native kernels take them
-(`IntQuantMatrix.as_gguf_blocks`), else they run torch's kernels through their own `linear`.
+(`IntQuantMatrix.as_gguf_blocks`; an act-order weight's segment then gathers its input features in the
+blocks' order, `in_perm`), else they run torch's kernels through their own `linear`.
 
 Invariants: segments cover the local rows [0, rows) in order without gaps; once `prepare`d, the matrices
 are the kernel's (read-only); the layer keeps no float copy of a quantized part (memory = the file's bytes).
@@ -34,6 +35,8 @@ QUANT_MATRICES = (QuantMatrix, IntQuantMatrix)  # the quantized kinds a layer ke
 class QuantSegment:
     start: int  # first local output row
     weight: Weight  # a QuantMatrix, or float rows [n, cols] in the model dtype
+    # GGUF blocks of an act-order (GPTQ desc_act) weight: its columns are the input features in this order
+    in_perm: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -75,16 +78,19 @@ class QuantWeight:
                 seg.weight = quant_gemm.prepare(seg.weight)
             elif isinstance(seg.weight, IntQuantMatrix):
                 blocks = seg.weight.as_gguf_blocks(dtype)  # the native kernels' form where they take it
-                seg.weight = seg.weight.prepare(dtype, what) if blocks is None else quant_gemm.prepare(blocks)
+                if blocks is None:
+                    seg.weight = seg.weight.prepare(dtype, what)  # (its own linear gathers an act-order input)
+                else:
+                    seg.in_perm, seg.weight = seg.weight.in_perm, quant_gemm.prepare(blocks)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """x [..., cols] -> [..., rows] in `out_dtype`, each segment's output in its slice."""
         if len(self.segments) == 1:
-            return _segment_linear(x, self.segments[0].weight, bias, out_dtype)
+            return _segment_linear(x, self.segments[0], bias, out_dtype)
         out = torch.empty(*x.shape[:-1], self.rows, dtype=out_dtype, device=x.device)
         for seg in self.segments:
             b = None if bias is None else bias.narrow(0, seg.start, seg.rows)
-            out[..., seg.start: seg.start + seg.rows] = _segment_linear(x, seg.weight, b, out_dtype)
+            out[..., seg.start: seg.start + seg.rows] = _segment_linear(x, seg, b, out_dtype)
         return out
 
 
@@ -96,8 +102,11 @@ def _same_kind(a: Weight, b: Weight) -> bool:
     return not isinstance(a, QUANT_MATRICES) and not isinstance(b, QUANT_MATRICES)
 
 
-def _segment_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+def _segment_linear(x: torch.Tensor, seg: QuantSegment, bias: torch.Tensor | None, out_dtype: torch.dtype
                     ) -> torch.Tensor:
+    w = seg.weight
+    if seg.in_perm is not None:
+        x = x.index_select(-1, seg.in_perm)
     if isinstance(w, QuantMatrix):
         return quant_gemm.linear(x, w, bias, out_dtype)
     if isinstance(w, IntQuantMatrix):

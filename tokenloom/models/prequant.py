@@ -5,15 +5,18 @@ Packing conventions (the weight is w[n, k] = (q[n, k] - z[n, k // group]) * s[n,
 - GPTQ (AutoGPTQ / GPTQModel): qweight int32 [K / 8, N], eight 4-bit codes along the INPUT dim, code k at bits
   4 * (k % 8) of word k // 8; qzeros int32 [groups, N / 8], eight zero points along the output dim the same
   way; scales fp16 [groups, N]; g_idx int32 [K] (the group of each input feature). checkpoint_format "gptq"
-  (v1, the default) stores each zero point minus one, "gptq_v2" stores it as is. Only desc_act false is
-  supported: act-order (desc_act true) permutes the input features into a g_idx that is not k // group, which
-  would need a gather of the activations per layer.
+  (v1, the default) stores each zero point minus one, "gptq_v2" stores it as is. Act-order (desc_act true)
+  quantizes the input features in another order, so g_idx is not k // group: the columns are sorted by g_idx
+  at load (each group then contiguous; `IntQuantMatrix.in_perm` keeps the order) and the layer gathers its
+  input features in that order before its matmul, as vLLM's GPTQ kernels do with a sorted g_idx. Each group
+  must hold exactly group_size features (AutoGPTQ / GPTQModel's act-order assigns them so).
 - AWQ (AutoAWQ, version gemm): qweight int32 [K, N / 8] packs eight codes along the OUTPUT dim in the
   interleaved order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i of word j holds column 8 j + order[i]); qzeros
   int32 [groups, N / 8] likewise; scales fp16 [groups, N]; zero points as stored (zero_point true).
 
 Invariant: anything outside what is implemented (bits != 4, a group size the CPU int4 kernel does not take,
-desc_act, AWQ gemv, a quantized LM head) is refused at start with the reason, never loaded approximately.
+an act-order g_idx whose groups are not group_size features each, AWQ gemv, a quantized LM head) is refused at
+start with the reason, never loaded approximately.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class PrequantConfig:
     method: str  # gptq | awq
     group: int
     zeros_minus_one: bool  # GPTQ v1 stores each zero point minus one
+    act_order: bool = False  # GPTQ desc_act: g_idx may permute the input features
 
     @property
     def name(self) -> str:
@@ -87,16 +91,12 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
         raise ModelConfigError(f"{source}: {method} group_size {group}; the CPU int4 kernel takes groups of "
                                f"{', '.join(map(str, INT4_GROUPS))}")
     if method == "gptq":
-        if qc.get("desc_act"):
-            raise ModelConfigError(f"{source}: gptq with desc_act true (act-order) is not supported: its input "
-                                   "features are permuted per layer (g_idx), which the CPU int4 kernel cannot "
-                                   "follow; use a desc_act false checkpoint")
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ModelConfigError(f"{source}: gptq checkpoint_format {fmt!r}; gptq and gptq_v2 are supported")
         if qc.get("lm_head"):
             raise ModelConfigError(f"{source}: a gptq-quantized lm_head is not supported")
-        return PrequantConfig("gptq", group, fmt == "gptq")
+        return PrequantConfig("gptq", group, fmt == "gptq", bool(qc.get("desc_act")))
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise ModelConfigError(f"{source}: awq version {version!r}; only gemm packing is supported")
@@ -111,7 +111,8 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: PrequantConfig,
-                name: str) -> IntQuantMatrix:
+                name: str, g_idx: torch.Tensor | None = None) -> IntQuantMatrix:
+    """`g_idx` (act-order): the group of each input feature; the columns come out sorted by it (in_perm)."""
     k8, n = qweight.shape
     k, groups = k8 * 8, scales.shape[0]
     if tuple(qzeros.shape) != (groups, n // 8) or scales.shape[1] != n or groups * cfg.group != k:
@@ -119,7 +120,25 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                                f"scales {tuple(scales.shape)} do not fit group_size {cfg.group}")
     q = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t().contiguous()  # [N, K]
     z = _nibbles(qzeros).reshape(groups, n).t().float() + (1.0 if cfg.zeros_minus_one else 0.0)
-    return IntQuantMatrix(4, cfg.group, q, scales.t().float().contiguous(), z.contiguous(), cfg.name)
+    perm = None if g_idx is None else _act_order(g_idx, k, cfg.group, name)
+    if perm is not None:
+        q = q.index_select(1, perm).contiguous()
+    return IntQuantMatrix(4, cfg.group, q, scales.t().float().contiguous(), z.contiguous(), cfg.name, in_perm=perm)
+
+
+def _act_order(g_idx: torch.Tensor, k: int, group: int, name: str) -> torch.Tensor | None:
+    """The input features sorted by group (stable), or None where g_idx is already k // group; ModelConfigError
+    unless every group holds exactly `group` of the k features."""
+    g = g_idx.to(torch.int64).reshape(-1)
+    if g.numel() != k:
+        raise ModelConfigError(f"{name}.g_idx: {g.numel()} entries for {k} input features")
+    trivial = torch.arange(k, dtype=torch.int64) // group
+    if torch.equal(g, trivial):
+        return None
+    if int(g.min()) < 0 or int(g.max()) >= k // group \
+            or not torch.equal(torch.bincount(g, minlength=k // group), torch.full((k // group,), group)):
+        raise ModelConfigError(f"{name}.g_idx: its groups do not each hold group_size ({group}) input features")
+    return torch.sort(g, stable=True).indices
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: PrequantConfig,
@@ -143,29 +162,34 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
             ) -> Iterator[tuple[str, torch.Tensor | IntQuantMatrix]]:
-    """Checkpoint tensors -> HF names the model loads: each `<module>.qweight/qzeros/scales` triple becomes one
-    `<module>.weight` IntQuantMatrix; a `g_idx` must be the trivial k // group; other tensors pass through."""
+    """Checkpoint tensors -> HF names the model loads: each `<module>.qweight/qzeros/scales` triple (with its
+    `g_idx` for an act-order checkpoint) becomes one `<module>.weight` IntQuantMatrix; without act-order a
+    `g_idx` must be the trivial k // group; other tensors pass through."""
+    needed = (*_PARTS, "g_idx") if cfg.act_order else _PARTS
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, part = name.rpartition(".")
-        if part == "g_idx":
+        if part == "g_idx" and not cfg.act_order:
             expected = torch.arange(tensor.numel(), dtype=torch.int64) // cfg.group
             if not torch.equal(tensor.to(torch.int64), expected):
-                raise ModelConfigError(f"{name}: g_idx is not input feature // group_size ({cfg.group}): an "
-                                       "act-order (desc_act) layer, which is not supported")
+                raise ModelConfigError(f"{name}: g_idx is not input feature // group_size ({cfg.group}) in a "
+                                       "checkpoint whose config says desc_act false")
             continue
-        if part not in _PARTS:
+        if part not in needed:
             yield name, tensor
             continue
         if prefix == "lm_head":
             raise ModelConfigError(f"{name}: a quantized lm_head is not supported")
         parts = pending.setdefault(prefix, {})
         parts[part] = tensor
-        if len(parts) == len(_PARTS):
+        if len(parts) == len(needed):
             del pending[prefix]
-            unpack = unpack_gptq if cfg.method == "gptq" else unpack_awq
-            yield f"{prefix}.weight", unpack(parts["qweight"], parts["qzeros"], parts["scales"], cfg, prefix)
+            if cfg.method == "gptq":
+                yield f"{prefix}.weight", unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], cfg, prefix,
+                                                      parts.get("g_idx"))
+            else:
+                yield f"{prefix}.weight", unpack_awq(parts["qweight"], parts["qzeros"], parts["scales"], cfg, prefix)
     if pending:
         prefix, parts = next(iter(pending.items()))
-        missing = sorted(set(_PARTS) - set(parts))
+        missing = sorted(set(needed) - set(parts))
         raise ModelConfigError(f"{prefix}: {cfg.method} checkpoint lacks {', '.join(missing)}")
