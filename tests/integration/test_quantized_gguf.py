@@ -268,26 +268,42 @@ def test_without_native_kernels_a_gguf_is_dequantized_at_load(files):
     assert kept == (quant_gemm.native_isa() > 0)
 
 
-@pytest.mark.skipif(not has_avx2(), reason="no AVX2: the AVX2 build does not run here")
-def test_a_type_without_kernels_here_dequantizes_the_file_at_load(files):
-    """Where the native kernels run but lack a type the file holds (the AVX2 build has no Q5_0 / Q5_1), a .gguf
-    is loaded dequantized by default, with a warning naming the types, rather than running those tensors through
-    the reference on every call; --quantization gguf still keeps it quantized. A file of types the build has
-    stays quantized. Checked in a process whose kernels are built for AVX2."""
+def test_a_type_without_kernels_here_dequantizes_the_file_at_load(files, monkeypatch, caplog):
+    """Where the native kernels run but lack a type the file holds (every type has a kernel in both families
+    today; a build without one stands in by refusing Q5_0), a .gguf is loaded dequantized by default, with a
+    warning naming the types, rather than running those tensors through the reference on every call;
+    --quantization gguf still keeps it quantized. A file of types the build has stays quantized."""
+    from tokenloom.kernels import quant_gemm
+
+    if quant_gemm.native_isa() == 0:
+        pytest.skip("no native quantized kernels here")
     q5, mixed = files("q5")[0], files("mixed_tied")[0]
-    run_avx2("import logging\n"
-             "seen = []\n"
-             "class Seen(logging.Handler):\n"
-             "    def emit(self, record): seen.append(record.getMessage())\n"
-             "logging.getLogger().addHandler(Seen(logging.WARNING))\n"
-             "from tokenloom.config import ServerArgs\n"
+    real = quant_gemm.native_supported
+    monkeypatch.setattr(quant_gemm, "native_supported", lambda t: t != quant_gemm.TYPE_IDS["Q5_0"] and real(t))
+    with caplog.at_level(logging.WARNING, logger="tokenloom.models.loader"):
+        assert resolve_model_source(ServerArgs(model_path=q5)).quantization == "none"
+    assert "have no Q5_0 kernel" in caplog.text and "dequantized at load" in caplog.text
+    assert resolve_model_source(ServerArgs(model_path=q5, quantization="gguf")).quantization == "gguf"
+    assert resolve_model_source(ServerArgs(model_path=mixed)).quantization == "gguf"
+
+
+@pytest.mark.skipif(not has_avx2(), reason="no AVX2: the AVX2 build does not run here")
+def test_q5_file_stays_quantized_on_the_avx2_build(files, tmp_path):
+    """The AVX2 family runs Q5_0 / Q5_1 too (legacy_avx2.c): on a process whose kernels are built for AVX2 the
+    Q5 file is kept quantized, its bf16 logits within the int8 terms' noise of transformers on the dequantized
+    file, and the native decode step takes it."""
+    path, hf = files("q5")
+    with torch.no_grad():
+        torch.save(hf(torch.tensor([PROMPT])).logits[0], tmp_path / "ref.pt")
+    run_avx2("import torch\n"
+             "from tests.integration.test_quantized_gguf import PROMPT, _prefill_logits, _runner\n"
              "from tokenloom.kernels import quant_gemm as qg\n"
-             "from tokenloom.models.loader import resolve_model_source\n"
-             "assert qg.native_isa() == 1 and not qg.native_supported(qg.TYPE_IDS['Q5_0'])\n"
-             f"assert resolve_model_source(ServerArgs(model_path={q5!r})).quantization == 'none'\n"
-             f"assert resolve_model_source(ServerArgs(model_path={q5!r}, quantization='gguf')).quantization == 'gguf'\n"
-             "assert any('no Q5_0 / Q5_1 kernel' in m and 'dequantized at load' in m for m in seen), seen\n"
-             f"assert resolve_model_source(ServerArgs(model_path={mixed!r})).quantization == 'gguf'\n")
+             "assert qg.native_isa() == 1 and qg.native_supported(qg.TYPE_IDS['Q5_0'])\n"
+             f"runner = _runner({path!r}, dtype='bfloat16')\n"
+             "assert runner.source.quantization == 'gguf' and runner.native_decode is not None\n"
+             f"ref = torch.load({str(tmp_path / 'ref.pt')!r})\n"
+             "mine = _prefill_logits(runner)\n"
+             "assert (mine - ref).abs().max().item() < 0.06 * ref.abs().max().item()\n")
 
 
 def test_split_refused_at_server_start(files):

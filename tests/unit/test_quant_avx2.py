@@ -23,7 +23,7 @@ sys.path.insert(0, 'tests/unit')
 from test_quant_kquants import make_blocks
 from tokenloom.kernels import quant_gemm as qg
 
-TYPES = ['Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']
+TYPES = ['Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']
 
 
 def matrix(name, n, k, seed):
@@ -60,7 +60,7 @@ def _run(body: str) -> None:
 
 
 def test_every_type_within_the_two_term_bound():
-    """All six types at 1-70 rows, k one to several blocks: every type's rows are re-laid out (Q4_K / Q5_K 4
+    """All eight types at 1-70 rows, k one to several blocks: every type's rows are re-laid out (Q4_K / Q5_K 4
     bytes a super-block larger, their scales unpacked), dequantize and embedding rows are the gguf package's bit
     for bit, bf16 x is within the two int8 terms' bound below quant_tile_m rows (quant_path 1) and within float32
     summation's from there (the float32 tile, quant_path 0) and within one term's from quant_i8_tile_m rows on
@@ -181,8 +181,9 @@ for name in TYPES:
 
 def test_one_term_int8_tile():
     """Turned on (quant_i8_tile_m 32), bf16 x from 32 rows on against Q4_0 / Q4_1 / Q4_K / Q5_K rows of whole
-    256-element spans takes the one-term int8 tile (quant_path 3; Q8_0, Q6_K, a legacy row with a tail of nb % 8
-    blocks, float32 x and fewer rows do not): within one int8 term's bound sum_i |w_i| d(i) / 2 at 32-70 rows and
+    256-element spans takes the one-term int8 tile (quant_path 3; Q8_0, Q6_K, Q5_0, Q5_1, a legacy row with a
+    tail of nb % 8 blocks, float32 x and fewer rows do not): within one int8 term's bound sum_i |w_i| d(i) / 2 at
+    32-70 rows and
     several spans, into float32 and bf16 with a bias; a row's result does not depend on the rows beside it nor on
     the thread count, bit for bit; every quant at its largest (Q4 15, Q5_K 31: the int16 sums of eight / four
     vectors nearest 32767) against rows of +-1 stays within the bound (no int16 sum wrapped). It is off by default
@@ -192,7 +193,7 @@ import os, subprocess
 from tests.thread_counts import at_thread_counts
 assert lib.quant_path(2, 64, 512, 0) == 0
 lib.quant_i8_tile_m(32)
-assert [lib.quant_path(qg.TYPE_IDS[t], 32, 512, 0) for t in TYPES] == [3, 3, 0, 3, 3, 0]
+assert [lib.quant_path(qg.TYPE_IDS[t], 32, 512, 0) for t in TYPES] == [3, 3, 0, 0, 0, 3, 3, 0]
 assert [lib.quant_path(2, m, k, x32) for m, k, x32 in ((31, 512, 0), (32, 576, 0), (32, 512, 1))] == [0, 0, 0]
 for name in I8_TYPES:
     qtype = qg.TYPE_IDS[name]
@@ -261,7 +262,7 @@ def test_moe_experts_call_keeps_float32_between_projections():
     _run("""
 from tests.expert_groups import expert_groups
 hidden, inter, experts = 256, 512, 4
-kinds = [('Q8_0', 'Q4_K'), ('Q4_K', 'Q6_K'), ('Q4_1', 'Q8_0'), ('Q5_K', 'Q4_0')]
+kinds = [('Q8_0', 'Q4_K'), ('Q4_K', 'Q6_K'), ('Q4_1', 'Q8_0'), ('Q5_K', 'Q4_0'), ('Q5_0', 'Q5_1')]
 gu = [qg.prepare(matrix(a, 2 * inter, hidden, 10 + e)) for e, (a, _) in enumerate(kinds)]
 dn = [qg.prepare(matrix(b, hidden, inter, 20 + e)) for e, (_, b) in enumerate(kinds)]
 deq_gu = [qg.dequantize(m).double() for m in gu]

@@ -26,8 +26,9 @@ AMD Zen 2/3, Intel client cores) csrc/quant_avx2.c runs instead: each type re-la
 (in a lane order: csrc/kquant_avx2.c, csrc/legacy_avx2.c; the file's size but for Q4_K / Q5_K, whose
 scales it unpacks: 2.8% / 2.3% more), bf16 x below
 quant_tile_m rows through the same two int8 terms (same bound), float32 x and more rows on the exact weight;
-it has no Q5_0 / Q5_1 kernels (csrc/quant_q5.c needs AVX512-VNNI): those take the reference there (the loader
-dequantizes such a file at load unless --quantization gguf is given).
+its Q5_0 / Q5_1 are the Q4 types' lane order plus a word of fifth bits per 32 quants (csrc/legacy_avx2.c). A
+type a build lacks takes the reference (the loader then dequantizes such a file at load unless --quantization
+gguf is given).
 `native_args(qm)` gives the C side (type, data pointer, rows, cols) of a prepared matrix for native callers.
 """
 

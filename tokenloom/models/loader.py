@@ -126,10 +126,9 @@ def _quant_kernels(path: str, gguf: GGUFFile) -> bool:
     missing = sorted(quant_gemm.type_name(t) for t in gguf.tensor_types()
                      if t in quant_gemm.QUANT_TYPES and not quant_gemm.native_supported(t))
     if missing:
-        logger.warning("%s: this CPU's native quantized kernels have no %s kernel (Q5_0 / Q5_1 need "
-                       "AVX512-VNNI); the weights are dequantized at load (--quantization none); --quantization "
-                       "gguf keeps them quantized, those tensors through the slow reference path", path,
-                       " / ".join(missing))
+        logger.warning("%s: this CPU's native quantized kernels have no %s kernel; the weights are dequantized "
+                       "at load (--quantization none); --quantization gguf keeps them quantized, those tensors "
+                       "through the slow reference path", path, " / ".join(missing))
         return False
     return True
 

@@ -1,11 +1,18 @@
 /*
- * The legacy types (Q4_0, Q4_1, Q8_0: blocks of 32 with an f16 scale d, Q4_1 an f16 min m too) of quant_avx2.c
- * in kquant_avx2.c's lane order. A row's blocks are re-laid out once at load (same size) in spans of eight
- * (256 elements) and one tail of the last nb % 8, each a run of its own, one after another:
+ * The legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 with an f16 scale d, Q4_1 / Q5_1 an f16 min m
+ * too) of quant_avx2.c in kquant_avx2.c's lane order. A row's blocks are re-laid out once at load (same size)
+ * in spans of eight (256 elements) and one tail of the last nb % 8, each a run of its own, one after another:
  *   span: its quants in lane order (Q4: chunk c's byte p, low nibble vector 2c's lane p, high nibble vector
- *         2c + 1's; Q8_0: vector t's lane p at byte 16 t + p), then its eight f16 d, then (Q4_1) its eight m;
+ *         2c + 1's; Q8_0: vector t's lane p at byte 16 t + p; Q5: chunk c is 20 bytes, a 32-bit word whose bit
+ *         p / 16 + p is the fifth bit of vector 2c's / 2c + 1's lane p, then the Q4 chunk's 16 bytes), then its
+ *         eight f16 d, then (Q4_1, Q5_1) its eight m;
  *   tail: its blocks' quants one block after another (Q4: the file's 16 bytes, low nibbles the first 16
- *         elements), then their d, then (Q4_1) their m.
+ *         elements; Q5: the file's 20, the fifth bits' word then those 16 bytes), then their d, then (Q4_1,
+ *         Q5_1) their m.
+ * A Q5 chunk and a Q5 tail block thus read alike: the word's low 16 bits go to the first int16 vector's lanes,
+ * its high 16 to the second's (avx2_legacy_pair), so the fifth bits cost a broadcast, an and, a compare and an
+ * and per 16 quants on top of the Q4 nibbles (llama-quantize writes Q5_0 / Q5_1 for Q4_K / Q5_K tensors whose
+ * rows are not whole super-blocks: most of a Q4_K_M file of SmolLM2 or Qwen2.5-0.5B).
  * Per span and activation row the 16 vpmaddwd add up, lane j, to block j's integer sum, scaled by d_j d_x(j) in
  * one multiply-add; the offsets (Q4_0's -8 d_j, Q4_1's m_j) multiply the activation blocks' sums. These are
  * the integers and float operations, in the same order, of the form this replaced (all quants of a row, then
@@ -18,14 +25,25 @@
  * Included by quant_avx2.c after kquant_avx2.c (the lane order and its helpers).
  */
 
-static inline int avx2_legacy_qbytes(int type) { return type == TL_Q8_0 ? 32 : 16; }
-static inline int avx2_legacy_bytes(int type) { return type == TL_Q4_0 ? 18 : type == TL_Q4_1 ? 20 : 34; }
+static inline int avx2_legacy_is_q5(int type) { return type == TL_Q5_0 || type == TL_Q5_1; }
+static inline int avx2_legacy_has_min(int type) { return type == TL_Q4_1 || type == TL_Q5_1; }
+static inline int avx2_legacy_qbytes(int type) { return type == TL_Q8_0 ? 32 : avx2_legacy_is_q5(type) ? 20 : 16; }
+static inline int avx2_legacy_bytes(int type) {
+    return type == TL_Q4_0 ? 18 : type == TL_Q4_1 ? 20 : type == TL_Q5_0 ? 22 : type == TL_Q5_1 ? 24 : 34;
+}
+/* The offset each block's quants carry, as a multiple of d (Q4_0's -8, Q5_0's -16), for the types without m. */
+static inline float avx2_legacy_zero(int type) { return type == TL_Q4_0 ? -8.0f : type == TL_Q5_0 ? -16.0f : 0.0f; }
 
-/* Element i (< 32) of a file-layout block's quants: Q4 0..15, Q8_0 -127..127. */
+/* Element i (< 32) of a file-layout block's quants: Q4 0..15, Q5 0..31, Q8_0 -127..127. */
 static inline int avx2_legacy_file_quant(int type, const uint8_t *blk, int i) {
     if (type == TL_Q8_0) return (int8_t)blk[2 + i];
-    const uint8_t *qs = blk + (type == TL_Q4_1 ? 4 : 2);
-    return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+    const int fields = avx2_legacy_has_min(type) ? 4 : 2; /* d (and m) first */
+    const uint8_t *qs = blk + fields + (avx2_legacy_is_q5(type) ? 4 : 0);
+    const int low = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+    if (!avx2_legacy_is_q5(type)) return low;
+    uint32_t qh;
+    memcpy(&qh, blk + fields, 4);
+    return low | (int)((qh >> i) & 1) << 4;
 }
 
 /* Re-lays the n rows of a legacy type out in place (see the file comment); 0, or -1 without memory. */
@@ -47,16 +65,27 @@ static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
                     const int e = avx2_k_natural(256, 2, i);
                     lane[i] = avx2_legacy_file_quant(type, blk + e / 32 * bs, e % 32);
                 }
-                for (int i = 0; i < (type == TL_Q8_0 ? 256 : 128); ++i) {
-                    const int low = i / 16 * 32 + i % 16; /* Q4: chunk i / 16, lane i % 16 of its two vectors */
-                    out[i] = (uint8_t)(type == TL_Q8_0 ? lane[i] : lane[low] | lane[low + 16] << 4);
+                if (avx2_legacy_is_q5(type)) {
+                    for (int c = 0; c < 8; ++c) { /* chunk c: the fifth bits' word, then the nibbles */
+                        uint32_t bits = 0;
+                        for (int p = 0; p < 32; ++p) bits |= (uint32_t)(lane[32 * c + p] >> 4 & 1) << p;
+                        memcpy(out + 20 * c, &bits, 4);
+                        for (int p = 0; p < 16; ++p)
+                            out[20 * c + 4 + p] =
+                                (uint8_t)((lane[32 * c + p] & 15) | (lane[32 * c + 16 + p] & 15) << 4);
+                    }
+                } else {
+                    for (int i = 0; i < (type == TL_Q8_0 ? 256 : 128); ++i) {
+                        const int low = i / 16 * 32 + i % 16; /* Q4: chunk i / 16, lane i % 16 of its two vectors */
+                        out[i] = (uint8_t)(type == TL_Q8_0 ? lane[i] : lane[low] | lane[low + 16] << 4);
+                    }
                 }
             } else {
                 for (int j = 0; j < cnt; ++j) memcpy(out + j * qb, blk + j * bs + bs - qb, (size_t)qb);
             }
             for (int j = 0; j < cnt; ++j) {
                 memcpy(out + cnt * qb + 2 * j, blk + j * bs, 2);
-                if (type == TL_Q4_1) memcpy(out + cnt * qb + 2 * cnt + 2 * j, blk + j * bs + 2, 2);
+                if (avx2_legacy_has_min(type)) memcpy(out + cnt * qb + 2 * cnt + 2 * j, blk + j * bs + 2, 2);
             }
         }
     }
@@ -66,14 +95,31 @@ static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
 static int avx2_q4_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_0, data, n, k); }
 static int avx2_q4_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q4_1, data, n, k); }
 static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q8_0, data, n, k); }
+static int avx2_q5_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q5_0, data, n, k); }
+static int avx2_q5_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q5_1, data, n, k); }
 
-/* 32 quants at p as two int16 vectors (Q8_0's signed, the Q4 types' 0..15): a span's vectors 2c and 2c + 1 at
- * p = span + c * qbytes (lane order), or a tail block's elements 0-15 and 16-31 at its quants. */
+/* 16 int16 lanes, 16 where bit l of `bits` is set (lane l), else 0: a Q5 quant vector's fifth bits. */
+static inline __m256i avx2_fifth_bits(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          (short)0x8000);
+    const __m256i hit = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)bits), sel), sel);
+    return _mm256_and_si256(hit, _mm256_set1_epi16(16));
+}
+
+/* 32 quants at p as two int16 vectors (Q8_0's signed, the Q4 types' 0..15, the Q5 types' 0..31): a span's
+ * vectors 2c and 2c + 1 at p = span + c * qbytes (lane order), or a tail block's elements 0-15 and 16-31 at its
+ * quants. */
 static inline __attribute__((always_inline)) void avx2_legacy_pair(const int type, const uint8_t *p, __m256i *lo,
                                                                     __m256i *hi) {
     if (type == TL_Q8_0) {
         *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+    } else if (avx2_legacy_is_q5(type)) {
+        uint32_t bits;
+        memcpy(&bits, p, 4);
+        avx2_nibble_pair(p + 4, lo, hi);
+        *lo = _mm256_or_si256(*lo, avx2_fifth_bits(bits & 0xffff));
+        *hi = _mm256_or_si256(*hi, avx2_fifth_bits(bits >> 16));
     } else {
         avx2_nibble_pair(p, lo, hi);
     }
@@ -101,9 +147,9 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
             avx2_lane_madd(a, r0, MR, 256 * s + 32 * c, w0, w1, isum);
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb)));
-        const __m256 off = type == TL_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb + 16)))
-                           : type == TL_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
-                                             : _mm256_setzero_ps();
+        const __m256 off = avx2_legacy_has_min(type)
+                               ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb + 16)))
+                               : _mm256_mul_ps(dw, _mm256_set1_ps(avx2_legacy_zero(type)));
         for (int i = 0; i < MR; ++i) {
             const int64_t at = (r0 + i) * nb + 8 * s;
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_loadu_ps(a->dc + at)),
@@ -117,7 +163,7 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
         __m256i lo, hi;
         avx2_legacy_pair(type, tq + b * qb, &lo, &hi);
         const float dw = avx2_h2f(td + 2 * b);
-        const float off = type == TL_Q4_1 ? avx2_h2f(tm + 2 * b) : -8.0f * dw;
+        const float off = avx2_legacy_has_min(type) ? avx2_h2f(tm + 2 * b) : avx2_legacy_zero(type) * dw;
         for (int i = 0; i < MR; ++i) {
             const int64_t at = (r0 + i) * nb + 8 * spans + b;
             const int16_t *xq = a->q + (r0 + i) * k + 32 * (8 * spans + b);
@@ -135,30 +181,30 @@ static inline __attribute__((always_inline)) void avx2_legacy_dot(const int type
 #pragma GCC optimize("fp-contract=off")
 
 /* Legacy row `row` dequantized to float32 in lane order (spans in lane order, the tail in file order): the gguf
- * package's values, bit for bit (Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q). */
+ * package's values, bit for bit (Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q8_0 d q). */
 static void avx2_legacy_dequant_lanes(int type, const uint8_t *row, int64_t k, float *out) {
     const int bs = avx2_legacy_bytes(type), qb = avx2_legacy_qbytes(type);
     const int64_t nb = k / 32, spans = nb / 8;
     const __m256 none = _mm256_setzero_ps();
+    const int has_min = avx2_legacy_has_min(type);
+    const __m256i zero = _mm256_set1_epi16((short)avx2_legacy_zero(type)); /* the quants' offset: -8, -16 or 0 */
     for (int64_t s = 0; s < spans; ++s) {
         const uint8_t *span = row + s * 8 * bs;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(span + 8 * qb)));
-        /* Q4_1 adds m: emit16 subtracts, so its negation (exact) */
-        const __m256 nm = type == TL_Q4_1 ? _mm256_sub_ps(none, _mm256_cvtph_ps(_mm_loadu_si128(
-                                                              (const __m128i *)(span + 8 * qb + 16))))
-                                          : none;
+        /* Q4_1 / Q5_1 add m: emit16 subtracts, so its negation (exact) */
+        const __m256 nm = has_min ? _mm256_sub_ps(none, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                      (const __m128i *)(span + 8 * qb + 16))))
+                                  : none;
         const __m256 s_lo = avx2_pairs(d, 0), s_hi = avx2_pairs(d, 1), m_lo = avx2_pairs(nm, 0),
                      m_hi = avx2_pairs(nm, 1);
         for (int c = 0; c < 8; ++c) {
             __m256i w0, w1;
             avx2_legacy_pair(type, span + c * qb, &w0, &w1);
-            if (type == TL_Q4_0) {
-                w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
-                w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
-            }
+            w0 = _mm256_add_epi16(w0, zero);
+            w1 = _mm256_add_epi16(w1, zero);
             float *o = out + 256 * s + 32 * c;
-            avx2_emit16(o, w0, s_lo, s_hi, type == TL_Q4_1, m_lo, m_hi);
-            avx2_emit16(o + 16, w1, s_lo, s_hi, type == TL_Q4_1, m_lo, m_hi);
+            avx2_emit16(o, w0, s_lo, s_hi, has_min, m_lo, m_hi);
+            avx2_emit16(o + 16, w1, s_lo, s_hi, has_min, m_lo, m_hi);
         }
     }
     const int cnt = (int)(nb - 8 * spans);
@@ -166,15 +212,13 @@ static void avx2_legacy_dequant_lanes(int type, const uint8_t *row, int64_t k, f
     for (int b = 0; b < cnt; ++b) {
         __m256i lo, hi;
         avx2_legacy_pair(type, tq + b * qb, &lo, &hi);
-        if (type == TL_Q4_0) {
-            lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
-            hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
-        }
+        lo = _mm256_add_epi16(lo, zero);
+        hi = _mm256_add_epi16(hi, zero);
         const __m256 d = _mm256_set1_ps(avx2_h2f(td + 2 * b));
-        const __m256 nm = _mm256_set1_ps(type == TL_Q4_1 ? -avx2_h2f(tm + 2 * b) : 0.f);
+        const __m256 nm = _mm256_set1_ps(has_min ? -avx2_h2f(tm + 2 * b) : 0.f);
         float *o = out + 256 * spans + 32 * b;
-        avx2_emit16(o, lo, d, d, type == TL_Q4_1, nm, nm);
-        avx2_emit16(o + 16, hi, d, d, type == TL_Q4_1, nm, nm);
+        avx2_emit16(o, lo, d, d, has_min, nm, nm);
+        avx2_emit16(o + 16, hi, d, d, has_min, nm, nm);
     }
 }
 #pragma GCC pop_options

@@ -1,8 +1,8 @@
 /*
  * GGUF-quantized matmul for x86 CPUs with AVX2, FMA and F16C but without the AVX-512 families quant_gemm.c
  * builds otherwise (AMD Zen 2/3, Intel client cores, Xeons without AVX512-BF16): the same entry points, the same
- * types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows, each re-laid out once at load (the file's size;
- * Q4_K / Q5_K 4 bytes a super-block more, their 6-bit scales unpacked).
+ * types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); rows stay rows, each re-laid out once at load (the
+ * file's size; Q4_K / Q5_K 4 bytes a super-block more, their 6-bit scales unpacked).
  *
  * bf16 x below quant_tile_m rows (quant_path 1: decode): x is quantized per 32-element block to int8 in two
  * terms exactly as quant_gemm.c's decode rows are (d = max|x| / 127, q = round(x / d); the remainder at scale
@@ -16,7 +16,8 @@
  * order in which each int32 lane of the products stays in one block / sub-block, so a span's sums need no
  * horizontal reduction and are scaled in float32 by one multiply-add with vectors of per-lane scales (the
  * weights' times the activation blocks'): kquant_avx2.c (the order; the K types), legacy_avx2.c (Q4_0, Q4_1,
- * Q8_0). The types' offsets (Q4_0's -8, Q4_1's min, the K types' mins, Q6_K's -32) multiply per-block
+ * Q5_0, Q5_1, Q8_0). The types' offsets (Q4_0's -8, Q5_0's -16, Q4_1's / Q5_1's min, the K types' mins, Q6_K's
+ * -32) multiply per-block
  * activation sums prepared once per call. A row's result does not depend on the rows beside it: the one-row
  * and four-row forms make the same sums in the same order.
  * Weight rows are split over the OpenMP threads in chunks; a chunk meets the activation rows 64 at a time (they
@@ -175,6 +176,8 @@ static const tl_quant_type AVX2_TYPES[] = {
     {TL_Q4_0, 32, 18, NULL, NULL, avx2_q4_0_repack, NULL, 32},
     {TL_Q4_1, 32, 20, NULL, NULL, avx2_q4_1_repack, NULL, 32},
     {TL_Q8_0, 32, 34, NULL, NULL, avx2_q8_0_repack, NULL, 32},
+    {TL_Q5_0, 32, 22, NULL, NULL, avx2_q5_0_repack, NULL, 32},
+    {TL_Q5_1, 32, 24, NULL, NULL, avx2_q5_1_repack, NULL, 32},
     {TL_Q4_K, 256, AVX2_Q4K_BYTES, NULL, NULL, avx2_q4_k_repack, NULL, 32},
     {TL_Q5_K, 256, AVX2_Q5K_BYTES, NULL, NULL, avx2_q5_k_repack, NULL, 32},
     {TL_Q6_K, 256, 210, NULL, NULL, avx2_q6_k_repack, NULL, 16},
@@ -264,6 +267,8 @@ static void avx2_int8_rows(const tl_quant_type *t, const uint8_t *w, int64_t k, 
                 case TL_Q4_0: AVX2_ROWS(TL_Q4_0, AVX2_LEGACY_DOT) break;
                 case TL_Q4_1: AVX2_ROWS(TL_Q4_1, AVX2_LEGACY_DOT) break;
                 case TL_Q8_0: AVX2_ROWS(TL_Q8_0, AVX2_LEGACY_DOT) break;
+                case TL_Q5_0: AVX2_ROWS(TL_Q5_0, AVX2_LEGACY_DOT) break;
+                case TL_Q5_1: AVX2_ROWS(TL_Q5_1, AVX2_LEGACY_DOT) break;
                 case TL_Q4_K: AVX2_ROWS(TL_Q4_K, AVX2_Q4K_DOT) break;
                 case TL_Q5_K: AVX2_ROWS(TL_Q5_K, AVX2_Q5K_DOT) break;
                 default: AVX2_ROWS(TL_Q6_K, AVX2_Q6_DOT) break;

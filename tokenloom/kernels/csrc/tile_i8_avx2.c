@@ -35,9 +35,9 @@
 #define AVX2_I8_KC 2048   /* elements of a chunk of the activation rows (in L1 while an item's rows pass) */
 
 /* Q8_0's signed quants would need their signs moved onto the activations; Q6_K's 16-element scales and int16
- * sums of two vectors left this tile level with the float32 one (0.9-1.2x). */
+ * sums of two vectors left this tile level with the float32 one (0.9-1.2x); Q5_0 / Q5_1 are not unpacked here. */
 static inline int avx2_i8_supported(int type, int64_t k) {
-    return type != TL_Q8_0 && type != TL_Q6_K && k % 256 == 0;
+    return type != TL_Q8_0 && type != TL_Q6_K && type != TL_Q5_0 && type != TL_Q5_1 && k % 256 == 0;
 }
 
 /* 16 bytes of Q4 nibbles (a legacy or Q4_K chunk c: low nibbles lane-order vector 2c, high ones 2c + 1) as one
