@@ -4,15 +4,16 @@
  * in spans of eight (256 elements) and one tail of the last nb % 8, each a run of its own, one after another:
  *   span: its quants in lane order (Q4: chunk c's byte p, low nibble vector 2c's lane p, high nibble vector
  *         2c + 1's; Q8_0: vector t's lane p at byte 16 t + p; Q5: chunk c is 20 bytes, a 32-bit word whose bit
- *         p / 16 + p is the fifth bit of vector 2c's / 2c + 1's lane p, then the Q4 chunk's 16 bytes), then its
+ *         2p / 2p + 1 is the fifth bit of vector 2c's / 2c + 1's lane p, then the Q4 chunk's 16 bytes), then its
  *         eight f16 d, then (Q4_1, Q5_1) its eight m;
  *   tail: its blocks' quants one block after another (Q4: the file's 16 bytes, low nibbles the first 16
- *         elements; Q5: the file's 20, the fifth bits' word then those 16 bytes), then their d, then (Q4_1,
- *         Q5_1) their m.
- * A Q5 chunk and a Q5 tail block thus read alike: the word's low 16 bits go to the first int16 vector's lanes,
- * its high 16 to the second's (avx2_legacy_pair), so the fifth bits cost a broadcast, an and, a compare and an
- * and per 16 quants on top of the Q4 nibbles (llama-quantize writes Q5_0 / Q5_1 for Q4_K / Q5_K tensors whose
- * rows are not whole super-blocks: most of a Q4_K_M file of SmolLM2 or Qwen2.5-0.5B).
+ *         elements; Q5: the fifth bits' word as a chunk's, elements 0-15 and 16-31 its two vectors, then the
+ *         file's 16 bytes), then their d, then (Q4_1, Q5_1) their m.
+ * A Q5 chunk and a Q5 tail block thus read alike: the word spread to one byte a bit is, as int16 lanes, the first
+ * vector's fifth bit in lane p's low byte and the second's in its high byte (avx2_legacy_pair: a broadcast, a
+ * byte shuffle, an or and a compare for 32 quants, then an and (and a shift) per vector on top of the Q4
+ * nibbles). llama-quantize writes Q5_0 / Q5_1 for Q4_K / Q5_K tensors whose rows are not whole super-blocks:
+ * most of a Q4_K_M file of SmolLM2 or Qwen2.5-0.5B.
  * Per span and activation row the 16 vpmaddwd add up, lane j, to block j's integer sum, scaled by d_j d_x(j) in
  * one multiply-add; the offsets (Q4_0's -8 d_j, Q4_1's m_j) multiply the activation blocks' sums. These are
  * the integers and float operations, in the same order, of the form this replaced (all quants of a row, then
@@ -46,6 +47,16 @@ static inline int avx2_legacy_file_quant(int type, const uint8_t *blk, int i) {
     return low | (int)((qh >> i) & 1) << 4;
 }
 
+/* A Q5 word of fifth bits for 32 quants q (vector lo's lanes 0-15 = q[0..15], vector hi's = q[16..31]): bit 2p
+ * holds lo lane p's, bit 2p + 1 hi lane p's, so that the word expanded to one byte a bit is, read as 16 int16
+ * lanes, lo's bit in lane p's low byte and hi's in its high byte (avx2_legacy_pair). */
+static uint32_t avx2_q5_word(const int *q) {
+    uint32_t bits = 0;
+    for (int p = 0; p < 16; ++p)
+        bits |= (uint32_t)(q[p] >> 4 & 1) << (2 * p) | (uint32_t)(q[16 + p] >> 4 & 1) << (2 * p + 1);
+    return bits;
+}
+
 /* Re-lays the n rows of a legacy type out in place (see the file comment); 0, or -1 without memory. */
 static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
     const int bs = avx2_legacy_bytes(type), qb = avx2_legacy_qbytes(type);
@@ -67,8 +78,7 @@ static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
                 }
                 if (avx2_legacy_is_q5(type)) {
                     for (int c = 0; c < 8; ++c) { /* chunk c: the fifth bits' word, then the nibbles */
-                        uint32_t bits = 0;
-                        for (int p = 0; p < 32; ++p) bits |= (uint32_t)(lane[32 * c + p] >> 4 & 1) << p;
+                        const uint32_t bits = avx2_q5_word(lane + 32 * c);
                         memcpy(out + 20 * c, &bits, 4);
                         for (int p = 0; p < 16; ++p)
                             out[20 * c + 4 + p] =
@@ -81,7 +91,15 @@ static int avx2_legacy_repack(int type, uint8_t *data, int64_t n, int64_t k) {
                     }
                 }
             } else {
-                for (int j = 0; j < cnt; ++j) memcpy(out + j * qb, blk + j * bs + bs - qb, (size_t)qb);
+                for (int j = 0; j < cnt; ++j) {
+                    memcpy(out + j * qb, blk + j * bs + bs - qb, (size_t)qb);
+                    if (avx2_legacy_is_q5(type)) { /* the file's fifth bits in the word's order */
+                        int q[32];
+                        for (int i = 0; i < 32; ++i) q[i] = avx2_legacy_file_quant(type, blk + j * bs, i);
+                        const uint32_t bits = avx2_q5_word(q);
+                        memcpy(out + j * qb, &bits, 4);
+                    }
+                }
             }
             for (int j = 0; j < cnt; ++j) {
                 memcpy(out + cnt * qb + 2 * j, blk + j * bs, 2);
@@ -98,12 +116,16 @@ static int avx2_q8_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_l
 static int avx2_q5_0_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q5_0, data, n, k); }
 static int avx2_q5_1_repack(uint8_t *data, int64_t n, int64_t k) { return avx2_legacy_repack(TL_Q5_1, data, n, k); }
 
-/* 16 int16 lanes, 16 where bit l of `bits` is set (lane l), else 0: a Q5 quant vector's fifth bits. */
-static inline __m256i avx2_fifth_bits(uint32_t bits) {
-    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          (short)0x8000);
-    const __m256i hit = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)bits), sel), sel);
-    return _mm256_and_si256(hit, _mm256_set1_epi16(16));
+/* The 32-bit word at p expanded to 32 bytes, byte j 0xFF where bit j is set, else 0 (a broadcast, a byte
+ * shuffle, an or and a compare). */
+static inline __m256i avx2_bit_bytes(const uint8_t *p) {
+    uint32_t word;
+    memcpy(&word, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                                                2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe); /* byte i: every bit but bit i */
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
 }
 
 /* 32 quants at p as two int16 vectors (Q8_0's signed, the Q4 types' 0..15, the Q5 types' 0..31): a span's
@@ -115,11 +137,10 @@ static inline __attribute__((always_inline)) void avx2_legacy_pair(const int typ
         *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
     } else if (avx2_legacy_is_q5(type)) {
-        uint32_t bits;
-        memcpy(&bits, p, 4);
+        const __m256i bits = avx2_bit_bytes(p), sixteen = _mm256_set1_epi16(16);
         avx2_nibble_pair(p + 4, lo, hi);
-        *lo = _mm256_or_si256(*lo, avx2_fifth_bits(bits & 0xffff));
-        *hi = _mm256_or_si256(*hi, avx2_fifth_bits(bits >> 16));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(bits, sixteen));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srli_epi16(bits, 8), sixteen));
     } else {
         avx2_nibble_pair(p, lo, hi);
     }
