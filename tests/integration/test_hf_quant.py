@@ -421,25 +421,13 @@ def test_native_decode_step_at_tp2_on_gptq_blocks(prequant):
     """A GPTQ checkpoint in bf16 at --tp-size 2: each rank's shards as Q4_1 blocks in the native step (its
     all-reduces on the shared-memory communicator), bit-identical to that rank's modular path, the ranks agree,
     and both within bf16 noise of TP=1."""
-    from tests.integration.test_native_decode import _decode_run
-    from tests.integration.test_quantized_gguf import _tp_native_rank
+    from tests.integration.test_quantized_gguf import check_native_decode_at_tp2
 
     path = prequant("gptq_v2")[0]
     single = _runner(path, dtype="bfloat16", max_total_tokens=512)
     if single.native_decode is None or not _as_blocks("gptq", "bfloat16"):
         pytest.skip("no native quantized kernels or decode step on this machine")
-    tokens = [(7 * i + 3) % 150 for i in range(24)]
-    tp1 = _decode_run(single, tokens, 17)[0]
-    got, _ = run_ranks(_tp_native_rank, 2, path, join_s=240)
-    for rank in range(2):
-        assert "error" not in got[rank], got[rank].get("error")
-        assert got[rank]["native"]
-        for a, b in zip(got[rank]["fast"], got[rank]["slow"], strict=True):
-            assert torch.equal(torch.from_numpy(a), torch.from_numpy(b))
-    for a, b, ref in zip(got[0]["fast"], got[1]["fast"], tp1, strict=True):
-        assert torch.equal(torch.from_numpy(a), torch.from_numpy(b))
-        tv = 0.5 * (torch.from_numpy(a).softmax(-1) - ref.softmax(-1)).abs().sum().item()
-        assert tv <= 0.08, tv
+    check_native_decode_at_tp2(path, single)
 
 
 def test_engine_serves_a_checkpoint_quantized_at_load(tiny_runtime_model):

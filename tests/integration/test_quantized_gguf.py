@@ -208,12 +208,19 @@ def test_native_decode_step_at_tp2_with_quantized_weights(files, variant):
     """The default configuration (bf16, weights kept quantized, the native decode step) at --tp-size 2: on each
     rank the native step's logits equal the modular path's bit for bit, both ranks agree, and they stay within
     bf16 noise of TP=1's native step (the shards sum in another order)."""
-    from tests.integration.test_native_decode import _decode_run
-
     path, _ = files(variant)
     single = ModelRunner(ServerArgs(model_path=path, dtype="bfloat16", max_total_tokens=512, max_running_requests=2))
     if single.native_decode is None:
         pytest.skip("no native decode step for these weights on this machine")
+    check_native_decode_at_tp2(path, single)
+
+
+def check_native_decode_at_tp2(path: str, single: ModelRunner) -> None:
+    """`path` at --tp-size 2 in bf16 (two rank processes, `_tp_native_rank`) against `single`, the same weights at
+    TP=1: on each rank the native step's logits equal the modular path's bit for bit, both ranks agree, and they
+    stay within bf16 noise of TP=1's native step (the shards sum in another order)."""
+    from tests.integration.test_native_decode import _decode_run
+
     tokens = [(7 * i + 3) % 150 for i in range(24)]
     tp1 = _decode_run(single, tokens, 17)[0]
     got, _ = run_ranks(_tp_native_rank, 2, path, join_s=240)
