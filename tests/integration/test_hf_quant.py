@@ -284,7 +284,8 @@ def test_act_order_gptq_matches_the_dequantized_model(prequant, dtype):
     """desc_act true: each layer's codes follow its own order of the input features (g_idx). Loaded, the columns
     are sorted by group and the layer gathers its input in that order: the dequantized weight is the reference's
     exactly, float32 logits equal transformers on it to summation order, bf16 (Q4_1 blocks, the gather before
-    the native kernels) within bf16 noise; the native decode step steps aside, with the reason logged."""
+    the native kernels) within bf16 noise, and the native decode step (its own gather) equals the modular path
+    bit for bit."""
     folder, known, ref_model = prequant(ACT_ORDER)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = read_quant_config(json.load(f), "config.json")
@@ -304,9 +305,14 @@ def test_act_order_gptq_matches_the_dequantized_model(prequant, dtype):
     if _as_blocks("gptq", dtype):
         assert isinstance(seg.weight, QuantMatrix) and seg.in_perm is not None
     assert (mine - ref).abs().max().item() < 0.05 * ref.abs().max().item()
-    assert runner.native_decode is None
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     assert len(generate_in_process(_runner(folder, dtype=dtype), [PROMPT], [params])[0]) == 6
+    native = _runner(folder, dtype=dtype, max_total_tokens=2048, max_running_requests=4)
+    if native.native_decode is not None:
+        from tests.integration.test_native_decode import _compare_paths, _tokens
+
+        assert native.native_decode.quantized
+        _compare_paths(native, _tokens(60, 1, 256), prompt=21)
 
 
 def test_act_order_rows_split_by_input_features_are_refused(prequant):

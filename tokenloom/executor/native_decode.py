@@ -21,10 +21,11 @@ blocks: layers/int_quant.py): when every linear layer is kept quantized, each on
 descriptor and its matmul is csrc/quant_gemm.c's quant_linear, the kernel the modular path's
 `quant_gemm.linear` calls, with the same row-count rule; the LM head is quantized the same way or (a float head
 beside quantized layers, as GPTQ/AWQ/--torchao-config leave it) the float32-output kernel the modular path's
-LM head calls. So the two paths are bit-identical at every batch size, and the step takes up to
-`QUANT_MAX_BATCH` requests. A model that mixes quantized and float linear layers (or a quantized layer holding
-a float part) decodes through the modular path, as does one whose integer weights stay on torch's kernels
-(w8a8_int8; no native descriptor).
+LM head calls; a GPTQ act-order layer's input is gathered in its columns' order first (the descriptor's input
+order), as the modular path's `index_select` gathers it. So the two paths are bit-identical at every batch size,
+and the step takes up to `QUANT_MAX_BATCH` requests. A model that mixes quantized and float linear layers (or
+a quantized layer holding a float part) decodes through the modular path, as does one whose integer weights
+stay on torch's kernels (w8a8_int8; no native descriptor).
 
 Qwen3 and mixture-of-experts models (Qwen3-MoE-style: routed experts, per-head q/k norms, dense layers among
 the sparse ones): the q/k norms are cpu_ops' in-place kernel and an MoE layer is csrc/quant_moe.c's block (the
@@ -92,14 +93,21 @@ def _amx_copy(layer: torch.nn.Module) -> torch.Tensor | None:
 
 
 def _quant_descriptor(weight: QuantWeight | None) -> torch.Tensor | None:
-    """decode_native.c's descriptor of a quantized linear layer: {segment count, then per segment its GGUF
-    type, rows and the address of its prepared bytes}; None when the layer is not wholly quantized or a type
-    has no native kernel here."""
+    """decode_native.c's descriptor of a quantized linear layer: {segment count, the address of its input order
+    (an act-order layer's `in_perm`, int64; 0: none), then per segment its GGUF type, rows and the address of its
+    prepared bytes}; None when the layer is not wholly quantized, a type has no native kernel here, or its
+    segments take their input in different orders."""
     if weight is None:
         return None
-    values = [len(weight.segments)]
+    orders = {id(seg.in_perm): seg.in_perm for seg in weight.segments}
+    if len(orders) != 1:
+        return None
+    order = next(iter(orders.values()))
+    if order is not None and (order.dtype != torch.int64 or not order.is_contiguous()):
+        return None
+    values = [len(weight.segments), 0 if order is None else order.data_ptr()]
     for seg in weight.segments:
-        if not isinstance(seg.weight, QuantMatrix) or not seg.weight.packed or seg.in_perm is not None \
+        if not isinstance(seg.weight, QuantMatrix) or not seg.weight.packed \
                 or not quant_gemm.native_supported(seg.weight.qtype):
             return None
         qtype, address, rows, _ = quant_gemm.native_args(seg.weight)
@@ -277,8 +285,6 @@ class NativeDecode:
         if model.rotary.long_after is not None:
             return "LongRoPE picks a table per request, which the native step does not"
         linears = [lin for layer in model.layers for lin in _layer_linears(layer)]
-        if any(seg.in_perm is not None for lin in linears if lin.quant is not None for seg in lin.quant.segments):
-            return "act-order (desc_act) GPTQ weights gather each layer's input features; the native step does not"
         if quantized_weights(model)[1] and any(_quant_descriptor(lin.quant) is None for lin in linears):
             return ("some linear layers are kept quantized and others not (or a type has no native kernel here); "
                     "the native step takes all-quantized or all-bf16 linear layers")

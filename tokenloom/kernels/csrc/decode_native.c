@@ -46,16 +46,26 @@ KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
 #define P(l, f) ((uint16_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
 #define Q(l, f) ((const int64_t *)(intptr_t)layer_ptrs[(int64_t)(l) * LAYER_FIELDS + (f)])
 
-/* A linear layer kept quantized (csrc/quant_gemm.c): `desc` = {segment count, then per segment its GGUF type,
- * its rows and the address of its re-laid-out bytes}; the segments' rows stack in order (a merged projection
- * may hold parts of different types). Output features [row, row + rows) of `out` come from one segment. */
+/* A linear layer kept quantized (csrc/quant_gemm.c): `desc` = {segment count, the address of its input order
+ * (int64 [k]; 0: none), then per segment its GGUF type, its rows and the address of its re-laid-out bytes}; the
+ * segments' rows stack in order (a merged projection may hold parts of different types). Output features
+ * [row, row + rows) of `out` come from one segment. With an input order (a GPTQ act-order layer, its columns
+ * sorted by group) x's features are first gathered in that order into `gathered` (bf16 [m, k] scratch), as the
+ * modular path's index_select gathers them. x rows are k apart. */
 static int step_quant_linear(const int64_t *desc, const uint16_t *x, const uint16_t *bias, void *out,
-                             int out_is_f32, int m, int64_t n, int64_t k, int threads) {
+                             int out_is_f32, int m, int64_t n, int64_t k, int threads, uint16_t *gathered) {
+    const int64_t *order = (const int64_t *)(intptr_t)desc[1];
+    if (order != NULL) {
+        if (gathered == NULL) return -1;
+        for (int r = 0; r < m; ++r)
+            for (int64_t j = 0; j < k; ++j) gathered[(int64_t)r * k + j] = x[(int64_t)r * k + order[j]];
+        x = gathered;
+    }
     int64_t row = 0;
     for (int64_t s = 0; s < desc[0]; ++s) {
-        const int type = (int)desc[1 + 3 * s];
-        const int64_t rows = desc[2 + 3 * s];
-        const uint8_t *w = (const uint8_t *)(intptr_t)desc[3 + 3 * s];
+        const int type = (int)desc[2 + 3 * s];
+        const int64_t rows = desc[3 + 3 * s];
+        const uint8_t *w = (const uint8_t *)(intptr_t)desc[4 + 3 * s];
         void *at = out_is_f32 ? (void *)((float *)out + row) : (void *)((uint16_t *)out + row);
         if (row + rows > n || quant_linear(type, w, rows, k, x, k, 0, m, bias == NULL ? NULL : bias + row, 0, at,
                                            n, out_is_f32, threads) != 0)
@@ -66,10 +76,12 @@ static int step_quant_linear(const int64_t *desc, const uint16_t *x, const uint1
 }
 
 /* One linear layer, out[m, n] = x[m, k] . W^T (+ bias): quantized when `q` (its descriptor) is given, else
- * the AMX kernel when `amx` (W packed) is given, else the bf16 streaming kernel. */
+ * the AMX kernel when `amx` (W packed) is given, else the bf16 streaming kernel. `gathered`: scratch for a
+ * quantized layer's input order (step_quant_linear). */
 static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx, const int64_t *q,
-                       const uint16_t *bias, uint16_t *out, int m, int64_t n, int64_t k, int threads) {
-    if (q != NULL) return step_quant_linear(q, x, bias, out, 0, m, n, k, threads);
+                       const uint16_t *bias, uint16_t *out, int m, int64_t n, int64_t k, int threads,
+                       uint16_t *gathered) {
+    if (q != NULL) return step_quant_linear(q, x, bias, out, 0, m, n, k, threads, gathered);
     if (amx != NULL) return amx_linear_bf16(x, k, amx, bias, out, n, m, n, k, threads);
 #if HAVE_QUANT_AVX2
     return avx2_bf16_linear(x, k, w, n, k, bias, 0, out, n, 0, m, threads);
@@ -83,7 +95,7 @@ static int step_linear(const uint16_t *x, const uint16_t *w, const uint16_t *amx
  * pair_pack_weight) or, on AVX2 builds, the AVX2 kernel over the plain weight (`w`). */
 static int step_linear_f32(const uint16_t *x, const uint16_t *amx, const uint16_t *pair, const int64_t *q,
                            const uint16_t *w, float *out, int m, int64_t n, int64_t k, int threads) {
-    if (q != NULL) return step_quant_linear(q, x, NULL, out, 1, m, n, k, threads);
+    if (q != NULL) return step_quant_linear(q, x, NULL, out, 1, m, n, k, threads, NULL);
     if (amx != NULL) return amx_linear_bf16_f32(x, k, amx, NULL, out, n, m, n, k, threads);
     if (pair != NULL) return pair_linear_bf16_f32(x, k, pair, out, n, m, n, k, threads);
 #if HAVE_QUANT_AVX2
@@ -159,18 +171,22 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
      * to alignment, so their summation order (and rounding) depends on where a row starts */
 #define ALIGNED(n) (((n) + 31) / 32 * 32)
     /* (the residual stream is float32: it takes two bf16 slots per element) */
-    const int64_t sizes[8] = {ALIGNED((int64_t)m * hidden), ALIGNED(2 * (int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
+    /* the last: a quantized layer's input gathered in its order (step_quant_linear), as wide as any input */
+    int64_t widest = hidden > attn_width ? hidden : attn_width;
+    if (inter > widest) widest = inter;
+    const int64_t sizes[9] = {ALIGNED((int64_t)m * hidden), ALIGNED(2 * (int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
                               ALIGNED(m * qkv_width), ALIGNED(m * attn_width), ALIGNED(2 * (int64_t)m * inter),
-                              ALIGNED((int64_t)m * inter), ALIGNED(2 * (int64_t)m * hidden)};
+                              ALIGNED((int64_t)m * inter), ALIGNED(2 * (int64_t)m * hidden), ALIGNED(m * widest)};
 #undef ALIGNED
     int64_t total = 0;
-    for (int i = 0; i < 8; ++i) total += sizes[i];
+    for (int i = 0; i < 9; ++i) total += sizes[i];
     uint16_t *scratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)total);
     if (scratch == NULL) return -1;
     uint16_t *x = scratch, *normed = x + sizes[0] + sizes[1], *qkv = normed + sizes[2];
     float *residual = (float *)(x + sizes[0]);
     uint16_t *attn = qkv + sizes[3], *gate_up = attn + sizes[4], *act = gate_up + sizes[5];
     float *moe_sum = (float *)(act + sizes[6]); /* an MoE block's float32 sum */
+    uint16_t *gathered = act + sizes[6] + sizes[7];
     int rc = 0, comm_failed = 0;
     memcpy(x, embedded, sizeof(uint16_t) * (size_t)m * hidden);
     for (int l = 0; l < layers && rc == 0 && !comm_failed; ++l) {
@@ -182,7 +198,7 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                                 threads);
         }
         rc |= step_linear(normed, P(l, F_QKV), P(l, F_QKV_AMX), Q(l, F_QKV_Q), P(l, F_QKV_BIAS), qkv, m, qkv_width,
-                          hidden, threads);
+                          hidden, threads, gathered);
         if (P(l, F_Q_NORM) != NULL)
             qk_head_norm_bf16(qkv, qkv_width, m, heads, kv_heads, head_dim, P(l, F_Q_NORM), P(l, F_K_NORM), eps,
                               threads);
@@ -191,7 +207,8 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
                              attn, m, heads, kv_heads, head_dim, kv_rows, scale, threads, qkv + attn_width,
                              qkv + attn_width + kv_heads * head_dim, qkv_width, out_loc, share_len, group_ptr,
                              members, groups);
-        rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), Q(l, F_O_Q), NULL, x, m, hidden, attn_width, threads);
+        rc |= step_linear(attn, P(l, F_O), P(l, F_O_AMX), Q(l, F_O_Q), NULL, x, m, hidden, attn_width, threads,
+                          gathered);
         if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
             comm_failed = 1;
         rms_norm_bf16_res32(x, hidden, residual, hidden, P(l, F_LN_POST), normed, residual, m, hidden, eps, threads);
@@ -199,10 +216,10 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
             rc |= tp_comm != NULL ? -1 : step_moe(Q(l, F_MOE), normed, x, moe_sum, m, hidden, threads);
         } else {
             rc |= step_linear(normed, P(l, F_GATE_UP), P(l, F_GATE_UP_AMX), Q(l, F_GATE_UP_Q), NULL, gate_up, m,
-                              2 * (int64_t)inter, hidden, threads);
+                              2 * (int64_t)inter, hidden, threads, gathered);
             silu_and_mul_bf16(gate_up, 2 * (int64_t)inter, act, m, inter, threads);
             rc |= step_linear(act, P(l, F_DOWN), P(l, F_DOWN_AMX), Q(l, F_DOWN_Q), NULL, x, m, hidden, inter,
-                              threads);
+                              threads, gathered);
             if (rc == 0 && tp_comm != NULL && shm_allreduce_bf16(tp_comm, x, (int64_t)m * hidden, threads) != 0)
                 comm_failed = 1;
         }
