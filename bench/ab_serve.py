@@ -134,6 +134,8 @@ def main() -> int:
     p.add_argument("--base-env", action="append", default=[], metavar="KEY=VALUE", help="added to the base server's")
     p.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE", help="added to the new server's")
     p.add_argument("--model", default=None, help="model path for both (default: the packaged default GGUF)")
+    p.add_argument("--base-model", default=None, help="another model for the base server (default: --model): "
+                   "two checkpoints of one model side by side, e.g. with --base-dir .")
     p.add_argument("--server-args", default="", help="more server flags for both, one string "
                    "(e.g. \"--torchao-config int4wo-64\")")
     p.add_argument("--rounds", type=int, default=8)
@@ -150,8 +152,8 @@ def main() -> int:
         args.model = str(default_model_file())
     log_dir = tempfile.mkdtemp(prefix="ab_serve-")
     extra = shlex.split(args.server_args)
-    servers = {"base": Server("base", os.path.abspath(args.base_dir), args.model, parse_env(args.base_env), log_dir,
-                              extra),
+    servers = {"base": Server("base", os.path.abspath(args.base_dir), args.base_model or args.model,
+                              parse_env(args.base_env), log_dir, extra),
                "new": Server("new", os.path.abspath(args.new_dir), args.model, parse_env(args.new_env), log_dir,
                              extra)}
     rng = random.Random(args.seed)
@@ -195,6 +197,7 @@ def main() -> int:
           f"{cpu['base']['children']:.0f} us, new {cpu['new']['server']:.0f} / {cpu['new']['children']:.0f} us",
           flush=True)
     print(json.dumps({"bench": "ab_serve", "base": args.base_dir, "new": args.new_dir, "model": args.model,
+                      "base_model": args.base_model or args.model,
                       "server_args": args.server_args, "base_env": args.base_env, "new_env": args.new_env,
                       "rounds": args.rounds,
                       "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,

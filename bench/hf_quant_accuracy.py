@@ -9,9 +9,10 @@ this one's (`--base-dir`: what a change to the integer weights' kernels costs or
 
 The checkpoints are made once from the packaged default GGUF (SmolLM2-135M-Instruct; nothing is downloaded) in
 `<tokenloom cache>/hf/`: the float one by transformers' own GGUF loader (the file dequantized), saved in bf16
-with its tokenizer (bench/serve_vs_peers.py's `ensure_hf_folder`); the GPTQ one from it by
+with its tokenizer (bench/serve_vs_peers.py's `ensure_hf_folder`); the GPTQ ones from it by
 tests/hf_quant_factory.py (round-to-nearest 4-bit codes per group of 64 input features, fp16 scales, integer
-zero points: the format's own packing, checkpoint_format "gptq").
+zero points: the format's own packing, checkpoint_format "gptq"; "gptq-act-64" with act-order, desc_act true:
+each layer input's features quantized in a random order, g_idx naming their groups).
 The float32 reference of each method is transformers with every linear weight (not the embedding and LM head,
 which tokenloom keeps in --dtype) replaced by exactly the integer weights dequantized (GPTQ: (q - z) s;
 torchao: `quantize_for_method(w).dequantize()`); transformers bf16 is that model in bf16.
@@ -51,7 +52,7 @@ from bench.accuracy import (  # noqa: E402
     tokenloom_engine,
 )
 
-METHODS = ("gptq-64", "int4wo-64", "int8wo")  # SmolLM2's 576 input features: groups of 64
+METHODS = ("gptq-64", "gptq-act-64", "int4wo-64", "int8wo")  # SmolLM2's 576 input features: groups of 64
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -69,37 +70,44 @@ def float_checkpoint() -> str:
     return ensure_hf_folder(str(default_model_file()))
 
 
-def gptq_checkpoint(float_folder: str, group: int) -> str:
-    """A GPTQ 4-bit checkpoint (round-to-nearest, asymmetric, `group` input features a group) of the float one."""
+def _gptq(method: str) -> tuple[int, bool]:
+    """"gptq-64" / "gptq-act-64" -> (group, act-order)."""
+    return int(method.rsplit("-", 1)[1]), "-act-" in method
+
+
+def gptq_checkpoint(float_folder: str, method: str) -> str:
+    """A GPTQ 4-bit checkpoint of the float one (round-to-nearest, asymmetric, groups of input features; with
+    act-order each layer input's features quantized in a random order, g_idx naming their groups), made once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.hf_quant_factory import write_prequant
 
-    folder = os.path.join(_hf_root(), f"SmolLM2-135M-Instruct-gptq-{group}")
+    group, act_order = _gptq(method)
+    folder = os.path.join(_hf_root(), f"SmolLM2-135M-Instruct-{method}")
     if not os.path.exists(os.path.join(folder, "config.json")):
         model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32)
-        write_prequant(folder, model, "gptq", group, sym=False, v1=True)
+        write_prequant(folder, model, "gptq", group, sym=False, v1=True, desc_act=act_order)
         AutoTokenizer.from_pretrained(float_folder).save_pretrained(folder)
     return folder
 
 
-def reference_model(float_folder: str, method: str) -> torch.nn.Module:
-    """transformers float32 with every linear layer's weight the method's integer weight, dequantized exactly."""
+def reference_model(float_folder: str, method: str, scratch: str) -> torch.nn.Module:
+    """transformers float32 with every linear layer's weight the method's integer weight, dequantized exactly
+    (GPTQ: the model tests/hf_quant_factory.py returns beside the checkpoint it writes again in `scratch`)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.hf_quant_factory import dequant, quantize_groups
+    from tests.hf_quant_factory import write_prequant
     from tokenloom.layers.int_quant import quantize_for_method
 
     model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    if method.startswith("gptq-"):
+        group, act_order = _gptq(method)
+        return write_prequant(os.path.join(scratch, method), model, "gptq", group, sym=False, v1=True,
+                              desc_act=act_order)[1]
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
-                w = module.weight
-                if method.startswith("gptq-"):
-                    group = int(method.removeprefix("gptq-"))
-                    w.copy_(dequant(*quantize_groups(w, group, False), group))
-                else:
-                    w.copy_(quantize_for_method(w, method).dequantize())
+                module.weight.copy_(quantize_for_method(module.weight, method).dequantize())
     return model
 
 
@@ -108,13 +116,13 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
 
     float_folder = float_checkpoint()
     if method.startswith("gptq-"):
-        flags = ["--model-path", gptq_checkpoint(float_folder, int(method.removeprefix("gptq-")))]
+        flags = ["--model-path", gptq_checkpoint(float_folder, method)]
     else:
         flags = ["--model-path", float_folder, "--torchao-config", method]
     tokenizer = AutoTokenizer.from_pretrained(float_folder)
     chunks = chunk_tokens(corpus_ids(tokenizer), args.chunks, args.chunk_len, args.shift)
     prompts = [c[: args.prompt_len] for c in chunks[: args.greedy_prompts]]
-    ref_model = reference_model(float_folder, method)
+    ref_model = reference_model(float_folder, method, log_dir)
     started = time.time()
     engines = {
         "served": lambda: tokenloom_engine(flags, chunks, prompts, args.new_tokens, log_dir),
@@ -169,7 +177,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.make_only:
         folder = float_checkpoint()
-        print(json.dumps({"float": folder, "gptq-64": gptq_checkpoint(folder, 64)}))
+        print(json.dumps({"float": folder, **{m: gptq_checkpoint(folder, m) for m in METHODS if "gptq" in m}}))
         return 0
     if args.quick:
         args.chunks, args.greedy_prompts = 8, 6

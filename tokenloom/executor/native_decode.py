@@ -22,7 +22,7 @@ descriptor and its matmul is csrc/quant_gemm.c's quant_linear, the kernel the mo
 `quant_gemm.linear` calls, with the same row-count rule; the LM head is quantized the same way or (a float head
 beside quantized layers, as GPTQ/AWQ/--torchao-config leave it) the float32-output kernel the modular path's
 LM head calls; a GPTQ act-order layer's input is gathered in its columns' order first (the descriptor's input
-order), as the modular path's `index_select` gathers it. So the two paths are bit-identical at every batch size,
+order), as the modular path gathers it. So the two paths are bit-identical at every batch size,
 and the step takes up to `QUANT_MAX_BATCH` requests. A model that mixes quantized and float linear layers (or
 a quantized layer holding a float part) decodes through the modular path, as does one whose integer weights
 stay on torch's kernels (w8a8_int8; no native descriptor).

@@ -227,7 +227,7 @@ class IntQuantMatrix:
             return self._linear_w8a8(x, bias, out_dtype)
         x2 = x.reshape(-1, self.cols)
         if self.in_perm is not None:
-            x2 = x2.index_select(1, self.in_perm)
+            x2 = x2[:, self.in_perm]
         x2 = x2.to(self.dtype).contiguous()
         if self.bits == 8:
             if x2.shape[0] <= INT8PACK_MAX_ROWS:

@@ -51,7 +51,7 @@ KERNEL_API int decode_layer_fields(void) { return LAYER_FIELDS; }
  * segments' rows stack in order (a merged projection may hold parts of different types). Output features
  * [row, row + rows) of `out` come from one segment. With an input order (a GPTQ act-order layer, its columns
  * sorted by group) x's features are first gathered in that order into `gathered` (bf16 [m, k] scratch), as the
- * modular path's index_select gathers them. x rows are k apart. */
+ * modular path's gather does. x rows are k apart. */
 static int step_quant_linear(const int64_t *desc, const uint16_t *x, const uint16_t *bias, void *out,
                              int out_is_f32, int m, int64_t n, int64_t k, int threads, uint16_t *gathered) {
     const int64_t *order = (const int64_t *)(intptr_t)desc[1];
