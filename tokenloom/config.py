@@ -96,13 +96,15 @@ class ServerArgs:
         None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
         "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder); gptq "
-        "and awq load those 4-bit checkpoints (detected from config.json when unset); w8a8_int8 quantizes a "
+        "and awq load those 4-bit checkpoints (detected from config.json when unset; GPTQ act-order too; with bf16 "
+        "activations they run on the GGUF kernels as Q4_1 / Q4_0 blocks); w8a8_int8 quantizes a "
         "float checkpoint's linear weights to int8 per output channel at load and the activations to int8 per "
         "token (int8 x int8 -> int32 matmuls).")
     torchao_config: str | None = _flag(
         None, "Quantize a Hugging Face (float) checkpoint's linear weights at load (SGLang's flag; torchao is not "
         "needed): int8wo (int8 per output channel) or int4wo-<group> (int4 per group of 32, 64, 128 or 256 "
-        "input features, asymmetric); activations stay in --dtype.")
+        "input features, asymmetric); activations stay in --dtype (bf16: the weights run on the GGUF kernels as "
+        "Q8_0 / Q4_1 blocks).")
     context_length: int | None = _flag(None, "Override the model's context length.")
     served_model_name: str | None = _flag(None, "Model id reported by the API (default: the model path).")
     tool_call_parser: str | None = _flag(
