@@ -174,9 +174,11 @@ KERNEL_API int decode_forward_bf16(const int64_t *layer_ptrs, int layers, const 
     /* the last: a quantized layer's input gathered in its order (step_quant_linear), as wide as any input */
     int64_t widest = hidden > attn_width ? hidden : attn_width;
     if (inter > widest) widest = inter;
-    const int64_t sizes[9] = {ALIGNED((int64_t)m * hidden), ALIGNED(2 * (int64_t)m * hidden), ALIGNED((int64_t)m * hidden),
-                              ALIGNED(m * qkv_width), ALIGNED(m * attn_width), ALIGNED(2 * (int64_t)m * inter),
-                              ALIGNED((int64_t)m * inter), ALIGNED(2 * (int64_t)m * hidden), ALIGNED(m * widest)};
+    const int64_t sizes[9] = {ALIGNED((int64_t)m * hidden),    ALIGNED(2 * (int64_t)m * hidden),
+                              ALIGNED((int64_t)m * hidden),    ALIGNED(m * qkv_width),
+                              ALIGNED(m * attn_width),         ALIGNED(2 * (int64_t)m * inter),
+                              ALIGNED((int64_t)m * inter),     ALIGNED(2 * (int64_t)m * hidden),
+                              ALIGNED(m * widest)};
 #undef ALIGNED
     int64_t total = 0;
     for (int i = 0; i < 9; ++i) total += sizes[i];
