@@ -1,8 +1,9 @@
 """Tiny GPTQ and AWQ checkpoints the tests write themselves from a known float model.
 
 Each linear weight is quantized here with the formats' own formula (4-bit codes per group of input features,
-w = (q - z) * s, s in fp16; symmetric: z = 8) and packed with numpy bit operations written independently of
-tokenloom's unpacking (tokenloom/models/prequant.py): GPTQ packs eight codes per int32 along the input dim
+w = (q - z) * s, s in fp16; symmetric: z = 8; GPTQ 8-bit symmetric: s = 2 max|w| / 255, z = 128, codes clamped
+to [0, 255], so q - z reaches -128) and packed with numpy bit operations written independently of
+tokenloom's unpacking (tokenloom/models/prequant.py): GPTQ packs 32 / bits codes per int32 along the input dim
 (zero points minus one in checkpoint_format "gptq"), AWQ along the output dim in the order
 [0, 2, 4, 6, 1, 3, 5, 7]. `write_prequant` returns the known integer codes and a transformers model whose
 linear weights are exactly the dequantized ones: the float reference.
@@ -19,10 +20,18 @@ import torch
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [N, K], z [N, G] int64 codes, s [N, G] fp16) with w ~ (q - z) * s."""
+def quantize_groups(w: torch.Tensor, group: int, sym: bool, bits: int = 4
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K], z [N, G] int64 codes, s [N, G] fp16) with w ~ (q - z) * s; group -1: one group per row."""
     n, k = w.shape
+    group = k if group == -1 else group
     wg = w.float().view(n, k // group, group)
+    if bits == 8:  # GPTQ's symmetric quantizer: maxq 255, zero (maxq + 1) / 2
+        assert sym, "8-bit: symmetric only"
+        s = (2 * wg.abs().amax(-1) / 255).clamp(min=1e-4).half()
+        z = torch.full((n, k // group), 128, dtype=torch.int64)
+        q = torch.round(wg / s.float().unsqueeze(-1) + 128).clamp(0, 255).to(torch.int64)
+        return q.view(n, k), z, s
     if sym:
         s = (wg.abs().amax(-1) / 7.5).clamp(min=1e-4).half()
         z = torch.full((n, k // group), 8, dtype=torch.int64)
@@ -37,14 +46,16 @@ def quantize_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tenso
 
 def dequant(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
     n, k = q.shape
+    group = k if group == -1 else group
     return ((q.view(n, -1, group) - z.unsqueeze(-1)).float() * s.float().unsqueeze(-1)).view(n, k)
 
 
-def _pack_rows_of_8(codes: np.ndarray) -> np.ndarray:
-    """uint [R * 8, C] -> int32 [R, C]: code 8r + i at bits 4i of word r."""
-    words = np.zeros((codes.shape[0] // 8, codes.shape[1]), dtype=np.uint32)
-    for i in range(8):
-        words |= codes[i::8].astype(np.uint32) << np.uint32(4 * i)
+def _pack_rows(codes: np.ndarray, bits: int = 4) -> np.ndarray:
+    """uint [R * n, C] -> int32 [R, C], n = 32 / bits: code n r + i at bits `bits` i of word r."""
+    n = 32 // bits
+    words = np.zeros((codes.shape[0] // n, codes.shape[1]), dtype=np.uint32)
+    for i in range(n):
+        words |= codes[i::n].astype(np.uint32) << np.uint32(bits * i)
     return words.view(np.int32)
 
 
@@ -58,25 +69,27 @@ def _pack_awq(codes: np.ndarray) -> np.ndarray:
 
 
 def pack(method: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int, v1: bool = True,
-         g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+         g_idx: torch.Tensor | None = None, bits: int = 4) -> dict[str, torch.Tensor]:
     """The module's checkpoint tensors (without the prefix); `g_idx`: GPTQ's group of each input feature
-    (default k // group)."""
+    (default k // group; group -1: all zeros)."""
     qn, zn = q.numpy(), z.numpy()
     if method == "gptq":
-        stored_z = (zn - 1) & 15 if v1 else zn
-        return {"qweight": torch.from_numpy(_pack_rows_of_8(qn.T.copy())),
-                "qzeros": torch.from_numpy(_pack_zeros_gptq(stored_z.T.copy())),
+        stored_z = (zn - 1) & ((1 << bits) - 1) if v1 else zn
+        per_group = q.shape[1] if group == -1 else group
+        return {"qweight": torch.from_numpy(_pack_rows(qn.T.copy(), bits)),
+                "qzeros": torch.from_numpy(_pack_zeros_gptq(stored_z.T.copy(), bits)),
                 "scales": s.t().contiguous(),
-                "g_idx": (torch.arange(q.shape[1]) // group if g_idx is None else g_idx).to(torch.int32)}
+                "g_idx": (torch.arange(q.shape[1]) // per_group if g_idx is None else g_idx).to(torch.int32)}
     return {"qweight": torch.from_numpy(_pack_awq(qn.T.copy())), "qzeros": torch.from_numpy(_pack_awq(zn.T.copy())),
             "scales": s.t().contiguous()}
 
 
-def _pack_zeros_gptq(zt: np.ndarray) -> np.ndarray:
-    """uint [G, N] -> int32 [G, N / 8]: zero of column 8j + i at bits 4i of word j."""
-    words = np.zeros((zt.shape[0], zt.shape[1] // 8), dtype=np.uint32)
-    for i in range(8):
-        words |= zt[:, i::8].astype(np.uint32) << np.uint32(4 * i)
+def _pack_zeros_gptq(zt: np.ndarray, bits: int = 4) -> np.ndarray:
+    """uint [G, N] -> int32 [G, N / n], n = 32 / bits: zero of column n j + i at bits `bits` i of word j."""
+    n = 32 // bits
+    words = np.zeros((zt.shape[0], zt.shape[1] // n), dtype=np.uint32)
+    for i in range(n):
+        words |= zt[:, i::n].astype(np.uint32) << np.uint32(bits * i)
     return words.view(np.int32)
 
 
@@ -93,7 +106,7 @@ def _input_order(module: str, k: int) -> torch.Tensor:
 
 
 def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sym: bool = False,
-                   v1: bool = True, desc_act: bool = False) -> tuple[dict[str, tuple], torch.nn.Module]:
+                   v1: bool = True, desc_act: bool = False, bits: int = 4) -> tuple[dict[str, tuple], torch.nn.Module]:
     """Write `hf` as a `method` checkpoint in `folder`; return ({module: (q, z, s)}, the float reference).
     `desc_act` (GPTQ act-order): each layer input's features are quantized in a random order (one order per
     input, shared by the projections that read it, as GPTQ's Hessian order is), group i of the order being
@@ -110,19 +123,19 @@ def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sy
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
             if desc_act:
                 order = _input_order(module, t.shape[1])
-                q, z, s = quantize_groups(t[:, order], group, sym)
+                q, z, s = quantize_groups(t[:, order], group, sym, bits)
                 known[module] = (q, z, s, order)
                 codes = torch.empty_like(q)
                 codes[:, order] = q
                 g_idx = torch.empty(t.shape[1], dtype=torch.int64)
                 g_idx[order] = torch.arange(t.shape[1]) // group
-                packed = pack(method, codes, z, s, group, v1, g_idx)
+                packed = pack(method, codes, z, s, group, v1, g_idx, bits)
                 w = torch.empty_like(t)
                 w[:, order] = dequant(q, z, s, group)
             else:
-                q, z, s = quantize_groups(t, group, sym)
+                q, z, s = quantize_groups(t, group, sym, bits)
                 known[module] = (q, z, s)
-                packed = pack(method, q, z, s, group, v1)
+                packed = pack(method, q, z, s, group, v1, bits=bits)
                 w = dequant(q, z, s, group)
             for part, value in packed.items():
                 tensors[f"{module}.{part}"] = value
@@ -135,7 +148,7 @@ def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sy
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     cfg = hf.config.to_dict()
     if method == "gptq":
-        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
                                       "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
     else:
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,

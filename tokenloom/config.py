@@ -41,8 +41,8 @@ GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "outlines", "none")  # tokenloom/g
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 # --quantization: gguf keeps a .gguf file's quantized tensors quantized (its default); none dequantizes every
 # weight to --dtype at load. SGLang's other methods need their own checkpoint formats and kernels.
-# gptq / awq: a Hugging Face checkpoint quantized to 4 bits by those tools (detected from its config.json's
-# quantization_config when the flag is unset; set, it must match). w8a8_int8: a float checkpoint's linear
+# gptq / awq: a Hugging Face checkpoint quantized to 4 bits (gptq: or 8) by those tools (detected from its
+# config.json's quantization_config when the flag is unset; set, it must match). w8a8_int8: a float checkpoint's linear
 # weights quantized at load to int8 per output channel, activations to int8 per token.
 QUANTIZATIONS = ("gguf", "none", "gptq", "awq", "w8a8_int8")
 # --torchao-config (SGLang's flag): quantize a float checkpoint's linear weights at load; int4wo-<group>.
@@ -96,10 +96,10 @@ class ServerArgs:
         None, "Weight quantization: gguf keeps a .gguf file's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
         "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder); gptq "
-        "and awq load those 4-bit checkpoints (detected from config.json when unset; GPTQ act-order too; with bf16 "
-        "activations they run on the GGUF kernels as Q4_1 / Q4_0 blocks); w8a8_int8 quantizes a "
-        "float checkpoint's linear weights to int8 per output channel at load and the activations to int8 per "
-        "token (int8 x int8 -> int32 matmuls).")
+        "and awq load those 4-bit checkpoints, gptq symmetric 8-bit ones too (detected from config.json when unset; "
+        "GPTQ act-order too; with bf16 activations they run on the GGUF kernels as Q4_1 / Q4_0 / Q8_0 blocks); "
+        "w8a8_int8 quantizes a float checkpoint's linear weights to int8 per output channel at load and the "
+        "activations to int8 per token (int8 x int8 -> int32 matmuls).")
     torchao_config: str | None = _flag(
         None, "Quantize a Hugging Face (float) checkpoint's linear weights at load (SGLang's flag; torchao is not "
         "needed): int8wo (int8 per output channel) or int4wo-<group> (int4 per group of 32, 64, 128 or 256 "

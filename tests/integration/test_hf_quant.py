@@ -196,11 +196,13 @@ def test_torchao_group_that_does_not_fit_is_refused_naming_the_layer(tmp_path):
         _runner(folder, torchao_config="int4wo-128")
 
 
-PREQUANT = {  # name: (method, group, sym, v1)
+PREQUANT = {  # name: (method, group, sym, v1[, bits])
     "gptq_v1_asym": ("gptq", 64, False, True),
     "gptq_v1_sym": ("gptq", 128, True, True),
     "gptq_v2": ("gptq", 32, False, False),
     "awq": ("awq", 64, False, False),
+    "gptq8": ("gptq", 128, True, True, 8),  # Qwen's GPTQ-Int8 form: symmetric, groups of 128, v1
+    "gptq8_channel": ("gptq", -1, True, False, 8),  # group_size -1: per output channel
 }
 ACT_ORDER = "gptq_act_order"  # desc_act true: (gptq, 32, asymmetric, v1), each input's features in a random order
 
@@ -211,10 +213,10 @@ def prequant(tmp_path_factory):
 
     def get(name: str) -> tuple[str, dict, torch.nn.Module]:
         if name not in cache:
-            method, group, sym, v1 = PREQUANT[name] if name != ACT_ORDER else ("gptq", 32, False, True)
+            method, group, sym, v1, *bits = PREQUANT[name] if name != ACT_ORDER else ("gptq", 32, False, True)
             folder = str(tmp_path_factory.mktemp(name))
             known, ref = write_prequant(folder, _hf(seed=2, tie_word_embeddings=True), method, group, sym, v1,
-                                        desc_act=name == ACT_ORDER)
+                                        desc_act=name == ACT_ORDER, bits=bits[0] if bits else 4)
             cache[name] = (folder, known, ref)
         return cache[name]
 
@@ -224,19 +226,23 @@ def prequant(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PREQUANT))
 def test_prequant_loads_exact_codes_and_matches_the_dequantized_model(prequant, name):
     folder, known, ref_model = prequant(name)
-    method, group, _, _ = PREQUANT[name]
+    method, group, _, _, *bits = PREQUANT[name]
     runner = _runner(folder)
     assert runner.source.quantization == method
     layer = runner.model.layers[1]
     down = layer.mlp.down_proj.quant.segments[0].weight
-    assert down.name == f"{method}-int4-g{group}" and down.packed
+    width = bits[0] if bits else 4
+    assert down.name == f"{method}-int{width}-" + ("channel" if group == -1 else f"g{group}") and down.packed
     # The codes as loaded (before packing) are the known ones exactly: unpack the same module again.
     with open(os.path.join(folder, "config.json")) as f:
         cfg = read_quant_config(json.load(f), "config.json")
     loaded = dict(convert(_safetensors_tensors(folder), cfg))
     q, z, s = known["model.layers.1.mlp.down_proj"]
     got = loaded["model.layers.1.mlp.down_proj.weight"]
-    assert torch.equal(got.q.long(), q) and torch.equal(got.zeros.long(), z)
+    if width == 8:  # int8 codes q - 128, no zero points (every one 128)
+        assert torch.equal(got.q.long(), q - 128) and got.zeros is None and bool((z == 128).all())
+    else:
+        assert torch.equal(got.q.long(), q) and torch.equal(got.zeros.long(), z)
     assert torch.equal(got.scales, s.float())
     # Logits vs transformers on exactly the dequantized weights (float32 activations: sums in another order).
     ref = _reference(ref_model)
@@ -255,7 +261,7 @@ def test_prequant_config_in_a_sidecar_file(prequant, tmp_path, name, sidecar):
     import shutil
 
     folder, _, _ = prequant(name)
-    method, group, _, _ = PREQUANT[name]
+    method, group, _, _, *_ = PREQUANT[name]
     copy = str(tmp_path / name)
     shutil.copytree(folder, copy)
     with open(os.path.join(copy, "config.json")) as f:
@@ -274,8 +280,8 @@ def test_prequant_config_in_a_sidecar_file(prequant, tmp_path, name, sidecar):
     assert runner.source.quantization == method
     assert torch.equal(_logits(runner), _logits(_runner(folder)))
     with open(os.path.join(copy, sidecar), "w") as f:
-        json.dump({**side, "bits": 8, "w_bit": 8}, f)
-    with pytest.raises(ModelConfigError, match=rf"{sidecar}: {method} with bits=8"):
+        json.dump({**side, "bits": 3, "w_bit": 3}, f)
+    with pytest.raises(ModelConfigError, match=rf"{sidecar}: {method} with bits=3"):
         _runner(copy)
 
 
@@ -376,7 +382,7 @@ def _tp_rank(rank: int, path: str, flags: dict, port: int, results) -> None:
         results.put((rank, {"error": traceback.format_exc()}))
 
 
-@pytest.mark.parametrize("which", ["awq", "awq_bf16", "torchao", "torchao_bf16", "w8a8"])
+@pytest.mark.parametrize("which", ["awq", "awq_bf16", "torchao", "torchao_bf16", "w8a8", "gptq8_channel_bf16"])
 def test_tensor_parallel_two_ranks_match_tp1(prequant, float_folder, which):
     """TP=2 against TP=1 on the same weights: the int4 checkpoints to float32 rounding. w8a8_int8 quantizes the
     activations per token, and at TP=2 each rank's row-parallel layer (o_proj, down_proj) takes that scale from
@@ -384,10 +390,11 @@ def test_tensor_parallel_two_ranks_match_tp1(prequant, float_folder, which):
     so within a few per cent of the logits' range, with the same greedy tokens. bf16 activations (the GGUF
     blocks, each rank holding its shard's blocks): the int8 activation blocks are the same 32 features on
     either side of the split, so the two differ by float32 summation order and the bf16 rounding of the
-    partial sums all-reduced."""
-    path = prequant("awq")[0] if which.startswith("awq") else float_folder[0]
-    flags = {"awq": {}, "torchao": {"torchao_config": "int4wo-64"}, "w8a8": {"quantization": "w8a8_int8"}}[
-        which.removesuffix("_bf16")]
+    partial sums all-reduced. A per-channel 8-bit GPTQ checkpoint's row-parallel layers split anywhere (each
+    row's one scale goes with both halves)."""
+    kind = which.removesuffix("_bf16")
+    path = prequant(kind)[0] if kind in PREQUANT else float_folder[0]
+    flags = {"torchao": {"torchao_config": "int4wo-64"}, "w8a8": {"quantization": "w8a8_int8"}}.get(kind, {})
     if which.endswith("_bf16"):
         flags = {**flags, "dtype": "bfloat16"}
     reference = _logits(_runner(path, **flags))
@@ -403,9 +410,10 @@ def test_tensor_parallel_two_ranks_match_tp1(prequant, float_folder, which):
             assert (logits - reference).abs().max().item() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("which", ["int4wo-64", "int8wo", "gptq_v1_asym", "gptq_v1_sym", "awq"])
+@pytest.mark.parametrize("which", ["int4wo-64", "int8wo", "gptq_v1_asym", "gptq_v1_sym", "awq", "gptq8"])
 def test_native_decode_step_bit_identical_to_modular_path(prequant, float_folder, which):
-    """bf16 (the default): the integer weights as GGUF blocks (Q4_1; Q4_0 for symmetric GPTQ; Q8_0 for int8wo)
+    """bf16 (the default): the integer weights as GGUF blocks (Q4_1; Q4_0 for symmetric GPTQ; Q8_0 for int8wo
+    and 8-bit GPTQ)
     are the one-call step's quantized linears, beside the float LM head, and every decode step's logits and KV
     equal the modular path's bit for bit."""
     from tests.integration.test_native_decode import _compare_paths, _tokens
@@ -413,7 +421,8 @@ def test_native_decode_step_bit_identical_to_modular_path(prequant, float_folder
     path = prequant(which)[0] if which in PREQUANT else float_folder[0]
     flags = {} if which in PREQUANT else {"torchao_config": which}
     runner = _runner(path, dtype="bfloat16", max_total_tokens=2048, max_running_requests=4, **flags)
-    kind = "gptq_sym" if which == "gptq_v1_sym" else PREQUANT[which][0] if which in PREQUANT else which
+    kind = {"gptq_v1_sym": "gptq_sym", "gptq8": "int8wo"}.get(which) or (PREQUANT[which][0] if which in PREQUANT
+                                                                        else which)
     if not _as_blocks(kind, "bfloat16") or runner.native_decode is None:
         pytest.skip("no native quantized kernels or decode step on this machine")
     assert runner.native_decode.quantized and runner.native_decode._lm_head_q is None

@@ -107,7 +107,10 @@ def test_convert_streams_weights_and_checks_g_idx():
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8; only 4-bit"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3; implemented: 4- and 8-bit"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits=8; implemented: 4-bit"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "8-bit with sym false"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 48}, "8-bit group_size 48; .*multiples of 32"),
     ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "fp8"}, "'fp8' is not supported"),
@@ -122,6 +125,67 @@ def test_quant_configs_outside_the_implementation_are_refused(qc, match):
     act_order = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
                                                            "desc_act": True}}, "c")
     assert act_order == PrequantConfig("gptq", 128, True, act_order=True)
+    int8 = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": -1,
+                                                      "sym": True}}, "c")
+    assert int8 == PrequantConfig("gptq", -1, True, bits=8) and int8.name == "gptq-int8-channel"
+
+
+@pytest.mark.parametrize("group", [32, 128, -1])
+@pytest.mark.parametrize("v1", [True, False])
+def test_gptq_8bit_unpacks_to_int8_codes_exactly(group, v1):
+    """8-bit GPTQ (four codes a word, zero points 128 stored as 127 in v1): int8 codes q - 128 (which reach
+    -128), the fp16 scales per group, the dequantized weight the checkpoint's exactly; a zero point other than
+    128 is refused naming the layer."""
+    q, z, s = quantize_groups(_w(48, 256), group, True, bits=8)
+    assert int(q.min()) == 0  # some code minus its zero point is -128, beyond a Q8_0 file's [-127, 127]
+    t = pack("gptq", q, z, s, group, v1, bits=8)
+    assert t["qweight"].shape == (64, 48) and t["qzeros"].shape == (s.shape[1], 12)
+    qm = unpack_gptq(t["qweight"], t["qzeros"], t["scales"], PrequantConfig("gptq", group, v1, bits=8), "x")
+    assert qm.bits == 8 and qm.q.dtype == torch.int8 and qm.zeros is None
+    assert torch.equal(qm.q.long(), q - 128) and torch.equal(qm.scales, s.float())
+    assert torch.equal(qm.dequantize(), dequant(q, z, s, group))
+    t["qzeros"] = pack("gptq", q, z + 1, s, group, v1, bits=8)["qzeros"]
+    with pytest.raises(ModelConfigError, match="layers.0.mlp.up_proj: gptq 8-bit zero points other than 128"):
+        unpack_gptq(t["qweight"], t["qzeros"], t["scales"], PrequantConfig("gptq", group, v1, bits=8),
+                    "layers.0.mlp.up_proj")
+
+
+@pytest.mark.parametrize("group", [32, 128, -1])
+@pytest.mark.parametrize("m", [1, 4, 64, 67])
+def test_gptq_8bit_weights_run_as_q8_0_blocks(group, m):
+    """bf16 activations: Q8_0 blocks holding the codes and fp16 scales bit for bit (code -128 included), on the
+    native kernels within the int8 activation terms' bound (or the bf16 tile's on the many-row path); float32
+    activations: the weight dequantized per call (torch has no grouped int8 kernel), a float32 matmul's
+    result; a column split on group boundaries (or any split, per channel) keeps the weight's columns."""
+    q, z, s = quantize_groups(_w(96, 256), group, True, bits=8)
+    t = pack("gptq", q, z, s, group, True, bits=8)
+    qm = unpack_gptq(t["qweight"], t["qzeros"], t["scales"], PrequantConfig("gptq", group, True, bits=8), "x")
+    exact = dequant(q, z, s, group).double()
+    x = (torch.randn(m, 256, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    f32 = QuantWeight.from_parts([qm])
+    f32.prepare(torch.float32)
+    assert isinstance(f32.segments[0].weight, IntQuantMatrix)
+    y32 = f32.linear(x.float(), None, torch.float32).double()
+    assert (y32 - x.double() @ exact.t()).abs().max().item() < 1e-5 * (x.double().abs() @ exact.abs().t()).max()
+    half = qm.narrow_cols(128, 128)
+    assert torch.equal(half.dequantize(), exact[:, 128:].float())
+    if not native_supported(TYPE_IDS["Q8_0"]):
+        pytest.skip("no native Q8_0 kernels on this machine")
+    blocks = qm.as_gguf_blocks(torch.bfloat16)
+    assert blocks.name == "Q8_0" and blocks.nbytes == 96 * 256 // 32 * 34
+    assert torch.equal(dequantize(blocks).double(), exact)
+    qw = QuantWeight.from_parts([qm])
+    qw.prepare(torch.bfloat16)
+    held = qw.segments[0].weight
+    assert isinstance(held, QuantMatrix) and held.name == "Q8_0"
+    ref = x.double() @ exact.t()
+    mag = x.double().abs() @ exact.abs().t()
+    if _native().quant_path(held.qtype, m, 256, 0) == 0:  # many rows: the weight tile rounded once to bf16
+        bound = 2.0 ** -8 * mag + 1e-6
+    else:
+        dx = x.double().abs().view(m, 8, 32).amax(-1).repeat_interleave(32, dim=1) / 127
+        bound = (dx / 256) @ exact.abs().t() + 1e-5 * mag + 1e-6
+    assert ((qw.linear(x, None, torch.float32).double() - ref).abs() <= bound).all()
 
 
 def _act_order_module(n: int = 48, k: int = 256, group: int = 32, seed: int = 7):

@@ -8,8 +8,9 @@ checkpoints arrive already quantized (models/prequant.py unpacks their int32 pac
 x to int8 with its own scale max|x_row| / 127, an int8 x int8 -> int32 matmul (`torch._int_mm`, VNNI), then
 y = acc * s_x[row] * s_w[col] in float32 (SGLang's w8a8_int8 scheme).
 
-Form before `prepare` (sliceable, like `QuantMatrix`): `q` [rows, cols] integer codes (int8 in [-127, 127]
-for 8 bits; uint8 in [0, 15] for 4 bits), `scales` and `zeros` float32 [rows, cols // group]; the weight is
+Form before `prepare` (sliceable, like `QuantMatrix`): `q` [rows, cols] integer codes (int8 for 8 bits: [-127,
+127] from torchao's formula, [-128, 127] from an 8-bit GPTQ checkpoint; uint8 in [0, 15] for 4 bits), `scales`
+and `zeros` float32 [rows, cols // group] (8 bits: one group per row, or GPTQ's groups); the weight is
     w[r, c] = (q[r, c] - zeros[r, c // group]) * scales[r, c // group]       (zeros None = symmetric, 0).
 With bf16 / fp16 activations, where the native quantized kernels run (kernels/quant_gemm.py), the weight is
 re-expressed in GGUF blocks instead (`as_gguf_blocks`, which layers/quant_linear.py's `QuantWeight.prepare`
@@ -17,14 +18,17 @@ prefers) and runs those kernels (the native decode step included): 4 bits as Q4_
 group d = s and m = -z s in f16 (w = q d + m; GPTQ/AWQ scales are f16 already and stay exact, the minimum m is
 rounded once to f16: at most 1/128 of the group's step, since |z| <= 16), or as Q4_0 where every zero point is
 8 (symmetric GPTQ, AutoGPTQ's default: w = (q - 8) d, exact, 4.5 bits a weight), 8 bits weight-only as Q8_0
-(d = the row's scale in f16). Against torch's int4 op, whose scales and zero points are rounded to bf16 (8 bits of
-mantissa), this keeps 3 more bits and runs the AVX-512 / AVX2 kernels (bench/hf_quant.py); it holds 5 bits a
-weight (Q4_1) or 4.5 (Q4_0) where a group of 128 takes 4.25 (a GPTQ file: 1.17x / 1.06x its bytes). float32
-activations keep torch's kernels, whose float32 scales are exact.
+(d = the row's or group's scale in f16; an 8-bit GPTQ checkpoint's f16 scales stay exact). Against torch's
+int4 op, whose scales and zero points are rounded to bf16 (8 bits of mantissa), this keeps 3 more bits and
+runs the AVX-512 / AVX2 kernels (bench/hf_quant.py); it holds 5 bits a weight (Q4_1) or 4.5 (Q4_0) where a
+group of 128 takes 4.25 (a GPTQ file: 1.17x / 1.06x its bytes). float32 activations keep torch's kernels,
+whose float32 scales are exact.
 `prepare(dtype)` packs for torch's kernels: 8 bits keeps `q` and per-row scales in `dtype`
-(`aten._weight_int8pack_mm`); 4 bits packs `q` with `aten._convert_weight_to_int4pack_for_cpu` and folds the
-zero points into torch's form w = (q - 8) * s + z' (`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros
-[groups, rows, 2] in `dtype`). `kernel_weight()` is that weight as float32 (the dequantized weight with
+(`aten._weight_int8pack_mm`; 8 bits in groups, which torch has no kernel for, is dequantized to `dtype` on
+each call: the float32 path, or a CPU without the native kernels); 4 bits packs `q` with
+`aten._convert_weight_to_int4pack_for_cpu` and folds the zero points into torch's form w = (q - 8) * s + z'
+(`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros [groups, rows, 2] in `dtype`). `kernel_weight()` is
+that weight as float32 (the dequantized weight with
 scales and zeros rounded to `dtype`): the exact reference the kernels are tested against.
 
 Invariants: a prepared matrix is read-only and cannot be sliced; shards of input features fall on group
@@ -88,8 +92,9 @@ class IntQuantMatrix:
         if self.packed:
             raise RuntimeError("a prepared IntQuantMatrix cannot be sliced or joined")
 
-    def _with(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> IntQuantMatrix:
-        return IntQuantMatrix(self.bits, self.group, q, scales, zeros, self.name, act_quant=self.act_quant,
+    def _with(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+              group: int | None = None) -> IntQuantMatrix:
+        return IntQuantMatrix(self.bits, group or self.group, q, scales, zeros, self.name, act_quant=self.act_quant,
                               in_perm=self.in_perm)
 
     def narrow_rows(self, start: int, length: int) -> IntQuantMatrix:
@@ -104,6 +109,8 @@ class IntQuantMatrix:
             raise QuantSplitError(f"{what or 'tensor'}: an act-order (desc_act) layer's groups gather input "
                                   f"features from all over its {self.cols}; its input features cannot be split "
                                   "across tensor-parallel ranks (use --tp-size 1, or a desc_act false checkpoint)")
+        if self.group == self.cols and self.zeros is None and self.in_perm is None:  # per channel: any split
+            return self._with(self.q.narrow(1, start, length), self.scales, None, group=length)
         if start % self.group or length % self.group:
             raise QuantSplitError(f"{what or 'tensor'}: splitting its {self.cols} input features at {start} "
                                   f"(+{length}) cuts a {self.name} group of {self.group}; choose a tp-size that "
@@ -149,16 +156,16 @@ class IntQuantMatrix:
         else None (float32 activations, w8a8_int8, widths that are not whole 32-element blocks, scales f16
         cannot hold)."""
         self._check_unpacked()
-        if dtype == torch.float32 or self.act_quant or self.cols % BLOCK:
+        if dtype == torch.float32 or self.act_quant or self.cols % BLOCK or self.group % BLOCK:
             return None
-        if self.bits == 8 and (self.zeros is not None or self.group != self.cols):
+        if self.bits == 8 and self.zeros is not None:
             return None
         symmetric = self.bits == 4 and self.zeros is not None and bool((self.zeros == 8).all())
         qtype = Q8_0 if self.bits == 8 else Q4_0 if symmetric else Q4_1
         if not quant_gemm.native_supported(qtype):
             return None
         nb = self.cols // BLOCK
-        s = self.scales.double().repeat_interleave(self.group // BLOCK if self.bits == 4 else nb, dim=1)
+        s = self.scales.double().repeat_interleave(self.group // BLOCK, dim=1)
         d = s.to(torch.float16)
         fields = [d]
         if qtype == Q4_1:
@@ -178,7 +185,7 @@ class IntQuantMatrix:
     def _kernel_params(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scales, z') rounded to `dtype` as the kernels hold them (z' only for 4 bits: w = (q - 8) s + z')."""
         if self.bits == 8:
-            return self.scales[:, 0].to(dtype), None
+            return self.scales.to(dtype), None
         z = torch.zeros_like(self.scales) if self.zeros is None else self.zeros
         return self.scales.to(dtype), ((8.0 - z) * self.scales).to(dtype)
 
@@ -190,7 +197,9 @@ class IntQuantMatrix:
             return self._unpermuted(quant_gemm.dequantize(blocks))
         s, zp = self._kernel_params(dtype)
         if self.bits == 8:
-            return self.q.float() * (self.scales if self.act_quant else s.float().unsqueeze(1))
+            w = self.q.float().view(self.rows, -1, self.group) * (self.scales if self.act_quant else s.float()
+                                                                   ).unsqueeze(-1)
+            return self._unpermuted(w.reshape(self.rows, self.cols))
         q = self.q.float().view(self.rows, -1, self.group)
         w = (q - 8.0) * s.float().unsqueeze(-1) + zp.float().unsqueeze(-1)
         return self._unpermuted(w.reshape(self.rows, self.cols))
@@ -199,12 +208,17 @@ class IntQuantMatrix:
         """The kernel's form for activations of `dtype` (a new, read-only matrix)."""
         self._check_unpacked()
         if self.bits == 8:
-            if self.zeros is not None or self.group != self.cols:
-                raise QuantTypeError(f"{what or self.name}: 8-bit weights must be symmetric, one scale per row")
-            # w8a8 keeps float32 weight scales: they multiply the int32 sums in float32.
+            if self.zeros is not None or self.act_quant and self.group != self.cols:
+                raise QuantTypeError(f"{what or self.name}: 8-bit weights must be symmetric (w8a8_int8: one "
+                                     "scale per row)")
+            # w8a8 keeps float32 weight scales: they multiply the int32 sums in float32. Grouped scales stay
+            # [rows, groups] (linear dequantizes), per-row ones [rows].
             s = self.scales[:, 0].contiguous() if self.act_quant else self._kernel_params(dtype)[0]
+            if self.group == self.cols and not self.act_quant:
+                s = s[:, 0].contiguous()
             return IntQuantMatrix(8, self.group, self.q.to(torch.int8).contiguous(), s, None, self.name,
-                                  self.rows, self.cols, packed=True, dtype=dtype, act_quant=self.act_quant)
+                                  self.rows, self.cols, packed=True, dtype=dtype, act_quant=self.act_quant,
+                                  in_perm=self.in_perm)
         if self.rows % 16 or self.group % 2:
             raise QuantTypeError(f"{what or self.name}: {self.rows} output rows; torch's int4 CPU kernel needs a "
                                  f"multiple of 16 (use --torchao-config int8wo, or no quantization)")
@@ -229,7 +243,10 @@ class IntQuantMatrix:
         if self.in_perm is not None:
             x2 = x2[:, self.in_perm]
         x2 = x2.to(self.dtype).contiguous()
-        if self.bits == 8:
+        if self.bits == 8 and self.group != self.cols:  # groups: no torch kernel, the weight per call
+            w = self.q.view(self.rows, -1, self.group).to(self.dtype) * self.scales.unsqueeze(-1)
+            y = F.linear(x2, w.view(self.rows, self.cols))
+        elif self.bits == 8:
             if x2.shape[0] <= INT8PACK_MAX_ROWS:
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
             else:

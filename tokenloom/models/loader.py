@@ -6,10 +6,10 @@ file, or none); `load_model(source, ...)` builds the Llama-family module for a l
 it, logging its progress and a final line (layers, parameters, bytes, time; models/load_progress.py). Every
 failure is raised at load time with the file and the problem in the message.
 
-Hugging Face folders may hold a GPTQ/AWQ 4-bit checkpoint (config.json's quantization_config; models/prequant.py
-turns its packed tensors into `IntQuantMatrix` weights), or be quantized at load with `--torchao-config`
-or `--quantization w8a8_int8` (`ModelSource.quantize_at_load`: every linear layer quantizes its float shard in
-`prepare_for_inference`; the embedding and LM head stay in --dtype, as SGLang leaves them).
+Hugging Face folders may hold a GPTQ/AWQ 4-bit (or GPTQ 8-bit) checkpoint (config.json's quantization_config;
+models/prequant.py turns its packed tensors into `IntQuantMatrix` weights), or be quantized at load with
+`--torchao-config` or `--quantization w8a8_int8` (`ModelSource.quantize_at_load`: every linear layer quantizes
+its float shard in `prepare_for_inference`; the embedding and LM head stay in --dtype, as SGLang leaves them).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""GPTQ and AWQ 4-bit Hugging Face checkpoints: their `quantization_config` read and checked, and each linear
-layer's packed tensors (qweight, qzeros, scales, g_idx) turned into one `IntQuantMatrix` at load.
+"""GPTQ (4- and 8-bit) and AWQ (4-bit) Hugging Face checkpoints: their `quantization_config` read and checked,
+and each linear layer's packed tensors (qweight, qzeros, scales, g_idx) turned into one `IntQuantMatrix` at load.
 
 Packing conventions (the weight is w[n, k] = (q[n, k] - z[n, k // group]) * s[n, k // group]):
 - GPTQ (AutoGPTQ / GPTQModel): qweight int32 [K / 8, N], eight 4-bit codes along the INPUT dim, code k at bits
@@ -10,13 +10,18 @@ Packing conventions (the weight is w[n, k] = (q[n, k] - z[n, k // group]) * s[n,
   at load (each group then contiguous; `IntQuantMatrix.in_perm` keeps the order) and the layer gathers its
   input features in that order before its matmul, as vLLM's GPTQ kernels do with a sorted g_idx. Each group
   must hold exactly group_size features (AutoGPTQ / GPTQModel's act-order assigns them so).
+- GPTQ 8-bit (Qwen's "GPTQ-Int8" checkpoints, for one): the same layout with four 8-bit codes per int32 word
+  (code k at bits 8 * (k % 4)), zero points likewise four per word. Symmetric checkpoints (sym true) have every
+  zero point 128, so q - 128 is an int8 in [-128, 127] and the weight is exactly (q - 128) * s: kept as int8 codes
+  with a scale per group (symmetric, no zeros), which GGUF's Q8_0 blocks hold exactly (d = the f16 scale).
+  group_size -1 is one group per output row (per channel).
 - AWQ (AutoAWQ, version gemm): qweight int32 [K, N / 8] packs eight codes along the OUTPUT dim in the
   interleaved order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i of word j holds column 8 j + order[i]); qzeros
   int32 [groups, N / 8] likewise; scales fp16 [groups, N]; zero points as stored (zero_point true).
 
-Invariant: anything outside what is implemented (bits != 4, a group size the CPU int4 kernel does not take,
-an act-order g_idx whose groups are not group_size features each, AWQ gemv, a quantized LM head) is refused at
-start with the reason, never loaded approximately.
+Invariant: anything outside what is implemented (bits other than 4 / 8, 8-bit AWQ or asymmetric 8-bit GPTQ, a
+group size the kernels do not take, an act-order g_idx whose groups are not group_size features each, AWQ
+gemv, a quantized LM head) is refused at start with the reason, never loaded approximately.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from tokenloom.model_config import ModelConfigError
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column order[i] of its 8
 _PARTS = ("qweight", "qzeros", "scales")
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+_BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
+INT8_GROUP_MULTIPLE = 32  # an 8-bit group is whole Q8_0 blocks
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,12 @@ class PrequantConfig:
     group: int
     zeros_minus_one: bool  # GPTQ v1 stores each zero point minus one
     act_order: bool = False  # GPTQ desc_act: g_idx may permute the input features
+    bits: int = 4
+    # group -1 (8 bits): one group per output row, whatever the layer's input width
 
     @property
     def name(self) -> str:
-        return f"{self.method}-int4-g{self.group}"
+        return f"{self.method}-int{self.bits}-" + ("channel" if self.group == -1 else f"g{self.group}")
 
 
 # Files older quantizers wrote beside config.json instead of its `quantization_config`, and the method each
@@ -85,9 +94,17 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
                                "loads gptq and awq 4-bit checkpoints (or float ones)")
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
-    if bits != 4:
-        raise ModelConfigError(f"{source}: {method} with bits={bits}; only 4-bit checkpoints are implemented")
-    if group not in INT4_GROUPS:
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        raise ModelConfigError(f"{source}: {method} with bits={bits}; implemented: "
+                               f"{'4- and 8-bit' if method == 'gptq' else '4-bit'} checkpoints")
+    if bits == 8:
+        if qc.get("sym") is False:
+            raise ModelConfigError(f"{source}: gptq 8-bit with sym false; only symmetric 8-bit checkpoints are "
+                                   "implemented (their codes minus zero points are int8s)")
+        if not isinstance(group, int) or group != -1 and (group < INT8_GROUP_MULTIPLE or group % INT8_GROUP_MULTIPLE):
+            raise ModelConfigError(f"{source}: gptq 8-bit group_size {group}; implemented: multiples of "
+                                   f"{INT8_GROUP_MULTIPLE} (GGUF Q8_0 blocks), or -1 (per channel)")
+    elif group not in INT4_GROUPS:
         raise ModelConfigError(f"{source}: {method} group_size {group}; the CPU int4 kernel takes groups of "
                                f"{', '.join(map(str, INT4_GROUPS))}")
     if method == "gptq":
@@ -96,7 +113,7 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
             raise ModelConfigError(f"{source}: gptq checkpoint_format {fmt!r}; gptq and gptq_v2 are supported")
         if qc.get("lm_head"):
             raise ModelConfigError(f"{source}: a gptq-quantized lm_head is not supported")
-        return PrequantConfig("gptq", group, fmt == "gptq", bool(qc.get("desc_act")))
+        return PrequantConfig("gptq", group, fmt == "gptq", bool(qc.get("desc_act")), bits)
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise ModelConfigError(f"{source}: awq version {version!r}; only gemm packing is supported")
@@ -110,20 +127,35 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return ((words.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 15).to(torch.uint8)
 
 
+def _bytes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., n, 4]: byte i of each word (bits 8 i) at index i."""
+    return ((words.to(torch.int32).unsqueeze(-1) >> _BYTE_SHIFTS) & 255).to(torch.uint8)
+
+
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: PrequantConfig,
                 name: str, g_idx: torch.Tensor | None = None) -> IntQuantMatrix:
     """`g_idx` (act-order): the group of each input feature; the columns come out sorted by it (in_perm)."""
-    k8, n = qweight.shape
-    k, groups = k8 * 8, scales.shape[0]
-    if tuple(qzeros.shape) != (groups, n // 8) or scales.shape[1] != n or groups * cfg.group != k:
+    per_word = 32 // cfg.bits
+    kw, n = qweight.shape
+    k, groups = kw * per_word, scales.shape[0]
+    group = k if cfg.group == -1 else cfg.group
+    if tuple(qzeros.shape) != (groups, n // per_word) or scales.shape[1] != n or groups * group != k:
         raise ModelConfigError(f"{name}: gptq qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                               f"scales {tuple(scales.shape)} do not fit group_size {cfg.group}")
-    q = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t().contiguous()  # [N, K]
-    z = _nibbles(qzeros).reshape(groups, n).t().float() + (1.0 if cfg.zeros_minus_one else 0.0)
-    perm = None if g_idx is None else _act_order(g_idx, k, cfg.group, name)
+                               f"scales {tuple(scales.shape)} do not fit {cfg.bits} bits in groups of {cfg.group}")
+    codes = _nibbles if cfg.bits == 4 else _bytes
+    q = codes(qweight).permute(0, 2, 1).reshape(k, n).t().contiguous()  # [N, K]
+    stored_z = codes(qzeros).reshape(groups, n).t()
+    # v1 stores z - 1 and its kernels add the 1 back unmasked (a stored 15 is a zero point of 16)
+    z = stored_z.to(torch.int32) + (1 if cfg.zeros_minus_one else 0)
+    perm = None if g_idx is None else _act_order(g_idx, k, group, name)
     if perm is not None:
         q = q.index_select(1, perm).contiguous()
-    return IntQuantMatrix(4, cfg.group, q, scales.t().float().contiguous(), z.contiguous(), cfg.name, in_perm=perm)
+    s = scales.t().float().contiguous()
+    if cfg.bits == 8:
+        if not bool((z == 128).all()):
+            raise ModelConfigError(f"{name}: gptq 8-bit zero points other than 128 in a sym checkpoint")
+        return IntQuantMatrix(8, group, (q.to(torch.int16) - 128).to(torch.int8), s, None, cfg.name, in_perm=perm)
+    return IntQuantMatrix(4, group, q, s, z.float().contiguous(), cfg.name, in_perm=perm)
 
 
 def _act_order(g_idx: torch.Tensor, k: int, group: int, name: str) -> torch.Tensor | None:
@@ -170,7 +202,8 @@ def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
     for name, tensor in tensors:
         prefix, _, part = name.rpartition(".")
         if part == "g_idx" and not cfg.act_order:
-            expected = torch.arange(tensor.numel(), dtype=torch.int64) // cfg.group
+            per_group = cfg.group if cfg.group > 0 else tensor.numel()  # -1: one group per row
+            expected = torch.arange(tensor.numel(), dtype=torch.int64) // per_group
             if not torch.equal(tensor.to(torch.int64), expected):
                 raise ModelConfigError(f"{name}: g_idx is not input feature // group_size ({cfg.group}) in a "
                                        "checkpoint whose config says desc_act false")
