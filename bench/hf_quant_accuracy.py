@@ -12,7 +12,9 @@ The checkpoints are made once from the packaged default GGUF (SmolLM2-135M-Instr
 with its tokenizer (bench/serve_vs_peers.py's `ensure_hf_folder`); the GPTQ ones from it by
 tests/hf_quant_factory.py (round-to-nearest 4-bit codes per group of 64 input features, fp16 scales, integer
 zero points: the format's own packing, checkpoint_format "gptq"; "gptq-act-64" with act-order, desc_act true:
-each layer input's features quantized in a random order, g_idx naming their groups).
+each layer input's features quantized in a random order, g_idx naming their groups; "gptq8-64" 8-bit and
+symmetric, the form of Qwen's GPTQ-Int8 checkpoints, in groups of 64 since SmolLM2's 576 features are not whole
+groups of 128).
 The float32 reference of each method is transformers with every linear weight (not the embedding and LM head,
 which tokenloom keeps in --dtype) replaced by exactly the integer weights dequantized (GPTQ: (q - z) s;
 torchao: `quantize_for_method(w).dequantize()`); transformers bf16 is that model in bf16.
@@ -52,7 +54,7 @@ from bench.accuracy import (  # noqa: E402
     tokenloom_engine,
 )
 
-METHODS = ("gptq-64", "gptq-act-64", "int4wo-64", "int8wo")  # SmolLM2's 576 input features: groups of 64
+METHODS = ("gptq-64", "gptq-act-64", "gptq8-64", "int4wo-64", "int8wo")  # SmolLM2's 576 input features: groups of 64
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -70,9 +72,10 @@ def float_checkpoint() -> str:
     return ensure_hf_folder(str(default_model_file()))
 
 
-def _gptq(method: str) -> tuple[int, bool]:
-    """"gptq-64" / "gptq-act-64" -> (group, act-order)."""
-    return int(method.rsplit("-", 1)[1]), "-act-" in method
+def _gptq(method: str) -> dict[str, Any]:
+    """"gptq-64" / "gptq-act-64" / "gptq8-64" -> write_prequant's keywords (group, act-order, bits, symmetry)."""
+    bits = 8 if method.startswith("gptq8-") else 4
+    return {"group": int(method.rsplit("-", 1)[1]), "desc_act": "-act-" in method, "bits": bits, "sym": bits == 8}
 
 
 def gptq_checkpoint(float_folder: str, method: str) -> str:
@@ -82,11 +85,10 @@ def gptq_checkpoint(float_folder: str, method: str) -> str:
 
     from tests.hf_quant_factory import write_prequant
 
-    group, act_order = _gptq(method)
     folder = os.path.join(_hf_root(), f"SmolLM2-135M-Instruct-{method}")
     if not os.path.exists(os.path.join(folder, "config.json")):
         model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32)
-        write_prequant(folder, model, "gptq", group, sym=False, v1=True, desc_act=act_order)
+        write_prequant(folder, model, "gptq", v1=True, **_gptq(method))
         AutoTokenizer.from_pretrained(float_folder).save_pretrained(folder)
     return folder
 
@@ -100,10 +102,8 @@ def reference_model(float_folder: str, method: str, scratch: str) -> torch.nn.Mo
     from tokenloom.layers.int_quant import quantize_for_method
 
     model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
-    if method.startswith("gptq-"):
-        group, act_order = _gptq(method)
-        return write_prequant(os.path.join(scratch, method), model, "gptq", group, sym=False, v1=True,
-                              desc_act=act_order)[1]
+    if method.startswith("gptq"):
+        return write_prequant(os.path.join(scratch, method), model, "gptq", v1=True, **_gptq(method))[1]
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
@@ -115,7 +115,7 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
     from transformers import AutoTokenizer
 
     float_folder = float_checkpoint()
-    if method.startswith("gptq-"):
+    if method.startswith("gptq"):
         flags = ["--model-path", gptq_checkpoint(float_folder, method)]
     else:
         flags = ["--model-path", float_folder, "--torchao-config", method]
@@ -151,7 +151,7 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
         prefix, equal = greedy_agreement(run["continuations"], ref["continuations"])
         rows[name] = {"perplexity": ppl, "ppl_ratio": ppl / ref_ppl, "greedy_prefix": prefix, "greedy_equal": equal}
         print(f"{name:20s} {ppl:10.4f} {ppl / ref_ppl:8.5f} {prefix:14.3f} {equal:13.3f}")
-    target = PPL_TARGET_8BIT if method == "int8wo" else PPL_TARGET_NARROW
+    target = PPL_TARGET_8BIT if method in ("int8wo", "gptq8-64") else PPL_TARGET_NARROW
     served, hf_bf16 = rows["served"], rows["transformers bf16"]
     targets = {f"ppl_within_{100 * target:g}pct": abs(served["ppl_ratio"] - 1) <= target,
                "greedy_at_least_transformers_bf16": served["greedy_prefix"] >= hf_bf16["greedy_prefix"]}

@@ -203,6 +203,7 @@ PREQUANT = {  # name: (method, group, sym, v1[, bits])
     "awq": ("awq", 64, False, False),
     "gptq8": ("gptq", 128, True, True, 8),  # Qwen's GPTQ-Int8 form: symmetric, groups of 128, v1
     "gptq8_channel": ("gptq", -1, True, False, 8),  # group_size -1: per output channel
+    "gptq_channel": ("gptq", -1, False, True),  # 4 bits, per output channel
 }
 ACT_ORDER = "gptq_act_order"  # desc_act true: (gptq, 32, asymmetric, v1), each input's features in a random order
 

@@ -111,7 +111,8 @@ def test_convert_streams_weights_and_checks_g_idx():
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits=8; implemented: 4-bit"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "8-bit with sym false"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 48}, "8-bit group_size 48; .*multiples of 32"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "gptq group_size 48; implemented: 32, 64, 128, 256 or -1"),
+    ({"quant_method": "awq", "bits": 4, "group_size": -1}, "awq group_size -1; implemented: 32, 64, 128, 256$"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "fp8"}, "'fp8' is not supported"),
 ])
@@ -128,6 +129,35 @@ def test_quant_configs_outside_the_implementation_are_refused(qc, match):
     int8 = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": -1,
                                                       "sym": True}}, "c")
     assert int8 == PrequantConfig("gptq", -1, True, bits=8) and int8.name == "gptq-int8-channel"
+    int4 = read_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}}, "c")
+    assert int4 == PrequantConfig("gptq", -1, True) and int4.name == "gptq-int4-channel"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptq_4bit_per_channel(dtype):
+    """group_size -1: one (scale, zero) a row. The codes unpack exactly; torch's int4 op takes no such group,
+    so without the GGUF blocks (float32) the weight is dequantized per call (a float32 matmul's result); with
+    bf16 activations, Q4_1 blocks (the row's scale repeated per block); a split of the input features anywhere
+    keeps each row's scale and zero."""
+    q, z, s = quantize_groups(_w(48, 256), -1, False)
+    t = pack("gptq", q, z, s, -1, True)
+    qm = unpack_gptq(t["qweight"], t["qzeros"], t["scales"], PrequantConfig("gptq", -1, True), "x")
+    exact = dequant(q, z, s, -1)
+    assert qm.group == 256 and torch.equal(qm.q.long(), q) and torch.equal(qm.dequantize(), exact)
+    assert torch.equal(qm.narrow_cols(96, 64).dequantize(), exact[:, 96:160])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
+    qw = QuantWeight.from_parts([qm])
+    qw.prepare(dtype)
+    y = qw.linear(x, None, torch.float32).double()
+    ref = x.double() @ exact.double().t()
+    mag = (x.double().abs() @ exact.double().abs().t()).max().item()
+    if isinstance(qw.segments[0].weight, QuantMatrix):
+        assert dtype == torch.bfloat16 and qw.segments[0].weight.name == "Q4_1"
+        assert (y - ref).abs().max().item() < 2 ** -7 * mag
+    else:
+        assert isinstance(qw.segments[0].weight, IntQuantMatrix)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        assert (y - ref).abs().max().item() < tol * mag
 
 
 @pytest.mark.parametrize("group", [32, 128, -1])

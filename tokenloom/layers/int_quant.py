@@ -24,12 +24,14 @@ runs the AVX-512 / AVX2 kernels (bench/hf_quant.py); it holds 5 bits a weight (Q
 group of 128 takes 4.25 (a GPTQ file: 1.17x / 1.06x its bytes). float32 activations keep torch's kernels,
 whose float32 scales are exact.
 `prepare(dtype)` packs for torch's kernels: 8 bits keeps `q` and per-row scales in `dtype`
-(`aten._weight_int8pack_mm`; 8 bits in groups, which torch has no kernel for, is dequantized to `dtype` on
-each call: the float32 path, or a CPU without the native kernels); 4 bits packs `q` with
+(`aten._weight_int8pack_mm`); 4 bits packs `q` with
 `aten._convert_weight_to_int4pack_for_cpu` and folds the zero points into torch's form w = (q - 8) * s + z'
 (`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros [groups, rows, 2] in `dtype`). `kernel_weight()` is
 that weight as float32 (the dequantized weight with
-scales and zeros rounded to `dtype`): the exact reference the kernels are tested against.
+scales and zeros rounded to `dtype`): the exact reference the kernels are tested against. Forms no torch kernel
+takes (8 bits in groups, 4 bits in one group a row: GPTQ checkpoints) stay as loaded and `linear` dequantizes
+them in float32 on each call, rounded to `dtype` (exact in float32; slow, the path only where the GGUF blocks
+are not used).
 
 Invariants: a prepared matrix is read-only and cannot be sliced; shards of input features fall on group
 boundaries (QuantSplitError naming the tensor otherwise); 4-bit matrices need rows % 16 == 0 and an even
@@ -109,8 +111,8 @@ class IntQuantMatrix:
             raise QuantSplitError(f"{what or 'tensor'}: an act-order (desc_act) layer's groups gather input "
                                   f"features from all over its {self.cols}; its input features cannot be split "
                                   "across tensor-parallel ranks (use --tp-size 1, or a desc_act false checkpoint)")
-        if self.group == self.cols and self.zeros is None and self.in_perm is None:  # per channel: any split
-            return self._with(self.q.narrow(1, start, length), self.scales, None, group=length)
+        if self.group == self.cols:  # one group a row (per channel): any split keeps each row's scale and zero
+            return self._with(self.q.narrow(1, start, length), self.scales, self.zeros, group=length)
         if start % self.group or length % self.group:
             raise QuantSplitError(f"{what or 'tensor'}: splitting its {self.cols} input features at {start} "
                                   f"(+{length}) cuts a {self.name} group of {self.group}; choose a tp-size that "
@@ -138,9 +140,21 @@ class IntQuantMatrix:
         """float32 [rows, cols]: (q - zeros) * scales, unrounded (before `prepare`), in the input features'
         own order."""
         self._check_unpacked()
+        return self._unpermuted(self._dequantized_columns())
+
+    def _dequantized_columns(self) -> torch.Tensor:
+        """float32 [rows, cols]: (q - zeros) * scales with the columns in this matrix's order (in_perm's)."""
         q = self.q.float().view(self.rows, -1, self.group)
         z = 0.0 if self.zeros is None else self.zeros.unsqueeze(-1)
-        return self._unpermuted(((q - z) * self.scales.unsqueeze(-1)).reshape(self.rows, self.cols))
+        return ((q - z) * self.scales.unsqueeze(-1)).reshape(self.rows, self.cols)
+
+    def _no_torch_kernel(self) -> bool:
+        """Weight-only forms no torch CPU kernel takes: 8 bits in groups (torch's int8 op has one scale a row),
+        4 bits in groups other than INT4_GROUPS (GPTQ's group_size -1: one group a row). `prepare` keeps these
+        as they are and `linear` dequantizes them on each call."""
+        if self.act_quant:
+            return False
+        return self.group != self.cols if self.bits == 8 else self.group not in INT4_GROUPS
 
     def _unpermuted(self, w: torch.Tensor) -> torch.Tensor:
         """Columns in `in_perm` order -> the input features' own order."""
@@ -195,6 +209,8 @@ class IntQuantMatrix:
         blocks = self.as_gguf_blocks(dtype)
         if blocks is not None:
             return self._unpermuted(quant_gemm.dequantize(blocks))
+        if self._no_torch_kernel():
+            return self.dequantize().to(dtype).float()
         s, zp = self._kernel_params(dtype)
         if self.bits == 8:
             w = self.q.float().view(self.rows, -1, self.group) * (self.scales if self.act_quant else s.float()
@@ -207,15 +223,15 @@ class IntQuantMatrix:
     def prepare(self, dtype: torch.dtype, what: str = "") -> IntQuantMatrix:
         """The kernel's form for activations of `dtype` (a new, read-only matrix)."""
         self._check_unpacked()
+        if self._no_torch_kernel():
+            return IntQuantMatrix(self.bits, self.group, self.q.contiguous(), self.scales, self.zeros, self.name,
+                                  self.rows, self.cols, packed=True, dtype=dtype, in_perm=self.in_perm)
         if self.bits == 8:
             if self.zeros is not None or self.act_quant and self.group != self.cols:
                 raise QuantTypeError(f"{what or self.name}: 8-bit weights must be symmetric (w8a8_int8: one "
                                      "scale per row)")
-            # w8a8 keeps float32 weight scales: they multiply the int32 sums in float32. Grouped scales stay
-            # [rows, groups] (linear dequantizes), per-row ones [rows].
-            s = self.scales[:, 0].contiguous() if self.act_quant else self._kernel_params(dtype)[0]
-            if self.group == self.cols and not self.act_quant:
-                s = s[:, 0].contiguous()
+            # w8a8 keeps float32 weight scales: they multiply the int32 sums in float32.
+            s = self.scales[:, 0].contiguous() if self.act_quant else self._kernel_params(dtype)[0][:, 0].contiguous()
             return IntQuantMatrix(8, self.group, self.q.to(torch.int8).contiguous(), s, None, self.name,
                                   self.rows, self.cols, packed=True, dtype=dtype, act_quant=self.act_quant,
                                   in_perm=self.in_perm)
@@ -243,9 +259,8 @@ class IntQuantMatrix:
         if self.in_perm is not None:
             x2 = x2[:, self.in_perm]
         x2 = x2.to(self.dtype).contiguous()
-        if self.bits == 8 and self.group != self.cols:  # groups: no torch kernel, the weight per call
-            w = self.q.view(self.rows, -1, self.group).to(self.dtype) * self.scales.unsqueeze(-1)
-            y = F.linear(x2, w.view(self.rows, self.cols))
+        if self._no_torch_kernel():  # the weight dequantized in float32 and rounded to the activations' dtype
+            y = F.linear(x2, self._dequantized_columns().to(self.dtype))
         elif self.bits == 8:
             if x2.shape[0] <= INT8PACK_MAX_ROWS:
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)

@@ -14,7 +14,7 @@ Packing conventions (the weight is w[n, k] = (q[n, k] - z[n, k // group]) * s[n,
   (code k at bits 8 * (k % 4)), zero points likewise four per word. Symmetric checkpoints (sym true) have every
   zero point 128, so q - 128 is an int8 in [-128, 127] and the weight is exactly (q - 128) * s: kept as int8 codes
   with a scale per group (symmetric, no zeros), which GGUF's Q8_0 blocks hold exactly (d = the f16 scale).
-  group_size -1 is one group per output row (per channel).
+- group_size -1 (GPTQ, 4 or 8 bits) is one group per output row (per channel), whatever the layer's width.
 - AWQ (AutoAWQ, version gemm): qweight int32 [K, N / 8] packs eight codes along the OUTPUT dim in the
   interleaved order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i of word j holds column 8 j + order[i]); qzeros
   int32 [groups, N / 8] likewise; scales fp16 [groups, N]; zero points as stored (zero_point true).
@@ -49,7 +49,7 @@ class PrequantConfig:
     zeros_minus_one: bool  # GPTQ v1 stores each zero point minus one
     act_order: bool = False  # GPTQ desc_act: g_idx may permute the input features
     bits: int = 4
-    # group -1 (8 bits): one group per output row, whatever the layer's input width
+    # group -1 (GPTQ): one group per output row, whatever the layer's input width
 
     @property
     def name(self) -> str:
@@ -104,9 +104,10 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
         if not isinstance(group, int) or group != -1 and (group < INT8_GROUP_MULTIPLE or group % INT8_GROUP_MULTIPLE):
             raise ModelConfigError(f"{source}: gptq 8-bit group_size {group}; implemented: multiples of "
                                    f"{INT8_GROUP_MULTIPLE} (GGUF Q8_0 blocks), or -1 (per channel)")
-    elif group not in INT4_GROUPS:
-        raise ModelConfigError(f"{source}: {method} group_size {group}; the CPU int4 kernel takes groups of "
-                               f"{', '.join(map(str, INT4_GROUPS))}")
+    elif group not in INT4_GROUPS and not (method == "gptq" and group == -1):
+        per_channel = " or -1 (per channel)" if method == "gptq" else ""
+        raise ModelConfigError(f"{source}: {method} group_size {group}; implemented: "
+                               f"{', '.join(map(str, INT4_GROUPS))}{per_channel}")
     if method == "gptq":
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
