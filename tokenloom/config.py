@@ -47,7 +47,10 @@ TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 QUANTIZATIONS = ("gguf", "none", "gptq", "awq", "w8a8_int8")
 # --torchao-config (SGLang's flag): quantize a float checkpoint's linear weights at load; int4wo-<group>.
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
-_UNIMPLEMENTED_QUANTIZATIONS = ("awq_marlin", "gptq_marlin", "marlin", "fp8",
+# SGLang's names for its CUDA Marlin kernels over the same GPTQ / AWQ checkpoints: the checkpoint is what it is,
+# so these load it as gptq / awq (a start-up line says so).
+KERNEL_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+_UNIMPLEMENTED_QUANTIZATIONS = ("marlin", "fp8",
                                 "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
                                 "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
 # SGLang's values: auto = the model's dtype; the fp8 ones store plain casts (scale 1.0), see cache/kv_pool.py.
@@ -99,7 +102,8 @@ class ServerArgs:
         "and awq load those 4-bit checkpoints, gptq symmetric 8-bit ones too (detected from config.json when unset; "
         "GPTQ act-order too; with bf16 activations they run on the GGUF kernels as Q4_1 / Q4_0 / Q8_0 blocks); "
         "w8a8_int8 quantizes a float checkpoint's linear weights to int8 per output channel at load and the "
-        "activations to int8 per token (int8 x int8 -> int32 matmuls).")
+        "activations to int8 per token (int8 x int8 -> int32 matmuls). SGLang's gptq_marlin / awq_marlin load as "
+        "gptq / awq.")
     torchao_config: str | None = _flag(
         None, "Quantize a Hugging Face (float) checkpoint's linear weights at load (SGLang's flag; torchao is not "
         "needed): int8wo (int8 per output channel) or int4wo-<group> (int4 per group of 32, 64, 128 or 256 "
@@ -261,6 +265,10 @@ class ServerArgs:
                                         "length or is sent chunked.")
 
     def __post_init__(self) -> None:
+        alias = KERNEL_ALIASES.get(self.quantization)
+        if alias is not None:  # (frozen: replaced once, before anything reads it)
+            object.__setattr__(self, "quantization_requested", self.quantization)
+            object.__setattr__(self, "quantization", alias)
         self.validate()
 
     @property
@@ -507,8 +515,13 @@ def check_parallel_fits(args: ServerArgs, config: Any) -> None:
 def ignored_flag_warnings(args: ServerArgs) -> list[str]:
     """One line per accepted-but-ignored SGLang flag that is set (see `_IGNORED_FLAGS`)."""
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
-    return [f"--{_dash(name)} has no effect ({why}); ignored" for name, why in _IGNORED_FLAGS.items()
-            if getattr(args, name) != defaults[name]]
+    lines = [f"--{_dash(name)} has no effect ({why}); ignored" for name, why in _IGNORED_FLAGS.items()
+             if getattr(args, name) != defaults[name]]
+    requested = getattr(args, "quantization_requested", None)
+    if requested is not None:
+        lines.append(f"--quantization {requested}: Marlin is a CUDA kernel; the {args.quantization} checkpoint "
+                     f"loads as --quantization {args.quantization}")
+    return lines
 
 
 def warn_ignored_flags(args: ServerArgs) -> list[str]:

@@ -439,3 +439,15 @@ def test_chat_template_must_be_a_file_that_parses(tmp_path):
 def test_enable_ep_moe_is_ep_size_equal_to_tp_size():
     assert ServerArgs(tp_size=2, enable_ep_moe=True).moe_ep_size == ServerArgs(tp_size=2, ep_size=2).moe_ep_size == 2
     assert ServerArgs(tp_size=2).moe_ep_size == 1  # default: each rank a slice of every expert
+
+
+@pytest.mark.parametrize("flag,method", [("gptq_marlin", "gptq"), ("awq_marlin", "awq")])
+def test_sglangs_marlin_quantization_names_load_the_checkpoint_format(flag, method):
+    """An SGLang launch line with --quantization gptq_marlin / awq_marlin (its CUDA kernels for the same
+    checkpoints) loads the checkpoint as gptq / awq, and says so once at start; plain marlin stays refused."""
+    args = ServerArgs(**vars(parser().parse_args(["--quantization", flag])))
+    assert args.quantization == method
+    assert ignored_flag_warnings(args) == [f"--quantization {flag}: Marlin is a CUDA kernel; the {method} "
+                                           f"checkpoint loads as --quantization {method}"]
+    with pytest.raises(ConfigError, match="--quantization marlin is not implemented"):
+        ServerArgs(quantization="marlin")
