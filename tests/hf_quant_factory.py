@@ -157,3 +157,47 @@ def write_prequant(folder: str, hf: torch.nn.Module, method: str, group: int, sy
         json.dump(cfg, f)
     hf.load_state_dict(state)
     return known, hf.eval()
+
+
+def _quantizable(name: str, w: torch.Tensor, group: int) -> bool:
+    """A linear layer's weight as GPTQ tools quantize them: every `*_proj` and Mixtral-style expert `w1/w2/w3`
+    weight (not the embedding, LM head or MoE router), whole groups wide."""
+    module = name.removesuffix(".weight")
+    if module == name or w.dim() != 2 or w.shape[1] % (w.shape[1] if group == -1 else group) or w.shape[0] % 8:
+        return False
+    return module.endswith("_proj") or module.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
+
+
+def gptq_from_folder(src: str, dst: str, group: int, bits: int = 4, sym: bool = False) -> str:
+    """A GPTQ copy (checkpoint_format "gptq", desc_act false) of the float checkpoint in `src`, written to `dst`
+    from its safetensors files under their own names (so fused projections such as Phi-3's qkv_proj and each
+    MoE expert's weights are quantized as stored); returns a third folder, `dst` + "_dequantized": the float
+    checkpoint with exactly the dequantized weights, the reference transformers loads."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    reference = dst + "_dequantized"
+    shutil.copytree(src, dst)
+    shutil.copytree(src, reference)
+    for path in glob.glob(os.path.join(src, "*.safetensors")):
+        packed: dict[str, torch.Tensor] = {}
+        floats: dict[str, torch.Tensor] = {}
+        for name, w in load_file(path).items():
+            floats[name] = packed[name] = w
+            if _quantizable(name, w, group):
+                q, z, s = quantize_groups(w.float(), group, sym, bits)
+                del packed[name]
+                for part, value in pack("gptq", q, z, s, group, True, bits=bits).items():
+                    packed[f"{name.removesuffix('weight')}{part}"] = value
+                floats[name] = dequant(q, z, s, group).to(w.dtype)
+        save_file(packed, os.path.join(dst, os.path.basename(path)), metadata={"format": "pt"})
+        save_file(floats, os.path.join(reference, os.path.basename(path)), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
+                                  "sym": sym}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return reference
