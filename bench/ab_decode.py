@@ -12,7 +12,9 @@ after a pause (the idle side's OpenMP threads stop spinning) and one untimed ste
 point is the median over rounds of the within-round ratio (new / base), next to each side's median step.
 
 The workers drive `bench/forward_engines.TokenloomEngine` of their own checkout (a `ModelRunner` with hand-built
-decode batches and a pre-filled KV pool), the default model unless `--model`, bf16 unless `--dtype`. `--base`
+decode batches and a pre-filled KV pool), the default model unless `--model`, bf16 unless `--dtype`;
+`--base-arg` / `--new-arg KEY=VALUE` add a ServerArgs field to one side (`--base-dir . --base-arg
+quantization=none`: the same file dequantized at load against it kept quantized, in one checkout). `--base`
 makes a git worktree of that commit under a temporary folder (removed at the end). The last line is one JSON object.
 """
 
@@ -42,8 +44,9 @@ sys.path.insert(0, ".")
 import bench.forward_engines as engines
 from bench.forward_engines import TokenloomEngine
 cfg = json.loads(sys.argv[1])
-if cfg.get("model"):  # (patched in, so that a checkout whose engine takes no model path runs it too)
-    engines.ServerArgs = functools.partial(engines.ServerArgs, model_path=cfg["model"])
+if cfg.get("model") or cfg.get("args"):  # (patched in: a checkout whose engine takes no model path runs it too)
+    engines.ServerArgs = functools.partial(engines.ServerArgs, **({"model_path": cfg["model"]} if cfg.get("model")
+                                                                 else {}), **cfg.get("args", {}))
 engine = TokenloomEngine(cfg["dtype"], cfg["max_total_tokens"], cfg["max_requests"], cfg["threads"])
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
@@ -112,6 +115,20 @@ def measure_point(base: Worker, new: Worker, batch: int, context: int, rounds: i
             "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
+def _server_args(pairs: list[str]) -> dict[str, Any]:
+    """["quantization=none", "num_threads=1"] -> {"quantization": "none", "num_threads": 1}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -126,6 +143,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model", default=None, help="model path for both (default: the packaged default GGUF)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--base-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a ServerArgs field for the base side only (VALUE read as JSON where it parses)")
+    p.add_argument("--new-arg", action="append", default=[], metavar="KEY=VALUE", help="the same, new side")
     p.add_argument("--quick", action="store_true", help="batch 1 and 64, 7 rounds")
     args = p.parse_args()
     batches = [1, 64] if args.quick else [int(b) for b in args.batch_sizes.split(",")]
@@ -142,7 +162,8 @@ def main() -> int:
            "max_total_tokens": max(batches) * (args.context + extra) + 64}
     workers: list[Worker] = []
     try:
-        workers = [Worker(base_dir, cfg), Worker(args.new_dir, cfg)]
+        workers = [Worker(base_dir, {**cfg, "args": _server_args(args.base_arg)}),
+                   Worker(args.new_dir, {**cfg, "args": _server_args(args.new_arg)})]
         points = [measure_point(*workers, b, args.context, rounds, args.steps, args.warmup) for b in batches]
     finally:
         for w in workers:
@@ -157,7 +178,8 @@ def main() -> int:
         print(f"{pt['batch']:5d} {pt['base_ms']:9.2f} {pt['new_ms']:9.2f} {pt['ratio']:9.3f} "
               f"{pt['ratio_min']:7.3f}-{pt['ratio_max']:.3f}")
     print(json.dumps({"bench": "ab_decode", "base": args.base or base_dir, "context": args.context,
-                      "dtype": args.dtype, "model": args.model, "rounds": rounds, "points": points}))
+                      "dtype": args.dtype, "model": args.model, "base_args": args.base_arg, "new_args": args.new_arg,
+                      "rounds": rounds, "points": points}))
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -198,6 +199,98 @@ def gptq_from_folder(src: str, dst: str, group: int, bits: int = 4, sym: bool = 
         cfg = json.load(f)
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
                                   "sym": sym}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return reference
+
+
+def compressed_scheme(bits: int, group: int, symmetric: bool) -> Any:
+    """compressed-tensors' own QuantizationScheme of integer weights (group -1: strategy "channel")."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group", "group_size": group}
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=bits, type="int", symmetric=symmetric, **strategy))
+
+
+def compress_weight(w: torch.Tensor, bits: int, group: int, symmetric: bool, scale_dtype: torch.dtype,
+                    g_idx: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the layer's compressed-tensors tensors, its exact dequantized float32 weight): min-max scales (and zero
+    points) per group of input features, rounded to `scale_dtype`. Without `g_idx` the library's own
+    `PackedQuantizationCompressor.compress` quantizes and packs, and the reference is (q - z) s from its own
+    `unpack_from_int32`; with `g_idx` (act-order: each feature's group) the codes are rounded here, feature by
+    feature with its group's scale, and packed by the library's `pack_to_int32`."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    n, k = w.shape
+    per = k if group == -1 else group
+    gi = (torch.arange(k) // per) if g_idx is None else g_idx.long()
+    w, groups, half = w.float(), k // per, 1 << (bits - 1)
+    index = gi.expand(n, k)
+    lo = torch.full((n, groups), float("inf")).scatter_reduce(1, index, w, "amin").clamp(max=0)
+    hi = torch.full((n, groups), -float("inf")).scatter_reduce(1, index, w, "amax").clamp(min=0)
+    if symmetric:
+        scale = (torch.maximum(-lo, hi) * 2 / (2 * half - 1)).clamp(min=1e-5).to(scale_dtype)
+        zp = torch.zeros(n, groups, dtype=torch.int8)
+    else:
+        scale = ((hi - lo) / (2 * half - 1)).clamp(min=1e-5).to(scale_dtype)
+        zp = (torch.round(-lo / scale.float()) - half).clamp(-half, half - 1).to(torch.int8)
+    if g_idx is None:
+        out = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp},
+                                                    compressed_scheme(bits, group, symmetric))
+        q = unpack_from_int32(out["weight_packed"], bits, torch.Size([n, k])).float()
+    else:
+        q = (torch.round(w / scale.float()[:, gi]) + zp.float()[:, gi]).clamp(-half, half - 1)
+        out = {"weight_packed": pack_to_int32(q.to(torch.int8), bits), "weight_scale": scale,
+               "weight_shape": torch.tensor([n, k]), "weight_g_idx": gi.to(torch.int32)}
+        if not symmetric:
+            out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+    exact = (q - zp.float()[:, gi]) * scale.float()[:, gi]
+    return {name: t for name, t in out.items() if t is not None}, exact
+
+
+def compressed_from_folder(src: str, dst: str, bits: int, group: int, symmetric: bool = True,
+                           scale_dtype: torch.dtype = torch.bfloat16, act_order: bool = False) -> str:
+    """A compressed-tensors copy ("pack-quantized", config written by the library's own QuantizationConfig) of
+    the float checkpoint in `src`, written to `dst` as `gptq_from_folder` writes GPTQ (act_order: each layer's
+    features grouped in a random order, actorder "group" with weight_g_idx); returns the folder of the exact
+    dequantized float checkpoint."""
+    import glob
+    import shutil
+
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    reference = dst + "_dequantized"
+    shutil.copytree(src, dst)
+    shutil.copytree(src, reference)
+    for path in glob.glob(os.path.join(src, "*.safetensors")):
+        packed: dict[str, torch.Tensor] = {}
+        floats: dict[str, torch.Tensor] = {}
+        for name, w in load_file(path).items():
+            floats[name] = packed[name] = w
+            if _quantizable(name, w, group):
+                g_idx = None
+                if act_order:
+                    g_idx = torch.empty(w.shape[1], dtype=torch.int64)
+                    g_idx[_input_order(name.removesuffix(".weight"), w.shape[1])] = \
+                        torch.arange(w.shape[1]) // (w.shape[1] if group == -1 else group)
+                tensors, exact = compress_weight(w, bits, group, symmetric, scale_dtype, g_idx)
+                del packed[name]
+                for part, value in tensors.items():
+                    packed[f"{name.removesuffix('weight')}{part}"] = value
+                floats[name] = exact.to(w.dtype)
+        save_file(packed, os.path.join(dst, os.path.basename(path)), metadata={"format": "pt"})
+        save_file(floats, os.path.join(reference, os.path.basename(path)), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    qc = QuantizationConfig(config_groups={"group_0": compressed_scheme(bits, group, symmetric)},
+                            format="pack-quantized", quantization_status="compressed",
+                            ignore=["lm_head"]).model_dump(mode="json")
+    if act_order:  # the library's versions before 0.20 wrote "group" (weight_g_idx saved); 0.20 refuses to
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    cfg["quantization_config"] = qc
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return reference

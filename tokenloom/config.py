@@ -41,10 +41,12 @@ GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "outlines", "none")  # tokenloom/g
 TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
 # --quantization: gguf keeps a .gguf file's quantized tensors quantized (its default); none dequantizes every
 # weight to --dtype at load. SGLang's other methods need their own checkpoint formats and kernels.
-# gptq / awq: a Hugging Face checkpoint quantized to 4 bits (gptq: or 8) by those tools (detected from its
-# config.json's quantization_config when the flag is unset; set, it must match). w8a8_int8: a float checkpoint's linear
-# weights quantized at load to int8 per output channel, activations to int8 per token.
-QUANTIZATIONS = ("gguf", "none", "gptq", "awq", "w8a8_int8")
+# gptq / awq / compressed-tensors: a Hugging Face checkpoint quantized to 4 bits (gptq, compressed-tensors: or 8)
+# by those tools (detected from its config.json's quantization_config when the flag is unset; set, it must
+# match). w8a8_int8: a float checkpoint's linear weights quantized at load to int8 per output channel,
+# activations to int8 per token.
+QUANTIZATIONS = ("gguf", "none", "gptq", "awq", "compressed-tensors", "w8a8_int8")
+PREQUANTIZED = ("gptq", "awq", "compressed-tensors")  # methods a checkpoint arrives in (detected from it)
 # --torchao-config (SGLang's flag): quantize a float checkpoint's linear weights at load; int4wo-<group>.
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 # SGLang's names for its CUDA Marlin kernels over the same GPTQ / AWQ checkpoints: the checkpoint is what it is,
@@ -52,7 +54,7 @@ TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256
 KERNEL_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 _UNIMPLEMENTED_QUANTIZATIONS = ("marlin", "fp8",
                                 "w8a8_fp8", "w4afp8", "bitsandbytes", "modelopt", "modelopt_fp4", "torchao",
-                                "compressed-tensors", "moe_wna16", "qoq", "mxfp4")
+                                "moe_wna16", "qoq", "mxfp4")
 # SGLang's values: auto = the model's dtype; the fp8 ones store plain casts (scale 1.0), see cache/kv_pool.py.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 CPU_THREADS_POLICIES = ("adaptive", "fixed")
@@ -100,7 +102,8 @@ class ServerArgs:
         "Q4_K, Q5_K, Q6_K) quantized in memory and computes with them, activations in --dtype (the default for a .gguf "
         "file); none dequantizes every weight to --dtype at load (the default for a Hugging Face folder); gptq "
         "and awq load those 4-bit checkpoints, gptq symmetric 8-bit ones too (detected from config.json when unset; "
-        "GPTQ act-order too; with bf16 activations they run on the GGUF kernels as Q4_1 / Q4_0 / Q8_0 blocks); "
+        "GPTQ act-order too; compressed-tensors: its W4A16 / W8A16 checkpoints; with bf16 activations they run on "
+        "the GGUF kernels as Q4_1 / Q4_0 / Q8_0 blocks); "
         "w8a8_int8 quantizes a float checkpoint's linear weights to int8 per output channel at load and the "
         "activations to int8 per token (int8 x int8 -> int32 matmuls). SGLang's gptq_marlin / awq_marlin load as "
         "gptq / awq.")
@@ -357,7 +360,7 @@ class ServerArgs:
     def _validate_quantization(self) -> None:
         q = self.quantization
         if q is None or q in QUANTIZATIONS:
-            if q in ("gguf", "gptq", "awq") and self.load_format == "dummy":  # (w8a8_int8 quantizes random ones)
+            if q in ("gguf", *PREQUANTIZED) and self.load_format == "dummy":  # (w8a8_int8 quantizes random ones)
                 raise ConfigError(f"--quantization {q} keeps a checkpoint's quantized tensors; --load-format "
                                   "dummy makes random float weights (use --quantization none, or leave it unset)")
             return

@@ -1,8 +1,8 @@
-"""GPTQ checkpoints of the other model families (tests/hf_quant_factory.py's `gptq_from_folder`: every linear
-weight quantized under its checkpoint name): Qwen2 (q/k/v biases beside the packed weights), Phi-3 (fused
-qkv_proj and gate_up_proj quantized as stored), Qwen3-MoE and Mixtral (each expert's weights), Gemma 3. float32
-logits equal transformers' on the dequantized checkpoint to summation order; bf16 (the GGUF blocks) within
-bf16 noise with the same top-1 almost everywhere.
+"""GPTQ and compressed-tensors checkpoints of the other model families (tests/hf_quant_factory.py's
+`gptq_from_folder` / `compressed_from_folder`: every linear weight quantized under its checkpoint name): Qwen2
+(q/k/v biases beside the packed weights), Phi-3 (fused qkv_proj and gate_up_proj quantized as stored), Qwen3-MoE
+and Mixtral (each expert's weights), Gemma 3. float32 logits equal transformers' on the dequantized checkpoint to
+summation order; bf16 (the GGUF blocks) within bf16 noise with the same top-1 almost everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from tests.forward_steps import ForwardSteps
-from tests.hf_quant_factory import gptq_from_folder
+from tests.hf_quant_factory import compressed_from_folder, gptq_from_folder
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.layers.quant_linear import quantized_weights
@@ -45,21 +45,27 @@ def _logits(path: str, dtype: str) -> tuple[torch.Tensor, ModelRunner]:
     return steps.extend([steps.start()], [PROMPT], return_all_logits=True), runner
 
 
-@pytest.mark.parametrize("family,bits", [("qwen2", 4), ("qwen3", 8), ("phi3", 4), ("gemma3", 8),
-                                         ("qwen3_moe", 4), ("mixtral", 8)])
-def test_gptq_checkpoint_of_a_family_matches_transformers_on_the_dequantized_weights(tmp_path, family, bits):
-    src, dst = str(tmp_path / "float"), str(tmp_path / "gptq")
+@pytest.mark.parametrize("method,family,bits", [
+    ("gptq", "qwen2", 4), ("gptq", "qwen3", 8), ("gptq", "phi3", 4), ("gptq", "gemma3", 8),
+    ("gptq", "qwen3_moe", 4), ("gptq", "mixtral", 8),
+    ("compressed-tensors", "qwen2", 8), ("compressed-tensors", "phi3", 4), ("compressed-tensors", "qwen3_moe", 4)])
+def test_quantized_checkpoint_of_a_family_matches_transformers_on_the_dequantized_weights(tmp_path, method, family,
+                                                                                        bits):
+    src, dst = str(tmp_path / "float"), str(tmp_path / "quantized")
     _make(family, src)
-    reference_folder = gptq_from_folder(src, dst, group=32, bits=bits, sym=bits == 8)
+    if method == "gptq":
+        reference_folder = gptq_from_folder(src, dst, group=32, bits=bits, sym=bits == 8)
+    else:  # 4 bits asymmetric (Q4_1 blocks), 8 bits symmetric per channel (Q8_0)
+        reference_folder = compressed_from_folder(src, dst, bits, 32 if bits == 4 else -1, symmetric=bits == 8)
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0]
     scale = ref.abs().max().item()
     mine, runner = _logits(dst, "float32")
-    assert runner.source.quantization == "gptq"
+    assert runner.source.quantization == method
     # every linear weight of the blocks held quantized: all their parameters but the norms' and biases'
     params, types = quantized_weights(runner.model)
-    assert set(types) == {f"gptq-int{bits}-g32"}
+    assert set(types) == {f"{method}-int{bits}-" + ("g32" if method == "gptq" or bits == 4 else "channel")}
     linear = sum(p.numel() for n, p in hf.named_parameters() if p.dim() >= 2 and "embed" not in n
                  and "lm_head" not in n and not n.endswith("mlp.gate.weight") and "router" not in n)
     assert params == linear, (params, linear)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloom.cache.memory_budget import model_nbytes
-from tokenloom.config import ServerArgs
+from tokenloom.config import PREQUANTIZED, ServerArgs
 from tokenloom.distributed.parallel_state import ParallelContext
 from tokenloom.model_config import ModelConfig, ModelConfigError
 from tokenloom.models.default_model import resolve_model_path
@@ -73,7 +73,7 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     if os.path.isfile(path):
         if fmt not in ("auto", "gguf", "dummy"):
             raise ModelConfigError(f"{path}: a file needs --load-format gguf (or auto), not {fmt}")
-        if args.torchao_config or args.quantization in ("gptq", "awq", "w8a8_int8"):
+        if args.torchao_config or args.quantization in (*PREQUANTIZED, "w8a8_int8"):
             flag = f"--torchao-config {args.torchao_config}" if args.torchao_config \
                 else f"--quantization {args.quantization}"
             raise ModelConfigError(f"{path}: {flag} applies to Hugging Face checkpoints; a .gguf file keeps its "
@@ -136,7 +136,7 @@ def _quant_kernels(path: str, gguf: GGUFFile) -> bool:
 def _check_hf_quantization(args: ServerArgs, prequant: PrequantConfig | None, path: str) -> None:
     """The flags against what the checkpoint is (a float one, or GPTQ/AWQ)."""
     found = prequant.method if prequant else None
-    if args.quantization in ("gptq", "awq") and args.quantization != found:
+    if args.quantization in PREQUANTIZED and args.quantization != found:
         raise ModelConfigError(f"{path}: --quantization {args.quantization}, but the checkpoint is "
                                f"{found + ' quantized' if found else 'a float one (no quantization_config)'}")
     if prequant and args.quantization == "none":

@@ -1,5 +1,6 @@
 """GPTQ (4- and 8-bit) and AWQ (4-bit) Hugging Face checkpoints: their `quantization_config` read and checked,
-and each linear layer's packed tensors (qweight, qzeros, scales, g_idx) turned into one `IntQuantMatrix` at load.
+and each linear layer's packed tensors (qweight, qzeros, scales, g_idx) turned into one `IntQuantMatrix` at load;
+compressed-tensors' integer checkpoints (models/compressed_tensors.py) go through the same `convert`.
 
 Packing conventions (the weight is w[n, k] = (q[n, k] - z[n, k // group]) * s[n, k // group]):
 - GPTQ (AutoGPTQ / GPTQModel): qweight int32 [K / 8, N], eight 4-bit codes along the INPUT dim, code k at bits
@@ -34,6 +35,7 @@ import torch
 
 from tokenloom.layers.int_quant import INT4_GROUPS, IntQuantMatrix
 from tokenloom.model_config import ModelConfigError
+from tokenloom.models import compressed_tensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column order[i] of its 8
 _PARTS = ("qweight", "qzeros", "scales")
@@ -44,16 +46,25 @@ INT8_GROUP_MULTIPLE = 32  # an 8-bit group is whole Q8_0 blocks
 
 @dataclass(frozen=True)
 class PrequantConfig:
-    method: str  # gptq | awq
+    method: str  # gptq | awq | compressed-tensors
     group: int
     zeros_minus_one: bool  # GPTQ v1 stores each zero point minus one
-    act_order: bool = False  # GPTQ desc_act: g_idx may permute the input features
+    act_order: bool = False  # GPTQ desc_act (compressed-tensors actorder group): g_idx may permute the inputs
     bits: int = 4
-    # group -1 (GPTQ): one group per output row, whatever the layer's input width
+    # group -1 (GPTQ, compressed-tensors channel): one group per output row, whatever the layer's input width
+    symmetric: bool = True  # compressed-tensors: no weight_zero_point tensors
 
     @property
     def name(self) -> str:
         return f"{self.method}-int{self.bits}-" + ("channel" if self.group == -1 else f"g{self.group}")
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The tensors of one quantized layer, by their last name component."""
+        if self.method == compressed_tensors.METHOD:
+            return (*compressed_tensors.PARTS, *(() if self.symmetric else ("weight_zero_point",)),
+                    *(("weight_g_idx",) if self.act_order else ()))
+        return (*_PARTS, "g_idx") if self.act_order else _PARTS
 
 
 # Files older quantizers wrote beside config.json instead of its `quantization_config`, and the method each
@@ -89,9 +100,12 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == compressed_tensors.METHOD:
+        bits, group, symmetric, act_order = compressed_tensors.read_scheme(qc, source)
+        return PrequantConfig(method, group, False, act_order, bits, symmetric)
     if method not in ("gptq", "awq"):
         raise ModelConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported; tokenloom "
-                               "loads gptq and awq 4-bit checkpoints (or float ones)")
+                               "loads gptq, awq and compressed-tensors integer checkpoints (or float ones)")
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
     if bits not in ((4, 8) if method == "gptq" else (4,)):
@@ -196,13 +210,14 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
             ) -> Iterator[tuple[str, torch.Tensor | IntQuantMatrix]]:
     """Checkpoint tensors -> HF names the model loads: each `<module>.qweight/qzeros/scales` triple (with its
-    `g_idx` for an act-order checkpoint) becomes one `<module>.weight` IntQuantMatrix; without act-order a
-    `g_idx` must be the trivial k // group; other tensors pass through."""
-    needed = (*_PARTS, "g_idx") if cfg.act_order else _PARTS
+    `g_idx` for an act-order checkpoint; compressed-tensors: `weight_packed/weight_scale/weight_shape`, ...)
+    becomes one `<module>.weight` IntQuantMatrix; without act-order a `g_idx` must be the trivial k // group;
+    other tensors pass through."""
+    needed = cfg.parts
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, part = name.rpartition(".")
-        if part == "g_idx" and not cfg.act_order:
+        if part in ("g_idx", "weight_g_idx") and not cfg.act_order:
             per_group = cfg.group if cfg.group > 0 else tensor.numel()  # -1: one group per row
             expected = torch.arange(tensor.numel(), dtype=torch.int64) // per_group
             if not torch.equal(tensor.to(torch.int64), expected):
@@ -218,7 +233,9 @@ def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
         parts[part] = tensor
         if len(parts) == len(needed):
             del pending[prefix]
-            if cfg.method == "gptq":
+            if cfg.method == compressed_tensors.METHOD:
+                yield f"{prefix}.weight", _unpack_compressed(parts, cfg, prefix)
+            elif cfg.method == "gptq":
                 yield f"{prefix}.weight", unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], cfg, prefix,
                                                       parts.get("g_idx"))
             else:
@@ -227,3 +244,12 @@ def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
         prefix, parts = next(iter(pending.items()))
         missing = sorted(set(needed) - set(parts))
         raise ModelConfigError(f"{prefix}: {cfg.method} checkpoint lacks {', '.join(missing)}")
+
+
+def _unpack_compressed(parts: dict[str, torch.Tensor], cfg: PrequantConfig, prefix: str) -> IntQuantMatrix:
+    """A compressed-tensors layer (models/compressed_tensors.py), its act-order g_idx sorted as GPTQ's."""
+    order = None
+    if cfg.act_order:
+        k = int(parts["weight_shape"].reshape(-1)[-1])
+        order = _act_order(parts["weight_g_idx"], k, k if cfg.group == -1 else cfg.group, prefix)
+    return compressed_tensors.unpack(parts, cfg.bits, cfg.group, cfg.symmetric, prefix, cfg.name, order)
