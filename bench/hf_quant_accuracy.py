@@ -14,7 +14,10 @@ tests/hf_quant_factory.py (round-to-nearest 4-bit codes per group of 64 input fe
 zero points: the format's own packing, checkpoint_format "gptq"; "gptq-act-64" with act-order, desc_act true:
 each layer input's features quantized in a random order, g_idx naming their groups; "gptq8-64" 8-bit and
 symmetric, the form of Qwen's GPTQ-Int8 checkpoints, in groups of 64 since SmolLM2's 576 features are not whole
-groups of 128).
+groups of 128); the compressed-tensors ones by tests/hf_quant_factory.py's `compressed_from_folder` with the
+compressed-tensors library's own compressor: "ct-w4a16-64" (llm-compressor's W4A16 scheme, symmetric, groups of
+64 for the same reason) and "ct-w8a16" (W8A16: 8 bits symmetric per channel), their float32 references the
+dequantized checkpoints written beside them).
 The float32 reference of each method is transformers with every linear weight (not the embedding and LM head,
 which tokenloom keeps in --dtype) replaced by exactly the integer weights dequantized (GPTQ: (q - z) s;
 torchao: `quantize_for_method(w).dequantize()`); transformers bf16 is that model in bf16.
@@ -54,7 +57,9 @@ from bench.accuracy import (  # noqa: E402
     tokenloom_engine,
 )
 
-METHODS = ("gptq-64", "gptq-act-64", "gptq8-64", "int4wo-64", "int8wo")  # SmolLM2's 576 input features: groups of 64
+# SmolLM2's 576 input features: groups of 64
+METHODS = ("gptq-64", "gptq-act-64", "gptq8-64", "ct-w4a16-64", "ct-w8a16", "int4wo-64", "int8wo")
+COMPRESSED = {"ct-w4a16-64": (4, 64), "ct-w8a16": (8, -1)}  # (bits, group; -1: per channel), symmetric
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -93,6 +98,24 @@ def gptq_checkpoint(float_folder: str, method: str) -> str:
     return folder
 
 
+def compressed_checkpoint(float_folder: str, method: str) -> tuple[str, str]:
+    """(a compressed-tensors checkpoint of the float one, the folder of its exact dequantized weights), made
+    once."""
+    from tests.hf_quant_factory import compressed_from_folder
+
+    folder = os.path.join(_hf_root(), f"SmolLM2-135M-Instruct-{method}")
+    reference = folder + "_dequantized"
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        bits, group = COMPRESSED[method]
+        for path in (folder, reference):
+            if os.path.exists(path):
+                import shutil
+
+                shutil.rmtree(path)
+        compressed_from_folder(float_folder, folder, bits, group, symmetric=True)
+    return folder, reference
+
+
 def reference_model(float_folder: str, method: str, scratch: str) -> torch.nn.Module:
     """transformers float32 with every linear layer's weight the method's integer weight, dequantized exactly
     (GPTQ: the model tests/hf_quant_factory.py returns beside the checkpoint it writes again in `scratch`)."""
@@ -101,6 +124,9 @@ def reference_model(float_folder: str, method: str, scratch: str) -> torch.nn.Mo
     from tests.hf_quant_factory import write_prequant
     from tokenloom.layers.int_quant import quantize_for_method
 
+    if method in COMPRESSED:
+        return AutoModelForCausalLM.from_pretrained(compressed_checkpoint(float_folder, method)[1],
+                                                    dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
     if method.startswith("gptq"):
         return write_prequant(os.path.join(scratch, method), model, "gptq", v1=True, **_gptq(method))[1]
@@ -117,6 +143,8 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
     float_folder = float_checkpoint()
     if method.startswith("gptq"):
         flags = ["--model-path", gptq_checkpoint(float_folder, method)]
+    elif method in COMPRESSED:
+        flags = ["--model-path", compressed_checkpoint(float_folder, method)[0]]
     else:
         flags = ["--model-path", float_folder, "--torchao-config", method]
     tokenizer = AutoTokenizer.from_pretrained(float_folder)
@@ -151,7 +179,7 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
         prefix, equal = greedy_agreement(run["continuations"], ref["continuations"])
         rows[name] = {"perplexity": ppl, "ppl_ratio": ppl / ref_ppl, "greedy_prefix": prefix, "greedy_equal": equal}
         print(f"{name:20s} {ppl:10.4f} {ppl / ref_ppl:8.5f} {prefix:14.3f} {equal:13.3f}")
-    target = PPL_TARGET_8BIT if method in ("int8wo", "gptq8-64") else PPL_TARGET_NARROW
+    target = PPL_TARGET_8BIT if method in ("int8wo", "gptq8-64", "ct-w8a16") else PPL_TARGET_NARROW
     served, hf_bf16 = rows["served"], rows["transformers bf16"]
     targets = {f"ppl_within_{100 * target:g}pct": abs(served["ppl_ratio"] - 1) <= target,
                "greedy_at_least_transformers_bf16": served["greedy_prefix"] >= hf_bf16["greedy_prefix"]}
@@ -177,7 +205,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.make_only:
         folder = float_checkpoint()
-        print(json.dumps({"float": folder, **{m: gptq_checkpoint(folder, m) for m in METHODS if "gptq" in m}}))
+        print(json.dumps({"float": folder, **{m: gptq_checkpoint(folder, m) for m in METHODS if "gptq" in m},
+                          **{m: compressed_checkpoint(folder, m)[0] for m in COMPRESSED}}))
         return 0
     if args.quick:
         args.chunks, args.greedy_prompts = 8, 6

@@ -192,7 +192,7 @@ def gptq_from_folder(src: str, dst: str, group: int, bits: int = 4, sym: bool = 
                 del packed[name]
                 for part, value in pack("gptq", q, z, s, group, True, bits=bits).items():
                     packed[f"{name.removesuffix('weight')}{part}"] = value
-                floats[name] = dequant(q, z, s, group).to(w.dtype)
+                floats[name] = dequant(q, z, s, group)  # float32: exact
         save_file(packed, os.path.join(dst, os.path.basename(path)), metadata={"format": "pt"})
         save_file(floats, os.path.join(reference, os.path.basename(path)), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json")) as f:
@@ -280,7 +280,7 @@ def compressed_from_folder(src: str, dst: str, bits: int, group: int, symmetric:
                 del packed[name]
                 for part, value in tensors.items():
                     packed[f"{name.removesuffix('weight')}{part}"] = value
-                floats[name] = exact.to(w.dtype)
+                floats[name] = exact  # float32: exact
         save_file(packed, os.path.join(dst, os.path.basename(path)), metadata={"format": "pt"})
         save_file(floats, os.path.join(reference, os.path.basename(path)), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json")) as f:
