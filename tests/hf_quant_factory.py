@@ -169,11 +169,11 @@ def _quantizable(name: str, w: torch.Tensor, group: int) -> bool:
     return module.endswith("_proj") or module.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
 
 
-def gptq_from_folder(src: str, dst: str, group: int, bits: int = 4, sym: bool = False) -> str:
-    """A GPTQ copy (checkpoint_format "gptq", desc_act false) of the float checkpoint in `src`, written to `dst`
-    from its safetensors files under their own names (so fused projections such as Phi-3's qkv_proj and each
-    MoE expert's weights are quantized as stored); returns a third folder, `dst` + "_dequantized": the float
-    checkpoint with exactly the dequantized weights, the reference transformers loads."""
+def _quantized_copy(src: str, dst: str, group: int, quantize: Any, quantization_config: dict[str, Any]) -> str:
+    """Copy the float checkpoint `src` to `dst` with every `_quantizable` weight replaced by the tensors
+    `quantize(name, w)` returns beside its exact float32 dequantized weight, under the weight's module name,
+    and `quantization_config` in config.json; `dst` + "_dequantized" gets the float checkpoint with exactly
+    those dequantized weights (returned: the reference transformers loads)."""
     import glob
     import shutil
 
@@ -188,20 +188,31 @@ def gptq_from_folder(src: str, dst: str, group: int, bits: int = 4, sym: bool = 
         for name, w in load_file(path).items():
             floats[name] = packed[name] = w
             if _quantizable(name, w, group):
-                q, z, s = quantize_groups(w.float(), group, sym, bits)
+                tensors, floats[name] = quantize(name, w)
                 del packed[name]
-                for part, value in pack("gptq", q, z, s, group, True, bits=bits).items():
+                for part, value in tensors.items():
                     packed[f"{name.removesuffix('weight')}{part}"] = value
-                floats[name] = dequant(q, z, s, group)  # float32: exact
         save_file(packed, os.path.join(dst, os.path.basename(path)), metadata={"format": "pt"})
         save_file(floats, os.path.join(reference, os.path.basename(path)), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
-                                  "sym": sym}
+    cfg["quantization_config"] = quantization_config
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return reference
+
+
+def gptq_from_folder(src: str, dst: str, group: int, bits: int = 4, sym: bool = False) -> str:
+    """A GPTQ copy (checkpoint_format "gptq", desc_act false) of the float checkpoint in `src`, written to `dst`
+    from its safetensors files under their own names (so fused projections such as Phi-3's qkv_proj and each
+    MoE expert's weights are quantized as stored); returns a third folder, `dst` + "_dequantized": the float
+    checkpoint with exactly the dequantized weights, the reference transformers loads."""
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q, z, s = quantize_groups(w.float(), group, sym, bits)
+        return pack("gptq", q, z, s, group, True, bits=bits), dequant(q, z, s, group)
+
+    return _quantized_copy(src, dst, group, quantize, {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                                       "desc_act": False, "sym": sym})
 
 
 def compressed_scheme(bits: int, group: int, symmetric: bool) -> Any:
@@ -256,41 +267,19 @@ def compressed_from_folder(src: str, dst: str, bits: int, group: int, symmetric:
     the float checkpoint in `src`, written to `dst` as `gptq_from_folder` writes GPTQ (act_order: each layer's
     features grouped in a random order, actorder "group" with weight_g_idx); returns the folder of the exact
     dequantized float checkpoint."""
-    import glob
-    import shutil
-
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors.torch import load_file, save_file
 
-    reference = dst + "_dequantized"
-    shutil.copytree(src, dst)
-    shutil.copytree(src, reference)
-    for path in glob.glob(os.path.join(src, "*.safetensors")):
-        packed: dict[str, torch.Tensor] = {}
-        floats: dict[str, torch.Tensor] = {}
-        for name, w in load_file(path).items():
-            floats[name] = packed[name] = w
-            if _quantizable(name, w, group):
-                g_idx = None
-                if act_order:
-                    g_idx = torch.empty(w.shape[1], dtype=torch.int64)
-                    g_idx[_input_order(name.removesuffix(".weight"), w.shape[1])] = \
-                        torch.arange(w.shape[1]) // (w.shape[1] if group == -1 else group)
-                tensors, exact = compress_weight(w, bits, group, symmetric, scale_dtype, g_idx)
-                del packed[name]
-                for part, value in tensors.items():
-                    packed[f"{name.removesuffix('weight')}{part}"] = value
-                floats[name] = exact  # float32: exact
-        save_file(packed, os.path.join(dst, os.path.basename(path)), metadata={"format": "pt"})
-        save_file(floats, os.path.join(reference, os.path.basename(path)), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        g_idx = None
+        if act_order:
+            g_idx = torch.empty(w.shape[1], dtype=torch.int64)
+            g_idx[_input_order(name.removesuffix(".weight"), w.shape[1])] = \
+                torch.arange(w.shape[1]) // (w.shape[1] if group == -1 else group)
+        return compress_weight(w, bits, group, symmetric, scale_dtype, g_idx)
+
     qc = QuantizationConfig(config_groups={"group_0": compressed_scheme(bits, group, symmetric)},
                             format="pack-quantized", quantization_status="compressed",
                             ignore=["lm_head"]).model_dump(mode="json")
     if act_order:  # the library's versions before 0.20 wrote "group" (weight_g_idx saved); 0.20 refuses to
         qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-    cfg["quantization_config"] = qc
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return reference
+    return _quantized_copy(src, dst, group, quantize, qc)
