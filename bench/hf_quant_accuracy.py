@@ -16,8 +16,9 @@ each layer input's features quantized in a random order, g_idx naming their grou
 symmetric, the form of Qwen's GPTQ-Int8 checkpoints, in groups of 64 since SmolLM2's 576 features are not whole
 groups of 128); the compressed-tensors ones by tests/hf_quant_factory.py's `compressed_from_folder` with the
 compressed-tensors library's own compressor: "ct-w4a16-64" (llm-compressor's W4A16 scheme, symmetric, groups of
-64 for the same reason) and "ct-w8a16" (W8A16: 8 bits symmetric per channel), their float32 references the
-dequantized checkpoints written beside them).
+64 for the same reason), "ct-w8a16" (W8A16: 8 bits symmetric per channel) and "ct-w8a8" (W8A8 int8: the int8
+weight per channel, activations rounded to int8 per token at run time, which the reference does not do), their
+float32 references the dequantized checkpoints written beside them).
 The float32 reference of each method is transformers with every linear weight (not the embedding and LM head,
 which tokenloom keeps in --dtype) replaced by exactly the integer weights dequantized (GPTQ: (q - z) s;
 torchao: `quantize_for_method(w).dequantize()`); transformers bf16 is that model in bf16.
@@ -58,8 +59,9 @@ from bench.accuracy import (  # noqa: E402
 )
 
 # SmolLM2's 576 input features: groups of 64
-METHODS = ("gptq-64", "gptq-act-64", "gptq8-64", "ct-w4a16-64", "ct-w8a16", "int4wo-64", "int8wo")
-COMPRESSED = {"ct-w4a16-64": (4, 64), "ct-w8a16": (8, -1)}  # (bits, group; -1: per channel), symmetric
+METHODS = ("gptq-64", "gptq-act-64", "gptq8-64", "ct-w4a16-64", "ct-w8a16", "ct-w8a8", "int4wo-64", "int8wo")
+# (bits, group; -1: per channel), symmetric; None: W8A8
+COMPRESSED: dict[str, tuple[int, int] | None] = {"ct-w4a16-64": (4, 64), "ct-w8a16": (8, -1), "ct-w8a8": None}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -101,18 +103,21 @@ def gptq_checkpoint(float_folder: str, method: str) -> str:
 def compressed_checkpoint(float_folder: str, method: str) -> tuple[str, str]:
     """(a compressed-tensors checkpoint of the float one, the folder of its exact dequantized weights), made
     once."""
-    from tests.hf_quant_factory import compressed_from_folder
+    from tests.hf_quant_factory import compressed_from_folder, w8a8_from_folder
 
     folder = os.path.join(_hf_root(), f"SmolLM2-135M-Instruct-{method}")
     reference = folder + "_dequantized"
     if not os.path.exists(os.path.join(folder, "config.json")):
-        bits, group = COMPRESSED[method]
         for path in (folder, reference):
             if os.path.exists(path):
                 import shutil
 
                 shutil.rmtree(path)
-        compressed_from_folder(float_folder, folder, bits, group, symmetric=True)
+        if COMPRESSED[method] is None:
+            w8a8_from_folder(float_folder, folder)
+        else:
+            bits, group = COMPRESSED[method]
+            compressed_from_folder(float_folder, folder, bits, group, symmetric=True)
     return folder, reference
 
 
@@ -179,7 +184,7 @@ def measure_method(method: str, args: argparse.Namespace, log_dir: str) -> dict[
         prefix, equal = greedy_agreement(run["continuations"], ref["continuations"])
         rows[name] = {"perplexity": ppl, "ppl_ratio": ppl / ref_ppl, "greedy_prefix": prefix, "greedy_equal": equal}
         print(f"{name:20s} {ppl:10.4f} {ppl / ref_ppl:8.5f} {prefix:14.3f} {equal:13.3f}")
-    target = PPL_TARGET_8BIT if method in ("int8wo", "gptq8-64", "ct-w8a16") else PPL_TARGET_NARROW
+    target = PPL_TARGET_8BIT if method in ("int8wo", "gptq8-64", "ct-w8a16", "ct-w8a8") else PPL_TARGET_NARROW
     served, hf_bf16 = rows["served"], rows["transformers bf16"]
     targets = {f"ppl_within_{100 * target:g}pct": abs(served["ppl_ratio"] - 1) <= target,
                "greedy_at_least_transformers_bf16": served["greedy_prefix"] >= hf_bf16["greedy_prefix"]}

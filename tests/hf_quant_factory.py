@@ -283,3 +283,32 @@ def compressed_from_folder(src: str, dst: str, bits: int, group: int, symmetric:
     if act_order:  # the library's versions before 0.20 wrote "group" (weight_g_idx saved); 0.20 refuses to
         qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     return _quantized_copy(src, dst, group, quantize, qc)
+
+
+def w8a8_scheme() -> Any:
+    """compressed-tensors' W8A8 int8 scheme: int8 weights per channel, activations int8 per token, dynamic."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", symmetric=True,
+                                                                           strategy="channel"),
+                              input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True,
+                                                                 strategy="token", dynamic=True))
+
+
+def w8a8_from_folder(src: str, dst: str, scale_dtype: torch.dtype = torch.bfloat16) -> str:
+    """A compressed-tensors W8A8 int8 copy (format "int-quantized", the library's IntQuantizationCompressor: the
+    int8 weight as it is, a scale per output channel) of the float checkpoint in `src`; returns the folder of the
+    exact dequantized float checkpoint (q s: the activations' quantization happens at run time)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    scheme = w8a8_scheme()
+
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        scale = (w.float().abs().amax(1, keepdim=True) / 127).clamp(min=1e-6).to(scale_dtype)
+        out = IntQuantizationCompressor.compress({"weight": w.float(), "weight_scale": scale}, scheme)
+        return out, out["weight"].float() * out["weight_scale"].float()
+
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized",
+                            quantization_status="compressed", ignore=["lm_head"]).model_dump(mode="json")
+    return _quantized_copy(src, dst, -1, quantize, qc)

@@ -14,15 +14,16 @@ import torch
 import transformers
 
 from tests.forward_steps import ForwardSteps
-from tests.hf_quant_factory import compress_weight, compressed_from_folder, compressed_scheme
+from tests.hf_quant_factory import compress_weight, compressed_from_folder, compressed_scheme, w8a8_from_folder
 from tests.scheduler_harness import generate_in_process
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.kernels import quant_gemm
 from tokenloom.kernels.quant_gemm import QuantMatrix
+from tokenloom.layers.int_quant import IntQuantMatrix
 from tokenloom.layers.quant_linear import quantized_weights
 from tokenloom.model_config import ModelConfigError
-from tokenloom.models.compressed_tensors import read_scheme, unpack
+from tokenloom.models.compressed_tensors import Scheme, read_scheme, unpack
 from tokenloom.models.loader import resolve_model_source
 from tokenloom.models.prequant import PrequantConfig, read_quant_config
 
@@ -49,9 +50,10 @@ def _config(**weights) -> dict:
 def test_configs_read_and_refused():
     assert read_quant_config({"quantization_config": _config()}, "c") == \
         PrequantConfig("compressed-tensors", 128, False, False, 4, True)
-    assert read_scheme(_config(bits=8, group=-1), "c") == (8, -1, True, False)
-    assert read_scheme(_config(symmetric=False, group=64), "c") == (4, 64, False, False)
-    assert read_scheme(_config(actorder="group"), "c")[3] and not read_scheme(_config(actorder="weight"), "c")[3]
+    assert read_scheme(_config(bits=8, group=-1), "c") == Scheme(8, -1, True, False)
+    assert read_scheme(_config(symmetric=False, group=64), "c") == Scheme(4, 64, False, False)
+    assert read_scheme(_config(actorder="group"), "c").act_order
+    assert not read_scheme(_config(actorder="weight"), "c").act_order
     bad = [({"num_bits": 2}, "int weights of 2 bits"), ({"type": "float", "num_bits": 8}, "float weights of 8"),
            ({"strategy": "tensor"}, "strategy 'tensor'"), ({"group_size": 48}, "group_size 48 at 4 bits"),
            ({"num_bits": 8, "symmetric": False, "strategy": "channel"}, "8-bit asymmetric")]
@@ -61,12 +63,18 @@ def test_configs_read_and_refused():
     w8a8 = _config()
     w8a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token",
                                                              "dynamic": True, "symmetric": True}
-    for qc, match in [(w8a8, "quantized activations"), ({**_config(), "format": "int-quantized"}, "format"),
+    static = json.loads(json.dumps(w8a8))
+    static["format"] = "int-quantized"
+    static["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    for qc, match in [(w8a8, "'pack-quantized' with quantized activations"),
+                      ({**_config(), "format": "float-quantized"}, "format 'float-quantized'"),
+                      ({**_config(), "format": "int-quantized"}, "without dynamic symmetric per-token"),
+                      (static, "without dynamic symmetric per-token int8 activations"),
                       ({**_config(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
                       ({**_config(), "quantization_status": "frozen"}, "'frozen'"),
                       ({**_config(), "config_groups": {**_config()["config_groups"],
                                                        "group_1": _config(bits=8)["config_groups"]["group_0"]}},
-                       "different weight schemes")]:
+                       "different schemes")]:
         with pytest.raises(ModelConfigError, match=match):
             read_scheme(qc, "cfg.json")
 
@@ -162,3 +170,37 @@ def test_flags_and_engine(checkpoints, tiny_runtime_model, tmp_path):
         report = eng.tokenizer_manager.scheduler_info
     assert out["output_ids"] == expected
     assert report["weight_quantization"].startswith("compressed-tensors-int4-g32 x ")
+
+
+def test_w8a8_int8_checkpoint_is_the_w8a8_int8_scheme(tmp_path):
+    """compressed-tensors W8A8 ("int-quantized", written by the library's IntQuantizationCompressor): each layer
+    holds the checkpoint's int8 weight and channel scales with per-token int8 activations, i.e. exactly
+    `--quantization w8a8_int8` run on the dequantized checkpoint (whose per-channel quantization finds the same
+    codes): the two give equal logits; against transformers on the dequantized weights within the activations'
+    int8 rounding (as the w8a8_int8 tests bound it)."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from tests.hf_quant_factory import w8a8_scheme
+
+    torch.manual_seed(4)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**WIDE)).save_pretrained(str(tmp_path / "float"))
+    path = str(tmp_path / "w8a8")
+    reference = w8a8_from_folder(str(tmp_path / "float"), path, scale_dtype=torch.float32)
+    qc = read_quant_config({"quantization_config": QuantizationConfig(
+        config_groups={"group_0": w8a8_scheme()}, format="int-quantized",
+        quantization_status="compressed").model_dump(mode="json")}, "c")
+    assert qc.activations and qc.name == "compressed-tensors-w8a8-int8"
+    runner = _runner(path)
+    held = runner.model.layers[0].mlp.down_proj.quant.segments[0].weight
+    assert isinstance(held, IntQuantMatrix) and held.act_quant
+    assert set(quantized_weights(runner.model)[1]) == {"compressed-tensors-w8a8-int8"}
+    mine = _logits(runner)
+    same_scheme = _logits(_runner(reference, quantization="w8a8_int8"))
+    assert (mine - same_scheme).abs().max().item() < 1e-4 * max(1.0, same_scheme.abs().max().item())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0]
+    assert (mine - ref).abs().max().item() < 0.03 * ref.abs().max().item()
+    assert (mine.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+    bf16 = _logits(_runner(path, dtype="bfloat16"))
+    assert (bf16 - ref).abs().max().item() < 0.05 * ref.abs().max().item()

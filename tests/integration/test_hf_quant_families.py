@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from tests.forward_steps import ForwardSteps
-from tests.hf_quant_factory import compressed_from_folder, gptq_from_folder
+from tests.hf_quant_factory import compressed_from_folder, gptq_from_folder, w8a8_from_folder
 from tokenloom.config import ServerArgs
 from tokenloom.executor.model_runner import ModelRunner
 from tokenloom.layers.quant_linear import quantized_weights
@@ -48,13 +48,16 @@ def _logits(path: str, dtype: str) -> tuple[torch.Tensor, ModelRunner]:
 @pytest.mark.parametrize("method,family,bits", [
     ("gptq", "qwen2", 4), ("gptq", "qwen3", 8), ("gptq", "phi3", 4), ("gptq", "gemma3", 8),
     ("gptq", "qwen3_moe", 4), ("gptq", "mixtral", 8),
-    ("compressed-tensors", "qwen2", 8), ("compressed-tensors", "phi3", 4), ("compressed-tensors", "qwen3_moe", 4)])
+    ("compressed-tensors", "qwen2", 8), ("compressed-tensors", "phi3", 4), ("compressed-tensors", "qwen3_moe", 4),
+    ("w8a8", "qwen3_moe", 8)])
 def test_quantized_checkpoint_of_a_family_matches_transformers_on_the_dequantized_weights(tmp_path, method, family,
                                                                                         bits):
     src, dst = str(tmp_path / "float"), str(tmp_path / "quantized")
     _make(family, src)
     if method == "gptq":
         reference_folder = gptq_from_folder(src, dst, group=32, bits=bits, sym=bits == 8)
+    elif method == "w8a8":  # compressed-tensors W8A8 int8: the activations are rounded to int8 per token too
+        reference_folder = w8a8_from_folder(src, dst, scale_dtype=torch.float32)
     else:  # 4 bits asymmetric (Q4_1 blocks), 8 bits symmetric per channel (Q8_0)
         reference_folder = compressed_from_folder(src, dst, bits, 32 if bits == 4 else -1, symmetric=bits == 8)
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
@@ -62,13 +65,18 @@ def test_quantized_checkpoint_of_a_family_matches_transformers_on_the_dequantize
         ref = hf(torch.tensor([PROMPT])).logits[0]
     scale = ref.abs().max().item()
     mine, runner = _logits(dst, "float32")
-    assert runner.source.quantization == method
+    assert runner.source.quantization == ("compressed-tensors" if method == "w8a8" else method)
     # every linear weight of the blocks held quantized: all their parameters but the norms' and biases'
     params, types = quantized_weights(runner.model)
-    assert set(types) == {f"{method}-int{bits}-" + ("g32" if method == "gptq" or bits == 4 else "channel")}
+    assert set(types) == ({"compressed-tensors-w8a8-int8"} if method == "w8a8" else
+                          {f"{method}-int{bits}-" + ("g32" if method == "gptq" or bits == 4 else "channel")})
     linear = sum(p.numel() for n, p in hf.named_parameters() if p.dim() >= 2 and "embed" not in n
                  and "lm_head" not in n and not n.endswith("mlp.gate.weight") and "router" not in n)
     assert params == linear, (params, linear)
+    if method == "w8a8":  # within the activations' int8 rounding (as the w8a8_int8 tests bound it)
+        assert (mine - ref).abs().max().item() < 0.03 * scale
+        assert (mine.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+        return
     assert (mine - ref).abs().max().item() < 1e-4 * max(1.0, scale)
     bf16, _ = _logits(dst, "bfloat16")
     assert (bf16 - ref).abs().max().item() < 0.06 * scale

@@ -53,14 +53,19 @@ class PrequantConfig:
     bits: int = 4
     # group -1 (GPTQ, compressed-tensors channel): one group per output row, whatever the layer's input width
     symmetric: bool = True  # compressed-tensors: no weight_zero_point tensors
+    activations: bool = False  # compressed-tensors W8A8: int8 weights as stored, inputs quantized per token
 
     @property
     def name(self) -> str:
+        if self.activations:
+            return f"{self.method}-w8a8-int8"
         return f"{self.method}-int{self.bits}-" + ("channel" if self.group == -1 else f"g{self.group}")
 
     @property
     def parts(self) -> tuple[str, ...]:
         """The tensors of one quantized layer, by their last name component."""
+        if self.activations:
+            return ("weight", "weight_scale")
         if self.method == compressed_tensors.METHOD:
             return (*compressed_tensors.PARTS, *(() if self.symmetric else ("weight_zero_point",)),
                     *(("weight_g_idx",) if self.act_order else ()))
@@ -101,8 +106,9 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == compressed_tensors.METHOD:
-        bits, group, symmetric, act_order = compressed_tensors.read_scheme(qc, source)
-        return PrequantConfig(method, group, False, act_order, bits, symmetric)
+        scheme = compressed_tensors.read_scheme(qc, source)
+        return PrequantConfig(method, scheme.group, False, scheme.act_order, scheme.bits, scheme.symmetric,
+                              scheme.activations)
     if method not in ("gptq", "awq"):
         raise ModelConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported; tokenloom "
                                "loads gptq, awq and compressed-tensors integer checkpoints (or float ones)")
@@ -224,7 +230,9 @@ def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
                 raise ModelConfigError(f"{name}: g_idx is not input feature // group_size ({cfg.group}) in a "
                                        "checkpoint whose config says desc_act false")
             continue
-        if part not in needed:
+        # W8A8 stores quantized layers' `weight` as int8 beside float ones (the LM head): only int8 ones wait
+        quantized = part in needed and (part != "weight" or tensor.dtype == torch.int8)
+        if not quantized:
             yield name, tensor
             continue
         if prefix == "lm_head":
@@ -233,7 +241,9 @@ def convert(tensors: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig
         parts[part] = tensor
         if len(parts) == len(needed):
             del pending[prefix]
-            if cfg.method == compressed_tensors.METHOD:
+            if cfg.activations:
+                yield f"{prefix}.weight", compressed_tensors.unpack_int8(parts, prefix, cfg.name)
+            elif cfg.method == compressed_tensors.METHOD:
                 yield f"{prefix}.weight", _unpack_compressed(parts, cfg, prefix)
             elif cfg.method == "gptq":
                 yield f"{prefix}.weight", unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], cfg, prefix,
