@@ -24,14 +24,13 @@ runs the AVX-512 / AVX2 kernels (bench/hf_quant.py); it holds 5 bits a weight (Q
 group of 128 takes 4.25 (a GPTQ file: 1.17x / 1.06x its bytes). float32 activations keep torch's kernels,
 whose float32 scales are exact.
 `prepare(dtype)` packs for torch's kernels: 8 bits keeps `q` and per-row scales in `dtype`
-(`aten._weight_int8pack_mm`); 4 bits packs `q` with
-`aten._convert_weight_to_int4pack_for_cpu` and folds the zero points into torch's form w = (q - 8) * s + z'
-(`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros [groups, rows, 2] in `dtype`). `kernel_weight()` is
-that weight as float32 (the dequantized weight with
-scales and zeros rounded to `dtype`): the exact reference the kernels are tested against. Forms no torch kernel
-takes (8 bits in groups, 4 bits in one group a row: GPTQ checkpoints) stay as loaded and `linear` dequantizes
-them in float32 on each call, rounded to `dtype` (exact in float32; slow, the path only where the GGUF blocks
-are not used).
+(`aten._weight_int8pack_mm`); 4 bits packs `q` with `aten._convert_weight_to_int4pack_for_cpu` and folds the
+zero points into torch's form w = (q - 8) * s + z' (`aten._weight_int4pack_mm_for_cpu`, scales_and_zeros
+[groups, rows, 2] in `dtype`). `kernel_weight()` is that weight as float32 (the dequantized weight with scales
+and zeros rounded to `dtype`): the exact reference the kernels are tested against. Forms no torch kernel takes
+(8 bits in groups, 4 bits in one group a row: GPTQ checkpoints) stay as loaded and `linear` dequantizes them in
+float32 on each call, rounded to `dtype` (exact in float32; slow, the path only where the GGUF blocks are not
+used).
 
 Invariants: a prepared matrix is read-only and cannot be sliced; shards of input features fall on group
 boundaries (QuantSplitError naming the tensor otherwise); 4-bit matrices need rows % 16 == 0 and an even
