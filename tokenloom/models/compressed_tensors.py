@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tokenloom.layers.int_quant import BLOCK as INT8_GROUP_MULTIPLE  # an 8-bit group: whole Q8_0 blocks
 from tokenloom.layers.int_quant import INT4_GROUPS, IntQuantMatrix
 from tokenloom.model_config import ModelConfigError
 
@@ -36,7 +37,6 @@ METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 INT_FORMAT = "int-quantized"  # W8A8: int8 weights stored as they are, activations quantized per token
 PARTS = ("weight_packed", "weight_scale", "weight_shape")
-INT8_GROUP_MULTIPLE = 32  # an 8-bit group is whole Q8_0 blocks
 
 
 @dataclass(frozen=True)

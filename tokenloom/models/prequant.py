@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tokenloom.layers.int_quant import BLOCK as INT8_GROUP_MULTIPLE  # an 8-bit group: whole Q8_0 blocks
 from tokenloom.layers.int_quant import INT4_GROUPS, IntQuantMatrix
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models import compressed_tensors
@@ -41,7 +42,6 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column ord
 _PARTS = ("qweight", "qzeros", "scales")
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
-INT8_GROUP_MULTIPLE = 32  # an 8-bit group is whole Q8_0 blocks
 
 
 @dataclass(frozen=True)
