@@ -157,10 +157,13 @@ def test_quantization_each_value(folder, tmp_path):
     for method in ("torchao", "fp8", "marlin"):
         with pytest.raises(ConfigError, match=f"--quantization {method} is not implemented"):
             ServerArgs(quantization=method)
-    # gptq / awq name a checkpoint's own quantization (tests/integration/test_hf_quant.py): a float one is refused.
-    with pytest.raises(ModelConfigError, match="--quantization gptq, but the checkpoint is a float one"):
-        quant(folder, quantization="gptq")
-    with pytest.raises(ConfigError, match="--quantization must be one of gguf, none, gptq, awq, w8a8_int8; got 'q4'"):
+    # gptq / awq / compressed-tensors name a checkpoint's own quantization (tests/integration/test_hf_quant.py,
+    # test_compressed_tensors.py): a float one is refused.
+    for method in ("gptq", "compressed-tensors"):
+        with pytest.raises(ModelConfigError, match=f"--quantization {method}, but the checkpoint is a float one"):
+            quant(folder, quantization=method)
+    with pytest.raises(ConfigError, match="--quantization must be one of gguf, none, gptq, awq, compressed-tensors, "
+                                          "w8a8_int8; got 'q4'"):
         ServerArgs(quantization="q4")
     assert parse_args(["--quantization", "none"]).quantization == "none"
     assert parse_args([]).quantization is None
