@@ -131,11 +131,16 @@ def unpack_int8(parts: dict[str, torch.Tensor], name: str, matrix_name: str) -> 
     return IntQuantMatrix(8, k, q.contiguous(), s, None, matrix_name, act_quant=True)
 
 
+def bit_fields(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., n, 32 / bits]: field i of each word (bits `bits` i ...) at index i (the
+    packing GPTQ, AWQ and compressed-tensors share within a word)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
+
+
 def _codes(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """int32 [rows, words] -> uint8 [rows, count]: the unsigned codes, element i at bits `bits` (i % per word)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    fields = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return fields.reshape(words.shape[0], -1)[:, :count].to(torch.uint8)
+    return bit_fields(words, bits).reshape(words.shape[0], -1)[:, :count]
 
 
 def unpack(parts: dict[str, torch.Tensor], bits: int, group: int, symmetric: bool, name: str, matrix_name: str,

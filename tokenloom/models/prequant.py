@@ -37,11 +37,10 @@ from tokenloom.layers.int_quant import BLOCK as INT8_GROUP_MULTIPLE  # an 8-bit 
 from tokenloom.layers.int_quant import INT4_GROUPS, IntQuantMatrix
 from tokenloom.model_config import ModelConfigError
 from tokenloom.models import compressed_tensors
+from tokenloom.models.compressed_tensors import bit_fields
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column order[i] of its 8
 _PARTS = ("qweight", "qzeros", "scales")
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-_BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -143,16 +142,6 @@ def read_quant_config(raw: dict[str, Any], source: str) -> PrequantConfig | None
     return PrequantConfig("awq", group, False)
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., n] -> uint8 [..., n, 8]: nibble i of each word at index i."""
-    return ((words.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 15).to(torch.uint8)
-
-
-def _bytes(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., n] -> uint8 [..., n, 4]: byte i of each word (bits 8 i) at index i."""
-    return ((words.to(torch.int32).unsqueeze(-1) >> _BYTE_SHIFTS) & 255).to(torch.uint8)
-
-
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, cfg: PrequantConfig,
                 name: str, g_idx: torch.Tensor | None = None) -> IntQuantMatrix:
     """`g_idx` (act-order): the group of each input feature; the columns come out sorted by it (in_perm)."""
@@ -163,9 +152,8 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     if tuple(qzeros.shape) != (groups, n // per_word) or scales.shape[1] != n or groups * group != k:
         raise ModelConfigError(f"{name}: gptq qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                                f"scales {tuple(scales.shape)} do not fit {cfg.bits} bits in groups of {cfg.group}")
-    codes = _nibbles if cfg.bits == 4 else _bytes
-    q = codes(qweight).permute(0, 2, 1).reshape(k, n).t().contiguous()  # [N, K]
-    stored_z = codes(qzeros).reshape(groups, n).t()
+    q = bit_fields(qweight, cfg.bits).permute(0, 2, 1).reshape(k, n).t().contiguous()  # [N, K]
+    stored_z = bit_fields(qzeros, cfg.bits).reshape(groups, n).t()
     # v1 stores z - 1 and its kernels add the 1 back unmasked (a stored 15 is a zero point of 16)
     z = stored_z.to(torch.int32) + (1 if cfg.zeros_minus_one else 0)
     perm = None if g_idx is None else _act_order(g_idx, k, group, name)
@@ -203,7 +191,7 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                                f"scales {tuple(scales.shape)} do not fit group_size {cfg.group}")
 
     def columns(words: torch.Tensor) -> torch.Tensor:
-        nib = _nibbles(words)
+        nib = bit_fields(words, 4)
         out = torch.empty_like(nib)
         out[..., list(AWQ_ORDER)] = nib  # nibble i -> column order[i]
         return out.reshape(words.shape[0], n)
