@@ -14,8 +14,9 @@ a call reads it from memory rather than cache (the m=1 bandwidth case).
 which the many-row int8 path runs (0: never) and `--tile-m N` the rows from which the bf16 tile takes over
 from it again (0: never; by default 16 on CPUs whose vdpbf16ps keeps pace with vpdpbusd), to measure the
 crossovers; `--int8` times the many-row int8 path at every row count past the small stream in the same
-rounds. `--clock cpu` times this process's CPU time instead of wall time: on a machine shared with other
-work, at --threads 1, it leaves out the time other processes held the core. Timings are noisy on a shared
+rounds; `--pairs-ab` the small path with each row's two int8 terms kept apart past one row. `--clock cpu`
+times this process's CPU time instead of wall time: on a machine shared with other work, at --threads 1, it
+leaves out the time other processes held the core. Timings are noisy on a shared
 machine: read the ratios.
 The last line of stdout is one JSON object.
 
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefetch-l1-ab", action="store_true",
                    help="also time the quantized kernel with its software prefetch filling L1 instead of L2, "
                         "in the same rounds")
+    p.add_argument("--pairs-ab", action="store_true",
+                   help="also time the small path with each row's two int8 terms apart past one row "
+                        "(quant_act_pairs(1): before batched decode's pair tiles), in the same rounds")
     p.add_argument("--i8-tile-ab", action="store_true",
                    help="AVX2: also time the float32 tile with the one-term int8 tile off, in the same rounds")
     args = p.parse_args(argv)
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     int8_linear = linear_with(lib.quant_tile_m, 0, tile_m)  # the many-row int8 path wherever it applies
     i8_tile_m = lib.quant_i8_tile_m(ctypes.c_int(-1))
     f32_tile_linear = linear_with(lib.quant_i8_tile_m, 0, i8_tile_m)  # AVX2: the one-term int8 tile off
+    act_pairs = lib.quant_act_pairs(ctypes.c_int(-1))
+    one_row_pairs_linear = linear_with(lib.quant_act_pairs, 1, act_pairs)  # pairs at one row only
 
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -205,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                     fns["noprefetch"] = lambda x=x, qms=qms: [unprefetched_linear(x, q) for q in qms]
                 if args.i8_tile_ab:
                     fns["f32tile"] = lambda x=x, qms=qms: [f32_tile_linear(x, q) for q in qms]
+                if args.pairs_ab:
+                    fns["apart"] = lambda x=x, qms=qms: [one_row_pairs_linear(x, q) for q in qms]
                 if args.prefetch_l1_ab:
                     fns["l1prefetch"] = lambda x=x, qms=qms: [l1_prefetch_linear(x, q) for q in qms]
                 best = time_pair(fns, args.rounds, args.round_ms,
@@ -227,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["l1prefetch_ms"] = best["l1prefetch"] / args.copies * 1e3
                 if args.i8_tile_ab:
                     row["f32tile_ms"] = best["f32tile"] / args.copies * 1e3
+                if args.pairs_ab:
+                    row["apart_ms"] = best["apart"] / args.copies * 1e3
                 results.append(row)
                 print(f"| {tname} | {n}x{k} | {m} | {row['quant_ms']:.3f} | {row['bf16_ms']:.3f} | "
                       f"{row['speedup']:.2f}x | {row['quant_gflops']:.1f} | {row['bf16_gflops']:.1f} | "
@@ -238,7 +248,9 @@ def main(argv: list[str] | None = None) -> None:
                       + (f" to L1 {row['l1prefetch_ms']:.3f} ms ({row['l1prefetch_ms'] / row['quant_ms']:.2f}x)"
                          if args.prefetch_l1_ab else "")
                       + (f" float32 tile {row['f32tile_ms']:.3f} ms ({row['f32tile_ms'] / row['quant_ms']:.2f}x)"
-                         if args.i8_tile_ab else ""), flush=True)
+                         if args.i8_tile_ab else "")
+                      + (f" terms apart {row['apart_ms']:.3f} ms ({row['apart_ms'] / row['quant_ms']:.2f}x)"
+                         if args.pairs_ab else ""), flush=True)
     other = monitor.other_fraction()
     print(f"other processes used {100 * other:.0f}% of the machine's CPU time during the run")
     print(json.dumps({"rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}

@@ -444,6 +444,23 @@ def test_one_row_sums_its_two_terms_as_one(name, n, k):
     check_one_row_pairs(qm, torch.randn(1, k, generator=torch.Generator().manual_seed(71)).bfloat16())
 
 
+@avx512_paths
+@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("n,k", [(77, 576), (21, 32 * 226), (40, 320)])
+def test_batched_rows_sum_their_two_terms_as_one(name, n, k):
+    """At 2-8 activation rows (batched decode) each row's two int8 terms reach the legacy types' pair tiles
+    as a pair too (quant_act_pairs(1) keeps them apart past one row): tiles of two pairs and of the last odd
+    one, the weight rows left after the last tile (77 = 4 * 19 + 1), the tail pass (k = 576's two blocks after
+    its span), rows of a page or more (k = 7232) and no full span at all (k = 320). Only float32 rounding
+    separates the two, and both stay within the two terms' bound."""
+    from tests.act_pairs import PAIRS_ONE_ROW, check_row_pairs
+
+    qm = qg.prepare(_matrix(name, n, k, 73))
+    gen = torch.Generator().manual_seed(73)
+    for m in (2, 3, 5, 8):
+        check_row_pairs(qm, torch.randn(m, k, generator=gen).bfloat16(), PAIRS_ONE_ROW)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_a_non_finite_block_scale_is_refused(name):
     """A block whose f16 scale (or minimum) is NaN or infinite is a malformed block: QuantMatrix.from_gguf refuses

@@ -30,7 +30,13 @@ enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q5_0 = 6, TL_Q5_1 = 7, TL_Q8_0 = 8, TL_Q4_K 
  * scales are exactly row 0's / 128 (TL_TERM2_SHIFT), so a kernel may sum the pair as one integer dot product,
  * 128 dot(row 0) + dot(row 1) (exact in int32: at most 2^7 * 32 * 255 * 127 per block lane), scaled once by
  * row 0's d / 128; it then writes that sum as row 0's output and 0 as row 1's. A kernel may also ignore the
- * flag: its caller adds the two rows' outputs either way. Zero everywhere else. */
+ * flag: its caller adds the two rows' outputs either way. Zero everywhere else.
+ * `pairs` (P > 1, batched decode): the same for P activation rows, m == 2 P, row P + r the second term of row r
+ * (its block scales exactly row r's / 128); a kernel may sum each row's two terms as one and then writes that
+ * sum as row r's output and 0 as row P + r's, or ignore it (the legacy types' tiles take it). 1 with `paired`,
+ * else 0. `q8_lanes`: with pairs > 1 for a Q8_0 weight, every row's full spans in the Q8_0 kernels' regrouped
+ * order (quant_legacy.c, `q8_lanes_order`), made once per call; NULL everywhere else (those kernels then
+ * regroup per tile and keep the terms apart). */
 typedef struct {
     const int8_t *q;
     const float *d;
@@ -39,6 +45,8 @@ typedef struct {
     int64_t k;
     const int8_t *lanes;
     int paired;
+    int pairs;
+    const int8_t *q8_lanes;
 } tl_act_q8;
 
 /* log2 of the ratio of an activation block's first int8 scale to its second term's (quantize_act). */

@@ -7,8 +7,9 @@
  *  - few rows (decode, m <= quant_small_m_max, bf16 x): a stream over W. x is quantized once per call to int8
  *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
  *    activation rows, so one pass over the weight serves both); weight rows are split evenly over OpenMP
- *    threads in items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel (at
- *    one row, the two terms as one pair: tl_act_q8.paired). The rounding of x is the only error beyond float32
+ *    threads in items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel (each
+ *    row's two terms as one pair: tl_act_q8.paired at one row, every type; tl_act_q8.pairs at more, the legacy
+ *    types). The rounding of x is the only error beyond float32
  *    summation: |err| <= sum_i |w_i| * d_x(i) / 256 with d_x = max|x_block| / 127 (d_x / 2 with the second
  *    term off, quant_act_residual(0)).
  *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, every type with a u8_row): the same two
@@ -48,9 +49,10 @@ static int quant_small_m_max = -1;
  * one int8 term moved SmolLM2's greedy answers further from float32 than bf16 activations do (bench/accuracy.py);
  * quant_act_residual(0) turns it off for benchmarks. */
 static int quant_act_residual_on = 1;
-/* One activation row's two terms summed as one integer dot product (tl_act_q8.paired) by the kernels that can:
- * on by default; quant_act_pairs(0) turns it off for benchmarks and tests. */
-static int quant_act_pairs_on = 1;
+/* Each activation row's two terms summed as one integer dot product by the kernels that can: 2 (the default)
+ * at every row count of the small path (tl_act_q8.pairs), 1 at one row only (tl_act_q8.paired: how it was
+ * before batched decode's pair tiles), 0 never; quant_act_pairs() sets it for benchmarks and tests. */
+static int quant_act_pairs_on = 2;
 /* The many-row int8 path (quant_batch.c: prefill, batches of more than quant_small_m rows) carries the second
  * term too: one term would make prefill 1.66x faster (a 64-row SmolLM2 decode step 1.2x), but prompt
  * perplexity moved (Q8_0 file +0.35% against +0.01% of float32) and greedy answers after a one-term prefill
@@ -120,10 +122,10 @@ KERNEL_API int quant_act_residual(int value) {
     return quant_act_residual_on;
 }
 
-/* Whether a batch-1 call's two int8 terms go to the kernels as a pair (tl_act_q8.paired): read (value < 0) or
- * set it (0 off, 1 on). */
+/* Whether the small path's two int8 terms go to the kernels as pairs: read (value < 0) or set it (0 never, 1
+ * at one row only, 2 at every row count). */
 KERNEL_API int quant_act_pairs(int value) {
-    if (value >= 0) quant_act_pairs_on = value != 0;
+    if (value >= 0) quant_act_pairs_on = value < 2 ? value : 2;
     return quant_act_pairs_on;
 }
 
@@ -351,9 +353,19 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
     }
     /* Both terms in one pass over the weight when they fit the kernel's rows, else one pass each. */
     const int together = terms * m <= SMALL_M_LIMIT;
-    const int paired = quant_act_pairs_on && residual && m == 1;
-    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes, paired};
-    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k, 0};
+    const int pairs = residual && together && quant_act_pairs_on >= (m == 1 ? 1 : 2) ? (int)m : 0;
+    /* the Q8_0 pair tiles' activation order, made once here too */
+    int8_t *q8_lanes = NULL;
+    if (t->type == TL_Q8_0 && pairs > 1) {
+        if ((q8_lanes = aligned_alloc(64, (size_t)((terms * m * k + 63) / 64 * 64))) == NULL) {
+            free(q); free(d); free(s); free(lanes);
+            return QUANT_E_MEMORY;
+        }
+        q8_lanes_order(q, terms * m, k, q8_lanes);
+    }
+    const tl_act_q8 all = {q, d, s, (int)(together ? terms * m : m), k, lanes, pairs == 1, pairs, q8_lanes};
+    const tl_act_q8 rest = {q + m * k, d + m * nb, s + m * nb, (int)m, k, lanes == NULL ? NULL : lanes + m * k, 0, 0,
+                            NULL};
     const int64_t item = small_item_rows(n, threads), items = (n + item - 1) / item;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t c = 0; c < items; ++c) {
@@ -367,7 +379,7 @@ static int small_path(const tl_quant_type *t, const uint8_t *w, int64_t n, int64
                                  _mm512_add_ps(_mm512_loadu_ps(buf + i), _mm512_loadu_ps(buf + m * item + i)));
         epilogue(buf, item, m, n0, n1 - n0, bias, bias_is_f32, out, out_stride, out_is_f32);
     }
-    free(q); free(d); free(s); free(lanes);
+    free(q); free(d); free(s); free(lanes); free(q8_lanes);
     return QUANT_OK;
 }
 

@@ -426,15 +426,16 @@ static void q8_0_dequant_bf16(const uint8_t *w, int64_t n, int64_t r, int64_t k,
 #define LEGACY_MAX_OUT 16
 #define LEGACY_TAIL_AHEAD 2048 /* the tail pass's software prefetch distance (x tl_quant_prefetch_tiles), bytes */
 
-/* A pair's (tl_act_q8.paired) scale vectors for the span from block b: dx = row 0's d / 128, the scale of
- * 128 dot(row 0) + dot(row 1), and the offset term's vector for the pair: Q4_1 d0 s0 + d1 s1 (one explicit
- * fused multiply-add, so every kernel rounds it alike), Q4_0 / Q8_0 -8 or -128 times the pair's integer sum
- * 128 s0 + s1 (exact). */
-static inline __attribute__((always_inline)) void legacy_pair_scales(const int kind, const tl_act_q8 *a, int64_t b,
+/* A pair's (tl_act_q8.paired / pairs: its terms in activation rows `first` and `second`) scale vectors for the
+ * span from block b: dx = the first term's d / 128, the scale of 128 dot0 + dot1, and the offset term's vector
+ * for the pair: Q4_1 d0 s0 + d1 s1 (one explicit fused multiply-add, so every kernel rounds it alike), Q4_0 /
+ * Q8_0 -8 or -128 times the pair's integer sum 128 s0 + s1 (exact). */
+static inline __attribute__((always_inline)) void legacy_pair_scales(const int kind, const tl_act_q8 *a,
+                                                                     int64_t first, int64_t second, int64_t b,
                                                                      __m512 *dx, __m512 *tx) {
-    const int64_t nb = a->k / TL_QK;
-    const __m512 d0 = _mm512_loadu_ps(a->d + b), d1 = _mm512_loadu_ps(a->d + nb + b);
-    const __m512i s0 = _mm512_loadu_si512(a->s + b), s1 = _mm512_loadu_si512(a->s + nb + b);
+    const int64_t nb = a->k / TL_QK, o0 = first * nb + b, o1 = second * nb + b;
+    const __m512 d0 = _mm512_loadu_ps(a->d + o0), d1 = _mm512_loadu_ps(a->d + o1);
+    const __m512i s0 = _mm512_loadu_si512(a->s + o0), s1 = _mm512_loadu_si512(a->s + o1);
     *dx = _mm512_mul_ps(d0, _mm512_set1_ps(1.0f / (1 << TL_TERM2_SHIFT)));
     if (kind == 1)
         *tx = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(s1), _mm512_mul_ps(d0, _mm512_cvtepi32_ps(s0)));
@@ -456,7 +457,7 @@ static inline __attribute__((always_inline)) void span_scales(const int kind, co
                                                               int64_t b, int64_t ahead, __m512 *acc, __m512 *p) {
     __m512 dx[4], tx[4];
     if (PAIRED) {
-        legacy_pair_scales(kind, a, b, &dx[0], &tx[0]);
+        legacy_pair_scales(kind, a, 0, 1, b, &dx[0], &tx[0]);
     } else {
         for (int j = 0; j < MR; ++j) {
             const int64_t o = (r0 + j) * nb + b;
@@ -571,6 +572,19 @@ static inline __attribute__((always_inline)) void q8_regroup(const int8_t *xq, _
     }
 }
 
+/* Activation rows [rows][k] with every full span regrouped as q8_regroup does (out: the span's eight vectors at
+ * 32 b + 64 V of the row; the bytes after the last full span unwritten): tl_act_q8.q8_lanes, made once per call
+ * for the pair tiles. */
+static void q8_lanes_order(const int8_t *q, int64_t rows, int64_t k, int8_t *out) {
+    const int64_t full = k / TL_QK / 16 * 16;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < full; b += 16) {
+            __m512i x[8];
+            q8_regroup(q + r * k + 32 * b, x);
+            for (int v = 0; v < 8; ++v) _mm512_storeu_si512(out + r * k + 32 * b + 64 * v, x[v]);
+        }
+}
+
 /* Lane i: block i's integer dot product over a full span of interleaved Q8_0 quants (src) against MR activation
  * rows' regrouped vectors (xv[j]), into dot[j]; two vpdpbusd chains per activation row. */
 static inline __attribute__((always_inline)) void q8_lanes_dot(const uint8_t *src, const int MR,
@@ -634,6 +648,109 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
     legacy_store(NR, MR, acc, out, out_stride);
 }
 
+/* ---- batched decode: several activation rows, each in its two terms (tl_act_q8.pairs > 1) ----
+ *
+ * The tiles above walk a span weight row by weight row, each row's vpdpbusd reading the activation vectors
+ * again (from L1): as many 64-byte loads as multiplies, and one load port of that width a cycle on Zen 4. Here
+ * a tile of NR weight rows x MP rows' pairs walks the span's 64-byte vectors in the outer loop: at each the
+ * 2 MP activation term vectors are loaded once and serve all NR weight rows, one int32 sum per (weight row,
+ * term row) over the span. Each pair's two sums then become one, 128 dot0 + dot1 (exact), before the one
+ * conversion and scaling (against the few-row tiles: half the conversions, scale products and multiply-adds,
+ * and each Q4 nibble unpacked once for every activation row, not once per two). Q8_0 reads its activations
+ * regrouped once per call (tl_act_q8.q8_lanes), Q4 from tl_act_q8.lanes. */
+#define PAIRS_NR 4 /* weight rows per tile: 4 x 4 int32 sums, 4 x 2 float accumulators, 8 activation vectors */
+#define PAIRS_MP 2 /* pairs per tile (the last one alone when their count is odd) */
+/* The software prefetch distance, bytes of quants: a tile of 4 short rows (SmolLM2's Q8_0 k = 576: 512 bytes of
+ * full spans each) asks too close ahead with the next tile's rows alone. Measured at two rows of activations
+ * from memory (bench/quant_gemm.py --copies 40): Q8_0 3072 x 576 0.090 / 0.080 / 0.069 / 0.079 ms at 4 / 6 /
+ * 8 / 12 KiB ahead, against 0.093-0.100 one tile (2 KiB) ahead; the wider rows level. */
+#define PAIRS_AHEAD 8192
+
+/* NR weight rows (from T's first) x MP pairs (rows p0 .. p0 + MP - 1 and their second terms, rows a->pairs + p0
+ * ..): the pairs' sums into out[p * out_stride + r], 0 into their second terms' rows. */
+static inline __attribute__((always_inline)) void legacy_pairs_tile(const int kind, const legacy_mat *T, const int NR,
+                                                                    const int MP, const tl_act_q8 *a, int64_t p0,
+                                                                    float *out, int64_t out_stride) {
+    const int64_t k = a->k, P = a->pairs, vecs = kind == 2 ? 8 : 4, block_q = kind == 2 ? 32 : 16;
+    /* the rows from PAIRS_AHEAD bytes on (at least the next tile's), x tl_quant_prefetch_tiles */
+    const int64_t stride = T->q_stride > 0 ? T->q_stride : 1; /* (0: no full span, nothing to read) */
+    const int64_t ahead_rows = (tl_quant_prefetch_tiles * PAIRS_AHEAD + stride - 1) / stride;
+    const int64_t ahead = tl_quant_prefetch_tiles ? (ahead_rows > NR ? ahead_rows : NR) * T->q_stride : 0;
+    const int64_t ahead_s = ahead / stride * T->s_stride;
+    const __m512i low = _mm512_set1_epi8(15);
+    const int8_t *order = kind == 2 ? a->q8_lanes : a->lanes;
+    const int8_t *xrow[2 * PAIRS_MP]; /* term rows: the MP first terms, then their second terms */
+    for (int j = 0; j < 2 * MP; ++j) xrow[j] = order + (p0 + (j < MP ? j : P + j - MP)) * k;
+    __m512 acc[PAIRS_NR * PAIRS_MP];
+    for (int i = 0; i < NR * MP; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < T->full; b += 16) {
+        __m512i c[PAIRS_NR][2 * PAIRS_MP];
+        for (int r = 0; r < NR; ++r)
+            for (int j = 0; j < 2 * MP; ++j) c[r][j] = _mm512_setzero_si512();
+        for (int64_t v = 0; v < vecs; ++v) {
+            __m512i xl[2 * PAIRS_MP], xh[2 * PAIRS_MP]; /* Q4: the low and high nibbles' activations; Q8_0: xl */
+            for (int j = 0; j < 2 * MP; ++j) {
+                xl[j] = _mm512_loadu_si512(xrow[j] + 32 * b + (kind == 2 ? 64 : 128) * v);
+                if (kind != 2) xh[j] = _mm512_loadu_si512(xrow[j] + 32 * b + 128 * v + 64);
+            }
+            for (int r = 0; r < NR; ++r) {
+                const uint8_t *src = T->q + r * T->q_stride + block_q * b + 64 * v;
+                if (ahead) TL_QUANT_PREFETCH(src + ahead);
+                const __m512i w = _mm512_loadu_si512(src);
+                if (kind == 2) {
+                    for (int j = 0; j < 2 * MP; ++j) c[r][j] = _mm512_dpbusd_epi32(c[r][j], w, xl[j]);
+                } else {
+                    const __m512i lo = _mm512_and_si512(w, low), hi = tl_high_nibbles(w);
+                    for (int j = 0; j < 2 * MP; ++j)
+                        c[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c[r][j], lo, xl[j]), hi, xh[j]);
+                }
+            }
+        }
+        __m512 dx[2], tx[2];
+        for (int p = 0; p < MP; ++p) legacy_pair_scales(kind, a, p0 + p, P + p0 + p, b, &dx[p], &tx[p]);
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *d = T->d + r * T->s_stride + 2 * b, *m = T->m + r * T->s_stride + 2 * b;
+            if (ahead) {
+                TL_QUANT_PREFETCH(d + ahead_s);
+                if (kind == 1) TL_QUANT_PREFETCH(m + ahead_s);
+            }
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+            const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m)) : dw;
+            for (int p = 0; p < MP; ++p) {
+                const __m512 pj = _mm512_mul_ps(dw, dx[p]);
+                __m512 *o = &acc[r * MP + p];
+                *o = _mm512_fmadd_ps(kind == 1 ? mw : pj, tx[p], *o);
+                *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(legacy_pair_dot(c[r][p], c[r][MP + p])), pj, *o);
+            }
+        }
+    }
+    legacy_store(NR, MP, acc, out, out_stride);
+    for (int p = 0; p < MP; ++p)
+        for (int r = 0; r < NR; ++r) out[(P + p) * out_stride + r] = 0.0f;
+}
+
+/* The full spans of weight rows [n0, n1) against every pair: tiles of PAIRS_NR weight rows x PAIRS_MP pairs, the
+ * weight rows left one at a time. */
+static inline __attribute__((always_inline)) void legacy_pairs_dot(const int kind, const legacy_mat *M, int64_t n0,
+                                                                   int64_t n1, const tl_act_q8 *a, float *out,
+                                                                   int64_t out_stride) {
+    int64_t j = n0;
+    for (; j + PAIRS_NR <= n1; j += PAIRS_NR) {
+        const legacy_mat T = legacy_advance(M, j);
+        int64_t p = 0;
+        for (; p + PAIRS_MP <= a->pairs; p += PAIRS_MP)
+            legacy_pairs_tile(kind, &T, PAIRS_NR, PAIRS_MP, a, p, out + p * out_stride + (j - n0), out_stride);
+        if (p < a->pairs) legacy_pairs_tile(kind, &T, PAIRS_NR, 1, a, p, out + p * out_stride + (j - n0), out_stride);
+    }
+    for (; j < n1; ++j) {
+        const legacy_mat T = legacy_advance(M, j);
+        int64_t p = 0;
+        for (; p + 2 <= a->pairs; p += 2)
+            legacy_pairs_tile(kind, &T, 1, 2, a, p, out + p * out_stride + (j - n0), out_stride);
+        if (p < a->pairs) legacy_pairs_tile(kind, &T, 1, 1, a, p, out + p * out_stride + (j - n0), out_stride);
+    }
+}
+
 /* ---- the blocks after the last full span ----
  *
  * A row of k = 576 (SmolLM2's hidden size) is one full span and 2 blocks. Kept in each row, those 2 blocks
@@ -643,13 +760,12 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
  * and activation row cover 16 weight rows, and one conversion and multiply-add per block scales them all. */
 
 /* Weight rows [row0, row0 + cnt) of one band (lanes l0 .. l0 + cnt - 1) against MR activation rows from r0:
- * out[j * out_stride + i] += the tail's sum of row row0 + i; PAIRED (MR 2, tl_act_q8.paired): the pair's sum
- * into row 0 alone. */
+ * out[j * out_stride + i] += the tail's sum of row row0 + i; PAIRED (MR 2: activation rows r0 and r0 + second,
+ * one row's two terms): the pair's sum into row 0 alone. */
 static inline __attribute__((always_inline)) void legacy_tail_band(const int kind, const legacy_mat *M, int64_t row0,
                                                                    int cnt, const int MR, const int PAIRED,
-                                                                   const tl_act_q8 *a,
-                                                                   int64_t r0, int64_t ahead, float *out,
-                                                                   int64_t out_stride) {
+                                                                   const tl_act_q8 *a, int64_t r0, int64_t second,
+                                                                   int64_t ahead, float *out, int64_t out_stride) {
     const int units = kind == 2 ? 8 : 4, l0 = (int)(row0 % 16);
     const int64_t nb = a->k / TL_QK;
     const legacy_band B = legacy_band_of(M, row0 / 16);
@@ -666,7 +782,7 @@ static inline __attribute__((always_inline)) void legacy_tail_band(const int kin
             if (ahead) TL_QUANT_PREFETCH(src + ahead);
             const __m512i w = _mm512_maskz_loadu_epi32(mask, src);
             for (int j = 0; j < MR; ++j) {
-                const int8_t *x = a->q + (r0 + j) * a->k + 32 * b + 4 * u;
+                const int8_t *x = a->q + (r0 + (PAIRED ? j * second : j)) * a->k + 32 * b + 4 * u;
                 int32_t x0, x1;
                 memcpy(&x0, x, 4);
                 if (kind == 2) {
@@ -682,17 +798,18 @@ static inline __attribute__((always_inline)) void legacy_tail_band(const int kin
         const __m512 mw = kind == 1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, B.m + 2 * t * B.lanes)) : dw;
         __m512i dot[4];
         for (int j = 0; j < MR; ++j) {
-            const int64_t o = (r0 + j) * nb + b;
+            const int64_t o = (r0 + (PAIRED ? j * second : j)) * nb + b;
             dot[j] = _mm512_add_epi32(c[j][0], c[j][1]);
             /* Q4_0 / Q8_0: d_w d_x (dot - 8 s or - 128 s), exact in int32; Q4_1: d_w d_x dot + m_w (d_x s) */
             if (kind != 1) dot[j] = _mm512_add_epi32(dot[j], _mm512_set1_epi32(a->s[o] * (kind == 0 ? -8 : -128)));
         }
         if (PAIRED) { /* 128 (dot0 - 8 s0) + (dot1 - 8 s1), scaled by d0 / 128; Q4_1: m_w (d0 s0 + d1 s1) */
             const __m512i both = legacy_pair_dot(dot[0], dot[1]);
-            const float d0 = a->d[b] * (1.0f / (1 << TL_TERM2_SHIFT));
+            const int64_t o0 = r0 * nb + b, o1 = (r0 + second) * nb + b;
+            const float d0 = a->d[o0] * (1.0f / (1 << TL_TERM2_SHIFT));
             res[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(dw, _mm512_set1_ps(d0)), res[0]);
             if (kind == 1) {
-                const float ds = fmaf(a->d[nb + b], (float)a->s[nb + b], a->d[b] * (float)a->s[b]);
+                const float ds = fmaf(a->d[o1], (float)a->s[o1], a->d[o0] * (float)a->s[o0]);
                 res[0] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), res[0]);
             }
         } else {
@@ -715,10 +832,11 @@ static inline __attribute__((always_inline)) void legacy_tail_band(const int kin
 }
 
 /* The tail blocks of weight rows [n0, n1) against every activation row, added to out[r * out_stride + (j - n0)]
- * (the full spans' sums, already there): band by band, activation rows four at a time. */
+ * (the full spans' sums, already there): band by band, activation rows four at a time, or (pair_rows: the
+ * full spans went through legacy_pairs_dot) each of the a->pairs rows' two terms as one. */
 static inline __attribute__((always_inline)) void legacy_tail_pass(const int kind, const legacy_mat *M, int64_t n0,
-                                                                   int64_t n1, const tl_act_q8 *a, float *out,
-                                                                   int64_t out_stride) {
+                                                                   int64_t n1, const tl_act_q8 *a, int pair_rows,
+                                                                   float *out, int64_t out_stride) {
     if (M->tail_blocks == 0) return;
     const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * LEGACY_TAIL_AHEAD;
     for (int64_t j = n0; j < n1;) {
@@ -727,13 +845,16 @@ static inline __attribute__((always_inline)) void legacy_tail_pass(const int kin
         float *o = out + (j - n0);
         int64_t r = 0;
         if (a->paired) {
-            legacy_tail_band(kind, M, j, cnt, 2, 1, a, 0, ahead, o, out_stride);
+            legacy_tail_band(kind, M, j, cnt, 2, 1, a, 0, 1, ahead, o, out_stride);
+        } else if (pair_rows) {
+            for (; r < a->pairs; ++r)
+                legacy_tail_band(kind, M, j, cnt, 2, 1, a, r, a->pairs, ahead, o + r * out_stride, out_stride);
         } else {
             for (; r + 4 <= a->m; r += 4)
-                legacy_tail_band(kind, M, j, cnt, 4, 0, a, r, ahead, o + r * out_stride, out_stride);
+                legacy_tail_band(kind, M, j, cnt, 4, 0, a, r, 0, ahead, o + r * out_stride, out_stride);
             for (; r + 2 <= a->m; r += 2)
-                legacy_tail_band(kind, M, j, cnt, 2, 0, a, r, ahead, o + r * out_stride, out_stride);
-            if (r < a->m) legacy_tail_band(kind, M, j, cnt, 1, 0, a, r, ahead, o + r * out_stride, out_stride);
+                legacy_tail_band(kind, M, j, cnt, 2, 0, a, r, 0, ahead, o + r * out_stride, out_stride);
+            if (r < a->m) legacy_tail_band(kind, M, j, cnt, 1, 0, a, r, 0, ahead, o + r * out_stride, out_stride);
         }
         j = end;
     }
@@ -778,7 +899,7 @@ static void legacy_seq_prep(const int kind, const tl_act_q8 *a, __m512 *prep) {
         }
     if (a->paired)
         for (int64_t sp = 0; sp < spans; ++sp)
-            legacy_pair_scales(kind, a, 16 * sp, &prep[sp * stride], &prep[sp * stride + 1]);
+            legacy_pair_scales(kind, a, 0, 1, 16 * sp, &prep[sp * stride], &prep[sp * stride + 1]);
 }
 
 /* One full span of one weight row against MR prepared activation rows (from r0): q4_span / q8_span's
@@ -881,7 +1002,10 @@ static inline __attribute__((always_inline)) void legacy_dot(const int kind, con
                                                              int64_t row_bytes, int64_t n0, int64_t n1,
                                                              const tl_act_q8 *a, float *out, int64_t out_stride) {
     const legacy_mat M = legacy_view(kind, w, n, a->k, 0);
-    if (!legacy_seq_dot(kind, &M, row_bytes, n0, n1, a, out, out_stride)) {
+    const int pair_rows = a->pairs > 1 && (kind != 2 || a->q8_lanes != NULL);
+    if (pair_rows) {
+        legacy_pairs_dot(kind, &M, n0, n1, a, out, out_stride);
+    } else if (!legacy_seq_dot(kind, &M, row_bytes, n0, n1, a, out, out_stride)) {
         int64_t j = n0;
         if (a->m == 1) {
             for (; j + 16 <= n1; j += 16) {
@@ -912,7 +1036,7 @@ static inline __attribute__((always_inline)) void legacy_dot(const int kind, con
                 legacy_tile(kind, &T, 1, 1, 0, a, r, out + r * out_stride + (j - n0), out_stride);
         }
     }
-    legacy_tail_pass(kind, &M, n0, n1, a, out, out_stride);
+    legacy_tail_pass(kind, &M, n0, n1, a, pair_rows, out, out_stride);
 }
 
 static void q4_0_dot(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a,
