@@ -621,11 +621,118 @@ static inline __attribute__((always_inline)) int kq_seq_dot(int type, const uint
     return 1;
 }
 
-/* A pair (tl_act_q8.paired, m == 2) goes through the tiles as one: kq_tile's PAIRED form. */
+/* ---- batched decode: every activation row's two terms as a pair (tl_act_q8.pairs > 1) ----
+ *
+ * The tiles decode a weight row's super-block once per four activation term rows (their register block), so
+ * at 2 x 8 term rows each super-block was decoded four times, and every term row paid its own conversion and
+ * scaling. Here each weight row is read whole in turn (as the stream above) and each super-block decoded once
+ * for all the pairs, up to KQ_PAIRS_GROUP of them (one float accumulator each), their prepared activations read
+ * back from L1/L2 as vpdpbusd's memory operands; each pair goes through kq_pair_dot (128 dot0 + dot1, one
+ * conversion and scaling). The activations are prepared in chunks of super-blocks that fit the stack buffer
+ * (k = 8192 at 8 pairs: four), each chunk's sums added to the outputs. */
+#define KQ_PAIRS_GROUP 8 /* pairs per pass over the weight rows: all of the small path's at most 8 */
+/* Prepared activations per chunk (24 KiB: they stay in L1 as the chunk's weight rows stream by). Measured (two
+ * threads, weights from memory, Q4_K / Q6_K at 2-8 rows, 2048 x 2048, 2048 x 8192, 8192 x 2048): 16 KiB level
+ * with it, 32 KiB 0.9-1.0x of it; the whole row's (up to 64 KiB, from L2) 0.6-0.8x at 6-8 rows. */
+#define KQ_PAIRS_L1_VECS 384
+
+/* Super-blocks [b0, b0 + nbc) of every activation row (the a->pairs first terms, then their second terms) at
+ * prep[((b - b0) * 2 pairs + row) * KQ_SEQ_STRIDE] as kq_seq_prep lays them out; a first term's scale vectors
+ * are its pair's (kq_pair_scales). */
+static void kq_pairs_prep(int six, const tl_act_q8 *a, int64_t b0, int64_t nbc, __m512i *prep) {
+    const int64_t k = a->k, nblk32 = k / TL_QK, pairs = a->pairs, rows = 2 * pairs;
+    for (int64_t bb = 0; bb < nbc; ++bb) {
+        const int64_t b = b0 + bb;
+        for (int64_t r = 0; r < rows; ++r) {
+            __m512i *p = prep + (bb * rows + r) * KQ_SEQ_STRIDE;
+            const int64_t o = r * nblk32 + 8 * b;
+            __m512 as, dsa = _mm512_setzero_ps();
+            __m512i init = _mm512_setzero_si512();
+            kq_act_prep(six, a->q + r * k + b * KQ_K, a->d + o, a->s + o, p, &as, &dsa, &init);
+            if (r < pairs) kq_pair_scales(six, a, o, (pairs + r) * nblk32 + 8 * b, &as, &dsa);
+            p[KQ_PREP_AS] = _mm512_castps_si512(as);
+            p[KQ_PREP_DSA] = _mm512_castps_si512(dsa);
+            p[KQ_PREP_INIT] = init;
+        }
+    }
+}
+
+/* Weight rows [n0, n1), super-blocks [b0, b0 + nbc) (prepared at prep), against pairs p0 .. p0 + G - 1: each
+ * pair's sum into out row p (set on the first chunk, added after), 0 into its second term's row. */
+static inline __attribute__((always_inline)) void kq_pairs_rows(int type, const int G, const uint8_t *w,
+                                                                int64_t row_bytes, int64_t n0, int64_t n1, int64_t b0,
+                                                                int64_t nbc, const tl_act_q8 *a, int64_t p0,
+                                                                const __m512i *prep, float *out, int64_t out_stride) {
+    const int six = type == 6, five = type == 5;
+    const int64_t bytes = six ? KQ6_BYTES : five ? KQ5_BYTES : KQ4_BYTES, pairs = a->pairs, rows = 2 * pairs;
+    /* the same super-blocks KQ_SEQ_AHEAD bytes of them on: whole rows ahead, as a chunk reads a part of each */
+    const int64_t ahead_rows = (KQ_SEQ_AHEAD + nbc * bytes - 1) / (nbc * bytes);
+    const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * ahead_rows * row_bytes;
+    const __m512i lane_sub = kq45_lane_sub(), zero = _mm512_setzero_si512();
+    for (int64_t j = n0; j < n1; ++j) {
+        const uint8_t *row = w + j * row_bytes + b0 * bytes;
+        __m512 acc[KQ_PAIRS_GROUP];
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+        for (int64_t bb = 0; bb < nbc; ++bb) {
+            const uint8_t *blk = row + bb * bytes;
+            if (ahead) kq_prefetch(blk + ahead, (int)bytes);
+            const __m512i *p = prep + bb * rows * KQ_SEQ_STRIDE;
+            __m512i v[4];
+            const __m512 wv = six ? kq6_decode(blk, v) : kq45_decode(five, blk, v);
+            const __m512 ws = six ? wv : _mm512_permutexvar_ps(lane_sub, wv);
+            for (int g = 0; g < G; ++g) {
+                const __m512i *x0 = p + (p0 + g) * KQ_SEQ_STRIDE, *x1 = p + (pairs + p0 + g) * KQ_SEQ_STRIDE;
+                acc[g] = kq_pair_dot(six, v, x0, x1, six ? x0[KQ_PREP_INIT] : zero, six ? x1[KQ_PREP_INIT] : zero,
+                                     ws, _mm512_castsi512_ps(x0[KQ_PREP_AS]), wv,
+                                     _mm512_castsi512_ps(x0[KQ_PREP_DSA]), acc[g]);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            float *o = out + (p0 + g) * out_stride + (j - n0);
+            const float sum = _mm512_reduce_add_ps(acc[g]);
+            *o = b0 == 0 ? sum : *o + sum;
+            out[(pairs + p0 + g) * out_stride + (j - n0)] = 0.0f;
+        }
+    }
+}
+
+/* dot_rows for a->pairs > 1: chunk by chunk of super-blocks, every pair in passes of KQ_PAIRS_GROUP. */
+static inline __attribute__((always_inline)) void kq_pairs_dot(int type, const uint8_t *w, int64_t row_bytes,
+                                                               int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
+                                                               int64_t out_stride) {
+    const int64_t per_block = 2 * a->pairs * KQ_SEQ_STRIDE, fit = KQ_PAIRS_L1_VECS / per_block;
+    const int64_t nb = a->k / KQ_K, chunk = fit > 0 ? fit : 1;
+    __m512i prep[KQ_SEQ_VECS];
+    for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+        const int64_t nbc = nb - b0 < chunk ? nb - b0 : chunk;
+        kq_pairs_prep(type == 6, a, b0, nbc, prep);
+        for (int64_t p0 = 0; p0 < a->pairs; p0 += KQ_PAIRS_GROUP) {
+#define KQ_PAIRS(G) kq_pairs_rows(type, G, w, row_bytes, n0, n1, b0, nbc, a, p0, prep, out, out_stride)
+            switch (a->pairs - p0 < KQ_PAIRS_GROUP ? a->pairs - p0 : KQ_PAIRS_GROUP) {
+            case 8: KQ_PAIRS(8); break;
+            case 7: KQ_PAIRS(7); break;
+            case 6: KQ_PAIRS(6); break;
+            case 5: KQ_PAIRS(5); break;
+            case 4: KQ_PAIRS(4); break;
+            case 3: KQ_PAIRS(3); break;
+            default: KQ_PAIRS(2); break;
+            }
+#undef KQ_PAIRS
+        }
+    }
+}
+
+/* A pair (tl_act_q8.paired, m == 2) goes through the tiles as one: kq_tile's PAIRED form. More pairs go through
+ * kq_pairs_dot, but Q6_K rows of a page or more (the ~1B's ffn_down, k = 8192): there the chunks' pieces of
+ * each row measured 0.62-0.89x the tiles at two rows, 0.9-1.0x at four. */
 #define KQ_TILES(SIX, FIVE, SEQ, NAME)                                                                           \
     static void NAME(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t n0, int64_t n1, const tl_act_q8 *a, \
                      float *out, int64_t out_stride) {                                                           \
         (void)n; /* rows stay whole */                                                                           \
+        if (a->pairs > 1 && (!SIX || row_bytes < KQ_SEQ_PAGE)) {                                                 \
+            kq_pairs_dot(SEQ, w, row_bytes, n0, n1, a, out, out_stride);                                         \
+            return;                                                                                              \
+        }                                                                                                        \
         if (a->m <= tl_quant_seq_max_m && kq_seq_dot(SEQ, w, row_bytes, n0, n1, a, out, out_stride)) return;     \
         int64_t j = n0;                                                                                          \
         for (; j + 4 <= n1; j += 4) {                                                                            \

@@ -239,12 +239,12 @@ static inline __attribute__((always_inline)) __m512i q5_band_dot(const int one, 
     return _mm512_add_epi32(c0, c1);
 }
 
-/* Every tail block of weight rows [n0, n1) against MB activation rows (from r0; PAIRED: a pair, its sum into
- * row 0's output), added to out[(r0 + j) * out_stride + (row - n0)]. */
+/* Every tail block of weight rows [n0, n1) against MB activation rows (from r0; PAIRED: a pair, rows r0 and
+ * r0 + second, its sum into row r0's output), added to out[(r0 + j) * out_stride + (row - n0)]. */
 static inline __attribute__((always_inline)) void q5_tail_pass(const int one, const int MB, const int PAIRED,
                                                                const uint8_t *w, int64_t n, int64_t nb, int64_t n0,
-                                                               int64_t n1, const tl_act_q8 *a, int r0, float *out,
-                                                               int64_t out_stride) {
+                                                               int64_t n1, const tl_act_q8 *a, int r0, int second,
+                                                               float *out, int64_t out_stride) {
     const int64_t bs = one ? Q5_1_BYTES : Q5_0_BYTES, full = nb / 16 * 16;
     for (int64_t first = n0 / 16 * 16; first < n1; first += 16) {
         const q5_row_view R = q5_view(one, w, n, nb, first);
@@ -258,7 +258,7 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
             __m512i dot[Q5_MAX_MB];
             __m512i v[8];
             q5_band_quants(rec, R.lanes, v); /* decoded once for every activation row */
-            for (int j = 0; j < MB; ++j) dot[j] = q5_band_dot(one, v, a, r0 + j, full + t);
+            for (int j = 0; j < MB; ++j) dot[j] = q5_band_dot(one, v, a, r0 + (PAIRED ? j * second : j), full + t);
             if (PAIRED) dot[0] = _mm512_add_epi32(_mm512_slli_epi32(dot[0], TL_TERM2_SHIFT), dot[1]);
             for (int j = 0; j < (PAIRED ? 1 : MB); ++j) {
                 const int64_t o = (r0 + j) * (a->k / TL_QK) + full + t;
@@ -266,7 +266,7 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[j]);
                 if (one) {
                     float ds = a->d[o] * (float)a->s[o];
-                    if (PAIRED) ds += a->d[o + a->k / TL_QK] * (float)a->s[o + a->k / TL_QK];
+                    if (PAIRED) ds += a->d[o + second * nb] * (float)a->s[o + second * nb];
                     acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), acc[j]);
                 }
             }
@@ -294,12 +294,122 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
     default: CALL(1, 0); break;                                                                                  \
     }
 
+/* ---- batched decode: every activation row's two terms as a pair (tl_act_q8.pairs > 1) ----
+ *
+ * The passes above decode a span's quants once per Q5_MAX_MB activation term rows and scale every term row
+ * apart. Here a span is decoded once for up to Q5_PAIRS_GROUP pairs, each pair's two integer sums joined as
+ * 128 dot0 + dot1 (Q5_0's -16 s in each) before one conversion and scaling, the prepared activations in
+ * chunks of spans that stay in L1 (as quant_kquants.c's kq_pairs_dot). */
+#define Q5_PAIRS_GROUP 8   /* pairs per pass: all of the small path's at most 8 */
+/* Prepared activations per chunk of spans: 32 KiB (k = 1536 at 8 pairs in one chunk). 24 KiB measured 0.86-0.91x
+ * the terms apart at 8 rows of 576 x 1536 (two chunks), 32 KiB 1.13-1.15x; elsewhere level. */
+#define Q5_PAIRS_L1_VECS 512
+
+/* Weight rows [n0, n1), spans [s0, s1) (every term row prepared at prep, q5_prep's layout with mb = 2 pairs),
+ * against pairs p0 .. p0 + G - 1: each pair's sums written (add == 0) or added to its output row, 0 into its
+ * second term's. */
+static inline __attribute__((always_inline)) void q5_pairs_rows(const int one, const int G, const uint8_t *w,
+                                                                int64_t n, int64_t n0, int64_t n1, int64_t nb,
+                                                                int64_t s0, int64_t s1, const __m512i *prep,
+                                                                const tl_act_q8 *a, int p0, int add, float *out,
+                                                                int64_t out_stride) {
+    const int64_t ahead = (int64_t)tl_quant_prefetch_tiles * Q5_AHEAD, rows = 2 * (int64_t)a->pairs;
+    __m512 slots[16];
+    float *dst[16];
+    int filled = 0;
+    for (int64_t row = n0; row < n1; ++row) {
+        const q5_row_view R = q5_view(one, w, n, nb, row);
+        __m512 acc[Q5_PAIRS_GROUP];
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+        for (int64_t sp = s0; sp < s1; ++sp) {
+            const uint8_t *span = R.spans + sp * R.span_bytes;
+            if (ahead)
+                for (int64_t o = 0; o < R.span_bytes; o += 64) TL_QUANT_PREFETCH(span + ahead + o);
+            __m512i v[8];
+            q5_span_quants(span, v);
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(span + 320)));
+            const __m512 mw = one ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(span + 352))) : dw;
+            const __m512i *p = prep + (sp - s0) * rows * Q5_SPAN_VECS;
+            for (int g = 0; g < G; ++g) {
+                const __m512i *x0 = p + (p0 + g) * Q5_SPAN_VECS, *x1 = p + (a->pairs + p0 + g) * Q5_SPAN_VECS;
+                __m512i c0 = one ? _mm512_setzero_si512() : x0[9], c1 = one ? _mm512_setzero_si512() : x1[9];
+                for (int t = 0; t < 8; ++t) {
+                    c0 = _mm512_dpbusd_epi32(c0, v[t], x0[t]);
+                    c1 = _mm512_dpbusd_epi32(c1, v[t], x1[t]);
+                }
+                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(c0, TL_TERM2_SHIFT), c1);
+                acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_castsi512_ps(x0[8])),
+                                         acc[g]);
+                if (one) acc[g] = _mm512_fmadd_ps(mw, _mm512_castsi512_ps(x0[9]), acc[g]);
+            }
+        }
+        if (filled + G > 16) {
+            q5_flush(slots, dst, filled, add);
+            filled = 0;
+        }
+        for (int g = 0; g < G; ++g, ++filled) {
+            slots[REDUCE16_SLOT(filled)] = acc[g];
+            dst[filled] = out + (int64_t)(p0 + g) * out_stride + (row - n0);
+            out[(int64_t)(a->pairs + p0 + g) * out_stride + (row - n0)] = 0.0f;
+        }
+    }
+    if (filled) q5_flush(slots, dst, filled, add);
+}
+
+/* tl_dot_rows_fn for a->pairs > 1: chunks of spans, every pair in passes of Q5_PAIRS_GROUP, then the tail pass
+ * pair by pair. */
+static inline __attribute__((always_inline)) void q5_pairs_dot(const int one, const uint8_t *w, int64_t n, int64_t n0,
+                                                               int64_t n1, const tl_act_q8 *a, float *out,
+                                                               int64_t out_stride) {
+    const int64_t nb = a->k / TL_QK, spans = nb / 16, rows = 2 * (int64_t)a->pairs;
+    const int64_t fit = Q5_PAIRS_L1_VECS / (rows * Q5_SPAN_VECS), chunk = fit > 0 ? fit : 1;
+    const float pair_scale = 1.0f / (1 << TL_TERM2_SHIFT);
+    __m512i prep[Q5_PAIRS_L1_VECS]; /* (at least one span of 16 term rows: 160 vectors) */
+    if (spans == 0) /* the tail pass adds to zeros (and the second terms' rows stay so) */
+        for (int64_t j = 0; j < rows; ++j)
+            for (int64_t row = n0; row < n1; ++row) out[j * out_stride + (row - n0)] = 0.0f;
+    for (int64_t s0 = 0; s0 < spans; s0 += chunk) {
+        const int64_t s1 = spans - s0 < chunk ? spans : s0 + chunk;
+        q5_prep(one, a, 0, (int)rows, 0, s0, s1, prep);
+        for (int64_t sp = s0; sp < s1; ++sp) { /* a first term's scales and offset become its pair's */
+            __m512i *p = prep + (sp - s0) * rows * Q5_SPAN_VECS;
+            for (int64_t j = 0; j < a->pairs; ++j) {
+                __m512i *x0 = p + j * Q5_SPAN_VECS;
+                const __m512i *x1 = p + (a->pairs + j) * Q5_SPAN_VECS;
+                x0[8] = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(x0[8]), _mm512_set1_ps(pair_scale)));
+                if (one)
+                    x0[9] = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(x0[9]), _mm512_castsi512_ps(x1[9])));
+            }
+        }
+        for (int p0 = 0; p0 < a->pairs; p0 += Q5_PAIRS_GROUP) {
+#define Q5_PAIRS(G) q5_pairs_rows(one, G, w, n, n0, n1, nb, s0, s1, prep, a, p0, s0 > 0, out, out_stride)
+            switch (a->pairs - p0 < Q5_PAIRS_GROUP ? a->pairs - p0 : Q5_PAIRS_GROUP) {
+            case 8: Q5_PAIRS(8); break;
+            case 7: Q5_PAIRS(7); break;
+            case 6: Q5_PAIRS(6); break;
+            case 5: Q5_PAIRS(5); break;
+            case 4: Q5_PAIRS(4); break;
+            case 3: Q5_PAIRS(3); break;
+            default: Q5_PAIRS(2); break;
+            }
+#undef Q5_PAIRS
+        }
+    }
+    if (nb % 16 == 0) return;
+    for (int j = 0; j < a->pairs; ++j)
+        q5_tail_pass(one, 2, 1, w, n, nb, n0, n1, a, j, a->pairs, out, out_stride);
+}
+
 /* tl_dot_rows_fn: activation rows Q5_MAX_MB at a time (a pair as one), spans in passes whose prepared
  * activations fit the stack buffer (one pass for k up to 8192 at 4 rows), then the tail pass. */
 static inline __attribute__((always_inline)) void q5_dot(const int one, const uint8_t *w, int64_t n, int64_t n0,
                                                          int64_t n1, const tl_act_q8 *a, float *out,
                                                          int64_t out_stride) {
     const int64_t nb = a->k / TL_QK, spans = nb / 16;
+    if (a->pairs > 1) {
+        q5_pairs_dot(one, w, n, n0, n1, a, out, out_stride);
+        return;
+    }
     __m512i prep[Q5_PREP_VECS];
     for (int r0 = 0; r0 < a->m; r0 += Q5_MAX_MB) {
         const int paired = a->paired && r0 == 0 && a->m == 2;
@@ -317,7 +427,7 @@ static inline __attribute__((always_inline)) void q5_dot(const int one, const ui
 #undef Q5_ROWS
         }
         if (nb % 16 == 0) continue;
-#define Q5_TAIL(MB, PAIRED) q5_tail_pass(one, MB, PAIRED, w, n, nb, n0, n1, a, r0, out, out_stride)
+#define Q5_TAIL(MB, PAIRED) q5_tail_pass(one, MB, PAIRED, w, n, nb, n0, n1, a, r0, 1, out, out_stride)
         Q5_BY_ROWS(Q5_TAIL)
 #undef Q5_TAIL
     }
