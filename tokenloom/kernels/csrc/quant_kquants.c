@@ -627,9 +627,12 @@ static inline __attribute__((always_inline)) int kq_seq_dot(int type, const uint
  * at 2 x 8 term rows each super-block was decoded four times, and every term row paid its own conversion and
  * scaling. Here each weight row is read whole in turn (as the stream above) and each super-block decoded once
  * for all the pairs, up to KQ_PAIRS_GROUP of them (one float accumulator each), their prepared activations read
- * back from L1/L2 as vpdpbusd's memory operands; each pair goes through kq_pair_dot (128 dot0 + dot1, one
- * conversion and scaling). The activations are prepared in chunks of super-blocks that fit the stack buffer
- * (k = 8192 at 8 pairs: four), each chunk's sums added to the outputs. */
+ * back from L1 as vpdpbusd's memory operands; each pair goes through kq_pair_dot (128 dot0 + dot1, one
+ * conversion and scaling). The activations are prepared in chunks of super-blocks that stay in L1
+ * (KQ_PAIRS_L1_VECS; k = 8192 at 8 pairs: eleven), each chunk's sums added to the outputs. Measured against the tiles
+ * (bench/quant_gemm.py --pairs-ab, two threads, weights from memory, 2048 x 2048, 2048 x 8192, 8192 x 2048):
+ * Q4_K 1.1-1.56x at 2-8 rows, Q6_K 1.0-1.5x; the ~1B Q4_K_M decode step 0.79-0.82x at batch 2-8
+ * (bench/ab_decode.py). */
 #define KQ_PAIRS_GROUP 8 /* pairs per pass over the weight rows: all of the small path's at most 8 */
 /* Prepared activations per chunk (24 KiB: they stay in L1 as the chunk's weight rows stream by). Measured (two
  * threads, weights from memory, Q4_K / Q6_K at 2-8 rows, 2048 x 2048, 2048 x 8192, 8192 x 2048): 16 KiB level
@@ -701,8 +704,8 @@ static inline __attribute__((always_inline)) void kq_pairs_dot(int type, const u
                                                                int64_t n0, int64_t n1, const tl_act_q8 *a, float *out,
                                                                int64_t out_stride) {
     const int64_t per_block = 2 * a->pairs * KQ_SEQ_STRIDE, fit = KQ_PAIRS_L1_VECS / per_block;
-    const int64_t nb = a->k / KQ_K, chunk = fit > 0 ? fit : 1;
-    __m512i prep[KQ_SEQ_VECS];
+    const int64_t nb = a->k / KQ_K, chunk = fit > 0 ? fit : 1; /* (8 pairs: 128 vectors a super-block) */
+    __m512i prep[KQ_PAIRS_L1_VECS];
     for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
         const int64_t nbc = nb - b0 < chunk ? nb - b0 : chunk;
         kq_pairs_prep(type == 6, a, b0, nbc, prep);
@@ -715,7 +718,8 @@ static inline __attribute__((always_inline)) void kq_pairs_dot(int type, const u
             case 5: KQ_PAIRS(5); break;
             case 4: KQ_PAIRS(4); break;
             case 3: KQ_PAIRS(3); break;
-            default: KQ_PAIRS(2); break;
+            case 2: KQ_PAIRS(2); break;
+            default: KQ_PAIRS(1); break;
             }
 #undef KQ_PAIRS
         }

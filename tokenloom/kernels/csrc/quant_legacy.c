@@ -657,7 +657,10 @@ static inline __attribute__((always_inline)) void legacy_tile(const int kind, co
  * term row) over the span. Each pair's two sums then become one, 128 dot0 + dot1 (exact), before the one
  * conversion and scaling (against the few-row tiles: half the conversions, scale products and multiply-adds,
  * and each Q4 nibble unpacked once for every activation row, not once per two). Q8_0 reads its activations
- * regrouped once per call (tl_act_q8.q8_lanes), Q4 from tl_act_q8.lanes. */
+ * regrouped once per call (tl_act_q8.q8_lanes), Q4 from tl_act_q8.lanes. Measured against the terms apart in
+ * the 8 x 2 tiles (bench/quant_gemm.py --pairs-ab, two threads, weights from memory, Q4_1 / Q8_0 at SmolLM2's
+ * and the ~1B's shapes): 0.98-1.42x at 2 rows (memory-bound there), 1.06-1.47x at 3-8; the SmolLM2 Q4_1 decode
+ * step 0.89-0.95x at batch 2-8 (bench/ab_decode.py). */
 #define PAIRS_NR 4 /* weight rows per tile: 4 x 4 int32 sums, 4 x 2 float accumulators, 8 activation vectors */
 #define PAIRS_MP 2 /* pairs per tile (the last one alone when their count is odd) */
 /* The software prefetch distance, bytes of quants: a tile of 4 short rows (SmolLM2's Q8_0 k = 576: 512 bytes of

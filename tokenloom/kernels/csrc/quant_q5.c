@@ -299,7 +299,9 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
  * The passes above decode a span's quants once per Q5_MAX_MB activation term rows and scale every term row
  * apart. Here a span is decoded once for up to Q5_PAIRS_GROUP pairs, each pair's two integer sums joined as
  * 128 dot0 + dot1 (Q5_0's -16 s in each) before one conversion and scaling, the prepared activations in
- * chunks of spans that stay in L1 (as quant_kquants.c's kq_pairs_dot). */
+ * chunks of spans that stay in L1 (as quant_kquants.c's kq_pairs_dot). Measured against the passes above
+ * (bench/quant_gemm.py --pairs-ab, SmolLM2's shapes): 1.09-1.24x at 2-8 rows; the SmolLM2 Q4_K_M decode step
+ * (mostly Q5_0) 0.84-0.87x at batch 2-8 with the K types' pairs (bench/ab_decode.py). */
 #define Q5_PAIRS_GROUP 8   /* pairs per pass: all of the small path's at most 8 */
 /* Prepared activations per chunk of spans: 32 KiB (k = 1536 at 8 pairs in one chunk). 24 KiB measured 0.86-0.91x
  * the terms apart at 8 rows of 576 x 1536 (two chunks), 32 KiB 1.13-1.15x; elsewhere level. */
@@ -390,7 +392,8 @@ static inline __attribute__((always_inline)) void q5_pairs_dot(const int one, co
             case 5: Q5_PAIRS(5); break;
             case 4: Q5_PAIRS(4); break;
             case 3: Q5_PAIRS(3); break;
-            default: Q5_PAIRS(2); break;
+            case 2: Q5_PAIRS(2); break;
+            default: Q5_PAIRS(1); break;
             }
 #undef Q5_PAIRS
         }
