@@ -448,7 +448,7 @@ def test_one_row_sums_its_two_terms_as_one(name, n, k):
 @pytest.mark.parametrize("name", LEGACY)
 @pytest.mark.parametrize("n,k", [(77, 576), (21, 32 * 226), (40, 320)])
 def test_batched_rows_sum_their_two_terms_as_one(name, n, k):
-    """At 2-8 activation rows (batched decode) each row's two int8 terms reach the legacy types' pair tiles
+    """At 2-11 activation rows (batched decode) each row's two int8 terms reach the legacy types' pair tiles
     as a pair too (quant_act_pairs(1) keeps them apart past one row): tiles of two pairs and of the last odd
     one, the weight rows left after the last tile (77 = 4 * 19 + 1), the tail pass (k = 576's two blocks after
     its span), rows of a page or more (k = 7232) and no full span at all (k = 320). Only float32 rounding
@@ -457,7 +457,7 @@ def test_batched_rows_sum_their_two_terms_as_one(name, n, k):
 
     qm = qg.prepare(_matrix(name, n, k, 73))
     gen = torch.Generator().manual_seed(73)
-    for m in (2, 3, 5, 8):
+    for m in (2, 3, 5, 8, 9, 11):
         check_row_pairs(qm, torch.randn(m, k, generator=gen).bfloat16(), PAIRS_ONE_ROW)
 
 

@@ -405,7 +405,7 @@ def test_other_builds(other_build, qtype):
 @avx512_paths
 @pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
 def test_batched_rows_sum_their_two_terms_as_one(qtype):
-    """At 2-8 activation rows each row's two int8 terms go through as a pair too (kq_pairs_dot; quant_act_pairs(1)
+    """At 2-11 activation rows each row's two int8 terms go through as a pair too (kq_pairs_dot; quant_act_pairs(1)
     keeps them apart past one row): every super-block decoded once for all pairs, the prepared activations in
     chunks of super-blocks (k = 1280 at 8 pairs: two chunks; k = 4096: several at every count). Only float32
     rounding separates the two, and both stay within the two terms' bound: tests/act_pairs.py's check."""
@@ -417,7 +417,7 @@ def test_batched_rows_sum_their_two_terms_as_one(qtype):
     for n, k in ((37, 1280), (9, 4096)):
         qm = qg.prepare(_quant_matrix(qtype, n, k, seed=qtype + 5 * k))
         gen = torch.Generator().manual_seed(k + 2)
-        for m in (2, 3, 5, 8):
+        for m in (2, 3, 5, 8, 9, 11):
             check_row_pairs(qm, torch.randn(m, k, generator=gen).bfloat16(), PAIRS_ONE_ROW)
 
 

@@ -40,7 +40,7 @@ enum { QUANT_OK = 0, QUANT_E_TYPE = -1, QUANT_E_SHAPE = -2, QUANT_E_INDEX = -3, 
 
 #define QUANT_MAX_ROW_BYTES 65536 /* the families' in-place re-layout copies a row on the stack */
 #define SMALL_ITEM_ROWS 256       /* weight rows per work item of the small-m path, at most (its output buffer) */
-#define SMALL_M_LIMIT 16          /* the small path's per-item output buffer holds this many rows */
+#define SMALL_M_LIMIT 32          /* the small path's per-item output buffer holds this many rows */
 #define TILE_BLOCKS 4             /* 16-feature blocks per dequantized tile (64 rows) */
 
 /* Rows up to which the int8 stream runs (quant_small_m below; -1: not yet decided). */
@@ -92,11 +92,13 @@ KERNEL_API int quant_isa(void) { return HAVE_QUANT_GEMM ? 2 : HAVE_QUANT_AVX2 ? 
 
 /* The small path's row limit: read (value < 0) or set it (benchmarks compare the two paths with it). The
  * defaults are the crossovers measured with both int8 terms (SmolLM2 and 1B shapes, Q4_1 and Q8_0): 4-8 rows
- * where the next path is AMX's bf16 tile; 8 where it is quant_batch.c's many-row int8 path (one thread,
- * 576x1536 and 8192x2048, Q4_1/Q8_0/Q4_K: the small stream 1.1-1.6x faster at 2-4 rows, within +-15% at
- * 6-8, 1.05-1.5x slower at 12); 10-12 against the AVX512-BF16 tile (with the int8 path off). */
+ * where the next path is AMX's bf16 tile; without AMX 11, up to the bf16 tile's rows (quant_tile_m: 12 on the
+ * Zen 4). With each row's terms as a pair (quant_act_pairs), the small stream at 10 rows took 0.4-0.85x the
+ * time of quant_batch.c's many-row int8 path, which had run 9-11 rows (two threads, weights from memory,
+ * 576x1536 and 2048x2048, Q4_1 / Q8_0 / Q4_K / Q5_0); at 12 rows it measured 0.67-1.14x the bf16 tile, at 16
+ * 0.76-1.45x. Before the pairs the crossover was 8 (the stream 1.05-1.5x slower at 12). */
 #define SMALL_M_AMX 6
-#define SMALL_M_NO_AMX 8
+#define SMALL_M_NO_AMX 11
 KERNEL_API int quant_small_m(int value) {
     if (value >= 0)
         quant_small_m_max = value < SMALL_M_LIMIT ? value : SMALL_M_LIMIT;

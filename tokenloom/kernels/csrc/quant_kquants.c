@@ -633,7 +633,7 @@ static inline __attribute__((always_inline)) int kq_seq_dot(int type, const uint
  * (bench/quant_gemm.py --pairs-ab, two threads, weights from memory, 2048 x 2048, 2048 x 8192, 8192 x 2048):
  * Q4_K 1.1-1.56x at 2-8 rows, Q6_K 1.0-1.5x; the ~1B Q4_K_M decode step 0.79-0.82x at batch 2-8
  * (bench/ab_decode.py). */
-#define KQ_PAIRS_GROUP 8 /* pairs per pass over the weight rows: all of the small path's at most 8 */
+#define KQ_PAIRS_GROUP 8 /* pairs per pass over the weight rows (the small path's up to 11: a second pass) */
 /* Prepared activations per chunk (24 KiB: they stay in L1 as the chunk's weight rows stream by). Measured (two
  * threads, weights from memory, Q4_K / Q6_K at 2-8 rows, 2048 x 2048, 2048 x 8192, 8192 x 2048): 16 KiB level
  * with it, 32 KiB 0.9-1.0x of it; the whole row's (up to 64 KiB, from L2) 0.6-0.8x at 6-8 rows. */

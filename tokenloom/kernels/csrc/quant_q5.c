@@ -302,7 +302,7 @@ static inline __attribute__((always_inline)) void q5_tail_pass(const int one, co
  * chunks of spans that stay in L1 (as quant_kquants.c's kq_pairs_dot). Measured against the passes above
  * (bench/quant_gemm.py --pairs-ab, SmolLM2's shapes): 1.09-1.24x at 2-8 rows; the SmolLM2 Q4_K_M decode step
  * (mostly Q5_0) 0.84-0.87x at batch 2-8 with the K types' pairs (bench/ab_decode.py). */
-#define Q5_PAIRS_GROUP 8   /* pairs per pass: all of the small path's at most 8 */
+#define Q5_PAIRS_GROUP 8   /* pairs per pass (the small path's up to 11: a second pass) */
 /* Prepared activations per chunk of spans: 32 KiB (k = 1536 at 8 pairs in one chunk). 24 KiB measured 0.86-0.91x
  * the terms apart at 8 rows of 576 x 1536 (two chunks), 32 KiB 1.13-1.15x; elsewhere level. */
 #define Q5_PAIRS_L1_VECS 512
