@@ -631,7 +631,7 @@ static inline __attribute__((always_inline)) int kq_seq_dot(int type, const uint
  * conversion and scaling). The activations are prepared in chunks of super-blocks that stay in L1
  * (KQ_PAIRS_L1_VECS; k = 8192 at 8 pairs: eleven), each chunk's sums added to the outputs. Measured against the tiles
  * (bench/quant_gemm.py --pairs-ab, two threads, weights from memory, 2048 x 2048, 2048 x 8192, 8192 x 2048):
- * Q4_K 1.1-1.56x at 2-8 rows, Q6_K 1.0-1.5x; the ~1B Q4_K_M decode step 0.79-0.82x at batch 2-8
+ * Q4_K 1.18-1.56x at 2-8 rows, Q6_K 0.89-1.50x; the ~1B Q4_K_M decode step 0.79-0.82x at batch 2-8
  * (bench/ab_decode.py). */
 #define KQ_PAIRS_GROUP 8 /* pairs per pass over the weight rows (the small path's up to 11: a second pass) */
 /* Prepared activations per chunk (24 KiB: they stay in L1 as the chunk's weight rows stream by). Measured (two
