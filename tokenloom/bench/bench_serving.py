@@ -159,9 +159,9 @@ async def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow], reques
                             ignore_eos=template.ignore_eos, extra_body=template.extra_body,
                             headers=template.headers, count_tokens=template.count_tokens)
 
-    # A connection per request, as SGLang's client (a session per request): llama-server closes a streamed
-    # response's connection without saying so, and a pooled reuse then failed 1-5 of 16 requests at 8 at once
-    # ("ClientOSError: Can not write request body"), counting it 150-174 tok/s where it serves 211-222.
+    # A connection per request, as SGLang's client (a session per request): with 8 in flight, llama-server
+    # dropped pooled connections between streamed responses without saying so, and 1-5 of 16 requests failed
+    # ("ClientOSError: Can not write request body"), counting it at 150-174 tok/s where it serves 211-222.
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
