@@ -33,7 +33,7 @@ enum { TL_Q4_0 = 2, TL_Q4_1 = 3, TL_Q5_0 = 6, TL_Q5_1 = 7, TL_Q8_0 = 8, TL_Q4_K 
  * flag: its caller adds the two rows' outputs either way. Zero everywhere else.
  * `pairs` (P > 1, batched decode): the same for P activation rows, m == 2 P, row P + r the second term of row r
  * (its block scales exactly row r's / 128); a kernel may sum each row's two terms as one and then writes that
- * sum as row r's output and 0 as row P + r's, or ignore it (the legacy types' tiles take it). 1 with `paired`,
+ * sum as row r's output and 0 as row P + r's, or ignore it (the legacy, K and Q5 kernels take it). 1 with `paired`,
  * else 0. `q8_lanes`: with pairs > 1 for a Q8_0 weight, every row's full spans in the Q8_0 kernels' regrouped
  * order (quant_legacy.c, `q8_lanes_order`), made once per call; NULL everywhere else (those kernels then
  * regroup per tile and keep the terms apart). */

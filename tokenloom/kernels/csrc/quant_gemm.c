@@ -8,8 +8,8 @@
  *    per 32-element block (tl_act_q8) in two terms, the second the first's rounding remainder (as extra
  *    activation rows, so one pass over the weight serves both); weight rows are split evenly over OpenMP
  *    threads in items of up to SMALL_ITEM_ROWS and each item goes through the type's vpdpbusd dot kernel (each
- *    row's two terms as one pair: tl_act_q8.paired at one row, every type; tl_act_q8.pairs at more, the legacy
- *    types). The rounding of x is the only error beyond float32
+ *    row's two terms as one pair: tl_act_q8.paired at one row, tl_act_q8.pairs at more; every AVX-512 family
+ *    takes them). The rounding of x is the only error beyond float32
  *    summation: |err| <= sum_i |w_i| * d_x(i) / 256 with d_x = max|x_block| / 127 (d_x / 2 with the second
  *    term off, quant_act_residual(0)).
  *  - more rows of bf16 x where AMX does not run (m >= quant_batch_m, every type with a u8_row): the same two
